@@ -1,0 +1,376 @@
+#include "lora/convert.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "common/dtype.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+
+namespace moelora {
+namespace {
+
+size_t ElemBytes(DType d) { return static_cast<size_t>(DTypeBits(d) / 8); }
+
+// [rows, r, E] -> [E, rows, r] inside `data` (one lora_B of a 3D layer). Scratch: one expert's
+// [rows, r] slice (or one [r, E] row, whichever is larger).
+void PermuteBToExpertMajor(uint8_t* data, int64_t rows, int64_t r, int64_t experts, size_t es,
+                           std::vector<uint8_t>* scratch) {
+  // 1. Within each row: [r, E] -> [E, r] (a small out-of-place transpose through the scratch).
+  const size_t row_bytes = static_cast<size_t>(r * experts) * es;
+  if (scratch->size() < row_bytes) scratch->resize(row_bytes);
+  for (int64_t o = 0; o < rows; ++o) {
+    uint8_t* row = data + o * row_bytes;
+    std::memcpy(scratch->data(), row, row_bytes);
+    for (int64_t j = 0; j < r; ++j) {
+      for (int64_t e = 0; e < experts; ++e) {
+        std::memcpy(row + (e * r + j) * es, scratch->data() + (j * experts + e) * es, es);
+      }
+    }
+  }
+  // 2. [rows, E] of r-element blocks -> [E, rows].
+  InPlaceTranspose(data, rows, experts, static_cast<size_t>(r) * es, scratch);
+}
+
+// Expert slice [2I, r] with rows g0,u0,g1,u1,... -> [gate(I) ; up(I)], through the scratch.
+void DeinterleaveRows(uint8_t* slice, int64_t inter, int64_t r, size_t es, std::vector<uint8_t>* scratch) {
+  const size_t row = static_cast<size_t>(r) * es;
+  const size_t bytes = 2 * static_cast<size_t>(inter) * row;
+  if (scratch->size() < bytes) scratch->resize(bytes);
+  std::memcpy(scratch->data(), slice, bytes);
+  for (int64_t i = 0; i < inter; ++i) {
+    std::memcpy(slice + i * row, scratch->data() + (2 * i) * row, row);
+    std::memcpy(slice + (inter + i) * row, scratch->data() + (2 * i + 1) * row, row);
+  }
+}
+
+std::string LastComponent(const std::string& module) {
+  auto pos = module.rfind('.');
+  return pos == std::string::npos ? module : module.substr(pos + 1);
+}
+
+// "model.layers.3.mlp.experts" -> "mlp.experts" (the parameter path inside a decoder layer).
+std::string LayerRelative(const std::string& prefix) {
+  const std::string marker = ".layers.";
+  auto pos = prefix.find(marker);
+  if (pos == std::string::npos) return prefix;
+  auto dot = prefix.find('.', pos + marker.size());
+  return dot == std::string::npos ? prefix : prefix.substr(dot + 1);
+}
+
+std::string RegexEscape(const std::string& s) { return absl::StrReplaceAll(s, {{".", "\\."}}); }
+
+}  // namespace
+
+void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es, std::vector<uint8_t>* scratch) {
+  if (m <= 1 || n <= 1) return;  // [1, n] and [m, 1] are their own transposes in memory
+  const size_t need = static_cast<size_t>(std::max(m, n)) * es;
+  if (scratch->size() < need) scratch->resize(need);
+  uint8_t* tmp = scratch->data();
+  const int64_t c = std::gcd(m, n);
+  const int64_t b = n / c;
+  auto at = [&](int64_t i, int64_t j) { return data + (i * n + j) * static_cast<int64_t>(es); };
+  // 1. Rotate column j down by floor(j / b).
+  if (c > 1) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = (j / b) % m;
+      if (k == 0) continue;
+      for (int64_t i = 0; i < m; ++i) std::memcpy(tmp + i * es, at(i, j), es);
+      for (int64_t i = 0; i < m; ++i) std::memcpy(at((i + k) % m, j), tmp + i * es, es);
+    }
+  }
+  // 2. Row shuffle: the element of original row i from column j goes to column (j*m + i) mod n.
+  for (int64_t i2 = 0; i2 < m; ++i2) {
+    std::memcpy(tmp, at(i2, 0), static_cast<size_t>(n) * es);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = ((i2 - j / b) % m + m) % m;
+      const int64_t jd = (j * m + i) % n;
+      std::memcpy(at(i2, jd), tmp + j * es, es);
+    }
+  }
+  // 3. Column gather.
+  for (int64_t jd = 0; jd < n; ++jd) {
+    for (int64_t i = 0; i < m; ++i) std::memcpy(tmp + i * es, at(i, jd), es);
+    for (int64_t id = 0; id < m; ++id) {
+      const int64_t l = id * n + jd;
+      const int64_t j = l / m;
+      const int64_t i = l % m;
+      std::memcpy(at(id, jd), tmp + ((i + j / b) % m) * es, es);
+    }
+  }
+}
+
+absl::Status ConvertTo2DInPlace(LoraAdapter* adapter) {
+  if (adapter->format != AdapterFormat::k3D) return absl::OkStatus();
+  std::vector<uint8_t> scratch;
+  for (auto& [prefix, layer] : adapter->moe) {
+    if (layer.format != AdapterFormat::k3D) continue;
+    if (!layer.gate_up || !layer.down) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ": 3D layer without both gate_up and down pairs"));
+    }
+    LoraPair& gu = *layer.gate_up;
+    LoraPair& dn = *layer.down;
+    const int64_t e_count = layer.num_experts;
+    const int64_t r_gu = gu.rank, r_d = dn.rank;
+    const int64_t two_i = gu.b.dim(0), inter = two_i / 2, h = dn.b.dim(0);
+    const int64_t h_in = gu.a.dim(1), i_in = dn.a.dim(1);
+    const size_t es_gu_b = ElemBytes(gu.b.dtype), es_d_b = ElemBytes(dn.b.dtype);
+    const size_t es_gu_a = ElemBytes(gu.a.dtype), es_d_a = ElemBytes(dn.a.dtype);
+    PermuteBToExpertMajor(gu.b.data(), two_i, r_gu, e_count, es_gu_b, &scratch);
+    if (adapter->interleaved_gate_up) {
+      for (int64_t e = 0; e < e_count; ++e) {
+        DeinterleaveRows(gu.b.data() + e * two_i * r_gu * es_gu_b, inter, r_gu, es_gu_b, &scratch);
+      }
+    }
+    PermuteBToExpertMajor(dn.b.data(), h, r_d, e_count, es_d_b, &scratch);
+    layer.experts.assign(e_count, {});
+    for (int64_t e = 0; e < e_count; ++e) {
+      LoraPair gate;
+      gate.a = gu.a.View(e * r_gu * h_in * es_gu_a, {r_gu, h_in});
+      gate.b = gu.b.View(e * two_i * r_gu * es_gu_b, {inter, r_gu});
+      gate.rank = gu.rank;
+      gate.alpha = gu.alpha;
+      gate.scaling = gu.scaling;
+      gate.a_name = gu.a_name;
+      gate.b_name = gu.b_name;
+      LoraPair up = gate;
+      up.b = gu.b.View(e * two_i * r_gu * es_gu_b + inter * r_gu * es_gu_b, {inter, r_gu});
+      LoraPair down;
+      down.a = dn.a.View(e * r_d * i_in * es_d_a, {r_d, i_in});
+      down.b = dn.b.View(e * h * r_d * es_d_b, {h, r_d});
+      down.rank = dn.rank;
+      down.alpha = dn.alpha;
+      down.scaling = dn.scaling;
+      down.a_name = dn.a_name;
+      down.b_name = dn.b_name;
+      layer.experts[e][static_cast<int>(ExpertProj::kGate)] = std::move(gate);
+      layer.experts[e][static_cast<int>(ExpertProj::kUp)] = std::move(up);
+      layer.experts[e][static_cast<int>(ExpertProj::kDown)] = std::move(down);
+    }
+    layer.gate_up.reset();
+    layer.down.reset();
+    layer.format = AdapterFormat::k2D;
+  }
+  adapter->converted_to_2d = true;
+  return absl::OkStatus();
+}
+
+absl::Status ConvertTo3D(LoraAdapter* adapter) {
+  if (adapter->format == AdapterFormat::kDense) return absl::OkStatus();
+  bool any2d = false;
+  for (const auto& [prefix, layer] : adapter->moe) any2d |= layer.format == AdapterFormat::k2D;
+  if (!any2d) return absl::OkStatus();
+  // Build everything first, then swap in: a failure leaves the adapter unchanged.
+  std::map<std::string, std::pair<LoraPair, LoraPair>> built;
+  for (const auto& [prefix, layer] : adapter->moe) {
+    auto bad = [&prefix](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ": cannot fuse to 3D: ", parts...));
+    };
+    const int64_t e_count = layer.num_experts;
+    if (e_count <= 0 || static_cast<int64_t>(layer.experts.size()) != e_count) return bad("no experts");
+    for (int64_t e = 0; e < e_count; ++e) {
+      for (int p = 0; p < 3; ++p) {
+        if (!layer.experts[e][p]) {
+          return bad("expert ", e, " has no ", ExpertProjName(static_cast<ExpertProj>(p)),
+                     " LoRA (3D needs gate, up and down for every expert)");
+        }
+      }
+    }
+    const LoraPair& g0 = *layer.experts[0][0];
+    const LoraPair& u0 = *layer.experts[0][1];
+    const LoraPair& d0 = *layer.experts[0][2];
+    if (std::abs(g0.scaling - u0.scaling) > 1e-12 * std::abs(g0.scaling)) {
+      return bad("gate_proj scaling ", g0.scaling, " differs from up_proj scaling ", u0.scaling);
+    }
+    const DType dt = g0.a.dtype;
+    const size_t es = ElemBytes(dt);
+    bool shared = g0.rank == u0.rank;
+    for (int64_t e = 0; e < e_count; ++e) {
+      for (int p = 0; p < 3; ++p) {
+        const LoraPair& x = *layer.experts[e][p];
+        const LoraPair& ref = *layer.experts[0][p];
+        if (x.rank != ref.rank || x.a.dtype != dt || x.b.dtype != dt || x.a.shape != ref.a.shape ||
+            x.b.shape != ref.b.shape) {
+          return bad("expert ", e, " ", ExpertProjName(static_cast<ExpertProj>(p)), " has shape/rank/dtype A ",
+                     x.a.ShapeString(), " B ", x.b.ShapeString(), " unlike expert 0's A ", ref.a.ShapeString(),
+                     " B ", ref.b.ShapeString());
+        }
+      }
+      const LoraPair& g = *layer.experts[e][0];
+      const LoraPair& u = *layer.experts[e][1];
+      if (shared && std::memcmp(g.a.data(), u.a.data(), g.a.nbytes()) != 0) shared = false;
+    }
+    const int64_t r = g0.rank, h = g0.a.dim(1), inter = g0.b.dim(0);
+    const int64_t r_gu = shared ? r : 2 * r;
+    const int64_t r_d = d0.rank, i_in = d0.a.dim(1), h_out = d0.b.dim(0);
+    LoraPair gu, dn;
+    gu.a.dtype = gu.b.dtype = dn.a.dtype = dn.b.dtype = dt;
+    gu.a.shape = {e_count * r_gu, h};
+    gu.b.shape = {2 * inter, r_gu * e_count};
+    dn.a.shape = {e_count * r_d, i_in};
+    dn.b.shape = {h_out, r_d * e_count};
+    for (HostTensor* t : {&gu.a, &gu.b, &dn.a, &dn.b}) t->storage = std::make_shared<HostBuffer>(t->nbytes());
+    std::memset(gu.b.data(), 0, gu.b.nbytes());  // block-diagonal zeros in the rank-concat case
+    const bool interleave = adapter->interleaved_gate_up;
+    for (int64_t e = 0; e < e_count; ++e) {
+      const LoraPair& g = *layer.experts[e][0];
+      const LoraPair& u = *layer.experts[e][1];
+      const LoraPair& d = *layer.experts[e][2];
+      uint8_t* a_dst = gu.a.data() + e * r_gu * h * es;
+      std::memcpy(a_dst, g.a.data(), g.a.nbytes());
+      if (!shared) std::memcpy(a_dst + r * h * es, u.a.data(), u.a.nbytes());
+      for (int64_t i = 0; i < inter; ++i) {
+        const int64_t gate_row = interleave ? 2 * i : i;
+        const int64_t up_row = interleave ? 2 * i + 1 : inter + i;
+        for (int64_t j = 0; j < r; ++j) {
+          // column (rank index) * E + expert
+          std::memcpy(gu.b.data() + (gate_row * r_gu * e_count + j * e_count + e) * es,
+                      g.b.data() + (i * r + j) * es, es);
+          const int64_t ju = shared ? j : r + j;
+          std::memcpy(gu.b.data() + (up_row * r_gu * e_count + ju * e_count + e) * es,
+                      u.b.data() + (i * r + j) * es, es);
+        }
+      }
+      std::memcpy(dn.a.data() + e * r_d * i_in * es, d.a.data(), d.a.nbytes());
+      for (int64_t o = 0; o < h_out; ++o) {
+        for (int64_t j = 0; j < r_d; ++j) {
+          std::memcpy(dn.b.data() + (o * r_d * e_count + j * e_count + e) * es, d.b.data() + (o * r_d + j) * es, es);
+        }
+      }
+    }
+    gu.rank = static_cast<int>(r_gu);
+    gu.scaling = g0.scaling;
+    gu.alpha = adapter->config.use_rslora ? g0.scaling * std::sqrt(static_cast<double>(r_gu))
+                                          : g0.scaling * static_cast<double>(r_gu);
+    if (shared) gu.alpha = g0.alpha;
+    gu.a_name = g0.a_name;
+    gu.b_name = g0.b_name;
+    dn.rank = static_cast<int>(r_d);
+    dn.alpha = d0.alpha;
+    dn.scaling = d0.scaling;
+    dn.a_name = d0.a_name;
+    dn.b_name = d0.b_name;
+    built.emplace(prefix, std::make_pair(std::move(gu), std::move(dn)));
+  }
+  for (auto& [prefix, pairs] : built) {
+    MoeLayerLora& layer = adapter->moe[prefix];
+    layer.gate_up = std::move(pairs.first);
+    layer.down = std::move(pairs.second);
+    layer.experts.clear();
+    layer.format = AdapterFormat::k3D;
+  }
+  adapter->max_rank = 0;
+  for (const auto& [m, p] : adapter->dense) adapter->max_rank = std::max(adapter->max_rank, p.rank);
+  for (const auto& [prefix, layer] : adapter->moe) {
+    adapter->max_rank = std::max({adapter->max_rank, layer.gate_up->rank, layer.down->rank});
+  }
+  return absl::OkStatus();
+}
+
+std::vector<float> DeltaWeight(const LoraPair& pair) {
+  const int64_t r = pair.a.dim(0), in = pair.a.dim(1), out = pair.b.dim(0);
+  std::vector<float> a(static_cast<size_t>(r * in)), b(static_cast<size_t>(out * r));
+  for (int64_t i = 0; i < r * in; ++i) a[i] = LoadAsF32(pair.a.dtype, pair.a.data(), i);
+  for (int64_t i = 0; i < out * r; ++i) b[i] = LoadAsF32(pair.b.dtype, pair.b.data(), i);
+  std::vector<float> d(static_cast<size_t>(out * in), 0.0f);
+  for (int64_t o = 0; o < out; ++o) {
+    for (int64_t j = 0; j < r; ++j) {
+      const double bj = b[o * r + j];
+      for (int64_t i = 0; i < in; ++i) d[o * in + i] += static_cast<float>(bj * a[j * in + i]);
+    }
+  }
+  for (float& x : d) x = static_cast<float>(x * pair.scaling);
+  return d;
+}
+
+absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir) {
+  ::mkdir(out_dir.c_str(), 0755);
+  struct stat st;
+  if (::stat(out_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(out_dir, ": cannot create the output directory"));
+  }
+  std::vector<TensorToWrite> tensors;
+  auto add = [&tensors](const std::string& module, const LoraPair& p) {
+    const std::string base = "base_model.model." + module;
+    tensors.push_back({base + ".lora_A.weight", p.a.dtype, p.a.shape, p.a.data(), p.a.nbytes()});
+    tensors.push_back({base + ".lora_B.weight", p.b.dtype, p.b.shape, p.b.data(), p.b.nbytes()});
+  };
+  nlohmann::json cfg = adapter.config.raw;
+  const AdapterConfig& c = adapter.config;
+  std::set<std::string> modules;
+  for (const auto& [module, p] : adapter.dense) {
+    add(module, p);
+    modules.insert(LastComponent(module));
+  }
+  // rank/alpha patterns for expert LoRA whose rank or alpha differs from the top-level r/alpha.
+  std::map<std::string, int> rank_extra;
+  std::map<std::string, double> alpha_extra;
+  std::set<std::string> target_params;
+  bool any3d = false, any2d = false;
+  auto note = [&](const std::string& key, const LoraPair& p) {
+    if (p.rank != c.r) rank_extra[key] = p.rank;
+    if (std::abs(p.alpha - c.lora_alpha) > 1e-12 * std::max(1.0, std::abs(c.lora_alpha))) alpha_extra[key] = p.alpha;
+  };
+  for (const auto& [prefix, layer] : adapter.moe) {
+    const std::string rel = LayerRelative(prefix);
+    if (layer.format == AdapterFormat::k3D) {
+      any3d = true;
+      add(prefix + ".base_layer", *layer.gate_up);
+      add(prefix, *layer.down);
+      target_params.insert(rel + ".gate_up_proj");
+      target_params.insert(rel + ".down_proj");
+      note(RegexEscape(rel) + "\\.gate_up_proj", *layer.gate_up);
+      note(RegexEscape(rel) + "\\.down_proj", *layer.down);
+      continue;
+    }
+    any2d = true;
+    for (size_t e = 0; e < layer.experts.size(); ++e) {
+      for (int p = 0; p < 3; ++p) {
+        if (!layer.experts[e][p]) continue;
+        const std::string proj = ExpertProjName(static_cast<ExpertProj>(p));
+        add(absl::StrCat(prefix, ".", e, ".", proj), *layer.experts[e][p]);
+        modules.insert(proj);
+        note(absl::StrCat(RegexEscape(rel), "\\.\\d+\\.", proj), *layer.experts[e][p]);
+      }
+    }
+  }
+  // Patterns that named the other layout's expert parameters no longer apply.
+  for (const char* key : {"rank_pattern", "alpha_pattern"}) {
+    nlohmann::json kept = nlohmann::json::object();
+    if (cfg.contains(key) && cfg[key].is_object()) {
+      for (auto it = cfg[key].begin(); it != cfg[key].end(); ++it) {
+        if (!absl::StrContains(it.key(), "experts") && !absl::StrContains(it.key(), "gate_up_proj")) {
+          kept[it.key()] = it.value();
+        }
+      }
+    }
+    cfg[key] = kept;
+  }
+  for (const auto& [k, v] : rank_extra) cfg["rank_pattern"][k] = v;
+  for (const auto& [k, v] : alpha_extra) cfg["alpha_pattern"][k] = v;
+  cfg["target_modules"] = std::vector<std::string>(modules.begin(), modules.end());
+  if (any3d) {
+    cfg["target_parameters"] = std::vector<std::string>(target_params.begin(), target_params.end());
+  } else {
+    cfg["target_parameters"] = nullptr;
+  }
+  (void)any2d;
+  std::sort(tensors.begin(), tensors.end(), [](const auto& x, const auto& y) { return x.name < y.name; });
+  MOELORA_RETURN_IF_ERROR(WriteSafetensors(out_dir + "/adapter_model.safetensors", tensors, {{"format", "pt"}}));
+  const std::string config_path = out_dir + "/adapter_config.json";
+  std::ofstream out(config_path, std::ios::trunc);
+  out << cfg.dump(2) << "\n";
+  if (!out) return absl::InternalError(absl::StrCat(config_path, ": write failed"));
+  return absl::OkStatus();
+}
+
+}  // namespace moelora

@@ -1,0 +1,80 @@
+#include "lora/model_info.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace moelora {
+
+bool IsInterleavedGateUpArch(const std::string& architecture) {
+  return architecture == "GptOssForCausalLM";
+}
+
+bool ModelInfo::DenseDims(const std::string& m, int* out, int* in) const {
+  const int q = num_attention_heads * head_dim;
+  const int kv = num_key_value_heads * head_dim;
+  if (q <= 0 || hidden_size <= 0) return false;
+  if (m == "q_proj") { *out = q; *in = hidden_size; return true; }
+  if (m == "k_proj" || m == "v_proj") { *out = kv; *in = hidden_size; return true; }
+  if (m == "o_proj") { *out = hidden_size; *in = q; return true; }
+  return false;
+}
+
+absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::string& file) {
+  auto bad = [&file](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", parts...));
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return bad("not valid JSON: ", e.what());
+  }
+  if (!j.is_object()) return bad("not a JSON object");
+  ModelInfo info;
+  if (!j.contains("architectures") || !j["architectures"].is_array() || j["architectures"].empty() ||
+      !j["architectures"][0].is_string()) {
+    return bad("no architectures[0] (cannot tell which model this is)");
+  }
+  info.architecture = j["architectures"][0].get<std::string>();
+  info.interleaved_gate_up = IsInterleavedGateUpArch(info.architecture);
+  const nlohmann::json& t = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
+  auto get_int = [&](std::initializer_list<const char*> keys, int* out) {
+    for (const char* k : keys) {
+      if (t.contains(k) && t[k].is_number_integer()) {
+        *out = t[k].get<int>();
+        return true;
+      }
+    }
+    return false;
+  };
+  if (!get_int({"hidden_size"}, &info.hidden_size)) return bad("no hidden_size");
+  get_int({"num_hidden_layers"}, &info.num_layers);
+  get_int({"num_attention_heads"}, &info.num_attention_heads);
+  if (!get_int({"num_key_value_heads"}, &info.num_key_value_heads)) {
+    info.num_key_value_heads = info.num_attention_heads;
+  }
+  if (!get_int({"head_dim"}, &info.head_dim) && info.num_attention_heads > 0) {
+    info.head_dim = info.hidden_size / info.num_attention_heads;
+  }
+  get_int({"num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts"}, &info.num_experts);
+  // GPT-OSS calls the per-expert size intermediate_size; the Qwen and Step families use
+  // moe_intermediate_size.
+  if (!get_int({"moe_intermediate_size"}, &info.moe_intermediate_size) && info.num_experts > 0) {
+    get_int({"intermediate_size"}, &info.moe_intermediate_size);
+  }
+  return info;
+}
+
+absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir) {
+  const std::string file = model_dir + "/config.json";
+  std::ifstream in(file);
+  if (!in) return absl::NotFoundError(absl::StrCat(file, ": cannot read (is --model a model directory?)"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ParseModelInfo(ss.str(), file);
+}
+
+}  // namespace moelora

@@ -1,0 +1,39 @@
+// The few facts of a base model's config.json that adapter validation needs.
+// Thread-safe: plain data and pure functions.
+#ifndef MOELORA_LORA_MODEL_INFO_H_
+#define MOELORA_LORA_MODEL_INFO_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace moelora {
+
+struct ModelInfo {
+  std::string architecture;  // config.json architectures[0]
+  int hidden_size = 0;       // H
+  int moe_intermediate_size = 0;  // I (per expert)
+  int num_experts = 0;       // E
+  int num_layers = 0;
+  int num_attention_heads = 0;
+  int num_key_value_heads = 0;
+  int head_dim = 0;
+  bool interleaved_gate_up = false;  // GPT-OSS: gate/up rows interleaved
+
+  // Expected [out, in] of a dense module by its last name component (q_proj, ...); false when
+  // the module's dims are not known here.
+  bool DenseDims(const std::string& module_suffix, int* out, int* in) const;
+};
+
+// Reads `model_dir`/config.json (the text sub-config for VL/multimodal wrappers). NOT_FOUND if
+// the file is missing, INVALID_ARGUMENT naming the file and field otherwise.
+absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir);
+// The same from JSON text; `file` names it in messages.
+absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::string& file);
+
+// True for architectures whose expert gate_up rows are interleaved (GPT-OSS).
+bool IsInterleavedGateUpArch(const std::string& architecture);
+
+}  // namespace moelora
+
+#endif  // MOELORA_LORA_MODEL_INFO_H_

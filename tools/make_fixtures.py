@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Builds the committed test fixtures under tests/data/ with Hugging Face transformers + PEFT.
+
+Run by hand, never in CI (the product does not depend on Python):
+
+    python3 -m venv /opt/fixvenv
+    /opt/fixvenv/bin/pip install torch transformers peft safetensors numpy
+    /opt/fixvenv/bin/python tools/make_fixtures.py --out tests/data
+
+What it writes (all float32, tiny, random weights with fixed seeds):
+
+  qwen3_moe/model/          Qwen3MoeForCausalLM, per-expert checkpoint (as transformers saves it)
+  qwen3_vl_moe/model/       Qwen3VLMoeForConditionalGeneration; text experts stored fused and
+                            transposed ([E,H,2I] / [E,I,H]) as the released checkpoints are; the
+                            script checks that transformers reloads it to the same logits
+  gpt_oss/model/            GptOssForCausalLM config.json only (for the interleaved gate/up case)
+  <model>/adapter_3d/       written by PEFT itself: target_parameters on experts.gate_up_proj /
+                            experts.down_proj (+ q_proj, o_proj) — the PEFT >= 0.19.1 3D layout
+  <model>/adapter_2d/       per-expert gate/up/down_proj (+ q_proj, v_proj): PEFT under transformers
+                            v5 cannot write this layout (the experts are fused), so the script writes
+                            it by FORMATS.md §7.2 and then loads it back through PEFT, whose own
+                            v4->v5 conversion must accept it; every expected number below comes from
+                            the PEFT-loaded model, never from this script's own arithmetic
+  qwen3_moe/adapter_3d_as_2d/  the 3D adapter rewritten per expert by FORMATS.md §7.4 (Python);
+                            PEFT must give the same logits for it as for adapter_3d
+  gpt_oss/adapter_3d/       PEFT 3D adapter on the interleaved GPT-OSS experts
+  */expected_deltas.safetensors  PEFT get_delta_weight() per expert and projection:
+                            key "layers.L.experts.E.{gate,up,down}_proj" -> [out, in] (scaling applied),
+                            dense modules "layers.L.<module>" -> [out, in]
+  */expected_logits.safetensors  "prompt.K" (int32 token ids) and "logits.<variant>.K" [T, V] for
+                            the base model and each adapter (variant = base | adapter_2d | adapter_3d ...)
+  versions.json             the pip packages and versions used
+"""
+import argparse
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+import peft
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+
+# Distinct sizes so that a swapped or transposed tensor can never pass a shape check by accident.
+H, I, E, LAYERS, VOCAB = 24, 10, 4, 2, 96
+# The reference forward: plain eager attention and the eager per-expert loop.
+EAGER = dict(attn_implementation="eager", experts_implementation="eager")
+PROMPTS = [[1, 17, 42, 5, 88], [3, 9, 27, 81, 50, 11, 60], [7, 2, 95]]
+
+
+def text_kwargs():
+    return dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=32, moe_intermediate_size=I,
+                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_experts=E, num_experts_per_tok=2, max_position_embeddings=128,
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6)
+
+
+def logits_of(model, prompt):
+    with torch.no_grad():
+        ids = torch.tensor([prompt], dtype=torch.long)
+        return model(input_ids=ids).logits[0].float().contiguous()
+
+
+def save_logits(path, variants):
+    """variants: name -> model. Writes prompts and logits for each."""
+    out = {f"prompt.{k}": torch.tensor(p, dtype=torch.int32) for k, p in enumerate(PROMPTS)}
+    for name, model in variants.items():
+        model.eval()
+        for k, p in enumerate(PROMPTS):
+            out[f"logits.{name}.{k}"] = logits_of(model, p)
+    save_file(out, path)
+
+
+def expert_deltas(peft_model, layer_prefix_fmt, interleaved=False):
+    """PEFT's own per-expert delta weights, split into gate/up/down [out, in] per expert."""
+    out = {}
+    for name, mod in peft_model.named_modules():
+        if type(mod).__name__ != "ParamWrapper":
+            continue
+        d = mod.get_delta_weight("default").float()  # [E, out, in] or [E, in, out] (transposed params)
+        param = mod.parameter_name
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        if getattr(mod.get_base_layer() if hasattr(mod, "get_base_layer") else mod, "is_transposed", False) or \
+                getattr(mod, "is_transposed", False):
+            d = d.transpose(1, 2)
+        for e in range(d.shape[0]):
+            if param == "gate_up_proj":
+                if interleaved:
+                    gate, up = d[e][0::2], d[e][1::2]
+                else:
+                    gate, up = d[e].chunk(2, dim=0)
+                out[f"layers.{layer}.experts.{e}.gate_proj"] = gate.contiguous()
+                out[f"layers.{layer}.experts.{e}.up_proj"] = up.contiguous()
+            else:
+                out[f"layers.{layer}.experts.{e}.down_proj"] = d[e].contiguous()
+    for name, mod in peft_model.named_modules():
+        if type(mod).__name__ == "Linear" and hasattr(mod, "lora_A") and "default" in mod.lora_A:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            short = name.split(".")[-1]
+            out[f"layers.{layer}.{short}"] = mod.get_delta_weight("default").float().contiguous()
+    return out
+
+
+def write_2d_adapter(path, prefix, r, alpha, dense, seed, base_model_path, share_gate_up_a=False):
+    """A per-expert (2D) adapter by FORMATS.md §7.2; dense: {module_suffix: (out, in)}."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for layer in range(LAYERS):
+        for e in range(E):
+            shared_a = torch.randn(r, H, generator=g) * 0.3
+            for proj, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                k = f"base_model.model.{prefix}.layers.{layer}.mlp.experts.{e}.{proj}"
+                a = shared_a.clone() if (share_gate_up_a and proj != "down_proj") else torch.randn(r, i, generator=g) * 0.3
+                sd[k + ".lora_A.weight"] = a
+                sd[k + ".lora_B.weight"] = torch.randn(o, r, generator=g) * 0.3
+        for mod, (o, i) in dense.items():
+            k = f"base_model.model.{prefix}.layers.{layer}.self_attn.{mod}"
+            sd[k + ".lora_A.weight"] = torch.randn(r, i, generator=g) * 0.3
+            sd[k + ".lora_B.weight"] = torch.randn(o, r, generator=g) * 0.3
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_rslora": False, "bias": "none",
+           "target_modules": list(dense) + ["gate_proj", "up_proj", "down_proj"],
+           "base_model_name_or_path": base_model_path, "task_type": "CAUSAL_LM", "lora_dropout": 0.0,
+           "modules_to_save": None, "use_dora": False, "fan_in_fan_out": False}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def make_3d_adapter(model_fn, path, r, alpha, seed, dense=("q_proj", "o_proj"), rslora=False):
+    torch.manual_seed(seed)
+    model = model_fn()
+    lc = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=list(dense),
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                    init_lora_weights=False)
+    pm = get_peft_model(model, lc)
+    pm.save_pretrained(path)
+    return pm
+
+
+def convert_3d_to_2d_python(src, dst, prefix, interleaved=False):
+    """FORMATS.md §7.4 in numpy, for an independent 2D twin of a 3D adapter."""
+    sd = load_file(os.path.join(src, "adapter_model.safetensors"))
+    cfg = json.load(open(os.path.join(src, "adapter_config.json")))
+    out = {}
+    for k, v in sd.items():
+        if ".mlp.experts." not in k:
+            out[k] = v
+            continue
+    for layer in range(LAYERS):
+        base = f"base_model.model.{prefix}.layers.{layer}.mlp.experts"
+        gu_a, gu_b = sd[base + ".base_layer.lora_A.weight"], sd[base + ".base_layer.lora_B.weight"]
+        d_a, d_b = sd[base + ".lora_A.weight"], sd[base + ".lora_B.weight"]
+        r_gu, r_d = gu_a.shape[0] // E, d_a.shape[0] // E
+        for e in range(E):
+            a_gu = gu_a[e * r_gu:(e + 1) * r_gu]
+            b_gu = gu_b[:, e::E]
+            b1, b3 = (b_gu[0::2], b_gu[1::2]) if interleaved else (b_gu[:I], b_gu[I:])
+            out[f"{base}.{e}.gate_proj.lora_A.weight"] = a_gu.clone()
+            out[f"{base}.{e}.gate_proj.lora_B.weight"] = b1.contiguous()
+            out[f"{base}.{e}.up_proj.lora_A.weight"] = a_gu.clone()
+            out[f"{base}.{e}.up_proj.lora_B.weight"] = b3.contiguous()
+            out[f"{base}.{e}.down_proj.lora_A.weight"] = d_a[e * r_d:(e + 1) * r_d].contiguous()
+            out[f"{base}.{e}.down_proj.lora_B.weight"] = d_b[:, e::E].contiguous()
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg2 = {k: cfg[k] for k in ("r", "lora_alpha", "use_rslora", "bias", "base_model_name_or_path",
+                                "modules_to_save", "use_dora", "fan_in_fan_out") if k in cfg}
+    cfg2.update({"peft_type": "LORA", "task_type": "CAUSAL_LM", "lora_dropout": 0.0,
+                 "target_modules": sorted(set(cfg["target_modules"]) | {"gate_proj", "up_proj", "down_proj"})})
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(cfg2, f, indent=2, sort_keys=True)
+
+
+def peft_load(model_cls, model_dir, adapter_dir):
+    base = model_cls.from_pretrained(model_dir, dtype=torch.float32, **EAGER)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def qwen3_moe(out):
+    root = os.path.join(out, "qwen3_moe")
+    mdir = os.path.join(root, "model")
+    cfg = Qwen3MoeConfig(tie_word_embeddings=False, **text_kwargs(), **EAGER)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(1234)
+    base = Qwen3MoeForCausalLM(cfg).eval()
+    base.save_pretrained(mdir)
+    # transformers writes the per-expert checkpoint (experts.E.gate_proj.weight); check it.
+    keys = load_file(os.path.join(mdir, "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in keys, sorted(keys)[:8]
+
+    make_3d_adapter(lambda: Qwen3MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER),
+                    os.path.join(root, "adapter_3d"), r=4, alpha=8, seed=11)
+    write_2d_adapter(os.path.join(root, "adapter_2d"), "model", r=3, alpha=6,
+                     dense={"q_proj": (32, H), "v_proj": (16, H)}, seed=12, base_model_path=mdir)
+    write_2d_adapter(os.path.join(root, "adapter_2d_shared_a"), "model", r=2, alpha=4, dense={},
+                     seed=13, base_model_path=mdir, share_gate_up_a=True)
+    convert_3d_to_2d_python(os.path.join(root, "adapter_3d"), os.path.join(root, "adapter_3d_as_2d"), "model")
+
+    variants = {"base": Qwen3MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()}
+    for ad in ("adapter_2d", "adapter_3d", "adapter_3d_as_2d", "adapter_2d_shared_a"):
+        pm = peft_load(Qwen3MoeForCausalLM, mdir, os.path.join(root, ad))
+        variants[ad] = pm
+        save_file(expert_deltas(pm, "model.layers.{}"), os.path.join(root, ad, "expected_deltas.safetensors"))
+    save_logits(os.path.join(root, "expected_logits.safetensors"), variants)
+    l3 = load_file(os.path.join(root, "expected_logits.safetensors"))
+    for k in range(len(PROMPTS)):
+        diff = (l3[f"logits.adapter_3d.{k}"] - l3[f"logits.adapter_3d_as_2d.{k}"]).abs().max().item()
+        assert diff < 1e-5, f"3D and its §7.4 2D twin disagree in PEFT: {diff}"
+        assert (l3[f"logits.adapter_3d.{k}"] - l3[f"logits.base.{k}"]).abs().max().item() > 1e-3
+    return cfg
+
+
+def rename_adapter(src, dst, old, new):
+    """Copies an adapter, moving its keys from one layer prefix to another (text-only -> VL wrapper)."""
+    os.makedirs(dst, exist_ok=True)
+    sd = load_file(os.path.join(src, "adapter_model.safetensors"))
+    sd = {k.replace(old, new, 1): v for k, v in sd.items()}
+    save_file(sd, os.path.join(dst, "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(src, "adapter_config.json"), dst)
+    shutil.copy(os.path.join(src, "expected_deltas.safetensors"), dst)
+
+
+def qwen3_vl_moe(out):
+    """The Qwen3-MoE fixture's text weights inside a Qwen3-VL-MoE wrapper (tiny vision tower)."""
+    root = os.path.join(out, "qwen3_vl_moe")
+    src = os.path.join(out, "qwen3_moe")
+    mdir = os.path.join(root, "model")
+    tc = text_kwargs()
+    tc["rope_scaling"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+    vc = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=H, patch_size=2,
+              spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
+              deepstack_visual_indexes=[0])
+    cfg = Qwen3VLMoeConfig(text_config=tc, vision_config=vc, tie_word_embeddings=False, **EAGER)
+    cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    torch.manual_seed(4321)
+    model = Qwen3VLMoeForConditionalGeneration(cfg).eval()
+    # Same text weights as qwen3_moe/model, fused by transformers' own per-expert -> fused load path.
+    text = Qwen3MoeForCausalLM.from_pretrained(os.path.join(src, "model"), dtype=torch.float32, **EAGER)
+    tsd = text.state_dict()
+    vsd = model.state_dict()
+    for k in vsd:
+        if k.startswith("model.language_model."):
+            vsd[k] = tsd["model." + k[len("model.language_model."):]].clone()
+        elif k == "lm_head.weight":
+            vsd[k] = tsd[k].clone()
+    model.load_state_dict(vsd)
+    model.save_pretrained(mdir)
+    # The released Qwen3-VL-MoE checkpoints store the text experts transposed: gate_up_proj [E,H,2I],
+    # down_proj [E,I,H] (FORMATS.md §3.3). transformers v5 writes its runtime layout [E,2I,H] here, so
+    # rewrite those two tensors in the on-disk layout and prove below that transformers reads it back.
+    path = os.path.join(mdir, "model.safetensors")
+    sd = load_file(path)
+    for k in list(sd):
+        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+            sd[k] = sd[k].transpose(1, 2).contiguous()
+    save_file(sd, path, metadata={"format": "pt"})
+    reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    for p in PROMPTS:
+        d = (logits_of(model, p) - logits_of(reloaded, p)).abs().max().item()
+        assert d == 0.0, f"transformers did not read the transposed expert layout back: {d}"
+
+    # Same adapters, keys under model.language_model. (as adapters trained on the VL class are).
+    for ad in ("adapter_2d", "adapter_3d"):
+        rename_adapter(os.path.join(src, ad), os.path.join(root, ad), "base_model.model.model.layers.",
+                       "base_model.model.model.language_model.layers.")
+    ref = load_file(os.path.join(src, "expected_logits.safetensors"))
+    variants = {"base": reloaded,
+                "adapter_3d": peft_load(Qwen3VLMoeForConditionalGeneration, mdir, os.path.join(root, "adapter_3d"))}
+    save_logits(os.path.join(root, "expected_logits.safetensors"), variants)
+    got = load_file(os.path.join(root, "expected_logits.safetensors"))
+    for k in range(len(PROMPTS)):
+        for v in ("base", "adapter_3d"):
+            d = (got[f"logits.{v}.{k}"] - ref[f"logits.{v}.{k}"]).abs().max().item()
+            assert d < 1e-5, f"VL wrapper and Qwen3-MoE disagree for {v}: {d}"
+        # PEFT has no per-expert -> fused conversion for the VL class (it would silently drop the expert
+        # LoRA), so the 2D adapter's expected logits are the Qwen3-MoE ones: same weights, same adapter.
+        got[f"logits.adapter_2d.{k}"] = ref[f"logits.adapter_2d.{k}"]
+    save_file(got, os.path.join(root, "expected_logits.safetensors"))
+
+
+def gpt_oss(out):
+    root = os.path.join(out, "gpt_oss")
+    mdir = os.path.join(root, "model")
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=E,
+                       num_experts_per_tok=2, max_position_embeddings=128, layer_types=["full_attention"] * LAYERS, **EAGER)
+    cfg.architectures = ["GptOssForCausalLM"]
+    os.makedirs(mdir, exist_ok=True)
+    cfg.to_json_file(os.path.join(mdir, "config.json"))
+    torch.manual_seed(99)
+    pm = make_3d_adapter(lambda: GptOssForCausalLM(cfg), os.path.join(root, "adapter_3d"), r=2, alpha=2,
+                         seed=31, dense=("q_proj",))
+    save_file(expert_deltas(pm, "", interleaved=True), os.path.join(root, "adapter_3d", "expected_deltas.safetensors"))
+    for sub in os.listdir(out):
+        for dirpath, _, files in os.walk(os.path.join(out, sub)):
+            if "README.md" in files and "adapter_config.json" in files:
+                os.remove(os.path.join(dirpath, "README.md"))  # PEFT's generated model card
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/data")
+    args = ap.parse_args()
+    for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
+        shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
+    torch.set_default_dtype(torch.float32)
+    qwen3_moe(args.out)
+    qwen3_vl_moe(args.out)
+    gpt_oss(args.out)
+    with open(os.path.join(args.out, "versions.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
+                   "peft": peft.__version__, "numpy": np.__version__,
+                   "safetensors": __import__("safetensors").__version__}, f, indent=2, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
