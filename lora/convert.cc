@@ -21,6 +21,75 @@ namespace {
 
 size_t ElemBytes(DType d) { return static_cast<size_t>(DTypeBits(d) / 8); }
 
+// Fixed-size element so that copies compile to a few moves instead of a memcpy call each.
+template <size_t N>
+struct Elem {
+  uint8_t b[N];
+};
+
+// The three passes of InPlaceTranspose on typed elements; `tmp` holds max(m, n) of them.
+template <typename T>
+void TransposeTyped(T* data, int64_t m, int64_t n, T* tmp) {
+  const int64_t c = std::gcd(m, n);
+  const int64_t b = n / c;
+  // 1. Rotate column j down by floor(j / b).
+  if (c > 1) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = (j / b) % m;
+      if (k == 0) continue;
+      for (int64_t i = 0; i < m; ++i) tmp[i] = data[i * n + j];
+      for (int64_t i = 0; i < m; ++i) {
+        int64_t d = i + k;
+        if (d >= m) d -= m;
+        data[d * n + j] = tmp[i];
+      }
+    }
+  }
+  // 2. Row shuffle: the element of original row i from column j goes to column (j*m + i) mod n.
+  for (int64_t i2 = 0; i2 < m; ++i2) {
+    T* row = data + i2 * n;
+    std::copy(row, row + n, tmp);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = ((i2 - j / b) % m + m) % m;
+      row[(j * m + i) % n] = tmp[j];
+    }
+  }
+  // 3. Column gather: row i' of column j' comes from row (i + floor(j/b)) mod m, (j, i) = divmod(i'*n + j', m).
+  for (int64_t jd = 0; jd < n; ++jd) {
+    for (int64_t i = 0; i < m; ++i) tmp[i] = data[i * n + jd];
+    int64_t j = jd / m, i = jd % m;  // divmod(i'*n + j', m), advanced incrementally below
+    const int64_t step_j = n / m, step_i = n % m;
+    for (int64_t id = 0; id < m; ++id) {
+      int64_t src = i + j / b;
+      src %= m;
+      data[id * n + jd] = tmp[src];
+      i += step_i;
+      j += step_j;
+      if (i >= m) {
+        i -= m;
+        ++j;
+      }
+    }
+  }
+}
+
+// [r, E] -> [E, r] for one row of a 3D lora_B, through `tmp` (r*E elements).
+template <typename T>
+void RowTransposeTyped(T* row, int64_t r, int64_t e_count, T* tmp) {
+  std::copy(row, row + r * e_count, tmp);
+  for (int64_t e = 0; e < e_count; ++e) {
+    for (int64_t j = 0; j < r; ++j) row[e * r + j] = tmp[j * e_count + e];
+  }
+}
+
+template <size_t N>
+bool TryTranspose(uint8_t* data, int64_t m, int64_t n, size_t es, uint8_t* tmp) {
+  if (es != N) return false;
+  TransposeTyped(reinterpret_cast<Elem<N>*>(data), m, n, reinterpret_cast<Elem<N>*>(tmp));
+  return true;
+}
+
+
 // [rows, r, E] -> [E, rows, r] inside `data` (one lora_B of a 3D layer). Scratch: one expert's
 // [rows, r] slice (or one [r, E] row, whichever is larger).
 void PermuteBToExpertMajor(uint8_t* data, int64_t rows, int64_t r, int64_t experts, size_t es,
@@ -30,10 +99,16 @@ void PermuteBToExpertMajor(uint8_t* data, int64_t rows, int64_t r, int64_t exper
   if (scratch->size() < row_bytes) scratch->resize(row_bytes);
   for (int64_t o = 0; o < rows; ++o) {
     uint8_t* row = data + o * row_bytes;
-    std::memcpy(scratch->data(), row, row_bytes);
-    for (int64_t j = 0; j < r; ++j) {
-      for (int64_t e = 0; e < experts; ++e) {
-        std::memcpy(row + (e * r + j) * es, scratch->data() + (j * experts + e) * es, es);
+    if (es == 2) {
+      RowTransposeTyped(reinterpret_cast<Elem<2>*>(row), r, experts, reinterpret_cast<Elem<2>*>(scratch->data()));
+    } else if (es == 4) {
+      RowTransposeTyped(reinterpret_cast<Elem<4>*>(row), r, experts, reinterpret_cast<Elem<4>*>(scratch->data()));
+    } else {
+      std::memcpy(scratch->data(), row, row_bytes);
+      for (int64_t j = 0; j < r; ++j) {
+        for (int64_t e = 0; e < experts; ++e) {
+          std::memcpy(row + (e * r + j) * es, scratch->data() + (j * experts + e) * es, es);
+        }
       }
     }
   }
@@ -76,10 +151,17 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es, std::vecto
   const size_t need = static_cast<size_t>(std::max(m, n)) * es;
   if (scratch->size() < need) scratch->resize(need);
   uint8_t* tmp = scratch->data();
+  // Common element sizes (rank x dtype bytes) get a fixed-size copy; others a byte-wise one.
+  if (TryTranspose<2>(data, m, n, es, tmp) || TryTranspose<4>(data, m, n, es, tmp) ||
+      TryTranspose<8>(data, m, n, es, tmp) || TryTranspose<16>(data, m, n, es, tmp) ||
+      TryTranspose<32>(data, m, n, es, tmp) || TryTranspose<64>(data, m, n, es, tmp) ||
+      TryTranspose<128>(data, m, n, es, tmp) || TryTranspose<256>(data, m, n, es, tmp)) {
+    return;
+  }
+  // Generic element size: the same three passes with memcpy per element.
   const int64_t c = std::gcd(m, n);
   const int64_t b = n / c;
   auto at = [&](int64_t i, int64_t j) { return data + (i * n + j) * static_cast<int64_t>(es); };
-  // 1. Rotate column j down by floor(j / b).
   if (c > 1) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = (j / b) % m;
@@ -88,23 +170,18 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es, std::vecto
       for (int64_t i = 0; i < m; ++i) std::memcpy(at((i + k) % m, j), tmp + i * es, es);
     }
   }
-  // 2. Row shuffle: the element of original row i from column j goes to column (j*m + i) mod n.
   for (int64_t i2 = 0; i2 < m; ++i2) {
     std::memcpy(tmp, at(i2, 0), static_cast<size_t>(n) * es);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t i = ((i2 - j / b) % m + m) % m;
-      const int64_t jd = (j * m + i) % n;
-      std::memcpy(at(i2, jd), tmp + j * es, es);
+      std::memcpy(at(i2, (j * m + i) % n), tmp + j * es, es);
     }
   }
-  // 3. Column gather.
   for (int64_t jd = 0; jd < n; ++jd) {
     for (int64_t i = 0; i < m; ++i) std::memcpy(tmp + i * es, at(i, jd), es);
     for (int64_t id = 0; id < m; ++id) {
       const int64_t l = id * n + jd;
-      const int64_t j = l / m;
-      const int64_t i = l % m;
-      std::memcpy(at(id, jd), tmp + ((i + j / b) % m) * es, es);
+      std::memcpy(at(id, jd), tmp + ((l % m + (l / m) / b) % m) * es, es);
     }
   }
 }
@@ -172,8 +249,9 @@ absl::Status ConvertTo3D(LoraAdapter* adapter) {
   // Build everything first, then swap in: a failure leaves the adapter unchanged.
   std::map<std::string, std::pair<LoraPair, LoraPair>> built;
   for (const auto& [prefix, layer] : adapter->moe) {
-    auto bad = [&prefix](auto&&... parts) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, ": cannot fuse to 3D: ", parts...));
+    const std::string& where = prefix;  // structured bindings cannot be captured in C++17
+    auto bad = [&where](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": cannot fuse to 3D: ", parts...));
     };
     const int64_t e_count = layer.num_experts;
     if (e_count <= 0 || static_cast<int64_t>(layer.experts.size()) != e_count) return bad("no experts");
