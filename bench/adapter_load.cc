@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.3f %10.2f\n", "convert 3D->2D in place", best.convert, gb / best.convert);
   std::printf("%-34s %10.3f %10.2f\n", "load + validate + convert", best_total, load_gbs);
   std::printf("\nratio load/memcpy bandwidth: %.2f (goal >= 0.5)\n", load_gbs / memcpy_gbs);
-  std::printf("peak extra memory: %.1f MB = %.2f%% of the adapter (goal <= 10%%)\n", worst_extra / 1e6,
-              100.0 * worst_extra / static_cast<double>(bytes));
+  std::printf("peak extra memory: %.1f MB = %.2f%% of the adapter (goal <= 10%%)\n",
+              worst_extra / 1e6, 100.0 * worst_extra / static_cast<double>(bytes));
   return 0;
 }

@@ -35,8 +35,8 @@ uint16_t F32ToF16(float f) {
   const uint32_t abs = bits & 0x7fffffffu;
   if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
   if (abs >= 0x47800000u) return sign | 0x7c00u;  // overflow (>= 65536 after rounding) -> inf
-  if (abs < 0x38800000u) {                         // subnormal or zero in f16
-    if (abs < 0x33000000u) return sign;            // below half the smallest subnormal
+  if (abs < 0x38800000u) {                        // subnormal or zero in f16
+    if (abs < 0x33000000u) return sign;           // below half the smallest subnormal
     const uint32_t e = abs >> 23;
     const uint32_t m = (abs & 0x7fffffu) | 0x800000u;
     const uint32_t shift = 126 - e;  // 14 - (e - 127) + 13 ... combined shift into 10-bit mantissa

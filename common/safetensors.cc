@@ -27,16 +27,13 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {DType::kBool, "BOOL", 8},       {DType::kF4, "F4", 4},
-    {DType::kF6E2M3, "F6_E2M3", 6},  {DType::kF6E3M2, "F6_E3M2", 6},
-    {DType::kU8, "U8", 8},           {DType::kI8, "I8", 8},
-    {DType::kF8E5M2, "F8_E5M2", 8},  {DType::kF8E4M3, "F8_E4M3", 8},
-    {DType::kF8E8M0, "F8_E8M0", 8},  {DType::kI16, "I16", 16},
-    {DType::kU16, "U16", 16},        {DType::kF16, "F16", 16},
-    {DType::kBF16, "BF16", 16},      {DType::kI32, "I32", 32},
-    {DType::kU32, "U32", 32},        {DType::kF32, "F32", 32},
-    {DType::kC64, "C64", 64},        {DType::kF64, "F64", 64},
-    {DType::kI64, "I64", 64},        {DType::kU64, "U64", 64},
+    {DType::kBool, "BOOL", 8},      {DType::kF4, "F4", 4},          {DType::kF6E2M3, "F6_E2M3", 6},
+    {DType::kF6E3M2, "F6_E3M2", 6}, {DType::kU8, "U8", 8},          {DType::kI8, "I8", 8},
+    {DType::kF8E5M2, "F8_E5M2", 8}, {DType::kF8E4M3, "F8_E4M3", 8}, {DType::kF8E8M0, "F8_E8M0", 8},
+    {DType::kI16, "I16", 16},       {DType::kU16, "U16", 16},       {DType::kF16, "F16", 16},
+    {DType::kBF16, "BF16", 16},     {DType::kI32, "I32", 32},       {DType::kU32, "U32", 32},
+    {DType::kF32, "F32", 32},       {DType::kC64, "C64", 64},       {DType::kF64, "F64", 64},
+    {DType::kI64, "I64", 64},       {DType::kU64, "U64", 64},
 };
 
 const DTypeInfo& InfoOf(DType dtype) {
@@ -94,7 +91,9 @@ int64_t TensorView::numel() const {
   return n;
 }
 
-std::string TensorView::ShapeString() const { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+std::string TensorView::ShapeString() const {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
@@ -210,7 +209,8 @@ absl::Status SafetensorsFile::Parse(absl::Span<const uint8_t> bytes) {
     if (name == "__metadata__") {
       if (!v.is_object()) return bad("__metadata__ is not an object of strings");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) return bad("__metadata__ value of '", m.key(), "' is not a string");
+        if (!m.value().is_string())
+          return bad("__metadata__ value of '", m.key(), "' is not a string");
         metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -219,8 +219,10 @@ absl::Status SafetensorsFile::Parse(absl::Span<const uint8_t> bytes) {
     auto dt = v.find("dtype");
     auto sh = v.find("shape");
     auto off = v.find("data_offsets");
-    if (dt == v.end() || !dt->is_string()) return bad("tensor '", name, "': missing or non-string dtype");
-    if (sh == v.end() || !sh->is_array()) return bad("tensor '", name, "': missing or non-array shape");
+    if (dt == v.end() || !dt->is_string())
+      return bad("tensor '", name, "': missing or non-string dtype");
+    if (sh == v.end() || !sh->is_array())
+      return bad("tensor '", name, "': missing or non-array shape");
     if (off == v.end() || !off->is_array() || off->size() != 2) {
       return bad("tensor '", name, "': data_offsets must be [begin, end]");
     }
@@ -229,8 +231,10 @@ absl::Status SafetensorsFile::Parse(absl::Span<const uint8_t> bytes) {
     std::vector<uint64_t> shape;
     for (const auto& d : *sh) {
       uint64_t x;
-      if (!AsU64(d, &x)) return bad("tensor '", name, "': shape entries must be non-negative integers");
-      if (x > static_cast<uint64_t>(INT64_MAX)) return bad("tensor '", name, "': shape entry too large");
+      if (!AsU64(d, &x))
+        return bad("tensor '", name, "': shape entries must be non-negative integers");
+      if (x > static_cast<uint64_t>(INT64_MAX))
+        return bad("tensor '", name, "': shape entry too large");
       shape.push_back(x);
     }
     uint64_t begin, end;
@@ -240,15 +244,16 @@ absl::Status SafetensorsFile::Parse(absl::Span<const uint8_t> bytes) {
     if (end < begin) return bad("tensor '", name, "': data_offsets end ", end, " < begin ", begin);
     uint64_t span_bytes = 0;
     if (!SpanBytes(shape, DTypeBits(*dtype), &span_bytes)) {
-      return bad("tensor '", name, "': shape × dtype size overflows or is not a whole number of bytes");
+      return bad("tensor '", name,
+                 "': shape × dtype size overflows or is not a whole number of bytes");
     }
     Entry e{begin, end, {}};
     e.view.name = name;
     e.view.dtype = *dtype;
     e.view.shape.assign(shape.begin(), shape.end());
     if (span_bytes != end - begin) {
-      return bad("tensor '", name, "': shape ", e.view.ShapeString(), " × ", DTypeName(*dtype), " is ",
-                 span_bytes, " bytes but data_offsets span ", end - begin, " bytes");
+      return bad("tensor '", name, "': shape ", e.view.ShapeString(), " × ", DTypeName(*dtype),
+                 " is ", span_bytes, " bytes but data_offsets span ", end - begin, " bytes");
     }
     entries.push_back(std::move(e));
   }
@@ -258,14 +263,16 @@ absl::Status SafetensorsFile::Parse(absl::Span<const uint8_t> bytes) {
   uint64_t expected = 0;
   for (const Entry& e : entries) {
     if (e.begin != expected) {
-      return bad("tensor '", e.view.name, "': data_offsets begin ", e.begin, " but the previous tensor ends at ",
-                 expected, e.begin < expected ? " (overlap)" : " (gap)");
+      return bad("tensor '", e.view.name, "': data_offsets begin ", e.begin,
+                 " but the previous tensor ends at ", expected,
+                 e.begin < expected ? " (overlap)" : " (gap)");
     }
     expected = e.end;
   }
   if (expected != data_size) {
     return bad("tensors cover ", expected, " bytes but the data section is ", data_size,
-               expected > data_size ? " bytes (offsets out of range or file truncated)" : " bytes (trailing bytes)");
+               expected > data_size ? " bytes (offsets out of range or file truncated)"
+                                    : " bytes (trailing bytes)");
   }
   tensors_.reserve(entries.size());
   for (Entry& e : entries) {
@@ -290,11 +297,13 @@ absl::StatusOr<std::string> BuildHeader(const std::vector<TensorToWrite>& tensor
   std::set<std::string> names;
   for (const auto& t : tensors) {
     if (t.name == "__metadata__" || !names.insert(t.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("duplicate or reserved tensor name '", t.name, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("duplicate or reserved tensor name '", t.name, "'"));
     }
     std::vector<uint64_t> shape(t.shape.begin(), t.shape.end());
     for (int64_t d : t.shape) {
-      if (d < 0) return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': negative dim"));
+      if (d < 0)
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': negative dim"));
     }
     uint64_t bytes = 0;
     if (!SpanBytes(shape, DTypeBits(t.dtype), &bytes) || bytes != t.nbytes) {
@@ -317,8 +326,8 @@ absl::StatusOr<std::string> BuildHeader(const std::vector<TensorToWrite>& tensor
 
 }  // namespace
 
-absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite>& tensors,
-                                                 const std::map<std::string, std::string>& metadata) {
+absl::StatusOr<std::string> SerializeSafetensors(
+    const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata) {
   MOELORA_ASSIGN_OR_RETURN(std::string out, BuildHeader(tensors, metadata));
   for (const auto& t : tensors) out.append(static_cast<const char*>(t.data), t.nbytes);
   return out;

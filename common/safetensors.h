@@ -23,11 +23,11 @@
 #include <map>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace moelora {
@@ -35,8 +35,26 @@ namespace moelora {
 // Every dtype of the safetensors format. F32, F16 and BF16 are computed with; the others are
 // recognised (sizes checked, bytes copied) so that a valid file never fails to parse.
 enum class DType {
-  kBool, kF4, kF6E2M3, kF6E3M2, kU8, kI8, kF8E5M2, kF8E4M3, kF8E8M0,
-  kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kC64, kF64, kI64, kU64,
+  kBool,
+  kF4,
+  kF6E2M3,
+  kF6E3M2,
+  kU8,
+  kI8,
+  kF8E5M2,
+  kF8E4M3,
+  kF8E8M0,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kC64,
+  kF64,
+  kI64,
+  kU64,
 };
 
 // Size of one element in bits (4 for F4, 6 for F6_*, 8 for BOOL).
@@ -69,7 +87,8 @@ class SafetensorsFile {
  public:
   // Maps `path` read-only and validates it. NOT_FOUND if it does not exist, INVALID_ARGUMENT for
   // anything malformed (message starts with the path).
-  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(
+      const std::string& path);
 
   // Validates an in-memory buffer (fuzzing, tests). The buffer must outlive the result; `label`
   // names it in messages.
@@ -118,9 +137,9 @@ struct TensorToWrite {
 // Writes a safetensors file (tensors in the given order, header padded with spaces to a multiple
 // of 8 bytes, as the reference writer does). Writes to `path`.tmp then renames, so a reader never
 // sees a half-written file. INVALID_ARGUMENT on a size mismatch or duplicate name.
-[[nodiscard]] absl::Status WriteSafetensors(const std::string& path,
-                                            const std::vector<TensorToWrite>& tensors,
-                                            const std::map<std::string, std::string>& metadata = {});
+[[nodiscard]] absl::Status WriteSafetensors(
+    const std::string& path, const std::vector<TensorToWrite>& tensors,
+    const std::map<std::string, std::string>& metadata = {});
 
 // The same bytes as WriteSafetensors would write, in memory (tests, fuzz seeds).
 [[nodiscard]] absl::StatusOr<std::string> SerializeSafetensors(

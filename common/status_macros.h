@@ -13,11 +13,11 @@
 #define MOELORA_CONCAT_(a, b) MOELORA_CONCAT_IMPL_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define MOELORA_RETURN_IF_ERROR(expr)                           \
-  do {                                                          \
+#define MOELORA_RETURN_IF_ERROR(expr)                                     \
+  do {                                                                    \
     if (::absl::Status moelora_status_ = (expr); !moelora_status_.ok()) { \
-      return moelora_status_;                                   \
-    }                                                           \
+      return moelora_status_;                                             \
+    }                                                                     \
   } while (false)
 
 // `lhs = value of rexpr` (an absl::StatusOr<T>), or returns its status.

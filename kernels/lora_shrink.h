@@ -17,15 +17,15 @@
 namespace moelora {
 
 struct LoraShrinkParams {
-  const float* x = nullptr;               // in  [T, H_in]
-  const float* lora_a = nullptr;          // in  [S, R_max, H_in]  rows >= rank[s] ignored (PEFT lora_A)
-  const int32_t* rank = nullptr;          // in  [S]               0 <= rank[s] <= R_max
-  const int32_t* slot_of_token = nullptr; // in  [T]               -1 = base model (no adapter)
-  float* y = nullptr;                     // out [T, R_max]        y[t,j] = Σ_k A[s,j,k]·x[t,k] for j < rank[s]; else 0
-  int64_t num_tokens = 0;                 // T
-  int64_t h_in = 0;                       // H_in
-  int64_t max_rank = 0;                   // R_max
-  int64_t num_slots = 0;                  // S
+  const float* x = nullptr;       // in  [T, H_in]
+  const float* lora_a = nullptr;  // in  [S, R_max, H_in]  rows >= rank[s] ignored (PEFT lora_A)
+  const int32_t* rank = nullptr;  // in  [S]               0 <= rank[s] <= R_max
+  const int32_t* slot_of_token = nullptr;  // in  [T]               -1 = base model (no adapter)
+  float* y = nullptr;  // out [T, R_max]        y[t,j] = Σ_k A[s,j,k]·x[t,k] for j < rank[s]; else 0
+  int64_t num_tokens = 0;  // T
+  int64_t h_in = 0;        // H_in
+  int64_t max_rank = 0;    // R_max
+  int64_t num_slots = 0;   // S
 
   // INVALID_ARGUMENT when a pointer is null or a dimension is not positive.
   [[nodiscard]] absl::Status Validate() const;

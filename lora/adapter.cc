@@ -66,7 +66,8 @@ class Validator {
   }
   absl::Status CheckRank(const std::string& what, const Pending& p, int actual, int expected) const;
   absl::Status CheckDense(const std::string& module, Pending& p);
-  absl::Status Check2D(const std::string& prefix, std::vector<std::pair<std::string, Pending*>>& members);
+  absl::Status Check2D(const std::string& prefix,
+                       std::vector<std::pair<std::string, Pending*>>& members);
   absl::Status Check3D(const std::string& prefix, Pending* gu, Pending* dn);
 
   const AdapterConfig& config_;
@@ -74,15 +75,17 @@ class Validator {
   std::string file_;
 };
 
-absl::Status Validator::CheckRank(const std::string& what, const Pending& p, int actual, int expected) const {
+absl::Status Validator::CheckRank(const std::string& what, const Pending& p, int actual,
+                                  int expected) const {
   if (actual != expected) {
     return Bad("tensor '", p.a->name, "' ", Shape(*p.a), ": ", what, " rank ", actual,
                " does not match the config's rank ", expected,
                config_.rank_pattern.empty() ? " (r)" : " (r / rank_pattern)");
   }
   if (options_.max_rank > 0 && actual > options_.max_rank) {
-    return absl::ResourceExhaustedError(absl::StrCat(file_, ": tensor '", p.a->name, "' has rank ", actual,
-                                                     ", above --max-lora-rank ", options_.max_rank));
+    return absl::ResourceExhaustedError(absl::StrCat(file_, ": tensor '", p.a->name, "' has rank ",
+                                                     actual, ", above --max-lora-rank ",
+                                                     options_.max_rank));
   }
   return absl::OkStatus();
 }
@@ -91,8 +94,9 @@ absl::Status Validator::CheckDense(const std::string& module, Pending& p) {
   const TensorView& a = *p.a;
   const TensorView& b = *p.b;
   if (b.shape[1] != a.shape[0]) {
-    return Bad("tensor '", b.name, "' ", Shape(b), " has ", b.shape[1], " columns but '", a.name, "' ", Shape(a),
-               " has ", a.shape[0], " rows (lora_B columns must equal lora_A rows = rank)");
+    return Bad("tensor '", b.name, "' ", Shape(b), " has ", b.shape[1], " columns but '", a.name,
+               "' ", Shape(a), " has ", a.shape[0],
+               " rows (lora_B columns must equal lora_A rows = rank)");
   }
   p.rank = static_cast<int>(a.shape[0]);
   p.alpha = config_.AlphaFor(module);
@@ -100,12 +104,14 @@ absl::Status Validator::CheckDense(const std::string& module, Pending& p) {
   if (options_.model) {
     const ModelInfo& m = *options_.model;
     if (p.cls.layer >= 0 && m.num_layers > 0 && p.cls.layer >= m.num_layers) {
-      return Bad("tensor '", a.name, "': layer ", p.cls.layer, " but the model has ", m.num_layers, " layers");
+      return Bad("tensor '", a.name, "': layer ", p.cls.layer, " but the model has ", m.num_layers,
+                 " layers");
     }
     int out, in;
     if (m.DenseDims(LastComponent(module), &out, &in) && (a.shape[1] != in || b.shape[0] != out)) {
-      return Bad("module '", module, "': lora_A ", Shape(a), " and lora_B ", Shape(b), " do not fit [out=", out,
-                 ", in=", in, "] of ", m.architecture, " (hint: adapter trained for a different base model?)");
+      return Bad("module '", module, "': lora_A ", Shape(a), " and lora_B ", Shape(b),
+                 " do not fit [out=", out, ", in=", in, "] of ", m.architecture,
+                 " (hint: adapter trained for a different base model?)");
     }
   }
   return absl::OkStatus();
@@ -120,13 +126,15 @@ absl::Status Validator::Check2D(const std::string& prefix,
     const int e = p->cls.expert;
     const int proj = static_cast<int>(p->cls.proj);
     if (e >= num_experts) {
-      return Bad("tensor '", p->a->name, "': expert index ", e, " but the model has ", num_experts, " experts");
+      return Bad("tensor '", p->a->name, "': expert index ", e, " but the model has ", num_experts,
+                 " experts");
     }
     const TensorView& a = *p->a;
     const TensorView& b = *p->b;
     if (b.shape[1] != a.shape[0]) {
-      return Bad("tensor '", b.name, "' ", Shape(b), " has ", b.shape[1], " columns but '", a.name, "' ", Shape(a),
-                 " has ", a.shape[0], " rows (lora_B columns must equal lora_A rows = rank)");
+      return Bad("tensor '", b.name, "' ", Shape(b), " has ", b.shape[1], " columns but '", a.name,
+                 "' ", Shape(a), " has ", a.shape[0],
+                 " rows (lora_B columns must equal lora_A rows = rank)");
     }
     p->rank = static_cast<int>(a.shape[0]);
     p->alpha = config_.AlphaFor(module);
@@ -135,8 +143,8 @@ absl::Status Validator::Check2D(const std::string& prefix,
       first[proj] = p;
     } else if (first[proj]->a->shape[1] != a.shape[1] || first[proj]->b->shape[0] != b.shape[0]) {
       return Bad("tensor '", a.name, "' ", Shape(a), " / '", b.name, "' ", Shape(b),
-                 " differ in size from expert ", first[proj]->cls.expert, "'s ", Shape(*first[proj]->a), " / ",
-                 Shape(*first[proj]->b));
+                 " differ in size from expert ", first[proj]->cls.expert, "'s ",
+                 Shape(*first[proj]->a), " / ", Shape(*first[proj]->b));
     }
     seen[proj].insert(e);
   }
@@ -144,20 +152,23 @@ absl::Status Validator::Check2D(const std::string& prefix,
     if (seen[proj].empty() || static_cast<int>(seen[proj].size()) == num_experts) continue;
     for (int e = 0; e < num_experts; ++e) {
       if (!seen[proj].count(e)) {
-        return Bad(prefix, ": expert ", e, " has no ", ExpertProjName(static_cast<ExpertProj>(proj)),
+        return Bad(prefix, ": expert ", e, " has no ",
+                   ExpertProjName(static_cast<ExpertProj>(proj)),
                    " LoRA while other experts do (all ", num_experts, " experts must be present)");
       }
     }
   }
   // H and I must agree between projections (gate/up: in=H, out=I; down: in=I, out=H).
   int h = -1, inter = -1;
-  auto expect = [&](int* slot, int64_t value, const TensorView& t, const char* what) -> absl::Status {
+  auto expect = [&](int* slot, int64_t value, const TensorView& t,
+                    const char* what) -> absl::Status {
     if (*slot < 0) {
       *slot = static_cast<int>(value);
       return absl::OkStatus();
     }
     if (*slot != value) {
-      return Bad("tensor '", t.name, "' ", Shape(t), ": ", what, " is ", value, ", expected ", *slot);
+      return Bad("tensor '", t.name, "' ", Shape(t), ": ", what, " is ", value, ", expected ",
+                 *slot);
     }
     return absl::OkStatus();
   };
@@ -169,11 +180,13 @@ absl::Status Validator::Check2D(const std::string& prefix,
     const Pending* p = first[proj];
     if (!p) continue;
     if (proj == static_cast<int>(ExpertProj::kDown)) {
-      MOELORA_RETURN_IF_ERROR(expect(&inter, p->a->shape[1], *p->a, "expert intermediate size (lora_A columns)"));
+      MOELORA_RETURN_IF_ERROR(
+          expect(&inter, p->a->shape[1], *p->a, "expert intermediate size (lora_A columns)"));
       MOELORA_RETURN_IF_ERROR(expect(&h, p->b->shape[0], *p->b, "hidden size (lora_B rows)"));
     } else {
       MOELORA_RETURN_IF_ERROR(expect(&h, p->a->shape[1], *p->a, "hidden size (lora_A columns)"));
-      MOELORA_RETURN_IF_ERROR(expect(&inter, p->b->shape[0], *p->b, "expert intermediate size (lora_B rows)"));
+      MOELORA_RETURN_IF_ERROR(
+          expect(&inter, p->b->shape[0], *p->b, "expert intermediate size (lora_B rows)"));
     }
   }
   return absl::OkStatus();
@@ -183,7 +196,8 @@ absl::Status Validator::Check3D(const std::string& prefix, Pending* gu, Pending*
   if (gu == nullptr || dn == nullptr) {
     const Pending* have = gu ? gu : dn;
     return Bad("tensor '", have->a->name, "': 3D expert LoRA needs both the gate_up pair (", prefix,
-               ".base_layer.lora_{A,B}) and the down pair (", prefix, ".lora_{A,B}); found only one");
+               ".base_layer.lora_{A,B}) and the down pair (", prefix,
+               ".lora_{A,B}); found only one");
   }
   const TensorView& gua = *gu->a;
   const TensorView& gub = *gu->b;
@@ -191,24 +205,29 @@ absl::Status Validator::Check3D(const std::string& prefix, Pending* gu, Pending*
   const TensorView& db = *dn->b;
   // Old PEFT (<= 0.19.0) saved [E,out,in] parameters with in/out swapped: gate_up A [E*r, 2I],
   // B [H, r*E]; down A [E*r, H], B [I, r*E] (FORMATS.md §7.4).
-  const bool swapped = gua.shape[1] != db.shape[0] && gua.shape[1] == 2 * db.shape[0] && gub.shape[0] == da.shape[1];
-  const bool swapped_vs_model = options_.model && gua.shape[1] == 2 * options_.model->moe_intermediate_size &&
-                                gub.shape[0] == options_.model->hidden_size &&
-                                options_.model->hidden_size != 2 * options_.model->moe_intermediate_size;
+  const bool swapped =
+      gua.shape[1] != db.shape[0] && gua.shape[1] == 2 * db.shape[0] && gub.shape[0] == da.shape[1];
+  const bool swapped_vs_model =
+      options_.model && gua.shape[1] == 2 * options_.model->moe_intermediate_size &&
+      gub.shape[0] == options_.model->hidden_size &&
+      options_.model->hidden_size != 2 * options_.model->moe_intermediate_size;
   if (swapped || swapped_vs_model) {
-    return Bad("tensor '", gua.name, "' ", Shape(gua), " / '", gub.name, "' ", Shape(gub),
-               ": in/out features are swapped (lora_A columns should be the hidden size, lora_B rows 2 x "
-               "intermediate); this file was written by PEFT <= 0.19.0 — re-save it with PEFT >= 0.19.1");
+    return Bad(
+        "tensor '", gua.name, "' ", Shape(gua), " / '", gub.name, "' ", Shape(gub),
+        ": in/out features are swapped (lora_A columns should be the hidden size, lora_B rows 2 x "
+        "intermediate); this file was written by PEFT <= 0.19.0 — re-save it with PEFT >= 0.19.1");
   }
   for (const Pending* p : {gu, dn}) {
     if (p->a->shape[0] % num_experts != 0) {
       return Bad("tensor '", p->a->name, "' ", Shape(*p->a), ": rows ", p->a->shape[0],
-                 " are not divisible by the number of experts ", num_experts, inferred ? " (inferred)" : "");
+                 " are not divisible by the number of experts ", num_experts,
+                 inferred ? " (inferred)" : "");
     }
     const int64_t r = p->a->shape[0] / num_experts;
     if (p->b->shape[1] != r * num_experts) {
-      return Bad("tensor '", p->b->name, "' ", Shape(*p->b), ": columns must be rank x experts = ", r, " x ",
-                 num_experts, " = ", r * num_experts, " to match '", p->a->name, "' ", Shape(*p->a));
+      return Bad("tensor '", p->b->name, "' ", Shape(*p->b),
+                 ": columns must be rank x experts = ", r, " x ", num_experts, " = ",
+                 r * num_experts, " to match '", p->a->name, "' ", Shape(*p->a));
     }
   }
   if (gub.shape[0] % 2 != 0) {
@@ -219,8 +238,10 @@ absl::Status Validator::Check3D(const std::string& prefix, Pending* gu, Pending*
   dn->rank = static_cast<int>(da.shape[0] / num_experts);
   gu->alpha = config_.AlphaFor(prefix + ".gate_up_proj");
   dn->alpha = config_.AlphaFor(prefix + ".down_proj");
-  MOELORA_RETURN_IF_ERROR(CheckRank("per-expert gate_up", *gu, gu->rank, config_.RankFor(prefix + ".gate_up_proj")));
-  MOELORA_RETURN_IF_ERROR(CheckRank("per-expert down", *dn, dn->rank, config_.RankFor(prefix + ".down_proj")));
+  MOELORA_RETURN_IF_ERROR(
+      CheckRank("per-expert gate_up", *gu, gu->rank, config_.RankFor(prefix + ".gate_up_proj")));
+  MOELORA_RETURN_IF_ERROR(
+      CheckRank("per-expert down", *dn, dn->rank, config_.RankFor(prefix + ".down_proj")));
   const int64_t h = options_.model ? options_.model->hidden_size : gua.shape[1];
   const int64_t inter = options_.model ? options_.model->moe_intermediate_size : da.shape[1];
   if (gua.shape[1] != h || db.shape[0] != h) {
@@ -241,16 +262,18 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
     auto name = ParseLoraTensorName(t.name);
     if (!name.ok()) return Bad(name.status().message());
     if (!IsComputeDType(t.dtype)) {
-      return Bad("tensor '", t.name, "' has dtype ", DTypeName(t.dtype), "; LoRA weights must be F32, F16 or BF16");
+      return Bad("tensor '", t.name, "' has dtype ", DTypeName(t.dtype),
+                 "; LoRA weights must be F32, F16 or BF16");
     }
     if (t.shape.size() != 2 || t.numel() == 0) {
-      return Bad("tensor '", t.name, "' has shape ", t.ShapeString(), "; LoRA weights must be 2-D and non-empty");
+      return Bad("tensor '", t.name, "' has shape ", t.ShapeString(),
+                 "; LoRA weights must be 2-D and non-empty");
     }
     Pending& p = modules[name->module];
     const TensorView*& slot = name->is_a ? p.a : p.b;
     if (slot != nullptr) {
-      return Bad("tensors '", slot->name, "' and '", t.name, "' are the same LoRA weight of module '",
-                 name->module, "'");
+      return Bad("tensors '", slot->name, "' and '", t.name,
+                 "' are the same LoRA weight of module '", name->module, "'");
     }
     slot = &t;
     p.cls = ClassifyModule(name->module);
@@ -263,23 +286,26 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
   for (const auto& [module, p] : modules) {
     if (p.a == nullptr || p.b == nullptr) {
       const TensorView* have = p.a ? p.a : p.b;
-      return Bad("tensor '", have->name, "' ", Shape(*have), " has no matching ", p.a ? "lora_B" : "lora_A",
-                 " for module '", module, "'");
+      return Bad("tensor '", have->name, "' ", Shape(*have), " has no matching ",
+                 p.a ? "lora_B" : "lora_A", " for module '", module, "'");
     }
   }
   if (!first2d.empty() && !first3d.empty()) {
-    return Bad("mixes 2D per-expert tensors ('", first2d, "') and 3D fused expert tensors ('", first3d,
-               "'); an adapter must use one layout");
+    return Bad("mixes 2D per-expert tensors ('", first2d, "') and 3D fused expert tensors ('",
+               first3d, "'); an adapter must use one layout");
   }
-  format = !first3d.empty() ? AdapterFormat::k3D : !first2d.empty() ? AdapterFormat::k2D : AdapterFormat::kDense;
-  if (options_.expected_format && format != AdapterFormat::kDense && *options_.expected_format != format) {
+  format = !first3d.empty()   ? AdapterFormat::k3D
+           : !first2d.empty() ? AdapterFormat::k2D
+                              : AdapterFormat::kDense;
+  if (options_.expected_format && format != AdapterFormat::kDense &&
+      *options_.expected_format != format) {
     return Bad("requested format ", AdapterFormatName(*options_.expected_format), " but tensor '",
                format == AdapterFormat::k3D ? first3d : first2d, "' is ", AdapterFormatName(format),
                " expert LoRA");
   }
   if (config_.r > 0 && options_.max_rank > 0 && config_.r > options_.max_rank) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(file_, ": LoRA rank ", config_.r, " is greater than --max-lora-rank ", options_.max_rank));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        file_, ": LoRA rank ", config_.r, " is greater than --max-lora-rank ", options_.max_rank));
   }
 
   // Number of experts: the model's, or inferred (2D: max index + 1; 3D: rows / r of the down pair).
@@ -287,8 +313,8 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
     if (options_.model) {
       num_experts = options_.model->num_experts;
       if (num_experts <= 0) {
-        return Bad("tensor '", format == AdapterFormat::k3D ? first3d : first2d, "' is expert LoRA but model ",
-                   options_.model->architecture, " has no experts");
+        return Bad("tensor '", format == AdapterFormat::k3D ? first3d : first2d,
+                   "' is expert LoRA but model ", options_.model->architecture, " has no experts");
       }
     } else if (format == AdapterFormat::k2D) {
       for (const auto& [module, p] : modules) num_experts = std::max(num_experts, p.cls.expert + 1);
@@ -298,7 +324,8 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
         if (p.cls.kind != ModuleKind::kDown3D) continue;
         const int r = config_.RankFor(p.cls.experts_prefix + ".down_proj");
         if (p.a->shape[0] % r != 0) {
-          return Bad("tensor '", p.a->name, "' ", Shape(*p.a), ": rows are not a multiple of the rank ", r,
+          return Bad("tensor '", p.a->name, "' ", Shape(*p.a),
+                     ": rows are not a multiple of the rank ", r,
                      ", so the number of experts cannot be inferred (pass the model)");
         }
         num_experts = static_cast<int>(p.a->shape[0] / r);
@@ -307,7 +334,8 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
       if (num_experts == 0) num_experts = 1;  // only gate_up present: Check3D reports it
       inferred = true;
     }
-    if (inferred) notes.push_back(absl::StrCat("number of experts inferred from the tensors: ", num_experts));
+    if (inferred)
+      notes.push_back(absl::StrCat("number of experts inferred from the tensors: ", num_experts));
   }
 
   std::map<std::string, std::vector<std::pair<std::string, Pending*>>> groups2d;
@@ -334,7 +362,8 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
     }
   }
   for (auto& [prefix, members] : groups2d) MOELORA_RETURN_IF_ERROR(Check2D(prefix, members));
-  for (auto& [prefix, pair] : groups3d) MOELORA_RETURN_IF_ERROR(Check3D(prefix, pair.first, pair.second));
+  for (auto& [prefix, pair] : groups3d)
+    MOELORA_RETURN_IF_ERROR(Check3D(prefix, pair.first, pair.second));
   for (const auto& [module, p] : modules) max_rank = std::max(max_rank, p.rank);
   return absl::OkStatus();
 }
@@ -379,7 +408,9 @@ int64_t HostTensor::numel() const {
 
 size_t HostTensor::nbytes() const { return static_cast<size_t>(numel()) * DTypeBits(dtype) / 8; }
 
-std::string HostTensor::ShapeString() const { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+std::string HostTensor::ShapeString() const {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
 
 HostTensor HostTensor::View(size_t byte_offset, std::vector<int64_t> view_shape) const {
   HostTensor v;
@@ -427,7 +458,8 @@ absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir, const AdapterRea
   AdapterLoadTimings& tm = timings ? *timings : local;
   tm = {};
   bool is_dir = false;
-  if (!PathExists(dir, &is_dir)) return absl::NotFoundError(absl::StrCat(dir, ": no such adapter directory"));
+  if (!PathExists(dir, &is_dir))
+    return absl::NotFoundError(absl::StrCat(dir, ": no such adapter directory"));
   if (!is_dir) return absl::InvalidArgumentError(absl::StrCat(dir, ": not a directory"));
 
   LoraAdapter adapter;
@@ -442,8 +474,10 @@ absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir, const AdapterRea
     for (const char* pickle : {"adapter_model.bin", "adapter_model.pt"}) {
       if (PathExists(dir + "/" + pickle)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            dir, "/", pickle, ": pickle weights are never read (they can run code); convert the adapter to "
-            "adapter_model.safetensors, e.g. with PEFT's save_pretrained(safe_serialization=True)"));
+            dir, "/", pickle,
+            ": pickle weights are never read (they can run code); convert the adapter to "
+            "adapter_model.safetensors, e.g. with PEFT's "
+            "save_pretrained(safe_serialization=True)"));
       }
     }
     return absl::InvalidArgumentError(absl::StrCat(adapter.safetensors_path, ": missing"));

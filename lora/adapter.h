@@ -85,14 +85,14 @@ struct LoraAdapter {
   AdapterConfig config;
   AdapterFormat format = AdapterFormat::kDense;  // as read from the file
   bool converted_to_2d = false;
-  bool interleaved_gate_up = false;  // GPT-OSS gate/up order
-  int num_experts = 0;               // 0 for dense adapters
-  bool num_experts_inferred = false; // true when no model config gave E
-  int max_rank = 0;                  // largest per-module (per-expert) rank
-  size_t bytes = 0;                  // LoRA weight bytes held
-  std::map<std::string, LoraPair> dense;     // by module path
-  std::map<std::string, MoeLayerLora> moe;   // by experts prefix
-  std::vector<std::string> notes;            // facts worth reporting (inferred E, ...)
+  bool interleaved_gate_up = false;         // GPT-OSS gate/up order
+  int num_experts = 0;                      // 0 for dense adapters
+  bool num_experts_inferred = false;        // true when no model config gave E
+  int max_rank = 0;                         // largest per-module (per-expert) rank
+  size_t bytes = 0;                         // LoRA weight bytes held
+  std::map<std::string, LoraPair> dense;    // by module path
+  std::map<std::string, MoeLayerLora> moe;  // by experts prefix
+  std::vector<std::string> notes;           // facts worth reporting (inferred E, ...)
 
   // Sorted distinct last components of the targeted modules ("q_proj", "experts", ...).
   std::vector<std::string> TargetModules() const;
@@ -130,7 +130,8 @@ struct AdapterLoadTimings {
 //                      contradicts the file; dims that contradict the model
 //   RESOURCE_EXHAUSTED a rank above options.max_rank
 // Nothing is kept on error.
-absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir, const AdapterReadOptions& options = {},
+absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir,
+                                        const AdapterReadOptions& options = {},
                                         AdapterLoadTimings* timings = nullptr);
 
 }  // namespace moelora

@@ -51,15 +51,18 @@ absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text, const 
   try {
     j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    const bool nan = text.find("NaN") != std::string::npos || text.find("Infinity") != std::string::npos;
-    return bad("not valid JSON: ", e.what(),
-               nan ? " (NaN and Infinity are not numbers in JSON; lora_alpha and r must be finite)" : "");
+    const bool nan =
+        text.find("NaN") != std::string::npos || text.find("Infinity") != std::string::npos;
+    return bad(
+        "not valid JSON: ", e.what(),
+        nan ? " (NaN and Infinity are not numbers in JSON; lora_alpha and r must be finite)" : "");
   }
   if (!j.is_object()) return bad("not a JSON object");
   AdapterConfig c;
   c.raw = j;
   if (j.contains("peft_type") && j["peft_type"].is_string() && j["peft_type"] != "LORA") {
-    return bad("peft_type is '", j["peft_type"].get<std::string>(), "', only LORA adapters are served");
+    return bad("peft_type is '", j["peft_type"].get<std::string>(),
+               "', only LORA adapters are served");
   }
   std::vector<std::string> missing;
   for (const char* key : {"r", "lora_alpha"}) {
@@ -73,7 +76,8 @@ absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text, const 
 
   const auto& r = j["r"];
   if (!r.is_number_integer()) return bad("r must be an integer, got ", r.dump());
-  if (r.get<int64_t>() <= 0 || r.get<int64_t>() > 1 << 20) return bad("r must be positive, got ", r.dump());
+  if (r.get<int64_t>() <= 0 || r.get<int64_t>() > 1 << 20)
+    return bad("r must be positive, got ", r.dump());
   c.r = static_cast<int>(r.get<int64_t>());
   const auto& alpha = j["lora_alpha"];
   if (!alpha.is_number()) return bad("lora_alpha must be a number, got ", alpha.dump());
@@ -127,12 +131,14 @@ absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text, const 
       if (std::string(key) == "rank_pattern") {
         if (!it.value().is_number_integer() || it.value().get<int64_t>() <= 0 ||
             it.value().get<int64_t>() > 1 << 20) {
-          return bad("rank_pattern['", it.key(), "'] must be a positive integer, got ", it.value().dump());
+          return bad("rank_pattern['", it.key(), "'] must be a positive integer, got ",
+                     it.value().dump());
         }
         c.rank_pattern[it.key()] = static_cast<int>(it.value().get<int64_t>());
       } else {
         if (!it.value().is_number() || !std::isfinite(it.value().get<double>())) {
-          return bad("alpha_pattern['", it.key(), "'] must be a finite number, got ", it.value().dump());
+          return bad("alpha_pattern['", it.key(), "'] must be a finite number, got ",
+                     it.value().dump());
         }
         c.alpha_pattern[it.key()] = it.value().get<double>();
       }
@@ -155,7 +161,8 @@ absl::Status CheckServable(const AdapterConfig& c, const std::string& file) {
                                     "] is not supported (only LoRA deltas are served)"));
   }
   if (c.use_dora) problems.push_back("DoRA (use_dora) is not supported");
-  if (c.bias != "none") problems.push_back(absl::StrCat("bias '", c.bias, "' is not supported (only \"none\")"));
+  if (c.bias != "none")
+    problems.push_back(absl::StrCat("bias '", c.bias, "' is not supported (only \"none\")"));
   if (c.lora_bias) problems.push_back("lora_bias is not supported");
   if (problems.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(file, ": ", absl::StrJoin(problems, "; ")));

@@ -14,10 +14,10 @@
 namespace moelora {
 
 struct AdapterConfig {
-  int r = 0;                        // default rank
-  double lora_alpha = 0;            // default alpha
-  bool use_rslora = false;          // scaling alpha/sqrt(r) instead of alpha/r
-  std::vector<std::string> target_modules;  // list form
+  int r = 0;                                        // default rank
+  double lora_alpha = 0;                            // default alpha
+  bool use_rslora = false;                          // scaling alpha/sqrt(r) instead of alpha/r
+  std::vector<std::string> target_modules;          // list form
   std::optional<std::string> target_modules_regex;  // string form (a full-match regex)
   std::vector<std::string> target_parameters;       // PEFT ParamWrapper targets (3D MoE LoRA)
   std::map<std::string, int> rank_pattern;          // key: PEFT pattern, value: rank

@@ -17,7 +17,8 @@
 namespace moelora {
 namespace {
 
-constexpr char kUsage[] = R"(moelora-adapter: inspect, convert and validate PEFT LoRA adapters for MoE models.
+constexpr char kUsage[] =
+    R"(moelora-adapter: inspect, convert and validate PEFT LoRA adapters for MoE models.
 
 Usage:
   moelora-adapter inspect DIR [--json] [--model MODEL_DIR] [--max-lora-rank N]
@@ -165,11 +166,13 @@ void PrintHuman(const nlohmann::json& j, const std::string& dir, std::ostream& o
   out << "format         " << j["format"].get<std::string>()
       << (j["converted_to_2d"].get<bool>() ? " (converted to 2d)" : "") << "\n";
   out << "rank           " << j["rank"] << " (per-module ranks " << j["ranks"].dump() << ")\n";
-  out << "lora_alpha     " << j["lora_alpha"] << (j["use_rslora"].get<bool>() ? " (rsLoRA)" : "") << "\n";
-  out << "scaling        " << j["scaling"] << "\n";
-  out << "experts        " << j["num_experts"] << (j["num_experts_inferred"].get<bool>() ? " (inferred)" : "")
+  out << "lora_alpha     " << j["lora_alpha"] << (j["use_rslora"].get<bool>() ? " (rsLoRA)" : "")
       << "\n";
-  out << "layers         " << j["num_layers"] << " (" << j["num_moe_layers"] << " with expert LoRA)\n";
+  out << "scaling        " << j["scaling"] << "\n";
+  out << "experts        " << j["num_experts"]
+      << (j["num_experts_inferred"].get<bool>() ? " (inferred)" : "") << "\n";
+  out << "layers         " << j["num_layers"] << " (" << j["num_moe_layers"]
+      << " with expert LoRA)\n";
   out << "target_modules " << j["target_modules"].dump() << "\n";
   out << "tensors        " << j["num_tensors"] << "\n";
   out << "bytes          " << j["bytes"] << "\n";

@@ -54,7 +54,8 @@ void TransposeTyped(T* data, int64_t m, int64_t n, T* tmp) {
       row[(j * m + i) % n] = tmp[j];
     }
   }
-  // 3. Column gather: row i' of column j' comes from row (i + floor(j/b)) mod m, (j, i) = divmod(i'*n + j', m).
+  // 3. Column gather: row i' of column j' comes from row (i + floor(j/b)) mod m, (j, i) =
+  // divmod(i'*n + j', m).
   for (int64_t jd = 0; jd < n; ++jd) {
     for (int64_t i = 0; i < m; ++i) tmp[i] = data[i * n + jd];
     int64_t j = jd / m, i = jd % m;  // divmod(i'*n + j', m), advanced incrementally below
@@ -89,7 +90,6 @@ bool TryTranspose(uint8_t* data, int64_t m, int64_t n, size_t es, uint8_t* tmp) 
   return true;
 }
 
-
 // [rows, r, E] -> [E, rows, r] inside `data` (one lora_B of a 3D layer). Scratch: one expert's
 // [rows, r] slice (or one [r, E] row, whichever is larger).
 void PermuteBToExpertMajor(uint8_t* data, int64_t rows, int64_t r, int64_t experts, size_t es,
@@ -100,9 +100,11 @@ void PermuteBToExpertMajor(uint8_t* data, int64_t rows, int64_t r, int64_t exper
   for (int64_t o = 0; o < rows; ++o) {
     uint8_t* row = data + o * row_bytes;
     if (es == 2) {
-      RowTransposeTyped(reinterpret_cast<Elem<2>*>(row), r, experts, reinterpret_cast<Elem<2>*>(scratch->data()));
+      RowTransposeTyped(reinterpret_cast<Elem<2>*>(row), r, experts,
+                        reinterpret_cast<Elem<2>*>(scratch->data()));
     } else if (es == 4) {
-      RowTransposeTyped(reinterpret_cast<Elem<4>*>(row), r, experts, reinterpret_cast<Elem<4>*>(scratch->data()));
+      RowTransposeTyped(reinterpret_cast<Elem<4>*>(row), r, experts,
+                        reinterpret_cast<Elem<4>*>(scratch->data()));
     } else {
       std::memcpy(scratch->data(), row, row_bytes);
       for (int64_t j = 0; j < r; ++j) {
@@ -117,7 +119,8 @@ void PermuteBToExpertMajor(uint8_t* data, int64_t rows, int64_t r, int64_t exper
 }
 
 // Expert slice [2I, r] with rows g0,u0,g1,u1,... -> [gate(I) ; up(I)], through the scratch.
-void DeinterleaveRows(uint8_t* slice, int64_t inter, int64_t r, size_t es, std::vector<uint8_t>* scratch) {
+void DeinterleaveRows(uint8_t* slice, int64_t inter, int64_t r, size_t es,
+                      std::vector<uint8_t>* scratch) {
   const size_t row = static_cast<size_t>(r) * es;
   const size_t bytes = 2 * static_cast<size_t>(inter) * row;
   if (scratch->size() < bytes) scratch->resize(bytes);
@@ -146,7 +149,8 @@ std::string RegexEscape(const std::string& s) { return absl::StrReplaceAll(s, {{
 
 }  // namespace
 
-void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es, std::vector<uint8_t>* scratch) {
+void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es,
+                      std::vector<uint8_t>* scratch) {
   if (m <= 1 || n <= 1) return;  // [1, n] and [m, 1] are their own transposes in memory
   const size_t need = static_cast<size_t>(std::max(m, n)) * es;
   if (scratch->size() < need) scratch->resize(need);
@@ -192,7 +196,8 @@ absl::Status ConvertTo2DInPlace(LoraAdapter* adapter) {
   for (auto& [prefix, layer] : adapter->moe) {
     if (layer.format != AdapterFormat::k3D) continue;
     if (!layer.gate_up || !layer.down) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, ": 3D layer without both gate_up and down pairs"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, ": 3D layer without both gate_up and down pairs"));
     }
     LoraPair& gu = *layer.gate_up;
     LoraPair& dn = *layer.down;
@@ -254,7 +259,8 @@ absl::Status ConvertTo3D(LoraAdapter* adapter) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": cannot fuse to 3D: ", parts...));
     };
     const int64_t e_count = layer.num_experts;
-    if (e_count <= 0 || static_cast<int64_t>(layer.experts.size()) != e_count) return bad("no experts");
+    if (e_count <= 0 || static_cast<int64_t>(layer.experts.size()) != e_count)
+      return bad("no experts");
     for (int64_t e = 0; e < e_count; ++e) {
       for (int p = 0; p < 3; ++p) {
         if (!layer.experts[e][p]) {
@@ -278,9 +284,9 @@ absl::Status ConvertTo3D(LoraAdapter* adapter) {
         const LoraPair& ref = *layer.experts[0][p];
         if (x.rank != ref.rank || x.a.dtype != dt || x.b.dtype != dt || x.a.shape != ref.a.shape ||
             x.b.shape != ref.b.shape) {
-          return bad("expert ", e, " ", ExpertProjName(static_cast<ExpertProj>(p)), " has shape/rank/dtype A ",
-                     x.a.ShapeString(), " B ", x.b.ShapeString(), " unlike expert 0's A ", ref.a.ShapeString(),
-                     " B ", ref.b.ShapeString());
+          return bad("expert ", e, " ", ExpertProjName(static_cast<ExpertProj>(p)),
+                     " has shape/rank/dtype A ", x.a.ShapeString(), " B ", x.b.ShapeString(),
+                     " unlike expert 0's A ", ref.a.ShapeString(), " B ", ref.b.ShapeString());
         }
       }
       const LoraPair& g = *layer.experts[e][0];
@@ -296,7 +302,8 @@ absl::Status ConvertTo3D(LoraAdapter* adapter) {
     gu.b.shape = {2 * inter, r_gu * e_count};
     dn.a.shape = {e_count * r_d, i_in};
     dn.b.shape = {h_out, r_d * e_count};
-    for (HostTensor* t : {&gu.a, &gu.b, &dn.a, &dn.b}) t->storage = std::make_shared<HostBuffer>(t->nbytes());
+    for (HostTensor* t : {&gu.a, &gu.b, &dn.a, &dn.b})
+      t->storage = std::make_shared<HostBuffer>(t->nbytes());
     std::memset(gu.b.data(), 0, gu.b.nbytes());  // block-diagonal zeros in the rank-concat case
     const bool interleave = adapter->interleaved_gate_up;
     for (int64_t e = 0; e < e_count; ++e) {
@@ -321,7 +328,8 @@ absl::Status ConvertTo3D(LoraAdapter* adapter) {
       std::memcpy(dn.a.data() + e * r_d * i_in * es, d.a.data(), d.a.nbytes());
       for (int64_t o = 0; o < h_out; ++o) {
         for (int64_t j = 0; j < r_d; ++j) {
-          std::memcpy(dn.b.data() + (o * r_d * e_count + j * e_count + e) * es, d.b.data() + (o * r_d + j) * es, es);
+          std::memcpy(dn.b.data() + (o * r_d * e_count + j * e_count + e) * es,
+                      d.b.data() + (o * r_d + j) * es, es);
         }
       }
     }
@@ -374,7 +382,8 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
   ::mkdir(out_dir.c_str(), 0755);
   struct stat st;
   if (::stat(out_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(out_dir, ": cannot create the output directory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(out_dir, ": cannot create the output directory"));
   }
   std::vector<TensorToWrite> tensors;
   auto add = [&tensors](const std::string& module, const LoraPair& p) {
@@ -396,7 +405,8 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
   bool any3d = false, any2d = false;
   auto note = [&](const std::string& key, const LoraPair& p) {
     if (p.rank != c.r) rank_extra[key] = p.rank;
-    if (std::abs(p.alpha - c.lora_alpha) > 1e-12 * std::max(1.0, std::abs(c.lora_alpha))) alpha_extra[key] = p.alpha;
+    if (std::abs(p.alpha - c.lora_alpha) > 1e-12 * std::max(1.0, std::abs(c.lora_alpha)))
+      alpha_extra[key] = p.alpha;
   };
   for (const auto& [prefix, layer] : adapter.moe) {
     const std::string rel = LayerRelative(prefix);
@@ -426,7 +436,8 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
     nlohmann::json kept = nlohmann::json::object();
     if (cfg.contains(key) && cfg[key].is_object()) {
       for (auto it = cfg[key].begin(); it != cfg[key].end(); ++it) {
-        if (!absl::StrContains(it.key(), "experts") && !absl::StrContains(it.key(), "gate_up_proj")) {
+        if (!absl::StrContains(it.key(), "experts") &&
+            !absl::StrContains(it.key(), "gate_up_proj")) {
           kept[it.key()] = it.value();
         }
       }
@@ -442,8 +453,10 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
     cfg["target_parameters"] = nullptr;
   }
   (void)any2d;
-  std::sort(tensors.begin(), tensors.end(), [](const auto& x, const auto& y) { return x.name < y.name; });
-  MOELORA_RETURN_IF_ERROR(WriteSafetensors(out_dir + "/adapter_model.safetensors", tensors, {{"format", "pt"}}));
+  std::sort(tensors.begin(), tensors.end(),
+            [](const auto& x, const auto& y) { return x.name < y.name; });
+  MOELORA_RETURN_IF_ERROR(
+      WriteSafetensors(out_dir + "/adapter_model.safetensors", tensors, {{"format", "pt"}}));
   const std::string config_path = out_dir + "/adapter_config.json";
   std::ofstream out(config_path, std::ios::trunc);
   out << cfg.dump(2) << "\n";

@@ -22,9 +22,11 @@ namespace moelora {
 //   1. rotate column j down by floor(j / b)                 (only when c > 1)
 //   2. in each row, the element from column j moves to column (j*m + i) mod n, where i is its
 //      original row — a bijection within the row thanks to step 1
-//   3. in each column, gather row (i + floor(j/b)) mod m into row i', where (j, i) = divmod(i'*n + j', m)
+//   3. in each column, gather row (i + floor(j/b)) mod m into row i', where (j, i) = divmod(i'*n +
+//   j', m)
 // Each step permutes within one row or one column, so one row or column of scratch suffices.
-void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes, std::vector<uint8_t>* scratch);
+void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes,
+                      std::vector<uint8_t>* scratch);
 
 // 3D -> 2D, in place (FORMATS.md §7.4): for every 3D layer, lora_B [out, r*E] (column j*E+e) is
 // permuted within its own buffer to [E, out, r]; gate_up rows are split into gate (rows [0, I))

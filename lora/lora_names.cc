@@ -16,7 +16,8 @@ absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name) {
   size_t start = 0;
   if (parts.size() > 2 && parts[0] == "base_model" && parts[1] == "model") start = 2;
   const size_t n = parts.size();
-  if (n >= start + 3 && parts[n - 1] == "weight" && (parts[n - 2] == "lora_A" || parts[n - 2] == "lora_B")) {
+  if (n >= start + 3 && parts[n - 1] == "weight" &&
+      (parts[n - 2] == "lora_A" || parts[n - 2] == "lora_B")) {
     LoraTensorName out;
     out.module = absl::StrJoin(parts.begin() + start, parts.end() - 2, ".");
     out.is_a = parts[n - 2] == "lora_A";
@@ -29,12 +30,13 @@ absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name) {
     hint = " (embedding LoRA is not supported)";
   } else if (absl::EndsWith(name, ".bias")) {
     hint = " (LoRA biases are not supported)";
-  } else if (absl::StrContains(name, "base_layer.weight") || absl::StrContains(name, "modules_to_save")) {
+  } else if (absl::StrContains(name, "base_layer.weight") ||
+             absl::StrContains(name, "modules_to_save")) {
     hint = " (full base weights in an adapter are not supported)";
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("tensor '", name, "' is not a LoRA weight (expected <module>.lora_A.weight or .lora_B.weight)",
-                   hint));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor '", name,
+      "' is not a LoRA weight (expected <module>.lora_A.weight or .lora_B.weight)", hint));
 }
 
 const char* ExpertProjName(ExpertProj p) {
@@ -60,7 +62,9 @@ ModuleClass ClassifyModule(const std::string& module) {
     }
   }
   const size_t n = parts.size();
-  auto prefix_upto = [&](size_t k) { return absl::StrJoin(parts.begin(), parts.begin() + k + 1, "."); };
+  auto prefix_upto = [&](size_t k) {
+    return absl::StrJoin(parts.begin(), parts.begin() + k + 1, ".");
+  };
   if (n >= 1 && parts[n - 1] == "experts") {
     c.kind = ModuleKind::kDown3D;
     c.experts_prefix = module;
@@ -72,8 +76,8 @@ ModuleClass ClassifyModule(const std::string& module) {
     return c;
   }
   int expert;
-  if (n >= 3 && parts[n - 3] == "experts" && absl::SimpleAtoi(parts[n - 2], &expert) && expert >= 0 &&
-      parts[n - 2].find_first_not_of("0123456789") == std::string::npos) {
+  if (n >= 3 && parts[n - 3] == "experts" && absl::SimpleAtoi(parts[n - 2], &expert) &&
+      expert >= 0 && parts[n - 2].find_first_not_of("0123456789") == std::string::npos) {
     const std::string& p = parts[n - 1];
     ExpertProj proj;
     if (p == "gate_proj" || p == "w1") {

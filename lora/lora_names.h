@@ -11,8 +11,9 @@
 namespace moelora {
 
 struct LoraTensorName {
-  std::string module;  // e.g. "model.layers.3.mlp.experts.7.gate_proj" ("base_model.model." removed)
-  bool is_a = false;   // lora_A (true) or lora_B (false)
+  std::string
+      module;         // e.g. "model.layers.3.mlp.experts.7.gate_proj" ("base_model.model." removed)
+  bool is_a = false;  // lora_A (true) or lora_B (false)
 };
 
 // "base_model.model.<module>.lora_{A,B}.weight" or "<module>.lora_{A,B}.weight".
@@ -21,16 +22,16 @@ struct LoraTensorName {
 absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name);
 
 enum class ExpertProj { kGate = 0, kUp = 1, kDown = 2 };  // vLLM w1, w3, w2
-const char* ExpertProjName(ExpertProj p);                  // "gate_proj" ...
+const char* ExpertProjName(ExpertProj p);                 // "gate_proj" ...
 
 enum class ModuleKind { kDense, kExpert2D, kGateUp3D, kDown3D };
 
 struct ModuleClass {
   ModuleKind kind = ModuleKind::kDense;
-  std::string experts_prefix;  // for expert kinds: module path up to ".experts"
-  int expert = -1;             // kExpert2D only
+  std::string experts_prefix;           // for expert kinds: module path up to ".experts"
+  int expert = -1;                      // kExpert2D only
   ExpertProj proj = ExpertProj::kGate;  // kExpert2D only
-  int layer = -1;              // from ".layers.<L>." when present
+  int layer = -1;                       // from ".layers.<L>." when present
 };
 
 // Classifies a module path: "<p>.experts.<e>.{gate,up,down}_proj" (also w1/w3/w2) is 2D,

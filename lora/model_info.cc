@@ -16,9 +16,21 @@ bool ModelInfo::DenseDims(const std::string& m, int* out, int* in) const {
   const int q = num_attention_heads * head_dim;
   const int kv = num_key_value_heads * head_dim;
   if (q <= 0 || hidden_size <= 0) return false;
-  if (m == "q_proj") { *out = q; *in = hidden_size; return true; }
-  if (m == "k_proj" || m == "v_proj") { *out = kv; *in = hidden_size; return true; }
-  if (m == "o_proj") { *out = hidden_size; *in = q; return true; }
+  if (m == "q_proj") {
+    *out = q;
+    *in = hidden_size;
+    return true;
+  }
+  if (m == "k_proj" || m == "v_proj") {
+    *out = kv;
+    *in = hidden_size;
+    return true;
+  }
+  if (m == "o_proj") {
+    *out = hidden_size;
+    *in = q;
+    return true;
+  }
   return false;
 }
 
@@ -34,13 +46,14 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
   }
   if (!j.is_object()) return bad("not a JSON object");
   ModelInfo info;
-  if (!j.contains("architectures") || !j["architectures"].is_array() || j["architectures"].empty() ||
-      !j["architectures"][0].is_string()) {
+  if (!j.contains("architectures") || !j["architectures"].is_array() ||
+      j["architectures"].empty() || !j["architectures"][0].is_string()) {
     return bad("no architectures[0] (cannot tell which model this is)");
   }
   info.architecture = j["architectures"][0].get<std::string>();
   info.interleaved_gate_up = IsInterleavedGateUpArch(info.architecture);
-  const nlohmann::json& t = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
+  const nlohmann::json& t =
+      j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
   auto get_int = [&](std::initializer_list<const char*> keys, int* out) {
     for (const char* k : keys) {
       if (t.contains(k) && t[k].is_number_integer()) {
@@ -59,7 +72,8 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
   if (!get_int({"head_dim"}, &info.head_dim) && info.num_attention_heads > 0) {
     info.head_dim = info.hidden_size / info.num_attention_heads;
   }
-  get_int({"num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts"}, &info.num_experts);
+  get_int({"num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts"},
+          &info.num_experts);
   // GPT-OSS calls the per-expert size intermediate_size; the Qwen and Step families use
   // moe_intermediate_size.
   if (!get_int({"moe_intermediate_size"}, &info.moe_intermediate_size) && info.num_experts > 0) {
@@ -71,7 +85,8 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
 absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir) {
   const std::string file = model_dir + "/config.json";
   std::ifstream in(file);
-  if (!in) return absl::NotFoundError(absl::StrCat(file, ": cannot read (is --model a model directory?)"));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat(file, ": cannot read (is --model a model directory?)"));
   std::stringstream ss;
   ss << in.rdbuf();
   return ParseModelInfo(ss.str(), file);

@@ -10,10 +10,10 @@
 namespace moelora {
 
 struct ModelInfo {
-  std::string architecture;  // config.json architectures[0]
-  int hidden_size = 0;       // H
+  std::string architecture;       // config.json architectures[0]
+  int hidden_size = 0;            // H
   int moe_intermediate_size = 0;  // I (per expert)
-  int num_experts = 0;       // E
+  int num_experts = 0;            // E
   int num_layers = 0;
   int num_attention_heads = 0;
   int num_key_value_heads = 0;

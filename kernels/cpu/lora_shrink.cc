@@ -1,13 +1,16 @@
-#include "absl/strings/str_cat.h"
 #include "kernels/lora_shrink.h"
+
+#include "absl/strings/str_cat.h"
 
 namespace moelora {
 
 absl::Status LoraShrinkParams::Validate() const {
-  if (!x || !lora_a || !rank || !slot_of_token || !y) return absl::InvalidArgumentError("LoraShrinkParams: null pointer");
+  if (!x || !lora_a || !rank || !slot_of_token || !y)
+    return absl::InvalidArgumentError("LoraShrinkParams: null pointer");
   if (num_tokens <= 0 || h_in <= 0 || max_rank <= 0 || num_slots <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("LoraShrinkParams: dims must be positive (T=", num_tokens,
-                                                   ", H_in=", h_in, ", R_max=", max_rank, ", S=", num_slots, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoraShrinkParams: dims must be positive (T=", num_tokens, ", H_in=", h_in,
+                     ", R_max=", max_rank, ", S=", num_slots, ")"));
   }
   return absl::OkStatus();
 }
@@ -20,11 +23,13 @@ absl::Status LoraShrinkCpu(const LoraShrinkParams& p) {
     for (int64_t j = 0; j < p.max_rank; ++j) yt[j] = 0.0f;
     if (s < 0) continue;
     if (s >= p.num_slots) {
-      return absl::InvalidArgumentError(absl::StrCat("token ", t, ": slot ", s, " >= ", p.num_slots, " slots"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token ", t, ": slot ", s, " >= ", p.num_slots, " slots"));
     }
     const int32_t r = p.rank[s];
     if (r < 0 || r > p.max_rank) {
-      return absl::InvalidArgumentError(absl::StrCat("slot ", s, ": rank ", r, " outside [0, ", p.max_rank, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("slot ", s, ": rank ", r, " outside [0, ", p.max_rank, "]"));
     }
     const float* xt = p.x + t * p.h_in;
     for (int32_t j = 0; j < r; ++j) {

@@ -7,7 +7,9 @@ bool CudaDeviceAvailable() { return false; }
 absl::Status LoraShrinkCuda(const LoraShrinkParams&, void*) {
   return absl::UnimplementedError("built without CUDA (configure with -DMOELORA_ENABLE_CUDA=ON)");
 }
-absl::Status LoraShrinkCudaFromHost(const LoraShrinkParams& p) { return LoraShrinkCuda(p, nullptr); }
+absl::Status LoraShrinkCudaFromHost(const LoraShrinkParams& p) {
+  return LoraShrinkCuda(p, nullptr);
+}
 int NcclVersionCode() { return 0; }
 
 }  // namespace moelora

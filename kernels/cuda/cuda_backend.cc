@@ -10,8 +10,8 @@
 namespace moelora {
 
 cudaError_t LaunchLoraShrinkF32(const float* x, const float* lora_a, const int32_t* rank,
-                                const int32_t* slot_of_token, float* y, int64_t num_tokens, int64_t h_in,
-                                int64_t max_rank, cudaStream_t stream);
+                                const int32_t* slot_of_token, float* y, int64_t num_tokens,
+                                int64_t h_in, int64_t max_rank, cudaStream_t stream);
 
 namespace {
 
@@ -20,8 +20,8 @@ absl::Status CudaStatus(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
 }
 
-#define MOELORA_RETURN_IF_CUDA_ERROR(expr, what)               \
-  do {                                                         \
+#define MOELORA_RETURN_IF_CUDA_ERROR(expr, what)                 \
+  do {                                                           \
     if (auto s_ = CudaStatus((expr), what); !s_.ok()) return s_; \
   } while (false)
 
@@ -42,8 +42,8 @@ bool CudaDeviceAvailable() {
 
 absl::Status LoraShrinkCuda(const LoraShrinkParams& p, void* stream) {
   if (auto s = p.Validate(); !s.ok()) return s;
-  return CudaStatus(LaunchLoraShrinkF32(p.x, p.lora_a, p.rank, p.slot_of_token, p.y, p.num_tokens, p.h_in,
-                                        p.max_rank, static_cast<cudaStream_t>(stream)),
+  return CudaStatus(LaunchLoraShrinkF32(p.x, p.lora_a, p.rank, p.slot_of_token, p.y, p.num_tokens,
+                                        p.h_in, p.max_rank, static_cast<cudaStream_t>(stream)),
                     "LoraShrinkKernel launch");
 }
 
@@ -55,15 +55,20 @@ absl::Status LoraShrinkCudaFromHost(const LoraShrinkParams& p) {
   const size_t yb = p.num_tokens * p.max_rank * sizeof(float);
   MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&x.ptr, xb), "cudaMalloc x");
   MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&a.ptr, ab), "cudaMalloc lora_a");
-  MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&rank.ptr, p.num_slots * sizeof(int32_t)), "cudaMalloc rank");
-  MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&slot.ptr, p.num_tokens * sizeof(int32_t)), "cudaMalloc slot");
+  MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&rank.ptr, p.num_slots * sizeof(int32_t)),
+                               "cudaMalloc rank");
+  MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&slot.ptr, p.num_tokens * sizeof(int32_t)),
+                               "cudaMalloc slot");
   MOELORA_RETURN_IF_CUDA_ERROR(cudaMalloc(&y.ptr, yb), "cudaMalloc y");
   MOELORA_RETURN_IF_CUDA_ERROR(cudaMemcpy(x.ptr, p.x, xb, cudaMemcpyHostToDevice), "copy x");
-  MOELORA_RETURN_IF_CUDA_ERROR(cudaMemcpy(a.ptr, p.lora_a, ab, cudaMemcpyHostToDevice), "copy lora_a");
-  MOELORA_RETURN_IF_CUDA_ERROR(cudaMemcpy(rank.ptr, p.rank, p.num_slots * sizeof(int32_t), cudaMemcpyHostToDevice),
-                               "copy rank");
+  MOELORA_RETURN_IF_CUDA_ERROR(cudaMemcpy(a.ptr, p.lora_a, ab, cudaMemcpyHostToDevice),
+                               "copy lora_a");
   MOELORA_RETURN_IF_CUDA_ERROR(
-      cudaMemcpy(slot.ptr, p.slot_of_token, p.num_tokens * sizeof(int32_t), cudaMemcpyHostToDevice), "copy slots");
+      cudaMemcpy(rank.ptr, p.rank, p.num_slots * sizeof(int32_t), cudaMemcpyHostToDevice),
+      "copy rank");
+  MOELORA_RETURN_IF_CUDA_ERROR(
+      cudaMemcpy(slot.ptr, p.slot_of_token, p.num_tokens * sizeof(int32_t), cudaMemcpyHostToDevice),
+      "copy slots");
   LoraShrinkParams d = p;
   d.x = static_cast<const float*>(x.ptr);
   d.lora_a = static_cast<const float*>(a.ptr);

@@ -12,8 +12,9 @@ constexpr int kWarpsPerBlock = 8;
 // One block per token; warp w computes ranks j = w, w + 8, ...; lanes stride over H_in and the
 // warp reduces with shuffles. f32 accumulation throughout.
 __global__ void LoraShrinkKernel(const float* __restrict__ x, const float* __restrict__ lora_a,
-                                 const int32_t* __restrict__ rank, const int32_t* __restrict__ slot_of_token,
-                                 float* __restrict__ y, int64_t h_in, int64_t max_rank) {
+                                 const int32_t* __restrict__ rank,
+                                 const int32_t* __restrict__ slot_of_token, float* __restrict__ y,
+                                 int64_t h_in, int64_t max_rank) {
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x;
   const int warp = threadIdx.y;
@@ -34,8 +35,8 @@ __global__ void LoraShrinkKernel(const float* __restrict__ x, const float* __res
 }  // namespace
 
 cudaError_t LaunchLoraShrinkF32(const float* x, const float* lora_a, const int32_t* rank,
-                                const int32_t* slot_of_token, float* y, int64_t num_tokens, int64_t h_in,
-                                int64_t max_rank, cudaStream_t stream) {
+                                const int32_t* slot_of_token, float* y, int64_t num_tokens,
+                                int64_t h_in, int64_t max_rank, cudaStream_t stream) {
   dim3 block(32, kWarpsPerBlock);
   dim3 grid(static_cast<unsigned>(num_tokens));
   LoraShrinkKernel<<<grid, block, 0, stream>>>(x, lora_a, rank, slot_of_token, y, h_in, max_rank);

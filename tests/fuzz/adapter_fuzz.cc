@@ -45,7 +45,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto a = moelora::ReadAdapter(dir, opt);
   if (!a.ok()) {
     auto c = a.status().code();
-    if (c != absl::StatusCode::kInvalidArgument && c != absl::StatusCode::kResourceExhausted) std::abort();
+    if (c != absl::StatusCode::kInvalidArgument && c != absl::StatusCode::kResourceExhausted)
+      std::abort();
     return 0;
   }
   moelora::ConvertTo2DInPlace(&*a).IgnoreError();

@@ -21,15 +21,17 @@ TEST(LoraShrinkGpu, MatchesCpuTwin) {
   struct Shape {
     int64_t t, h, r, s;
   };
-  for (const Shape& sh : {Shape{1, 1, 1, 1}, Shape{1, 33, 1, 2}, Shape{7, 100, 16, 3}, Shape{64, 2048, 64, 8},
-                          Shape{257, 777, 17, 5}}) {
-    std::vector<float> x(sh.t * sh.h), a(sh.s * sh.r * sh.h), y_cpu(sh.t * sh.r), y_gpu(sh.t * sh.r, -1.0f);
+  for (const Shape& sh : {Shape{1, 1, 1, 1}, Shape{1, 33, 1, 2}, Shape{7, 100, 16, 3},
+                          Shape{64, 2048, 64, 8}, Shape{257, 777, 17, 5}}) {
+    std::vector<float> x(sh.t * sh.h), a(sh.s * sh.r * sh.h), y_cpu(sh.t * sh.r),
+        y_gpu(sh.t * sh.r, -1.0f);
     for (auto& v : x) v = dist(rng);
     for (auto& v : a) v = dist(rng);
     std::vector<int32_t> rank(sh.s), slot(sh.t);
     for (auto& v : rank) v = 1 + static_cast<int32_t>(rng() % sh.r);
     for (auto& v : slot) v = static_cast<int32_t>(rng() % (sh.s + 1)) - 1;
-    LoraShrinkParams p{x.data(), a.data(), rank.data(), slot.data(), y_cpu.data(), sh.t, sh.h, sh.r, sh.s};
+    LoraShrinkParams p{x.data(), a.data(), rank.data(), slot.data(), y_cpu.data(),
+                       sh.t,     sh.h,     sh.r,        sh.s};
     ASSERT_THAT(LoraShrinkCpu(p), IsOk());
     p.y = y_gpu.data();
     ASSERT_THAT(LoraShrinkCudaFromHost(p), IsOk());

@@ -19,13 +19,15 @@ namespace moelora::testing {
 class AdapterBuilder {
  public:
   explicit AdapterBuilder(uint32_t seed = 7) : rng_(seed) {
-    config_ = {{"peft_type", "LORA"}, {"r", 2}, {"lora_alpha", 4}, {"target_modules", {"q_proj"}},
-               {"bias", "none"}, {"use_dora", false}, {"modules_to_save", nullptr}};
+    config_ = {{"peft_type", "LORA"},          {"r", 2},         {"lora_alpha", 4},
+               {"target_modules", {"q_proj"}}, {"bias", "none"}, {"use_dora", false},
+               {"modules_to_save", nullptr}};
   }
   nlohmann::json& config() { return config_; }
 
   // Adds "base_model.model.<module>.<suffix>" of the given shape with random values.
-  AdapterBuilder& Tensor(const std::string& name, std::vector<int64_t> shape, DType dtype = DType::kF32) {
+  AdapterBuilder& Tensor(const std::string& name, std::vector<int64_t> shape,
+                         DType dtype = DType::kF32) {
     int64_t n = 1;
     for (auto d : shape) n *= d;
     std::vector<uint8_t> bytes(static_cast<size_t>(n) * DTypeBits(dtype) / 8);
@@ -34,12 +36,14 @@ class AdapterBuilder {
     tensors_.push_back({name, dtype, std::move(shape), std::move(bytes)});
     return *this;
   }
-  AdapterBuilder& Pair(const std::string& module, int64_t r, int64_t in, int64_t out, DType dtype = DType::kF32) {
+  AdapterBuilder& Pair(const std::string& module, int64_t r, int64_t in, int64_t out,
+                       DType dtype = DType::kF32) {
     Tensor("base_model.model." + module + ".lora_A.weight", {r, in}, dtype);
     return Tensor("base_model.model." + module + ".lora_B.weight", {out, r}, dtype);
   }
   // A 2D expert layer: E experts x {gate, up, down}.
-  AdapterBuilder& Experts2D(const std::string& prefix, int64_t e_count, int64_t r, int64_t h, int64_t inter) {
+  AdapterBuilder& Experts2D(const std::string& prefix, int64_t e_count, int64_t r, int64_t h,
+                            int64_t inter) {
     for (int64_t e = 0; e < e_count; ++e) {
       const std::string p = prefix + "." + std::to_string(e);
       Pair(p + ".gate_proj", r, h, inter);
@@ -49,10 +53,11 @@ class AdapterBuilder {
     return *this;
   }
   // A 3D expert layer (PEFT target_parameters layout).
-  AdapterBuilder& Experts3D(const std::string& prefix, int64_t e_count, int64_t r, int64_t h, int64_t inter,
-                            DType dtype = DType::kF32) {
+  AdapterBuilder& Experts3D(const std::string& prefix, int64_t e_count, int64_t r, int64_t h,
+                            int64_t inter, DType dtype = DType::kF32) {
     Tensor("base_model.model." + prefix + ".base_layer.lora_A.weight", {e_count * r, h}, dtype);
-    Tensor("base_model.model." + prefix + ".base_layer.lora_B.weight", {2 * inter, r * e_count}, dtype);
+    Tensor("base_model.model." + prefix + ".base_layer.lora_B.weight", {2 * inter, r * e_count},
+           dtype);
     Tensor("base_model.model." + prefix + ".lora_A.weight", {e_count * r, inter}, dtype);
     return Tensor("base_model.model." + prefix + ".lora_B.weight", {h, r * e_count}, dtype);
   }
@@ -61,7 +66,8 @@ class AdapterBuilder {
     ::mkdir(dir.c_str(), 0755);
     WriteFile(dir + "/adapter_config.json", config_.dump(2));
     std::vector<TensorToWrite> ts;
-    for (const auto& t : tensors_) ts.push_back({t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size()});
+    for (const auto& t : tensors_)
+      ts.push_back({t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size()});
     auto s = WriteSafetensors(dir + "/adapter_model.safetensors", ts);
     if (!s.ok()) throw std::runtime_error(s.ToString());
     return dir;

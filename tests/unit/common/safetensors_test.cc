@@ -27,7 +27,8 @@ std::string Raw(const std::string& header, const std::string& data) {
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> Parse(const std::string& bytes) {
   return SafetensorsFile::FromBuffer(
-      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), "mem.safetensors");
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()),
+      "mem.safetensors");
 }
 
 TEST(Safetensors, RoundTripKeepsBytesShapesAndMetadata) {
@@ -68,8 +69,9 @@ TEST(Safetensors, RoundTripKeepsBytesShapesAndMetadata) {
 }
 
 TEST(Safetensors, EveryDTypeNameParses) {
-  for (const char* name : {"BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
-                           "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"}) {
+  for (const char* name : {"BOOL",    "F4",      "F6_E2M3", "F6_E3M2", "U8",  "I8",   "F8_E5M2",
+                           "F8_E4M3", "F8_E8M0", "I16",     "U16",     "F16", "BF16", "I32",
+                           "U32",     "F32",     "C64",     "F64",     "I64", "U64"}) {
     auto d = ParseDType(name);
     ASSERT_THAT(d, IsOk()) << name;
     EXPECT_EQ(DTypeName(*d), name);
@@ -78,7 +80,8 @@ TEST(Safetensors, EveryDTypeNameParses) {
 }
 
 TEST(Safetensors, AcceptsValidHandWrittenFile) {
-  auto f = Parse(Raw(R"({"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"__metadata__":{"k":"v"}}  )", "ab"));
+  auto f = Parse(Raw(
+      R"({"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"__metadata__":{"k":"v"}}  )", "ab"));
   ASSERT_THAT(f, IsOk());
   EXPECT_EQ((*f)->Find("x")->data[1], 'b');
 }
@@ -106,7 +109,8 @@ TEST(Safetensors, RejectsMalformedInputWithClearErrors) {
       {"header length past end", past, "runs past the end"},
       {"not JSON", Raw("{not json", ""), "not valid JSON"},
       {"not an object", Raw("[1,2]", ""), "JSON object"},
-      {"unknown dtype", Raw(R"({"x":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", "a"), "unknown dtype"},
+      {"unknown dtype", Raw(R"({"x":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", "a"),
+       "unknown dtype"},
       {"duplicate names",
        Raw(R"({"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"x":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
            "ab"),
@@ -119,20 +123,29 @@ TEST(Safetensors, RejectsMalformedInputWithClearErrors) {
        Raw(R"({"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"y":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}})",
            "abc"),
        "gap"},
-      {"does not start at 0", Raw(R"({"x":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", "ab"), "gap"},
-      {"out of range", Raw(R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "ab"), "out of range"},
-      {"trailing bytes", Raw(R"({"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "ab"), "trailing"},
+      {"does not start at 0", Raw(R"({"x":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", "ab"),
+       "gap"},
+      {"out of range", Raw(R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", "ab"),
+       "out of range"},
+      {"trailing bytes", Raw(R"({"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "ab"),
+       "trailing"},
       {"shape product overflows",
-       Raw(R"({"x":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}})", "abcd"),
+       Raw(R"({"x":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}})",
+           "abcd"),
        "overflows"},
-      {"shape x dtype != span", Raw(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "abcd"),
+      {"shape x dtype != span",
+       Raw(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "abcd"),
        "is 8 bytes but data_offsets span 4"},
-      {"end before begin", Raw(R"({"x":{"dtype":"U8","shape":[0],"data_offsets":[2,1]}})", ""), "end 1 < begin 2"},
-      {"negative dim", Raw(R"({"x":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", "a"), "non-negative"},
-      {"float dim", Raw(R"({"x":{"dtype":"U8","shape":[1.5],"data_offsets":[0,1]}})", "a"), "non-negative"},
+      {"end before begin", Raw(R"({"x":{"dtype":"U8","shape":[0],"data_offsets":[2,1]}})", ""),
+       "end 1 < begin 2"},
+      {"negative dim", Raw(R"({"x":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", "a"),
+       "non-negative"},
+      {"float dim", Raw(R"({"x":{"dtype":"U8","shape":[1.5],"data_offsets":[0,1]}})", "a"),
+       "non-negative"},
       {"missing offsets", Raw(R"({"x":{"dtype":"U8","shape":[1]}})", "a"), "data_offsets"},
       {"metadata not strings", Raw(R"({"__metadata__":{"k":1}})", ""), "not a string"},
-      {"sub-byte not whole bytes", Raw(R"({"x":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", "ab"),
+      {"sub-byte not whole bytes",
+       Raw(R"({"x":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", "ab"),
        "whole number of bytes"},
       {"header does not start with {", Raw(R"( {"x":1})", ""), "must start with"},
       {"invalid UTF-8", Raw("{\"\xff\xfe\":{}}", ""), "not valid JSON"},
@@ -153,17 +166,19 @@ TEST(Safetensors, TruncatedFileOnDiskIsRejected) {
   ASSERT_THAT(WriteSafetensors(path, {{"w", DType::kF32, {8, 8}, data.data(), 256}}), IsOk());
   std::string bytes = testing::ReadFile(path);
   testing::WriteFile(path, bytes.substr(0, bytes.size() - 7));
-  EXPECT_THAT(SafetensorsFile::Open(path),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("out of range or file truncated")));
+  EXPECT_THAT(SafetensorsFile::Open(path), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    HasSubstr("out of range or file truncated")));
 }
 
 TEST(Safetensors, MissingFileIsNotFound) {
-  EXPECT_THAT(SafetensorsFile::Open("/nonexistent/x.safetensors"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(SafetensorsFile::Open("/nonexistent/x.safetensors"),
+              StatusIs(absl::StatusCode::kNotFound));
 }
 
 TEST(Safetensors, WriterRejectsSizeMismatchAndDuplicates) {
   float x[2] = {1, 2};
-  EXPECT_THAT(SerializeSafetensors({{"a", DType::kF32, {3}, x, 8}}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(SerializeSafetensors({{"a", DType::kF32, {3}, x, 8}}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(SerializeSafetensors({{"a", DType::kF32, {2}, x, 8}, {"a", DType::kF32, {2}, x, 8}}),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
@@ -173,7 +188,9 @@ TEST(Safetensors, ReleasePagesKeepsViewsReadable) {
   std::vector<float> data(1 << 16);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(i);
   const std::string path = dir.Sub("r.safetensors");
-  ASSERT_THAT(WriteSafetensors(path, {{"w", DType::kF32, {256, 256}, data.data(), data.size() * 4}}), IsOk());
+  ASSERT_THAT(
+      WriteSafetensors(path, {{"w", DType::kF32, {256, 256}, data.data(), data.size() * 4}}),
+      IsOk());
   auto f = SafetensorsFile::Open(path);
   ASSERT_THAT(f, IsOk());
   const TensorView* w = (*f)->Find("w");

@@ -37,7 +37,8 @@ TEST(AdapterConfig, ParsesPeftFields) {
 }
 
 TEST(AdapterConfig, TargetModulesAsRegexString) {
-  auto c = ParseAdapterConfig(R"({"r": 2, "lora_alpha": 2, "target_modules": ".*\\.(q|v)_proj"})", "c");
+  auto c =
+      ParseAdapterConfig(R"({"r": 2, "lora_alpha": 2, "target_modules": ".*\\.(q|v)_proj"})", "c");
   ASSERT_THAT(c, IsOk());
   EXPECT_EQ(*c->target_modules_regex, ".*\\.(q|v)_proj");
   EXPECT_DOUBLE_EQ(c->ScalingFor(2, 2), 1.0);
@@ -51,32 +52,38 @@ TEST(AdapterConfig, RejectsMissingAndInvalidFields) {
       {R"({"r": 0, "lora_alpha": 2, "target_modules": ["q_proj"]})", "r must be positive"},
       {R"({"r": -3, "lora_alpha": 2, "target_modules": ["q_proj"]})", "r must be positive"},
       {R"({"r": 2.5, "lora_alpha": 2, "target_modules": ["q_proj"]})", "r must be an integer"},
-      {R"({"r": 2, "lora_alpha": NaN, "target_modules": ["q_proj"]})", "NaN and Infinity are not numbers"},
-      {R"({"r": 2, "lora_alpha": "x", "target_modules": ["q_proj"]})", "lora_alpha must be a number"},
+      {R"({"r": 2, "lora_alpha": NaN, "target_modules": ["q_proj"]})",
+       "NaN and Infinity are not numbers"},
+      {R"({"r": 2, "lora_alpha": "x", "target_modules": ["q_proj"]})",
+       "lora_alpha must be a number"},
       {R"({"r": 2, "lora_alpha": 1e999, "target_modules": ["q_proj"]})", "1e999"},
       {R"({"r": 2, "lora_alpha": 2, "target_modules": "(["})", "regex"},
       {R"({"r": 2, "lora_alpha": 2, "target_modules": [1]})", "list of strings"},
-      {R"({"r": 2, "lora_alpha": 2, "target_modules": ["q"], "rank_pattern": {"q": 0}})", "rank_pattern"},
+      {R"({"r": 2, "lora_alpha": 2, "target_modules": ["q"], "rank_pattern": {"q": 0}})",
+       "rank_pattern"},
       {R"({"r": 2, "lora_alpha": 2, "target_modules": ["q"], "peft_type": "IA3"})", "only LORA"},
       {"not json", "not valid JSON"},
       {"[]", "not a JSON object"},
   };
   for (const auto& [text, message] : cases) {
-    EXPECT_THAT(ParseAdapterConfig(text, "dir/adapter_config.json"),
-                StatusIs(absl::StatusCode::kInvalidArgument, ::testing::AllOf(HasSubstr(message),
-                                                                               HasSubstr("dir/adapter_config.json"))))
+    EXPECT_THAT(
+        ParseAdapterConfig(text, "dir/adapter_config.json"),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 ::testing::AllOf(HasSubstr(message), HasSubstr("dir/adapter_config.json"))))
         << text;
   }
 }
 
 TEST(AdapterConfig, ServabilityRefusesDoraModulesToSaveAndBias) {
-  auto c = ParseAdapterConfig(R"({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"], "use_dora": true,
+  auto c = ParseAdapterConfig(
+      R"({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"], "use_dora": true,
       "modules_to_save": ["lm_head"], "bias": "all"})",
-                              "c.json");
+      "c.json");
   ASSERT_THAT(c, IsOk());
   auto s = CheckServable(*c, "c.json");
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
-                          ::testing::AllOf(HasSubstr("DoRA"), HasSubstr("modules_to_save"), HasSubstr("bias"))));
+                          ::testing::AllOf(HasSubstr("DoRA"), HasSubstr("modules_to_save"),
+                                           HasSubstr("bias"))));
 }
 
 }  // namespace

@@ -55,13 +55,14 @@ TEST(AdapterCli, InspectHumanReadable) {
 }
 
 TEST(AdapterCli, ValidateAgainstModel) {
-  CliRun r = Cli({"validate", kData + "/qwen3_vl_moe/adapter_3d", "--model", kData + "/qwen3_vl_moe/model"});
+  CliRun r = Cli(
+      {"validate", kData + "/qwen3_vl_moe/adapter_3d", "--model", kData + "/qwen3_vl_moe/model"});
   EXPECT_EQ(r.code, kExitOk) << r.err;
   EXPECT_THAT(r.out, HasSubstr("OK"));
   // A Qwen3-MoE adapter against GPT-OSS's config: layers and dims differ... both have H=24, so
   // use a model whose expert count differs: tighten with --max-lora-rank instead.
-  r = Cli({"validate", kData + "/qwen3_moe/adapter_3d", "--model", kData + "/qwen3_moe/model", "--max-lora-rank",
-           "2"});
+  r = Cli({"validate", kData + "/qwen3_moe/adapter_3d", "--model", kData + "/qwen3_moe/model",
+           "--max-lora-rank", "2"});
   EXPECT_EQ(r.code, kExitInvalidAdapter);
   EXPECT_THAT(r.err, HasSubstr("max-lora-rank"));
 }
@@ -73,7 +74,8 @@ TEST(AdapterCli, ExitCodes) {
   EXPECT_EQ(Cli({"inspect", "/nonexistent"}).code, kExitFailure);
   EXPECT_EQ(Cli({"validate", kData + "/qwen3_moe/adapter_2d"}).code, kExitFailure);  // no --model
   TempDir tmp;
-  testing::WriteFile(tmp.Sub("adapter_config.json"), R"({"r": 2, "lora_alpha": 2, "target_modules": ["q"]})");
+  testing::WriteFile(tmp.Sub("adapter_config.json"),
+                     R"({"r": 2, "lora_alpha": 2, "target_modules": ["q"]})");
   testing::WriteFile(tmp.Sub("adapter_model.safetensors"), "garbage!garbage!");
   CliRun r = Cli({"inspect", tmp.path()});
   EXPECT_EQ(r.code, kExitInvalidAdapter);
@@ -82,7 +84,8 @@ TEST(AdapterCli, ExitCodes) {
 
 TEST(AdapterCli, ConvertBothWays) {
   TempDir tmp;
-  CliRun r = Cli({"convert", kData + "/qwen3_moe/adapter_3d", "--to", "2d", "--out", tmp.Sub("a2d")});
+  CliRun r =
+      Cli({"convert", kData + "/qwen3_moe/adapter_3d", "--to", "2d", "--out", tmp.Sub("a2d")});
   ASSERT_EQ(r.code, kExitOk) << r.err;
   r = Cli({"inspect", tmp.Sub("a2d"), "--json"});
   ASSERT_EQ(r.code, kExitOk) << r.err;
@@ -95,19 +98,24 @@ TEST(AdapterCli, ConvertBothWays) {
   EXPECT_EQ(j["format"], "3d");
   // The written config is what PEFT reads: target_parameters for 3D, per-expert modules for 2D.
   auto cfg3 = nlohmann::json::parse(testing::ReadFile(tmp.Sub("a3d/adapter_config.json")));
-  EXPECT_EQ(cfg3["target_parameters"], nlohmann::json({"mlp.experts.down_proj", "mlp.experts.gate_up_proj"}));
+  EXPECT_EQ(cfg3["target_parameters"],
+            nlohmann::json({"mlp.experts.down_proj", "mlp.experts.gate_up_proj"}));
   auto cfg2 = nlohmann::json::parse(testing::ReadFile(tmp.Sub("a2d/adapter_config.json")));
   EXPECT_TRUE(cfg2["target_parameters"].is_null());
-  EXPECT_EQ(cfg2["target_modules"], nlohmann::json({"down_proj", "gate_proj", "o_proj", "q_proj", "up_proj"}));
+  EXPECT_EQ(cfg2["target_modules"],
+            nlohmann::json({"down_proj", "gate_proj", "o_proj", "q_proj", "up_proj"}));
   // Refuses to overwrite its input.
-  EXPECT_EQ(Cli({"convert", tmp.Sub("a2d"), "--to", "3d", "--out", tmp.Sub("a2d")}).code, kExitFailure);
-  EXPECT_EQ(Cli({"convert", tmp.Sub("a2d"), "--to", "4d", "--out", tmp.Sub("x")}).code, kExitFailure);
+  EXPECT_EQ(Cli({"convert", tmp.Sub("a2d"), "--to", "3d", "--out", tmp.Sub("a2d")}).code,
+            kExitFailure);
+  EXPECT_EQ(Cli({"convert", tmp.Sub("a2d"), "--to", "4d", "--out", tmp.Sub("x")}).code,
+            kExitFailure);
 }
 
 TEST(AdapterCli, RealBinaryReportsInvalidAdapterWithExitTwo) {
   TempDir tmp;
   testing::WriteFile(tmp.Sub("adapter_config.json"), R"({"r": 2, "lora_alpha": 2})");
-  const std::string cmd = std::string(MOELORA_ADAPTER_CLI) + " inspect " + tmp.path() + " 2>/dev/null";
+  const std::string cmd =
+      std::string(MOELORA_ADAPTER_CLI) + " inspect " + tmp.path() + " 2>/dev/null";
   const int status = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), kExitInvalidAdapter);

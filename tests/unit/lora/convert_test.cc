@@ -27,9 +27,10 @@ const std::string kData = MOELORA_TEST_DATA_DIR;
 
 TEST(InPlaceTranspose, MatchesNaiveTransposeOnManyShapes) {
   std::mt19937 rng(1);
-  std::vector<std::array<int64_t, 3>> shapes = {{1, 1, 1},  {1, 7, 4},  {7, 1, 4},  {2, 3, 4},   {3, 2, 4},
-                                                {4, 4, 4},  {6, 4, 2},  {4, 6, 2},  {12, 8, 4},  {8, 12, 8},
-                                                {16, 4, 6}, {20, 4, 32}, {24, 128, 2}, {1536, 128, 2}, {9, 6, 3}};
+  std::vector<std::array<int64_t, 3>> shapes = {
+      {1, 1, 1},  {1, 7, 4},   {7, 1, 4},    {2, 3, 4},      {3, 2, 4},
+      {4, 4, 4},  {6, 4, 2},   {4, 6, 2},    {12, 8, 4},     {8, 12, 8},
+      {16, 4, 6}, {20, 4, 32}, {24, 128, 2}, {1536, 128, 2}, {9, 6, 3}};
   for (int k = 0; k < 40; ++k) {
     shapes.push_back({1 + static_cast<int64_t>(rng() % 50), 1 + static_cast<int64_t>(rng() % 50),
                       1 + static_cast<int64_t>(rng() % 5)});
@@ -51,7 +52,8 @@ TEST(InPlaceTranspose, MatchesNaiveTransposeOnManyShapes) {
 }
 
 // Max |ours - PEFT| over every expert projection of every layer.
-double MaxDiffAgainstPeft(const LoraAdapter& adapter, const std::string& deltas_path, int* compared) {
+double MaxDiffAgainstPeft(const LoraAdapter& adapter, const std::string& deltas_path,
+                          int* compared) {
   auto ref = SafetensorsFile::Open(deltas_path);
   EXPECT_THAT(ref, IsOk());
   double worst = 0;
@@ -61,7 +63,8 @@ double MaxDiffAgainstPeft(const LoraAdapter& adapter, const std::string& deltas_
     for (size_t e = 0; e < layer.experts.size(); ++e) {
       for (int p = 0; p < 3; ++p) {
         if (!layer.experts[e][p]) continue;
-        const std::string key = "layers." + std::to_string(layer.layer) + ".experts." + std::to_string(e) + "." +
+        const std::string key = "layers." + std::to_string(layer.layer) + ".experts." +
+                                std::to_string(e) + "." +
                                 ExpertProjName(static_cast<ExpertProj>(p));
         const TensorView* r = (*ref)->Find(key);
         if (r == nullptr) {
@@ -105,7 +108,8 @@ TEST(Convert, ThreeDToTwoDEqualsPeftDeltas) {
     ASSERT_THAT(a, IsOk()) << c.dir;
     EXPECT_EQ(a->converted_to_2d, c.convert) << c.dir;
     int compared = 0;
-    const double diff = MaxDiffAgainstPeft(*a, kData + "/" + c.dir + "/expected_deltas.safetensors", &compared);
+    const double diff =
+        MaxDiffAgainstPeft(*a, kData + "/" + c.dir + "/expected_deltas.safetensors", &compared);
     EXPECT_EQ(compared, c.expected_projections) << c.dir;
     EXPECT_LE(diff, 1e-6) << c.dir;
     RecordProperty(c.dir + "_max_abs_diff", std::to_string(diff));
@@ -119,7 +123,9 @@ TEST(Convert, GptOssWithoutInterleaveDisagreesWithPeft) {
   auto a = ReadAdapter(kData + "/gpt_oss/adapter_3d", opt);
   ASSERT_THAT(a, IsOk());
   int compared = 0;
-  EXPECT_GT(MaxDiffAgainstPeft(*a, kData + "/gpt_oss/adapter_3d/expected_deltas.safetensors", &compared), 1e-3);
+  EXPECT_GT(
+      MaxDiffAgainstPeft(*a, kData + "/gpt_oss/adapter_3d/expected_deltas.safetensors", &compared),
+      1e-3);
 }
 
 TEST(Convert, ConvertedThreeDIsBitIdenticalToPythonTwin) {
@@ -138,8 +144,10 @@ TEST(Convert, ConvertedThreeDIsBitIdenticalToPythonTwin) {
         const LoraPair& y = *other.experts[e][p];
         ASSERT_EQ(x.a.shape, y.a.shape);
         ASSERT_EQ(x.b.shape, y.b.shape);
-        EXPECT_EQ(std::memcmp(x.a.data(), y.a.data(), x.a.nbytes()), 0) << prefix << " " << e << " " << p;
-        EXPECT_EQ(std::memcmp(x.b.data(), y.b.data(), x.b.nbytes()), 0) << prefix << " " << e << " " << p;
+        EXPECT_EQ(std::memcmp(x.a.data(), y.a.data(), x.a.nbytes()), 0)
+            << prefix << " " << e << " " << p;
+        EXPECT_EQ(std::memcmp(x.b.data(), y.b.data(), x.b.nbytes()), 0)
+            << prefix << " " << e << " " << p;
       }
     }
   }
@@ -174,7 +182,8 @@ std::string TensorBytes(const std::string& file) {
   EXPECT_THAT(f, IsOk());
   std::map<std::string, std::string> by_name;  // file order may differ; compare by name
   for (const auto& t : (*f)->tensors()) {
-    by_name[t.name] = t.ShapeString() + std::string(reinterpret_cast<const char*>(t.data), t.nbytes);
+    by_name[t.name] =
+        t.ShapeString() + std::string(reinterpret_cast<const char*>(t.data), t.nbytes);
   }
   std::string out;
   for (const auto& [name, bytes] : by_name) out += name + bytes;
@@ -219,7 +228,9 @@ TEST(Convert, TwoDToThreeDRankConcatKeepsDeltas) {
   auto back = ReadAdapter(tmp.Sub("3d"), opt);
   ASSERT_THAT(back, IsOk());
   int compared = 0;
-  EXPECT_LE(MaxDiffAgainstPeft(*back, kData + "/qwen3_moe/adapter_2d/expected_deltas.safetensors", &compared), 1e-6);
+  EXPECT_LE(MaxDiffAgainstPeft(*back, kData + "/qwen3_moe/adapter_2d/expected_deltas.safetensors",
+                               &compared),
+            1e-6);
   EXPECT_EQ(compared, 24);
 }
 
@@ -257,7 +268,8 @@ TEST(Convert, Bf16ThreeDConvertsLikeF32) {
 TEST(Convert, TwoDToThreeDRefusesMissingProjection) {
   TempDir tmp;
   AdapterBuilder b;
-  for (int e = 0; e < 4; ++e) b.Pair("model.layers.0.mlp.experts." + std::to_string(e) + ".gate_proj", 2, 24, 10);
+  for (int e = 0; e < 4; ++e)
+    b.Pair("model.layers.0.mlp.experts." + std::to_string(e) + ".gate_proj", 2, 24, 10);
   auto a = ReadAdapter(b.Write(tmp.Sub("g")));
   ASSERT_THAT(a, IsOk());
   EXPECT_THAT(ConvertTo3D(&*a), StatusIs(absl::StatusCode::kInvalidArgument));

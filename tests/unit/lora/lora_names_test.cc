@@ -13,7 +13,8 @@ using ::moelora::testing::StatusIs;
 using ::testing::HasSubstr;
 
 TEST(LoraNames, ParsesLikeVllm) {
-  auto n = ParseLoraTensorName("base_model.model.model.layers.3.mlp.experts.7.gate_proj.lora_A.weight");
+  auto n =
+      ParseLoraTensorName("base_model.model.model.layers.3.mlp.experts.7.gate_proj.lora_A.weight");
   ASSERT_THAT(n, IsOk());
   EXPECT_EQ(n->module, "model.layers.3.mlp.experts.7.gate_proj");
   EXPECT_TRUE(n->is_a);
@@ -43,7 +44,8 @@ TEST(LoraNames, ClassifiesExpertLayouts) {
   EXPECT_EQ(c.expert, 7);
   EXPECT_EQ(c.proj, ExpertProj::kUp);
   EXPECT_EQ(c.layer, 3);
-  EXPECT_EQ(ClassifyModule("model.layers.1.moe.experts.2.w2").proj, ExpertProj::kDown);  // Step3 / Mixtral names
+  EXPECT_EQ(ClassifyModule("model.layers.1.moe.experts.2.w2").proj,
+            ExpertProj::kDown);  // Step3 / Mixtral names
   c = ClassifyModule("model.language_model.layers.5.mlp.experts.base_layer");
   EXPECT_EQ(c.kind, ModuleKind::kGateUp3D);
   EXPECT_EQ(c.experts_prefix, "model.language_model.layers.5.mlp.experts");

@@ -43,13 +43,15 @@ TEST(Proto, PublicApiNamesArePinned) {
   ExpectField(out, "finish_reason", FieldDescriptor::TYPE_STRING, false);
   const auto* cs = Service("moelora.v1.Controller");
   ASSERT_NE(cs, nullptr);
-  for (const char* m : {"LoadAdapter", "UnloadAdapter", "ListAdapters", "GetAdapter", "Generate", "GenerateStream"}) {
+  for (const char* m : {"LoadAdapter", "UnloadAdapter", "ListAdapters", "GetAdapter", "Generate",
+                        "GenerateStream"}) {
     EXPECT_NE(cs->FindMethodByName(m), nullptr) << m;
   }
   ASSERT_NE(v1::StepRequest::descriptor(), nullptr);  // pulls worker.pb.o into the link
   const auto* ws = Service("moelora.v1.Worker");
   ASSERT_NE(ws, nullptr);
-  for (const char* m : {"StageAdapter", "CommitAdapter", "AbortAdapter", "UnloadAdapter", "Step", "Health", "Info"}) {
+  for (const char* m : {"StageAdapter", "CommitAdapter", "AbortAdapter", "UnloadAdapter", "Step",
+                        "Health", "Info"}) {
     EXPECT_NE(ws->FindMethodByName(m), nullptr) << m;
   }
 }

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs every Debian package moelora's build and tests need. Idempotent; run as root.
+# (CUDA and NCCL are not Debian packages: they come with the toolkit in /usr/local/cuda, which
+# the build uses when present.)
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+PACKAGES=(
+  build-essential cmake ninja-build ccache git pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libtorch-dev libgloo-dev prometheus-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
+  clang libclang-rt-14-dev clang-format
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  echo "install_deps: all ${#PACKAGES[@]} packages already installed"
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}"
+$SUDO apt-get update
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends "${missing[@]}"
