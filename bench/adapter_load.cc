@@ -126,15 +126,20 @@ int main(int argc, char** argv) {
 
   // Baseline: memcpy of the same bytes into freshly allocated memory (page faults included, as
   // the loader's destination buffers are fresh too).
-  double best_memcpy = 1e30;
+  // Two baselines: into fresh memory (page faults included, as the loader's buffers are fresh)
+  // and into already-touched memory (pure copy bandwidth, the stricter bound).
+  double best_memcpy = 1e30, best_memcpy_warm = 1e30;
   {
     std::unique_ptr<uint8_t[]> src(new uint8_t[bytes]);
     std::memset(src.get(), 1, bytes);
     for (int k = 0; k < repeat; ++k) {
       std::unique_ptr<uint8_t[]> dst(new uint8_t[bytes]);
-      const double t0 = Now();
+      double t0 = Now();
       std::memcpy(dst.get(), src.get(), bytes);
       best_memcpy = std::min(best_memcpy, Now() - t0);
+      t0 = Now();
+      std::memcpy(dst.get(), src.get(), bytes);
+      best_memcpy_warm = std::min(best_memcpy_warm, Now() - t0);
       volatile uint8_t sink = dst[bytes / 2];
       (void)sink;
     }
@@ -169,12 +174,17 @@ int main(int argc, char** argv) {
   const double memcpy_gbs = gb / best_memcpy;
   const double load_gbs = gb / best_total;
   std::printf("\n%-34s %10s %10s\n", "phase (best of runs)", "seconds", "GB/s");
-  std::printf("%-34s %10.3f %10.2f\n", "memcpy baseline (same bytes)", best_memcpy, memcpy_gbs);
+  std::printf("%-34s %10.3f %10.2f\n", "memcpy, fresh destination", best_memcpy, memcpy_gbs);
+  std::printf("%-34s %10.3f %10.2f\n", "memcpy, warm destination", best_memcpy_warm,
+              gb / best_memcpy_warm);
   std::printf("%-34s %10.3f %10.2f\n", "read (map + copy to host)", best.read, gb / best.read);
   std::printf("%-34s %10.3f %10s\n", "validate", best.validate, "-");
   std::printf("%-34s %10.3f %10.2f\n", "convert 3D->2D in place", best.convert, gb / best.convert);
   std::printf("%-34s %10.3f %10.2f\n", "load + validate + convert", best_total, load_gbs);
-  std::printf("\nratio load/memcpy bandwidth: %.2f (goal >= 0.5)\n", load_gbs / memcpy_gbs);
+  std::printf(
+      "\nratio load/memcpy bandwidth: %.2f vs fresh-destination memcpy, %.2f vs warm (goal >= "
+      "0.5)\n",
+      load_gbs / memcpy_gbs, load_gbs / (gb / best_memcpy_warm));
   std::printf("peak extra memory: %.1f MB = %.2f%% of the adapter (goal <= 10%%)\n",
               worst_extra / 1e6, 100.0 * worst_extra / static_cast<double>(bytes));
   return 0;
