@@ -102,11 +102,7 @@ absl::Status Validator::CheckDense(const std::string& module, Pending& p) {
   p.alpha = config_.AlphaFor(module);
   MOELORA_RETURN_IF_ERROR(CheckRank("module", p, p.rank, config_.RankFor(module)));
   if (options_.model) {
-    const ModelInfo& m = *options_.model;
-    if (p.cls.layer >= 0 && m.num_layers > 0 && p.cls.layer >= m.num_layers) {
-      return Bad("tensor '", a.name, "': layer ", p.cls.layer, " but the model has ", m.num_layers,
-                 " layers");
-    }
+    const ModelInfo& m = *options_.model;  // layer indices are checked for every module in Run()
     int out, in;
     if (m.DenseDims(LastComponent(module), &out, &in) && (a.shape[1] != in || b.shape[0] != out)) {
       return Bad("module '", module, "': lora_A ", Shape(a), " and lora_B ", Shape(b),

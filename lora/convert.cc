@@ -457,7 +457,7 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
   std::map<std::string, int> rank_extra;
   std::map<std::string, double> alpha_extra;
   std::set<std::string> target_params;
-  bool any3d = false, any2d = false;
+  bool any3d = false;
   auto note = [&](const std::string& key, const LoraPair& p) {
     if (p.rank != c.r) rank_extra[key] = p.rank;
     if (std::abs(p.alpha - c.lora_alpha) > 1e-12 * std::max(1.0, std::abs(c.lora_alpha)))
@@ -475,7 +475,6 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
       note(RegexEscape(rel) + "\\.down_proj", *layer.down);
       continue;
     }
-    any2d = true;
     for (size_t e = 0; e < layer.experts.size(); ++e) {
       for (int p = 0; p < 3; ++p) {
         if (!layer.experts[e][p]) continue;
@@ -507,7 +506,6 @@ absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir
   } else {
     cfg["target_parameters"] = nullptr;
   }
-  (void)any2d;
   std::sort(tensors.begin(), tensors.end(),
             [](const auto& x, const auto& y) { return x.name < y.name; });
   MOELORA_RETURN_IF_ERROR(
