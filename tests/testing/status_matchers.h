@@ -37,4 +37,7 @@ MATCHER_P2(StatusIs, code, message_matcher, "has code " + absl::StatusCodeToStri
 
 }  // namespace moelora::testing
 
+#define ASSERT_OK(expr) ASSERT_THAT((expr), ::moelora::testing::IsOk())
+#define EXPECT_OK(expr) EXPECT_THAT((expr), ::moelora::testing::IsOk())
+
 #endif  // MOELORA_TESTS_TESTING_STATUS_MATCHERS_H_

@@ -1,0 +1,47 @@
+// Segmented gather matrix-vector LoRA (Punica/S-LoRA "SGMV", shrink + expand in one pass) on the
+// CPU: out[row] += B_s · (A_s · x[row]) for every row of every segment, where a segment is a run
+// of rows that share one LoRA (an adapter slot, and for MoE an expert). Cost grows with the
+// number of rows, not with the number of distinct adapters: each row reads only its own A and B.
+//
+// Layouts (outermost first, row-major, f32): A is stored transposed, a_t [in_dim, r_stride]
+// (column j = lora_A row j), B transposed, b_t [r_stride, out_dim] (row j = lora_B column j,
+// scaling folded in). Only the first `rank` columns/rows are read. The rank-sized intermediate is
+// kept in f32 (FORMATS.md §1.7). Both inner loops run over contiguous memory with no reduction,
+// so the compiler vectorises them without reassociating floating point.
+//
+// Thread-safety: no shared state. Segments that write disjoint rows may run on different threads.
+#ifndef MOELORA_KERNELS_SGMV_H_
+#define MOELORA_KERNELS_SGMV_H_
+
+#include <cstdint>
+
+namespace moelora {
+
+struct SgmvSegment {
+  int64_t begin = 0;  // first entry of this segment (a row, or an index into `rows`)
+  int64_t end = 0;    // one past the last
+  const float* a_t = nullptr;  // [in_dim, r_stride]
+  const float* b_t = nullptr;  // [r_stride, out_dim]
+  int32_t rank = 0;            // 0 < rank <= r_stride; 0 = nothing to add
+};
+
+struct SgmvParams {
+  const float* x = nullptr;  // [*, x_stride]
+  int64_t x_stride = 0;
+  float* out = nullptr;  // [*, out_stride]; the first out_dim columns are accumulated into
+  int64_t out_stride = 0;
+  const int64_t* rows = nullptr;  // when set, segment entries index this row list
+  int64_t in_dim = 0;
+  int64_t out_dim = 0;
+  int64_t r_stride = 0;
+};
+
+// Runs segments [first, last) of `segs`. Preconditions (checked by the caller, which built the
+// segments): pointers valid for the dims given, rank <= r_stride <= kSgmvMaxRank.
+void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last);
+
+inline constexpr int64_t kSgmvMaxRank = 512;
+
+}  // namespace moelora
+
+#endif  // MOELORA_KERNELS_SGMV_H_

@@ -1,0 +1,338 @@
+// The engine against transformers + PEFT (tests/data, tools/make_fixtures.py) and against
+// itself: converted 3D == native 3D == equivalent 2D, mixed batches == requests alone, Qwen3-MoE
+// storage == Qwen3-VL-MoE storage, base tokens untouched by loaded adapters.
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/unit/worker/engine_test_util.h"
+
+namespace moelora {
+namespace {
+
+using ::moelora::testing::Data;
+using ::moelora::testing::GenerateBatch;
+using ::moelora::testing::Load;
+using ::moelora::testing::MakeEngine;
+using ::moelora::testing::MaxAbsDiff;
+using ::moelora::testing::PromptLogits;
+using ::moelora::testing::ReadExpected;
+using ::moelora::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr float kRefTol = 1e-4f;   // against transformers + PEFT (f32)
+constexpr float kSelfTol = 1e-5f;  // engine against itself
+
+struct RefCase {
+  const char* arch_dir;  // qwen3_moe | qwen3_vl_moe
+  const char* variant;   // expected_logits variant; also the adapter directory ("" for base)
+  bool mixed;
+};
+
+class ReferenceLogitsTest : public ::testing::TestWithParam<RefCase> {};
+
+TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
+  const RefCase c = GetParam();
+  const std::string dir = c.arch_dir;
+  auto ref = ReadExpected(Data(dir + "/expected_logits.safetensors"));
+  ASSERT_EQ(ref.prompts.size(), 3u);
+  auto h = MakeEngine(dir + "/model", c.mixed);
+  ASSERT_NE(h, nullptr);
+  int64_t adapter = 0;
+  const std::string variant = c.variant;
+  if (variant != "base") {
+    adapter = 7;
+    ASSERT_OK(Load(*h->engine, adapter, dir + "/" + variant));
+  }
+  const auto& want = ref.logits.at(variant);
+  float worst = 0;
+  for (size_t k = 0; k < ref.prompts.size(); ++k) {
+    auto got = PromptLogits(*h->engine, adapter, ref.prompts[k], 1 + k);
+    ASSERT_EQ(got.size(), want[k].size());
+    worst = std::max(worst, MaxAbsDiff(got, want[k]));
+  }
+  RecordProperty("max_abs_diff", std::to_string(worst));
+  std::printf("[ref] %s %s mixed=%d: max |logit - HF| = %.3g\n", c.arch_dir, c.variant, c.mixed,
+              worst);
+  EXPECT_LE(worst, kRefTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, ReferenceLogitsTest,
+    ::testing::Values(RefCase{"qwen3_moe", "base", false}, RefCase{"qwen3_moe", "adapter_2d", false},
+                      RefCase{"qwen3_moe", "adapter_2d_shared_a", false},
+                      RefCase{"qwen3_moe", "adapter_3d_as_2d", false},
+                      RefCase{"qwen3_moe", "adapter_3d", true},
+                      RefCase{"qwen3_moe", "adapter_2d", true},
+                      RefCase{"qwen3_vl_moe", "base", false},
+                      RefCase{"qwen3_vl_moe", "adapter_3d", false},
+                      RefCase{"qwen3_vl_moe", "adapter_3d", true},
+                      RefCase{"qwen3_vl_moe", "adapter_2d", true}),
+    [](const auto& info) {
+      return std::string(info.param.arch_dir) + "_" + info.param.variant +
+             (info.param.mixed ? "_mixed" : "");
+    });
+
+TEST(EngineTest, BfloatComputeStaysCloseToReference) {
+  auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
+  auto h = MakeEngine("qwen3_moe/model", true, 4, 8, "bfloat16");
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 3, "qwen3_moe/adapter_3d"));
+  auto got = PromptLogits(*h->engine, 3, ref.prompts[1]);
+  const float d = MaxAbsDiff(got, ref.logits.at("adapter_3d")[1]);
+  std::printf("[ref] bf16 adapter_3d: max |logit - HF f32| = %.3g\n", d);
+  EXPECT_LE(d, 0.1f);  // bf16 has 8 mantissa bits; logits are O(1)
+}
+
+// Converted 3D (mixed mode) == native 3D wrapper == the equivalent 2D adapter.
+TEST(EngineTest, Converted3DEqualsNative3DEqualsEquivalent2D) {
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88}, {3, 9, 27}};
+  auto vl_native = MakeEngine("qwen3_vl_moe/model", false);
+  auto vl_mixed = MakeEngine("qwen3_vl_moe/model", true);
+  auto q_mixed = MakeEngine("qwen3_moe/model", true);
+  auto q_2d = MakeEngine("qwen3_moe/model", false);
+  ASSERT_OK(Load(*vl_native->engine, 1, "qwen3_vl_moe/adapter_3d"));
+  ASSERT_OK(Load(*vl_mixed->engine, 1, "qwen3_vl_moe/adapter_3d"));
+  ASSERT_OK(Load(*q_mixed->engine, 1, "qwen3_moe/adapter_3d"));
+  ASSERT_OK(Load(*q_2d->engine, 1, "qwen3_moe/adapter_3d_as_2d"));
+  EXPECT_EQ(vl_native->engine->Info().native_format, AdapterFormat::k3D);
+  auto a = GenerateBatch(*vl_native->engine, {1, 1}, prompts, 8);
+  for (auto* other : {vl_mixed.get(), q_mixed.get(), q_2d.get()}) {
+    auto b = GenerateBatch(*other->engine, {1, 1}, prompts, 8);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(a[i].tokens, b[i].tokens);
+      for (size_t t = 0; t < a[i].logits.size(); ++t) {
+        EXPECT_LE(MaxAbsDiff(a[i].logits[t], b[i].logits[t]), kSelfTol) << "seq " << i << " token " << t;
+      }
+    }
+  }
+}
+
+// The seed's test on our tiny model: a batch [2D adapter, 3D adapter, base] equals each request
+// run alone, in both orders.
+TEST(EngineTest, MixedBatchEqualsEachRequestAloneInEitherOrder) {
+  auto h = MakeEngine("qwen3_moe/model", true);
+  ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
+  ASSERT_OK(Load(*h->engine, 2, "qwen3_moe/adapter_3d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88}, {3, 9, 27, 81}, {7, 2, 95}};
+  const std::vector<int64_t> adapters = {1, 2, 0};
+  std::vector<testing::Generation> alone;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    alone.push_back(GenerateBatch(*h->engine, {adapters[i]}, {prompts[i]}, 6)[0]);
+  }
+  // The adapters change the output (otherwise the test proves nothing).
+  auto base0 = GenerateBatch(*h->engine, {0}, {prompts[0]}, 6)[0];
+  EXPECT_GT(MaxAbsDiff(base0.logits[0], alone[0].logits[0]), 1e-3f);
+  for (bool swapped : {false, true}) {
+    std::vector<size_t> order = {0, 1, 2};
+    if (swapped) order = {2, 1, 0};
+    std::vector<int64_t> ad;
+    std::vector<std::vector<int32_t>> pr;
+    for (size_t i : order) ad.push_back(adapters[i]), pr.push_back(prompts[i]);
+    auto batch = GenerateBatch(*h->engine, ad, pr, 6);
+    for (size_t j = 0; j < order.size(); ++j) {
+      const auto& want = alone[order[j]];
+      EXPECT_EQ(batch[j].tokens, want.tokens) << "request " << order[j] << " swapped=" << swapped;
+      for (size_t t = 0; t < want.logits.size(); ++t) {
+        EXPECT_LE(MaxAbsDiff(batch[j].logits[t], want.logits[t]), kSelfTol);
+      }
+    }
+  }
+}
+
+TEST(EngineTest, SameModelStoredPerExpertOrFusedTransposedGivesSameLogits) {
+  auto q = MakeEngine("qwen3_moe/model", false);
+  auto vl = MakeEngine("qwen3_vl_moe/model", false);
+  const std::vector<int32_t> prompt = {3, 9, 27, 81, 50, 11, 60};
+  const float d = MaxAbsDiff(PromptLogits(*q->engine, 0, prompt), PromptLogits(*vl->engine, 0, prompt));
+  EXPECT_LE(d, kSelfTol);
+}
+
+TEST(EngineTest, BaseTokensBitIdenticalWithAdaptersLoaded) {
+  auto plain = MakeEngine("qwen3_moe/model", true);
+  auto loaded = MakeEngine("qwen3_moe/model", true);
+  ASSERT_OK(Load(*loaded->engine, 1, "qwen3_moe/adapter_2d"));
+  ASSERT_OK(Load(*loaded->engine, 2, "qwen3_moe/adapter_3d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88}, {7, 2, 95}};
+  auto a = GenerateBatch(*plain->engine, {0, 0}, prompts, 5);
+  auto b = GenerateBatch(*loaded->engine, {0, 0}, prompts, 5);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, b[i].tokens);
+    for (size_t t = 0; t < a[i].logits.size(); ++t) {
+      ASSERT_EQ(a[i].logits[t].size(), b[i].logits[t].size());
+      EXPECT_EQ(0, std::memcmp(a[i].logits[t].data(), b[i].logits[t].data(),
+                               a[i].logits[t].size() * sizeof(float)));
+    }
+  }
+}
+
+TEST(EngineTest, LayoutThatTheWrapperDoesNotTakeIsFailedPreconditionNamingTheFlag) {
+  auto q = MakeEngine("qwen3_moe/model", false);
+  EXPECT_THAT(Load(*q->engine, 1, "qwen3_moe/adapter_3d"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--enable-mixed-moe-lora-format")));
+  auto vl = MakeEngine("qwen3_vl_moe/model", false);
+  EXPECT_THAT(Load(*vl->engine, 1, "qwen3_vl_moe/adapter_2d"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--enable-mixed-moe-lora-format")));
+  // Nothing was kept: the slot is free again and the id can be reused for a valid adapter.
+  ASSERT_OK(Load(*q->engine, 1, "qwen3_moe/adapter_2d"));
+  EXPECT_EQ(q->engine->Info().committed_adapters, 1);
+}
+
+TEST(EngineTest, SlotsAndRanksAreBounded) {
+  auto h = MakeEngine("qwen3_moe/model", true, /*max_loras=*/2, /*max_rank=*/3);
+  EXPECT_THAT(Load(*h->engine, 1, "qwen3_moe/adapter_3d"),  // r=4
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
+  ASSERT_OK(Load(*h->engine, 2, "qwen3_moe/adapter_2d_shared_a"));
+  EXPECT_THAT(Load(*h->engine, 3, "qwen3_moe/adapter_3d_as_2d"),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--max-loras")));
+  ASSERT_OK(h->engine->UnloadAdapter(2));
+  EXPECT_THAT(h->engine->UnloadAdapter(2), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST(EngineTest, StageAbortAndIdempotentStage) {
+  auto h = MakeEngine("qwen3_moe/model", true, 1);
+  auto s1 = h->engine->StageAdapter(5, Data("qwen3_moe/adapter_3d"), std::nullopt);
+  ASSERT_OK(s1);
+  EXPECT_EQ(s1->detected_format, AdapterFormat::k3D);
+  EXPECT_TRUE(s1->converted_to_2d);
+  ASSERT_OK(h->engine->StageAdapter(5, Data("qwen3_moe/adapter_3d"), std::nullopt));  // same
+  EXPECT_THAT(h->engine->StageAdapter(5, Data("qwen3_moe/adapter_2d"), std::nullopt),
+              StatusIs(absl::StatusCode::kAlreadyExists));
+  // Staged is not usable.
+  NewSequence n{.id = 1, .adapter_id = 5, .prompt = {1, 2}};
+  EXPECT_THAT(h->engine->Step({n}, {}).status(), StatusIs(absl::StatusCode::kNotFound));
+  ASSERT_OK(h->engine->AbortAdapter(5));
+  ASSERT_OK(Load(*h->engine, 6, "qwen3_moe/adapter_2d"));  // the only slot is free again
+  EXPECT_THAT(h->engine->StageAdapter(7, Data("qwen3_moe/adapter_2d"), AdapterFormat::k3D),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+}
+
+TEST(EngineTest, FlagThatContradictsTheFileIsInvalidArgument) {
+  auto h = MakeEngine("qwen3_moe/model", true);
+  EXPECT_THAT(h->engine->StageAdapter(1, Data("qwen3_moe/adapter_2d"), AdapterFormat::k3D).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(h->engine->StageAdapter(1, Data("does/not/exist"), std::nullopt).status(),
+              StatusIs(absl::StatusCode::kNotFound));
+  ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
+}
+
+TEST(EngineTest, InvalidJoinerFailsTheStepAndChangesNothing) {
+  auto h = MakeEngine("qwen3_moe/model", false);
+  NewSequence a{.id = 1, .prompt = {1, 17, 42}, .max_tokens = 4};
+  auto first = h->engine->Step({a}, {});
+  ASSERT_OK(first);
+  NewSequence bad_token{.id = 2, .prompt = {1, 96}};
+  EXPECT_THAT(h->engine->Step({bad_token}, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside [0, 96)")));
+  NewSequence dup{.id = 1, .prompt = {1}};
+  EXPECT_THAT(h->engine->Step({dup}, {}).status(), StatusIs(absl::StatusCode::kAlreadyExists));
+  NewSequence unknown{.id = 3, .adapter_id = 42, .prompt = {1}};
+  EXPECT_THAT(h->engine->Step({unknown}, {}).status(), StatusIs(absl::StatusCode::kNotFound));
+  NewSequence too_long{.id = 4, .prompt = std::vector<int32_t>(128, 1)};
+  EXPECT_THAT(h->engine->Step({too_long}, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_model_len")));
+  // Sequence 1 continues exactly as if nothing happened.
+  auto alone = MakeEngine("qwen3_moe/model", false);
+  auto want = GenerateBatch(*alone->engine, {0}, {{1, 17, 42}}, 4)[0];
+  std::vector<int32_t> got = {first->tokens[0].token};
+  while (true) {
+    auto s = h->engine->Step({}, {});
+    ASSERT_OK(s);
+    if (s->tokens.empty()) break;
+    got.push_back(s->tokens[0].token);
+    if (s->tokens[0].finished) {
+      EXPECT_EQ(s->tokens[0].finish_reason, "length");
+      break;
+    }
+  }
+  EXPECT_EQ(got, want.tokens);
+  EXPECT_EQ(h->engine->Info().running, 0);
+}
+
+TEST(EngineTest, StopTokensMaxTokensAndRemoval) {
+  auto h = MakeEngine("qwen3_moe/model", false);
+  auto free_run = GenerateBatch(*h->engine, {0}, {{5, 6, 7}}, 6)[0];
+  NewSequence n{.id = 1, .prompt = {5, 6, 7}, .max_tokens = 6, .stop_token_ids = {free_run.tokens[2]}};
+  std::vector<int32_t> got;
+  std::string reason;
+  for (int i = 0; i < 10; ++i) {
+    auto s = h->engine->Step(i == 0 ? std::vector<NewSequence>{n} : std::vector<NewSequence>{}, {});
+    ASSERT_OK(s);
+    if (s->tokens.empty()) break;
+    got.push_back(s->tokens[0].token);
+    if (s->tokens[0].finished) reason = s->tokens[0].finish_reason;
+  }
+  // Stops at the first occurrence of the stop token (it may occur earlier than index 2).
+  EXPECT_EQ(reason, "stop");
+  EXPECT_EQ(got.back(), free_run.tokens[2]);
+  EXPECT_LE(got.size(), 3u);
+  // Removal frees the sequence at once.
+  NewSequence m{.id = 2, .prompt = {5, 6}, .max_tokens = 50};
+  ASSERT_OK(h->engine->Step({m}, {}));
+  EXPECT_EQ(h->engine->Info().running, 1);
+  auto s = h->engine->Step({}, {2});
+  ASSERT_OK(s);
+  EXPECT_TRUE(s->tokens.empty());
+  EXPECT_EQ(h->engine->Info().running, 0);
+}
+
+TEST(EngineTest, SeededSamplingIsDeterministicAndLogprobsAreLogProbabilities) {
+  auto h = MakeEngine("qwen3_moe/model", false);
+  auto run = [&](uint64_t seed, int64_t id) {
+    NewSequence n{.id = id, .prompt = {1, 2, 3}, .sampling = {.temperature = 1.5f, .top_p = 0.95f, .top_k = 50, .seed = seed},
+                  .max_tokens = 12, .return_logprobs = true};
+    std::vector<int32_t> toks;
+    for (int i = 0; i < 12; ++i) {
+      auto s = h->engine->Step(i == 0 ? std::vector<NewSequence>{n} : std::vector<NewSequence>{}, {});
+      EXPECT_TRUE(s.ok());
+      if (!s.ok() || s->tokens.empty()) break;
+      EXPECT_LE(s->tokens[0].logprob, 0.0f);
+      EXPECT_GT(s->tokens[0].logprob, -50.0f);
+      toks.push_back(s->tokens[0].token);
+    }
+    return toks;
+  };
+  const auto a = run(7, 1), b = run(7, 2), c = run(8, 3);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  EXPECT_EQ(a.size(), 12u);
+}
+
+TEST(EngineTest, ContinuousBatchingJoinMidwayMatchesAlone) {
+  auto h = MakeEngine("qwen3_moe/model", true);
+  ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
+  auto alone = GenerateBatch(*h->engine, {1}, {{9, 8, 7, 6}}, 5)[0];
+  NewSequence first{.id = 1, .prompt = {1, 2, 3, 4, 5}, .max_tokens = 8};
+  NewSequence late{.id = 2, .adapter_id = 1, .prompt = {9, 8, 7, 6}, .max_tokens = 5, .return_logits = true};
+  ASSERT_OK(h->engine->Step({first}, {}));
+  ASSERT_OK(h->engine->Step({}, {}));
+  std::vector<int32_t> got;
+  for (int i = 0; i < 5; ++i) {
+    auto s = h->engine->Step(i == 0 ? std::vector<NewSequence>{late} : std::vector<NewSequence>{}, {});
+    ASSERT_OK(s);
+    for (const auto& t : s->tokens) {
+      if (t.sequence_id == 2) got.push_back(t.token);
+    }
+  }
+  EXPECT_EQ(got, alone.tokens);
+}
+
+TEST(EngineTest, ModelErrorsAreClear) {
+  auto comm = MakeLocalCommunicator();
+  EngineOptions o;
+  o.model_dir = Data("gpt_oss/model");  // config only: no loader forward / weights
+  EXPECT_FALSE(Engine::Create(o, comm.get()).ok());
+  o.model_dir = Data("nope");
+  EXPECT_THAT(Engine::Create(o, comm.get()).status(), StatusIs(absl::StatusCode::kNotFound));
+  o.model_dir = Data("qwen3_moe/model");
+  o.dtype = "float64";
+  EXPECT_THAT(Engine::Create(o, comm.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--dtype")));
+}
+
+}  // namespace
+}  // namespace moelora

@@ -1,0 +1,135 @@
+// Helpers for engine tests: run prompts through an Engine and compare logits.
+#ifndef MOELORA_TESTS_UNIT_WORKER_ENGINE_TEST_UTIL_H_
+#define MOELORA_TESTS_UNIT_WORKER_ENGINE_TEST_UTIL_H_
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "gtest/gtest.h"
+#include "worker/comm/communicator.h"
+#include "worker/engine.h"
+
+namespace moelora::testing {
+
+inline std::string Data(const std::string& rel) { return std::string(MOELORA_TEST_DATA_DIR) + "/" + rel; }
+
+struct Fixture {
+  std::vector<std::vector<int32_t>> prompts;
+  std::map<std::string, std::vector<std::vector<float>>> logits;  // variant -> per prompt [T*V]
+};
+
+inline Fixture ReadExpected(const std::string& path) {
+  Fixture f;
+  auto file = SafetensorsFile::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return f;
+  for (int k = 0;; ++k) {
+    const TensorView* p = (*file)->Find("prompt." + std::to_string(k));
+    if (!p) break;
+    std::vector<int32_t> ids(p->numel());
+    std::memcpy(ids.data(), p->data, p->nbytes);
+    f.prompts.push_back(ids);
+  }
+  for (const TensorView& v : (*file)->tensors()) {
+    if (v.name.rfind("logits.", 0) != 0) continue;
+    const std::string rest = v.name.substr(7);
+    const std::string variant = rest.substr(0, rest.rfind('.'));
+    const int k = std::stoi(rest.substr(rest.rfind('.') + 1));
+    auto& vec = f.logits[variant];
+    if (static_cast<int>(vec.size()) <= k) vec.resize(k + 1);
+    vec[k].resize(v.numel());
+    std::memcpy(vec[k].data(), v.data, v.nbytes);
+  }
+  return f;
+}
+
+inline float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+struct EngineHolder {
+  std::unique_ptr<Communicator> comm = MakeLocalCommunicator();
+  std::unique_ptr<Engine> engine;
+};
+
+inline std::unique_ptr<EngineHolder> MakeEngine(const std::string& model, bool mixed,
+                                                int max_loras = 4, int max_rank = 8,
+                                                const std::string& dtype = "float32") {
+  auto h = std::make_unique<EngineHolder>();
+  EngineOptions o;
+  o.model_dir = Data(model);
+  o.enable_mixed_moe_lora_format = mixed;
+  o.max_loras = max_loras;
+  o.max_lora_rank = max_rank;
+  o.dtype = dtype;
+  auto e = Engine::Create(o, h->comm.get());
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return nullptr;
+  h->engine = std::move(*e);
+  return h;
+}
+
+// Stage + commit; returns the status of the first failing phase.
+inline absl::Status Load(Engine& e, int64_t id, const std::string& rel) {
+  auto s = e.StageAdapter(id, Data(rel), std::nullopt);
+  if (!s.ok()) return s.status();
+  return e.CommitAdapter(id).status();
+}
+
+// Prompt logits [T*V] of one prompt run alone.
+inline std::vector<float> PromptLogits(Engine& e, int64_t adapter_id,
+                                       const std::vector<int32_t>& prompt, int64_t seq_id = 1) {
+  NewSequence n;
+  n.id = seq_id;
+  n.adapter_id = adapter_id;
+  n.prompt = prompt;
+  n.return_prompt_logits = true;
+  n.max_tokens = 1;
+  auto out = e.Step({n}, {});
+  EXPECT_TRUE(out.ok()) << out.status();
+  if (!out.ok() || out->tokens.empty()) return {};
+  return out->tokens[0].prompt_logits;
+}
+
+struct Generation {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;  // per generated token
+};
+
+// Greedy generation of several sequences run together in one batch (all join at step 0).
+inline std::vector<Generation> GenerateBatch(Engine& e, const std::vector<int64_t>& adapters,
+                                             const std::vector<std::vector<int32_t>>& prompts,
+                                             int max_tokens, int64_t first_id = 100) {
+  std::vector<NewSequence> add;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    NewSequence n;
+    n.id = first_id + static_cast<int64_t>(i);
+    n.adapter_id = adapters[i];
+    n.prompt = prompts[i];
+    n.max_tokens = max_tokens;
+    n.return_logits = true;
+    add.push_back(n);
+  }
+  std::vector<Generation> g(prompts.size());
+  for (int step = 0; step < max_tokens; ++step) {
+    auto out = e.Step(step == 0 ? add : std::vector<NewSequence>{}, {});
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (!out.ok()) return g;
+    for (const TokenOut& t : out->tokens) {
+      const size_t i = static_cast<size_t>(t.sequence_id - first_id);
+      g[i].tokens.push_back(t.token);
+      g[i].logits.push_back(t.logits);
+    }
+  }
+  return g;
+}
+
+}  // namespace moelora::testing
+
+#endif  // MOELORA_TESTS_UNIT_WORKER_ENGINE_TEST_UTIL_H_

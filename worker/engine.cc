@@ -1,0 +1,344 @@
+#include "worker/engine.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "lora/adapter.h"
+#include "worker/model.h"
+
+namespace moelora {
+
+namespace {
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+absl::Status ValidateDType(const std::string& dtype) {
+  if (dtype == "float32" || dtype == "bfloat16") return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--dtype \"", dtype, "\": use float32 or bfloat16"));
+}
+
+struct Engine::Impl {
+  EngineOptions options;
+  Communicator* comm = nullptr;
+  std::unique_ptr<MoeModel> model;
+  int max_model_len = 0;
+
+  struct Sequence {
+    NewSequence spec;
+    int32_t slot = -1;
+    SeqCache cache;
+    std::unique_ptr<Sampler> sampler;
+    int32_t pending = -1;  // last sampled token, fed at the next step
+    int generated = 0;
+  };
+  mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
+  std::deque<Sequence> running;
+
+  struct AdapterEntry {
+    std::string path;
+    int slot = -1;
+    bool committed = false;
+    StageResult result;
+  };
+  mutable std::mutex adapters_mu;  // guards adapters and free_slots
+  std::map<int64_t, AdapterEntry> adapters;
+  std::set<int> free_slots;
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o,
+                                                       Communicator* comm) {
+  MOELORA_RETURN_IF_ERROR(ValidateDType(o.dtype));
+  if (o.max_num_seqs < 1) return absl::InvalidArgumentError("--max-num-seqs must be >= 1");
+  auto impl = std::make_unique<Impl>();
+  impl->options = o;
+  impl->comm = comm;
+  ModelOptions mo;
+  mo.tp_rank = comm->rank();
+  mo.tp_size = comm->world_size();
+  mo.dtype = o.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  mo.max_loras = o.max_loras;
+  mo.max_lora_rank = o.max_lora_rank;
+  mo.mixed_moe_lora_format = o.enable_mixed_moe_lora_format;
+  MOELORA_ASSIGN_OR_RETURN(impl->model, MoeModel::Load(o.model_dir, mo, comm));
+  const int cfg_len = impl->model->config().max_position_embeddings;
+  impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;
+  if (impl->max_model_len <= 1) {
+    return absl::InvalidArgumentError("--max-model-len must be > 1 (config has no max_position_embeddings)");
+  }
+  for (int s = 0; s < o.max_loras; ++s) impl->free_slots.insert(s);
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& path,
+                                                 std::optional<AdapterFormat> expected) {
+  Impl& m = *impl_;
+  if (id <= 0) return absl::InvalidArgumentError(absl::StrCat("adapter id ", id, " must be > 0"));
+  int slot = -1;
+  {
+    std::lock_guard<std::mutex> lock(m.adapters_mu);
+    auto it = m.adapters.find(id);
+    if (it != m.adapters.end()) {
+      if (it->second.path == path) return it->second.result;  // idempotent
+      return absl::AlreadyExistsError(absl::StrCat("adapter id ", id, " is already ",
+                                                   it->second.committed ? "loaded" : "staged",
+                                                   " from ", it->second.path));
+    }
+    if (m.free_slots.empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat("all ", m.options.max_loras,
+                                                       " LoRA slots (--max-loras) are in use"));
+    }
+    slot = *m.free_slots.begin();
+    m.free_slots.erase(m.free_slots.begin());
+    m.adapters[id] = Impl::AdapterEntry{path, slot, false, {}};
+  }
+  auto release = [&]() {
+    std::lock_guard<std::mutex> lock(m.adapters_mu);
+    m.adapters.erase(id);
+    m.free_slots.insert(slot);
+  };
+  AdapterReadOptions ro;
+  ro.model = m.model->config().info;
+  ro.max_rank = m.options.max_lora_rank;
+  ro.expected_format = expected;
+  ro.convert_to_2d = m.options.enable_mixed_moe_lora_format;
+  AdapterLoadTimings t;
+  absl::StatusOr<LoraAdapter> a = ReadAdapter(path, ro, &t);
+  if (!a.ok()) {
+    release();
+    return a.status();
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  if (absl::Status s = m.model->SetSlot(slot, *a); !s.ok()) {
+    m.model->ResetSlot(slot);
+    release();
+    return s;
+  }
+  StageResult r;
+  r.detected_format = a->format;
+  r.converted_to_2d = a->converted_to_2d;
+  r.bytes = m.model->SlotBytes(*a);
+  r.rank = a->max_rank;
+  r.phase_seconds = {{"read", t.read}, {"validate", t.validate}, {"convert", t.convert},
+                     {"copy", Since(t0)}};
+  std::lock_guard<std::mutex> lock(m.adapters_mu);
+  m.adapters[id].result = r;
+  return r;
+}
+
+absl::StatusOr<int> Engine::CommitAdapter(int64_t id) {
+  std::lock_guard<std::mutex> lock(impl_->adapters_mu);
+  auto it = impl_->adapters.find(id);
+  if (it == impl_->adapters.end()) {
+    return absl::NotFoundError(absl::StrCat("adapter id ", id, " was not staged"));
+  }
+  it->second.committed = true;
+  return it->second.slot;
+}
+
+absl::Status Engine::AbortAdapter(int64_t id) {
+  Impl& m = *impl_;
+  int slot = -1;
+  {
+    std::lock_guard<std::mutex> lock(m.adapters_mu);
+    auto it = m.adapters.find(id);
+    if (it == m.adapters.end() || it->second.committed) return absl::OkStatus();
+    slot = it->second.slot;
+    m.adapters.erase(it);
+  }
+  m.model->ResetSlot(slot);
+  std::lock_guard<std::mutex> lock(m.adapters_mu);
+  m.free_slots.insert(slot);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::UnloadAdapter(int64_t id) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> step_lock(m.step_mu);
+  int slot = -1;
+  {
+    std::lock_guard<std::mutex> lock(m.adapters_mu);
+    auto it = m.adapters.find(id);
+    if (it == m.adapters.end() || !it->second.committed) {
+      return absl::NotFoundError(absl::StrCat("adapter id ", id, " is not loaded"));
+    }
+    slot = it->second.slot;
+  }
+  for (const auto& s : m.running) {
+    if (s.slot == slot) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "adapter id ", id, " is used by running sequence ", s.spec.id, "; unload it when done"));
+    }
+  }
+  m.model->ResetSlot(slot);
+  std::lock_guard<std::mutex> lock(m.adapters_mu);
+  m.adapters.erase(id);
+  m.free_slots.insert(slot);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
+                                        const std::vector<int64_t>& remove) {
+  Impl& m = *impl_;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> step_lock(m.step_mu);
+  const int64_t vocab = m.model->config().vocab_size;
+  // Validate joiners before changing anything.
+  std::set<int64_t> remove_set(remove.begin(), remove.end());
+  std::set<int64_t> ids;
+  for (const auto& s : m.running) {
+    if (!remove_set.count(s.spec.id)) ids.insert(s.spec.id);
+  }
+  std::vector<int32_t> slots;
+  for (const NewSequence& n : add) {
+    auto bad = [&](auto&&... parts) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", n.id, ": ", parts...));
+    };
+    if (!ids.insert(n.id).second) {
+      return absl::AlreadyExistsError(absl::StrCat("sequence ", n.id, " is already running"));
+    }
+    if (n.prompt.empty()) return bad("empty prompt");
+    for (size_t i = 0; i < n.prompt.size(); ++i) {
+      if (n.prompt[i] < 0 || n.prompt[i] >= vocab) {
+        return bad("prompt token ", n.prompt[i], " at position ", i, " is outside [0, ", vocab, ")");
+      }
+    }
+    if (static_cast<int>(n.prompt.size()) >= m.max_model_len) {
+      return bad("prompt of ", n.prompt.size(), " tokens leaves no room under max_model_len ",
+                 m.max_model_len);
+    }
+    if (n.max_tokens < 0) return bad("max_tokens ", n.max_tokens, " < 0");
+    if (n.sampling.temperature < 0 || n.sampling.top_p < 0 || n.sampling.top_k < 0) {
+      return bad("temperature, top_p and top_k must be >= 0");
+    }
+    int32_t slot = -1;
+    if (n.adapter_id != 0) {
+      std::lock_guard<std::mutex> lock(m.adapters_mu);
+      auto it = m.adapters.find(n.adapter_id);
+      if (it == m.adapters.end() || !it->second.committed) {
+        return absl::NotFoundError(
+            absl::StrCat("sequence ", n.id, ": adapter id ", n.adapter_id, " is not loaded"));
+      }
+      slot = it->second.slot;
+    }
+    slots.push_back(slot);
+  }
+  if (static_cast<int>(ids.size()) > m.options.max_num_seqs) {
+    return absl::ResourceExhaustedError(absl::StrCat(ids.size(), " sequences exceed --max-num-seqs ",
+                                                     m.options.max_num_seqs));
+  }
+  // Apply.
+  for (auto it = m.running.begin(); it != m.running.end();) {
+    it = remove_set.count(it->spec.id) ? m.running.erase(it) : std::next(it);
+  }
+  const size_t first_new = m.running.size();
+  for (size_t i = 0; i < add.size(); ++i) {
+    Impl::Sequence s;
+    s.spec = add[i];
+    s.slot = slots[i];
+    s.cache = m.model->NewCache();
+    s.sampler = std::make_unique<Sampler>(add[i].sampling);
+    m.running.push_back(std::move(s));
+  }
+  StepOutput out;
+  if (m.running.empty()) return out;
+  ForwardBatch b;
+  std::set<int32_t> distinct;
+  for (size_t i = 0; i < m.running.size(); ++i) {
+    Impl::Sequence& s = m.running[i];
+    ForwardBatch::Seq fs;
+    fs.cache = &s.cache;
+    fs.begin = static_cast<int64_t>(b.tokens.size());
+    if (i >= first_new) {
+      for (int32_t t : s.spec.prompt) b.tokens.push_back(t);
+      fs.all_logits = s.spec.return_prompt_logits;
+    } else {
+      b.tokens.push_back(s.pending);
+    }
+    fs.count = static_cast<int64_t>(b.tokens.size()) - fs.begin;
+    b.slots.insert(b.slots.end(), fs.count, s.slot);
+    if (s.slot >= 0) distinct.insert(s.slot);
+    b.seqs.push_back(fs);
+  }
+  absl::StatusOr<at::Tensor> logits = m.model->Forward(b);
+  if (!logits.ok()) {
+    // A failed collective leaves the caches inconsistent across ranks: drop the batch.
+    m.running.clear();
+    return logits.status();
+  }
+  const float* L = logits->data_ptr<float>();
+  int64_t row = 0;
+  for (size_t i = 0; i < m.running.size(); ++i) {
+    Impl::Sequence& s = m.running[i];
+    TokenOut t;
+    t.sequence_id = s.spec.id;
+    const ForwardBatch::Seq& fs = b.seqs[i];
+    if (fs.all_logits) {
+      t.prompt_logits.assign(L + row * vocab, L + (row + fs.count) * vocab);
+      row += fs.count - 1;
+    }
+    const float* r = L + row * vocab;
+    ++row;
+    float lp = 0;
+    t.token = s.sampler->Sample(r, vocab, &lp);
+    if (s.spec.return_logprobs) t.logprob = lp;
+    if (s.spec.return_logits) t.logits.assign(r, r + vocab);
+    s.pending = t.token;
+    ++s.generated;
+    const auto& stop = s.spec.stop_token_ids;
+    if (std::find(stop.begin(), stop.end(), t.token) != stop.end()) {
+      t.finished = true, t.finish_reason = "stop";
+    } else if ((s.spec.max_tokens > 0 && s.generated >= s.spec.max_tokens) ||
+               s.cache.len + 1 >= m.max_model_len) {
+      t.finished = true, t.finish_reason = "length";
+    }
+    out.tokens.push_back(std::move(t));
+  }
+  out.batch_tokens = static_cast<int>(b.tokens.size());
+  out.distinct_adapters = static_cast<int>(distinct.size());
+  for (auto it = m.running.begin(); it != m.running.end();) {
+    bool done = false;
+    for (const auto& t : out.tokens) {
+      if (t.sequence_id == it->spec.id && t.finished) done = true;
+    }
+    it = done ? m.running.erase(it) : std::next(it);
+  }
+  out.seconds = Since(t0);
+  return out;
+}
+
+EngineInfo Engine::Info() const {
+  const Impl& m = *impl_;
+  EngineInfo i;
+  i.rank = m.comm->rank();
+  i.world_size = m.comm->world_size();
+  i.architecture = m.model->config().info.architecture;
+  i.vocab_size = m.model->config().vocab_size;
+  i.max_model_len = m.max_model_len;
+  i.max_loras = m.options.max_loras;
+  i.max_lora_rank = m.options.max_lora_rank;
+  i.mixed = m.options.enable_mixed_moe_lora_format;
+  i.native_format = m.model->native_format();
+  i.skipped_tensors = m.model->skipped_tensors();
+  {
+    std::lock_guard<std::mutex> lock(m.adapters_mu);
+    for (const auto& [id, a] : m.adapters) i.committed_adapters += a.committed;
+  }
+  std::lock_guard<std::mutex> step_lock(m.step_mu);
+  i.running = static_cast<int>(m.running.size());
+  return i;
+}
+
+}  // namespace moelora

@@ -1,0 +1,125 @@
+// The worker's engine: the model of this rank, its LoRA slots, and the running sequences.
+// Continuous batching: at every Step sequences may join (prefilled in the same forward pass as
+// the decodes) and leave; each running sequence then yields one token. No libtorch in this
+// header (pimpl), so the gRPC service and tests that only drive the engine compile fast.
+//
+// Adapters load in two phases so a controller can make a load atomic across ranks: Stage reads,
+// validates, converts (mixed mode) and copies into a reserved slot; Commit makes it usable;
+// Abort releases it. A staged adapter is invisible to Step.
+//
+// Thread-safety: all methods may be called from any thread. Step calls are serialised; Stage
+// runs concurrently with Step (it writes only its reserved slot).
+#ifndef MOELORA_WORKER_ENGINE_H_
+#define MOELORA_WORKER_ENGINE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lora/adapter.h"
+#include "worker/comm/communicator.h"
+#include "worker/sampling.h"
+
+namespace moelora {
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string dtype = "float32";  // float32 | bfloat16
+  int max_loras = 4;
+  int max_lora_rank = 16;
+  bool enable_mixed_moe_lora_format = false;
+  int max_num_seqs = 256;
+  int max_model_len = 0;  // 0: the model's max_position_embeddings
+};
+
+struct NewSequence {
+  int64_t id = 0;
+  int64_t adapter_id = 0;  // 0 = base model
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int max_tokens = 0;  // 0: until max_model_len
+  std::vector<int32_t> stop_token_ids;
+  bool return_logprobs = false;
+  bool return_logits = false;         // full logits row of every sampled position (tests, debug)
+  bool return_prompt_logits = false;  // logits of every prompt position, at the prefill step
+};
+
+struct TokenOut {
+  int64_t sequence_id = 0;
+  int32_t token = 0;
+  float logprob = 0;
+  bool finished = false;
+  std::string finish_reason;  // "stop" | "length" when finished
+  std::vector<float> logits;         // [vocab] when requested
+  std::vector<float> prompt_logits;  // [prompt_len * vocab] at prefill when requested
+};
+
+struct StepOutput {
+  std::vector<TokenOut> tokens;  // one per sequence that ran, running ones first, then joiners
+  int batch_tokens = 0;
+  int distinct_adapters = 0;  // adapters in the batch (base model not counted)
+  double seconds = 0;
+};
+
+struct StageResult {
+  AdapterFormat detected_format = AdapterFormat::kDense;
+  bool converted_to_2d = false;
+  int64_t bytes = 0;
+  int rank = 0;
+  std::map<std::string, double> phase_seconds;  // read, validate, convert, copy
+};
+
+struct EngineInfo {
+  int rank = 0, world_size = 1;
+  std::string architecture;
+  int vocab_size = 0, max_model_len = 0, max_loras = 0, max_lora_rank = 0;
+  bool mixed = false;
+  AdapterFormat native_format = AdapterFormat::k2D;
+  std::vector<std::string> skipped_tensors;
+  int running = 0;
+  int committed_adapters = 0;
+};
+
+class Engine {
+ public:
+  // Loads the model. `comm` (this rank's communicator) must outlive the engine.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options,
+                                                        Communicator* comm);
+  ~Engine();
+
+  // Phase 1. Errors change nothing: NOT_FOUND / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (rank or
+  // no free slot) / FAILED_PRECONDITION (layout vs wrapper, see MoeModel::SetSlot).
+  // ALREADY_EXISTS when the id is staged or committed with a different path.
+  absl::StatusOr<StageResult> StageAdapter(int64_t id, const std::string& path,
+                                           std::optional<AdapterFormat> expected);
+  // Phase 2: returns the slot. NOT_FOUND when the id was not staged.
+  absl::StatusOr<int> CommitAdapter(int64_t id);
+  // Drops a staged adapter; a no-op when unknown.
+  absl::Status AbortAdapter(int64_t id);
+  // NOT_FOUND when not committed; FAILED_PRECONDITION while a running sequence uses it.
+  absl::Status UnloadAdapter(int64_t id);
+
+  // Removes `remove`, adds `add` (all or nothing: an invalid joiner fails the step before any
+  // state changes), runs one forward pass and samples one token per sequence. Finished sequences
+  // leave the batch by themselves.
+  absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,
+                                  const std::vector<int64_t>& remove);
+
+  EngineInfo Info() const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// "float32" / "bfloat16" are accepted.
+absl::Status ValidateDType(const std::string& dtype);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_ENGINE_H_

@@ -1,0 +1,211 @@
+#include "worker/loaders/name_tables.h"
+
+#include <regex>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+
+namespace moelora {
+namespace {
+
+// std::regex is slow to build; the patterns are built once. (A hand-rolled matcher would be
+// faster still, but name mapping runs once per checkpoint tensor at load time.)
+const std::regex& PerExpertRe() {
+  static const std::regex re(R"(^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$)");
+  return re;
+}
+const std::regex& FusedRe() {
+  static const std::regex re(R"(^(.*\.experts)\.(gate_up|down)_proj$)");
+  return re;
+}
+const std::regex& StackedStepRe() {
+  static const std::regex re(R"(^(.*\.moe)\.(gate|up|down)_proj\.weight$)");
+  return re;
+}
+
+// Checkpoint names from a PEFT-wrapped trainer carry `.base_layer.`; the table works on the
+// plain name and adds the engine's own `.base_layer.` where the engine wraps.
+std::string StripBaseLayer(const std::string& name) {
+  return absl::StrReplaceAll(name, {{".base_layer.", "."}});
+}
+
+std::string TextPrefix(const std::string& name) {
+  if (absl::StartsWith(name, "model.language_model.")) {
+    return absl::StrCat("model.", name.substr(std::string("model.language_model.").size()));
+  }
+  return name;
+}
+
+// Dense linears the engine wraps for LoRA (their weight moves under `.base_layer.`).
+bool IsWrappedDense(const std::string& name) {
+  static const char* kWrapped[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
+                                   ".self_attn.v_proj.weight", ".self_attn.o_proj.weight"};
+  for (const char* s : kWrapped) {
+    if (absl::EndsWith(name, s)) return true;
+  }
+  return false;
+}
+
+NameMapping Dense(const std::string& name, bool lora_wrapped) {
+  NameMapping m;
+  m.kind = NameMapping::kLoad;
+  if (lora_wrapped && IsWrappedDense(name)) {
+    m.target.param = absl::StrCat(name.substr(0, name.size() - std::string("weight").size()),
+                                  "base_layer.weight");
+  } else {
+    m.target.param = name;
+  }
+  return m;
+}
+
+NameMapping Skip(std::string reason) {
+  NameMapping m;
+  m.kind = NameMapping::kSkip;
+  m.reason = std::move(reason);
+  return m;
+}
+
+NameMapping Expert(const std::string& prefix, int expert, ExpertShard shard, bool transposed,
+                   bool lora_wrapped) {
+  NameMapping m;
+  m.kind = NameMapping::kLoad;
+  m.target.param = shard == ExpertShard::kW2 ? W2Name(prefix, lora_wrapped)
+                                             : W13Name(prefix, lora_wrapped);
+  m.target.expert = expert;
+  m.target.shard = shard;
+  m.target.transposed = transposed;
+  return m;
+}
+
+ExpertShard ShardOf(const std::string& proj) {
+  if (proj == "gate") return ExpertShard::kW1;
+  if (proj == "up") return ExpertShard::kW3;
+  return ExpertShard::kW2;
+}
+
+// Per-expert nn.Linear weights: `experts.{e}.{gate,up,down}_proj.weight` (Qwen3-MoE; also the
+// FP8 releases of Qwen3.5).
+bool MatchPerExpert(const std::string& n, bool lora_wrapped, NameMapping* out) {
+  std::smatch m;
+  if (!std::regex_match(n, m, PerExpertRe())) return false;
+  int e = 0;
+  try {
+    e = std::stoi(m[2].str());
+  } catch (...) {
+    return false;  // an index too large for int: reported as an unknown tensor
+  }
+  *out = Expert(m[1].str(), e, ShardOf(m[3].str()), false, lora_wrapped);
+  return true;
+}
+
+// Fused `experts.gate_up_proj` / `experts.down_proj`: [E, 2I, H] / [E, H, I] (Qwen3.5), or
+// transposed [E, H, 2I] / [E, I, H] (Qwen3-VL-MoE).
+bool MatchFused(const std::string& n, bool transposed, bool lora_wrapped, NameMapping* out) {
+  std::smatch m;
+  if (!std::regex_match(n, m, FusedRe())) return false;
+  *out = Expert(m[1].str(), -1, m[2].str() == "down" ? ExpertShard::kW2 : ExpertShard::kW13,
+                transposed, lora_wrapped);
+  return true;
+}
+
+// Step3: `moe.{gate,up,down}_proj.weight` stacked [E, I, H] / [E, H, I] -> `moe.experts.w13_weight`.
+bool MatchStackedStep(const std::string& n, bool lora_wrapped, NameMapping* out) {
+  std::smatch m;
+  if (!std::regex_match(n, m, StackedStepRe())) return false;
+  *out = Expert(m[1].str() + ".experts", -1, ShardOf(m[2].str()), false, lora_wrapped);
+  return true;
+}
+
+NameMapping MapQwen3Moe(const std::string& ckpt, bool lw) {
+  const std::string n = StripBaseLayer(ckpt);
+  NameMapping m;
+  if (MatchPerExpert(n, lw, &m)) return m;
+  return Dense(n, lw);
+}
+
+NameMapping MapQwen3VlMoe(const std::string& ckpt, bool lw) {
+  if (absl::StartsWith(ckpt, "model.visual.") || absl::StartsWith(ckpt, "visual.")) {
+    return Skip("vision tower (text path only)");
+  }
+  const std::string n = TextPrefix(StripBaseLayer(ckpt));
+  NameMapping m;
+  if (MatchFused(n, /*transposed=*/true, lw, &m)) return m;
+  return Dense(n, lw);
+}
+
+NameMapping MapQwen35Moe(const std::string& ckpt, bool lw) {
+  if (absl::StartsWith(ckpt, "model.visual.") || absl::StartsWith(ckpt, "visual.")) {
+    return Skip("vision tower (text path only)");
+  }
+  const std::string n = TextPrefix(StripBaseLayer(ckpt));
+  NameMapping m;
+  if (MatchFused(n, /*transposed=*/false, lw, &m)) return m;
+  if (MatchPerExpert(n, lw, &m)) return m;  // FP8 releases store experts one by one
+  return Dense(n, lw);
+}
+
+NameMapping MapStep3(const std::string& ckpt, bool lw) {
+  const std::string n = StripBaseLayer(ckpt);
+  NameMapping m;
+  if (MatchStackedStep(n, lw, &m)) return m;
+  return Dense(n, lw);
+}
+
+const std::vector<ArchTable>& Tables() {
+  static const std::vector<ArchTable> tables = {
+      {"Qwen3MoeForCausalLM", true, AdapterFormat::k2D, &MapQwen3Moe},
+      {"Qwen3VLMoeForConditionalGeneration", true, AdapterFormat::k3D, &MapQwen3VlMoe},
+      {"Qwen3_5MoeForConditionalGeneration", false, AdapterFormat::k3D, &MapQwen35Moe},
+      // The MTP head's checkpoint keys are `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
+      {"Qwen3_5MoeMTP", false, AdapterFormat::k3D, &MapQwen35Moe},
+      {"Step3TextForCausalLM", false, AdapterFormat::k2D, &MapStep3},
+      {"Step3p5ForCausalLM", false, AdapterFormat::k2D, &MapStep3},
+      // The Step3.5 MTP layers follow the backbone's (model.layers.{N+i}.moe.*_proj.weight).
+      {"Step3p5MTP", false, AdapterFormat::k2D, &MapStep3},
+  };
+  return tables;
+}
+
+}  // namespace
+
+const char* ExpertShardName(ExpertShard s) {
+  switch (s) {
+    case ExpertShard::kNone:
+      return "none";
+    case ExpertShard::kW1:
+      return "w1";
+    case ExpertShard::kW3:
+      return "w3";
+    case ExpertShard::kW13:
+      return "w13";
+    case ExpertShard::kW2:
+      return "w2";
+  }
+  return "?";
+}
+
+std::string W13Name(const std::string& experts_prefix, bool lora_wrapped) {
+  return absl::StrCat(experts_prefix, lora_wrapped ? ".base_layer" : "", ".w13_weight");
+}
+std::string W2Name(const std::string& experts_prefix, bool lora_wrapped) {
+  return absl::StrCat(experts_prefix, lora_wrapped ? ".base_layer" : "", ".w2_weight");
+}
+
+std::vector<std::string> SupportedArchitectures() {
+  std::vector<std::string> out;
+  for (const ArchTable& t : Tables()) out.push_back(t.architecture);
+  return out;
+}
+
+absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture) {
+  for (const ArchTable& t : Tables()) {
+    if (t.architecture == architecture) return &t;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown architecture \"", architecture,
+                                                 "\"; supported: ",
+                                                 absl::StrJoin(SupportedArchitectures(), ", ")));
+}
+
+}  // namespace moelora

@@ -1,0 +1,70 @@
+// Model-specific loaders as name tables: checkpoint tensor name -> engine parameter name.
+//
+// The engine's parameter tree follows vLLM's: every module a LoRA wrapper wraps keeps its base
+// weight under `.base_layer.` (dense: `self_attn.q_proj.base_layer.weight`; experts:
+// `mlp.experts.base_layer.w13_weight [E, 2I, H]` = [gate ; up] per expert and
+// `mlp.experts.base_layer.w2_weight [E, H, I]`). With LoRA off the `.base_layer.` segment is
+// absent. FORMATS.md §3 and §7.6 give the checkpoint side per architecture; names that come from
+// a PEFT-wrapped trainer already carry `.base_layer.` and are accepted too (FORMATS.md §3.1).
+//
+// Engine names drop multimodal wrappers' text prefixes (`model.language_model.` -> `model.`), so
+// one transformer implementation serves Qwen3-MoE and the Qwen3-VL-MoE text path.
+//
+// Thread-safe: the tables are immutable.
+#ifndef MOELORA_WORKER_LOADERS_NAME_TABLES_H_
+#define MOELORA_WORKER_LOADERS_NAME_TABLES_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lora/adapter.h"
+
+namespace moelora {
+
+// Which part of a fused expert parameter a checkpoint tensor fills.
+enum class ExpertShard {
+  kNone,  // not an expert weight: the whole parameter
+  kW1,    // gate rows [0, I) of w13
+  kW3,    // up rows [I, 2I) of w13
+  kW13,   // both halves at once (source already fused [gate ; up])
+  kW2,    // down
+};
+const char* ExpertShardName(ExpertShard s);
+
+// Where one checkpoint tensor goes.
+struct WeightTarget {
+  std::string param;   // engine parameter name
+  int expert = -1;     // -1: the source stacks all experts on its dim 0
+  ExpertShard shard = ExpertShard::kNone;
+  bool transposed = false;  // source is [.., in, out] (x @ W): transpose the last two dims
+};
+
+// What a table says about one checkpoint name.
+struct NameMapping {
+  enum Kind { kLoad, kSkip, kUnknown } kind = kUnknown;
+  WeightTarget target;  // kLoad
+  std::string reason;   // kSkip: why (e.g. "vision tower: text path only")
+};
+
+struct ArchTable {
+  std::string architecture;          // config.json architectures[0]
+  bool has_forward = false;          // the engine runs this model (else: name table only)
+  AdapterFormat native_moe_format;   // k2D or k3D (vLLM `is_3d_moe_weight`)
+  // Maps a checkpoint name. `lora_wrapped`: the engine has LoRA wrappers (names get
+  // `.base_layer.`).
+  NameMapping (*map)(const std::string& ckpt_name, bool lora_wrapped) = nullptr;
+};
+
+// The table for `architecture`; INVALID_ARGUMENT listing the supported ones when unknown.
+absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture);
+std::vector<std::string> SupportedArchitectures();
+
+// Engine names of the two expert parameters of the MoE block at `experts_prefix`
+// (e.g. "model.layers.3.mlp.experts").
+std::string W13Name(const std::string& experts_prefix, bool lora_wrapped);
+std::string W2Name(const std::string& experts_prefix, bool lora_wrapped);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LOADERS_NAME_TABLES_H_

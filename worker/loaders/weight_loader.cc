@@ -1,0 +1,251 @@
+#include "worker/loaders/weight_loader.h"
+
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace moelora {
+namespace {
+
+std::string Shape(at::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+bool IsW13(const std::string& p) { return absl::EndsWith(p, "w13_weight"); }
+bool IsW2(const std::string& p) { return absl::EndsWith(p, "w2_weight"); }
+
+// A view of the checkpoint bytes as an ATen tensor (copied when the mapping is misaligned for
+// the element type).
+absl::StatusOr<at::Tensor> SourceTensor(const TensorView& v, const std::string& file) {
+  at::ScalarType st;
+  size_t elem = 0;
+  switch (v.dtype) {
+    case DType::kF32:
+      st = at::kFloat, elem = 4;
+      break;
+    case DType::kBF16:
+      st = at::kBFloat16, elem = 2;
+      break;
+    case DType::kF16:
+      st = at::kHalf, elem = 2;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          file, ": tensor ", v.name, " has dtype ", DTypeName(v.dtype),
+          "; base weights must be F32, BF16 or F16"));
+  }
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
+  auto* data = const_cast<uint8_t*>(v.data);
+  if (reinterpret_cast<uintptr_t>(data) % elem != 0) {
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(st));
+    std::memcpy(t.data_ptr(), data, v.nbytes);
+    return t;
+  }
+  return at::from_blob(data, shape, at::TensorOptions().dtype(st));
+}
+
+struct Coverage {
+  std::vector<std::string> setter;  // per piece: the checkpoint tensor that set it ("" = unset)
+};
+
+int64_t PiecesOf(const std::string& param, int num_experts) {
+  if (IsW13(param)) return 2 * static_cast<int64_t>(num_experts);
+  if (IsW2(param)) return num_experts;
+  return 1;
+}
+
+}  // namespace
+
+absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTable& table,
+                                          const ModelConfig& config,
+                                          const std::vector<ParamSpec>& specs,
+                                          const LoadOptions& opt) {
+  const int E = config.info.num_experts;
+  const int64_t I = config.info.moe_intermediate_size;
+  const int64_t H = config.info.hidden_size;
+  const int tp = opt.tp_size, r = opt.tp_rank;
+  if (tp < 1 || r < 0 || r >= tp) {
+    return absl::InvalidArgumentError(absl::StrCat("tp rank ", r, " outside world size ", tp));
+  }
+  LoadedWeights out;
+  std::map<std::string, const ParamSpec*> spec_of;
+  std::map<std::string, Coverage> coverage;
+  for (const ParamSpec& s : specs) {
+    std::vector<int64_t> local = s.shape;
+    auto split_dim = [&](size_t d) -> absl::Status {
+      if (d >= local.size() || local[d] % tp != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("parameter ", s.name, " ", Shape(s.shape), ": dim ", d,
+                         " does not divide by --tensor-parallel-size ", tp));
+      }
+      local[d] /= tp;
+      return absl::OkStatus();
+    };
+    switch (s.split) {
+      case TpSplit::kReplicated:
+        break;
+      case TpSplit::kRows:
+        MOELORA_RETURN_IF_ERROR(split_dim(0));
+        break;
+      case TpSplit::kCols:
+        MOELORA_RETURN_IF_ERROR(split_dim(1));
+        break;
+      case TpSplit::kExperts:
+        if (I % tp != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("moe_intermediate_size ", I, " does not divide by --tensor-parallel-size ", tp));
+        }
+        if (IsW13(s.name)) local[1] = 2 * I / tp;
+        else local[2] = I / tp;
+        break;
+    }
+    out.params[s.name] = at::empty(local, at::TensorOptions().dtype(opt.dtype));
+    spec_of[s.name] = &s;
+    coverage[s.name].setter.assign(PiecesOf(s.name, E), "");
+  }
+
+  std::vector<std::string> unconsumed;
+  for (const auto& [name, view] : ckpt.tensors()) {
+    const NameMapping m = table.map(name, opt.lora_wrapped);
+    if (m.kind == NameMapping::kSkip) {
+      out.skipped.push_back(absl::StrCat(name, " (", m.reason, ")"));
+      continue;
+    }
+    auto sit = m.kind == NameMapping::kLoad ? spec_of.find(m.target.param) : spec_of.end();
+    if (sit == spec_of.end()) {
+      unconsumed.push_back(m.kind == NameMapping::kLoad
+                               ? absl::StrCat(name, " (-> ", m.target.param, ", not a parameter)")
+                               : name);
+      continue;
+    }
+    const std::string& file = ckpt.FileOf(name);
+    auto where = [&]() { return absl::StrCat(file, ": tensor ", name, " ", view->ShapeString()); };
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor src, SourceTensor(*view, file));
+    at::Tensor& dst = out.params[m.target.param];
+    Coverage& cov = coverage[m.target.param];
+    const ParamSpec& spec = *sit->second;
+    auto claim = [&](int64_t piece) -> absl::Status {
+      if (!cov.setter[piece].empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(where(), " sets part of ", spec.name,
+                                                       " that ", cov.setter[piece], " already set"));
+      }
+      cov.setter[piece] = name;
+      return absl::OkStatus();
+    };
+    if (m.target.shard == ExpertShard::kNone) {
+      if (src.sizes() != at::IntArrayRef(spec.shape)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where(), ": expected ", Shape(spec.shape), " for ", spec.name));
+      }
+      at::Tensor piece = src;
+      if (spec.split == TpSplit::kRows) piece = src.narrow(0, r * dst.size(0), dst.size(0));
+      if (spec.split == TpSplit::kCols) piece = src.narrow(1, r * dst.size(1), dst.size(1));
+      dst.copy_(piece);
+      MOELORA_RETURN_IF_ERROR(claim(0));
+      continue;
+    }
+    // Expert weights. Normalise the source to [n, out, in] with n = 1 (one expert) or E.
+    const bool stacked = m.target.expert < 0;
+    if (!stacked && m.target.expert >= E) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": expert index ", m.target.expert, " >= num_experts ", E));
+    }
+    const ExpertShard sh = m.target.shard;
+    const int64_t want_out = sh == ExpertShard::kW2 ? H : (sh == ExpertShard::kW13 ? 2 * I : I);
+    const int64_t want_in = sh == ExpertShard::kW2 ? I : H;
+    std::vector<int64_t> want;
+    if (stacked) want.push_back(E);
+    if (m.target.transposed) {
+      want.push_back(want_in), want.push_back(want_out);
+    } else {
+      want.push_back(want_out), want.push_back(want_in);
+    }
+    if (src.sizes() != at::IntArrayRef(want)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ", spec.name,
+          m.target.transposed ? " (stored transposed, x @ W)" : ""));
+    }
+    at::Tensor s3 = stacked ? src : src.unsqueeze(0);
+    if (m.target.transposed) s3 = s3.transpose(1, 2);
+    const int64_t e0 = stacked ? 0 : m.target.expert;
+    const int64_t n = s3.size(0);
+    at::Tensor d3 = dst.narrow(0, e0, n);
+    const int64_t Ip = I / tp;
+    if (sh == ExpertShard::kW2) {
+      d3.copy_(s3.narrow(2, r * Ip, Ip));
+      for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(e));
+      continue;
+    }
+    auto copy_half = [&](const at::Tensor& half, int which) -> absl::Status {
+      d3.narrow(1, which * Ip, Ip).copy_(half.narrow(1, r * Ip, Ip));
+      for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(2 * e + which));
+      return absl::OkStatus();
+    };
+    if (sh == ExpertShard::kW13) {
+      MOELORA_RETURN_IF_ERROR(copy_half(s3.narrow(1, 0, I), 0));
+      MOELORA_RETURN_IF_ERROR(copy_half(s3.narrow(1, I, I), 1));
+    } else {
+      MOELORA_RETURN_IF_ERROR(copy_half(s3, sh == ExpertShard::kW1 ? 0 : 1));
+    }
+  }
+  if (!unconsumed.empty()) {
+    const size_t shown = std::min<size_t>(unconsumed.size(), 8);
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": ", unconsumed.size(), " checkpoint tensor(s) the ", table.architecture,
+        " loader does not consume: ",
+        absl::StrJoin(unconsumed.begin(), unconsumed.begin() + shown, ", "),
+        unconsumed.size() > shown ? ", ..." : ""));
+  }
+  std::vector<std::string> unset;
+  for (const auto& [param, cov] : coverage) {
+    for (size_t p = 0; p < cov.setter.size(); ++p) {
+      if (!cov.setter[p].empty()) continue;
+      if (cov.setter.size() == 1) {
+        unset.push_back(param);
+      } else if (IsW13(param)) {
+        unset.push_back(absl::StrCat(param, " (expert ", p / 2, p % 2 ? " up" : " gate", ")"));
+      } else {
+        unset.push_back(absl::StrCat(param, " (expert ", p, ")"));
+      }
+    }
+  }
+  if (!unset.empty()) {
+    const size_t shown = std::min<size_t>(unset.size(), 8);
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": ", unset.size(), " parameter piece(s) no checkpoint tensor sets: ",
+        absl::StrJoin(unset.begin(), unset.begin() + shown, ", "),
+        unset.size() > shown ? ", ..." : ""));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<ParamSpec>> InferParamSpecs(const Checkpoint& ckpt,
+                                                       const ArchTable& table,
+                                                       const ModelConfig& config,
+                                                       bool lora_wrapped) {
+  const int64_t E = config.info.num_experts, I = config.info.moe_intermediate_size,
+                H = config.info.hidden_size;
+  std::map<std::string, ParamSpec> specs;
+  for (const auto& [name, view] : ckpt.tensors()) {
+    const NameMapping m = table.map(name, lora_wrapped);
+    if (m.kind != NameMapping::kLoad) continue;
+    ParamSpec s;
+    s.name = m.target.param;
+    if (m.target.shard == ExpertShard::kNone) {
+      s.shape.assign(view->shape.begin(), view->shape.end());
+    } else if (m.target.shard == ExpertShard::kW2) {
+      s.shape = {E, H, I};
+      s.split = TpSplit::kExperts;
+    } else {
+      s.shape = {E, 2 * I, H};
+      s.split = TpSplit::kExperts;
+    }
+    specs.emplace(s.name, s);
+  }
+  std::vector<ParamSpec> out;
+  for (auto& [n, s] : specs) out.push_back(std::move(s));
+  return out;
+}
+
+}  // namespace moelora

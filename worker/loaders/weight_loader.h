@@ -1,0 +1,67 @@
+// Loads a checkpoint into engine parameters through an architecture's name table, taking this
+// tensor-parallel rank's shard of every parameter.
+//
+// Every checkpoint tensor must be consumed (or knowingly skipped, e.g. a vision tower) and every
+// piece of every parameter set exactly once; anything else is a load error naming the tensors.
+// Includes ATen: only for translation units that already use libtorch.
+#ifndef MOELORA_WORKER_LOADERS_WEIGHT_LOADER_H_
+#define MOELORA_WORKER_LOADERS_WEIGHT_LOADER_H_
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/checkpoint.h"
+#include "worker/loaders/name_tables.h"
+#include "worker/model_config.h"
+
+namespace moelora {
+
+// How a parameter is split across tensor-parallel ranks.
+enum class TpSplit {
+  kReplicated,
+  kRows,     // dim 0 (column-parallel linear: q/k/v_proj)
+  kCols,     // dim 1 (row-parallel linear: o_proj)
+  kExperts,  // w13 [E, 2I, H]: each half's rows; w2 [E, H, I]: the last dim
+};
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // full (unsharded) shape
+  TpSplit split = TpSplit::kReplicated;
+};
+
+struct LoadOptions {
+  int tp_rank = 0;
+  int tp_size = 1;
+  at::ScalarType dtype = at::kFloat;
+  bool lora_wrapped = true;
+};
+
+struct LoadedWeights {
+  std::map<std::string, at::Tensor> params;  // this rank's shards, in options.dtype
+  std::vector<std::string> skipped;          // "name (reason)" for knowingly skipped tensors
+};
+
+// INVALID_ARGUMENT for: a checkpoint tensor no rule consumes, a parameter piece left unset or set
+// twice, a shape that contradicts the spec, an expert index >= E, a non-float dtype, a split that
+// does not divide by tp_size.
+absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTable& table,
+                                          const ModelConfig& config,
+                                          const std::vector<ParamSpec>& specs,
+                                          const LoadOptions& options);
+
+// Specs inferred from the checkpoint itself (expert parameters from E, I, H; everything else
+// as stored): for architectures that have a name table but no forward pass yet, so their tables
+// can load real checkpoints in tests and tools.
+absl::StatusOr<std::vector<ParamSpec>> InferParamSpecs(const Checkpoint& ckpt,
+                                                       const ArchTable& table,
+                                                       const ModelConfig& config,
+                                                       bool lora_wrapped);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LOADERS_WEIGHT_LOADER_H_

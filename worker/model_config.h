@@ -1,0 +1,35 @@
+// What the worker needs from a model's config.json: the architecture and every dimension of the
+// text model. Thread-safe: plain data and pure functions.
+#ifndef MOELORA_WORKER_MODEL_CONFIG_H_
+#define MOELORA_WORKER_MODEL_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "lora/model_info.h"
+
+namespace moelora {
+
+struct ModelConfig {
+  ModelInfo info;  // architecture, H, I, E, layers, heads (shared with adapter validation)
+  int vocab_size = 0;
+  int num_experts_per_tok = 0;  // top-k
+  bool norm_topk_prob = true;   // renormalise the top-k routing weights
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  int max_position_embeddings = 0;
+  bool tie_word_embeddings = false;  // lm_head = embed_tokens when the checkpoint has no lm_head
+  // Layers whose MLP is dense rather than MoE (Qwen3 `mlp_only_layers`, `decoder_sparse_step`).
+  // Only all-MoE models are served for now; a config with dense layers is rejected by name.
+  bool all_layers_moe = true;
+  bool mixed_layer_types = false;  // hybrid attention (Qwen3.5 linear attention): not served yet
+};
+
+// Reads `model_dir`/config.json (text_config for multimodal wrappers). NOT_FOUND if the file is
+// missing; INVALID_ARGUMENT naming the file and the field otherwise.
+absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir);
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& file);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_MODEL_CONFIG_H_

@@ -1,0 +1,63 @@
+#include "worker/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace moelora {
+
+double Sampler::Uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
+
+int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
+  // log-sum-exp of the raw logits, for the logprob.
+  float mx = -std::numeric_limits<float>::infinity();
+  int32_t best = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (logits[i] > mx) mx = logits[i], best = static_cast<int32_t>(i);
+  }
+  double z = 0;
+  for (int64_t i = 0; i < vocab; ++i) z += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lse = mx + std::log(z);
+  int32_t token = best;
+  if (p_.temperature > 0) {
+    scratch_.clear();
+    for (int64_t i = 0; i < vocab; ++i) {
+      scratch_.push_back({logits[i] / p_.temperature, static_cast<int32_t>(i)});
+    }
+    // Highest first; ties by lower id so the order is total and reproducible.
+    std::sort(scratch_.begin(), scratch_.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    size_t keep = scratch_.size();
+    if (p_.top_k > 0) keep = std::min<size_t>(keep, p_.top_k);
+    const double top = scratch_[0].first;
+    std::vector<double> probs(keep);
+    double sum = 0;
+    for (size_t i = 0; i < keep; ++i) sum += probs[i] = std::exp(scratch_[i].first - top);
+    if (p_.top_p > 0 && p_.top_p < 1) {
+      double cum = 0;
+      size_t n = 0;
+      while (n < keep) {
+        cum += probs[n] / sum;
+        ++n;
+        if (cum >= p_.top_p) break;
+      }
+      keep = n;
+      sum = 0;
+      for (size_t i = 0; i < keep; ++i) sum += probs[i];
+    }
+    double u = Uniform() * sum;
+    token = scratch_[keep - 1].second;
+    for (size_t i = 0; i < keep; ++i) {
+      u -= probs[i];
+      if (u < 0) {
+        token = scratch_[i].second;
+        break;
+      }
+    }
+  }
+  if (logprob) *logprob = static_cast<float>(logits[token] - lse);
+  return token;
+}
+
+}  // namespace moelora

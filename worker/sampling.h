@@ -1,0 +1,38 @@
+// Token sampling from one row of logits: greedy, or temperature + top-k + top-p with a seeded
+// generator. Deterministic: the same logits, parameters and seed give the same tokens on every
+// run and every rank (the generator is a std::mt19937_64, whose output the C++ standard fixes,
+// mapped to [0, 1) by hand because std::uniform_real_distribution is implementation-defined).
+// Thread-safety: a Sampler belongs to one sequence.
+#ifndef MOELORA_WORKER_SAMPLING_H_
+#define MOELORA_WORKER_SAMPLING_H_
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace moelora {
+
+struct SamplingParams {
+  float temperature = 0;  // 0 = greedy
+  float top_p = 0;        // (0, 1): nucleus; 0 or >= 1 = off
+  int top_k = 0;          // 0 = off
+  uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
+  // Picks a token from `logits[0, vocab)`; `logprob` gets its log-probability under the model's
+  // unmodified distribution (log_softmax of the raw logits).
+  int32_t Sample(const float* logits, int64_t vocab, float* logprob);
+
+ private:
+  double Uniform();
+  SamplingParams p_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int32_t>> scratch_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_SAMPLING_H_
