@@ -334,7 +334,10 @@ EngineInfo Engine::Info() const {
   i.skipped_tensors = m.model->skipped_tensors();
   {
     std::lock_guard<std::mutex> lock(m.adapters_mu);
-    for (const auto& [id, a] : m.adapters) i.committed_adapters += a.committed;
+    for (const auto& [id, a] : m.adapters) {
+      i.committed_adapters += a.committed;
+      i.staged_adapters += !a.committed;
+    }
   }
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());

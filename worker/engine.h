@@ -82,6 +82,7 @@ struct EngineInfo {
   std::vector<std::string> skipped_tensors;
   int running = 0;
   int committed_adapters = 0;
+  int staged_adapters = 0;
 };
 
 class Engine {

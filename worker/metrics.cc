@@ -1,0 +1,100 @@
+#include "worker/metrics.h"
+
+namespace moelora {
+namespace {
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+}
+}  // namespace
+
+WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::Registry>()) {
+  const std::map<std::string, std::string> rl = {{"rank", std::to_string(rank)}};
+  load_seconds_ = &prometheus::BuildHistogram()
+                       .Name("moelora_adapter_load_seconds")
+                       .Help("Adapter load time on this worker by phase (read, validate, "
+                             "convert, copy) and in total (phase=\"total\")")
+                       .Labels(rl)
+                       .Register(*registry_);
+  load_failures_ = &prometheus::BuildCounter()
+                        .Name("moelora_adapter_load_failures_total")
+                        .Help("Adapter stages refused on this worker, by reason (status code)")
+                        .Labels(rl)
+                        .Register(*registry_);
+  adapters_ = &prometheus::BuildGauge()
+                   .Name("moelora_adapters")
+                   .Help("Adapters held by this worker, by state (staged, loaded)")
+                   .Labels(rl)
+                   .Register(*registry_);
+  step_seconds_ = &prometheus::BuildHistogram()
+                       .Name("moelora_step_seconds")
+                       .Help("Wall time of one continuous-batching step (forward + sampling)")
+                       .Labels(rl)
+                       .Register(*registry_)
+                       .Add({}, SecondsBuckets());
+  batch_size_ = &prometheus::BuildHistogram()
+                     .Name("moelora_batch_size")
+                     .Help("Tokens in one step's forward pass")
+                     .Labels(rl)
+                     .Register(*registry_)
+                     .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128,
+                                                                      256, 512, 1024, 4096});
+  batch_distinct_ = &prometheus::BuildHistogram()
+                         .Name("moelora_batch_distinct_adapters")
+                         .Help("Distinct adapters in one step's batch (base model not counted)")
+                         .Labels(rl)
+                         .Register(*registry_)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 4, 8, 16, 32});
+  generated_ = &prometheus::BuildCounter()
+                    .Name("moelora_generated_tokens_total")
+                    .Help("Tokens sampled on this worker")
+                    .Labels(rl)
+                    .Register(*registry_)
+                    .Add({});
+  running_ = &prometheus::BuildGauge()
+                  .Name("moelora_running_sequences")
+                  .Help("Sequences in the running batch")
+                  .Labels(rl)
+                  .Register(*registry_)
+                  .Add({});
+  ready_ = &prometheus::BuildGauge()
+                .Name("moelora_worker_ready")
+                .Help("1 once the model is loaded and the communicator is up")
+                .Labels(rl)
+                .Register(*registry_)
+                .Add({});
+}
+
+void WorkerMetrics::AdapterStaged(const std::string& format, bool converted,
+                                  const std::map<std::string, double>& phase_seconds) {
+  double total = 0;
+  const std::string conv = converted ? "true" : "false";
+  for (const auto& [phase, s] : phase_seconds) {
+    load_seconds_->Add({{"format", format}, {"converted", conv}, {"phase", phase}}, SecondsBuckets())
+        .Observe(s);
+    total += s;
+  }
+  load_seconds_->Add({{"format", format}, {"converted", conv}, {"phase", "total"}}, SecondsBuckets())
+      .Observe(total);
+}
+
+void WorkerMetrics::AdapterLoadFailed(const std::string& reason) {
+  load_failures_->Add({{"reason", reason}}).Increment();
+}
+
+void WorkerMetrics::SetAdapters(int staged, int loaded) {
+  adapters_->Add({{"state", "staged"}}).Set(staged);
+  adapters_->Add({{"state", "loaded"}}).Set(loaded);
+}
+
+void WorkerMetrics::StepDone(int batch_tokens, int distinct, double seconds, int generated,
+                             int running) {
+  step_seconds_->Observe(seconds);
+  batch_size_->Observe(batch_tokens);
+  batch_distinct_->Observe(distinct);
+  generated_->Increment(generated);
+  running_->Set(running);
+}
+
+void WorkerMetrics::SetReady(bool ready) { ready_->Set(ready ? 1 : 0); }
+
+}  // namespace moelora

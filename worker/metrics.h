@@ -1,0 +1,47 @@
+// The worker's Prometheus metrics (DESIGN.md "Metrics"; base units, `moelora_` prefix, a
+// constant `rank` label). Thread-safe: prometheus-cpp metrics are.
+#ifndef MOELORA_WORKER_METRICS_H_
+#define MOELORA_WORKER_METRICS_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace moelora {
+
+class WorkerMetrics {
+ public:
+  explicit WorkerMetrics(int rank);
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // One successful stage: a sample per phase (read, validate, convert, copy) and the total.
+  void AdapterStaged(const std::string& format, bool converted,
+                     const std::map<std::string, double>& phase_seconds);
+  void AdapterLoadFailed(const std::string& reason);
+  void SetAdapters(int staged, int loaded);
+  void StepDone(int batch_tokens, int distinct_adapters, double seconds, int generated,
+                int running);
+  void SetReady(bool ready);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Histogram>* load_seconds_;
+  prometheus::Family<prometheus::Counter>* load_failures_;
+  prometheus::Family<prometheus::Gauge>* adapters_;
+  prometheus::Histogram* step_seconds_;
+  prometheus::Histogram* batch_size_;
+  prometheus::Histogram* batch_distinct_;
+  prometheus::Counter* generated_;
+  prometheus::Gauge* running_;
+  prometheus::Gauge* ready_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_METRICS_H_

@@ -1,0 +1,184 @@
+// moelora-worker: one tensor-parallel rank of a model replica. Serves moelora.v1.Worker (gRPC)
+// and Prometheus /metrics. Normally started by moelora-controller; see --help.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "common/flags.h"
+#include "common/logging.h"
+#include "prometheus/exposer.h"
+#include "worker/comm/communicator.h"
+#include "worker/engine.h"
+#include "worker/metrics.h"
+#include "worker/service.h"
+
+ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
+ABSL_FLAG(std::string, host, "127.0.0.1", "Address the gRPC server binds to");
+ABSL_FLAG(int, port, 0, "gRPC port (0: any free port; see --port-file)");
+ABSL_FLAG(int, metrics_port, 0, "Prometheus /metrics port (0: any free port; -1: off)");
+ABSL_FLAG(std::string, port_file, "",
+          "Write {\"port\": P, \"metrics_port\": M} here once listening (atomic rename)");
+ABSL_FLAG(int, rank, 0, "Tensor-parallel rank of this worker");
+ABSL_FLAG(int, tensor_parallel_size, 1, "Tensor-parallel world size");
+ABSL_FLAG(std::string, dist_init_dir, "",
+          "Rendezvous directory shared by all ranks (fresh per start); needed when "
+          "--tensor-parallel-size > 1");
+ABSL_FLAG(std::string, dist_host, "127.0.0.1", "This rank's address for collectives (gloo TCP)");
+ABSL_FLAG(int, dist_timeout_s, 120, "Seconds to wait for peers and for each collective");
+ABSL_FLAG(std::string, device, "cpu", "cpu | cuda (cuda: the GPU build; not served yet)");
+ABSL_FLAG(std::string, dtype, "float32", "Compute dtype: float32 | bfloat16");
+ABSL_FLAG(int, max_loras, 4, "LoRA slots: distinct adapters resident at once");
+ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank a slot holds");
+ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
+          "Use the 2D expert wrapper for every MoE layer and convert 3D adapters to 2D in "
+          "place at load, so 2D and 3D adapters share batches");
+ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
+ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens at most (0: from config.json)");
+
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> rest = moelora::ParseFlags(
+      argc, argv,
+      "moelora-worker --model DIR [--rank R --tensor-parallel-size N --dist-init-dir DIR] "
+      "[--port P] [--metrics-port M]\n\n"
+      "One tensor-parallel rank of a moelora model replica: loads its shard of the model,\n"
+      "holds LoRA slots, and runs continuous-batching steps for moelora-controller over gRPC\n"
+      "(service moelora.v1.Worker). Exit status: 0 after SIGTERM/SIGINT or --help; 1 for a bad\n"
+      "flag, or when the model or the communicator cannot be set up (the reason is printed).\n"
+      "Flags may be spelled --max-loras or --max_loras.",
+      "moelora_worker_main");
+  moelora::InitLogging(argv[0]);
+  auto fail = [](int code, const std::string& msg) {
+    std::fprintf(stderr, "moelora-worker: %s\n", msg.c_str());
+    return code;
+  };
+  if (rest.size() > 1) return fail(1, absl::StrCat("unexpected argument \"", rest[1], "\""));
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) return fail(1, "--model is required (see --help)");
+  const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_tensor_parallel_size);
+  if (world < 1 || rank < 0 || rank >= world) {
+    return fail(1, absl::StrCat("--rank ", rank, " outside --tensor-parallel-size ", world));
+  }
+  if (world > 1 && absl::GetFlag(FLAGS_dist_init_dir).empty()) {
+    return fail(1, "--dist-init-dir is required when --tensor-parallel-size > 1");
+  }
+  if (absl::GetFlag(FLAGS_device) != "cpu") {
+    return fail(1, absl::StrCat("--device ", absl::GetFlag(FLAGS_device),
+                                ": only cpu is served by this build"));
+  }
+  if (auto s = moelora::ValidateDType(absl::GetFlag(FLAGS_dtype)); !s.ok()) {
+    return fail(1, std::string(s.message()));
+  }
+
+  // Signals are handled by one thread (sigwait) so gRPC and torch threads never see them.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  moelora::WorkerMetrics metrics(rank);
+  metrics.SetReady(false);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = -1;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(
+          absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_metrics_port)));
+    } catch (const std::exception& e) {
+      return fail(1, absl::StrCat("cannot serve /metrics on port ",
+                                  absl::GetFlag(FLAGS_metrics_port), ": ", e.what()));
+    }
+    exposer->RegisterCollectable(metrics.registry());
+    metrics_port = exposer->GetListeningPorts().at(0);
+  }
+
+  moelora::WorkerService service(&metrics, absl::GetFlag(FLAGS_device));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
+                           grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(256 << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    return fail(1, absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
+                                absl::GetFlag(FLAGS_port)));
+  }
+  LOG(INFO) << "moelora-worker rank " << rank << "/" << world << " listening on "
+            << absl::GetFlag(FLAGS_host) << ":" << port << ", metrics on " << metrics_port;
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    const std::string tmp = pf + ".tmp";
+    std::ofstream(tmp) << "{\"port\": " << port << ", \"metrics_port\": " << metrics_port << "}\n";
+    std::filesystem::rename(tmp, pf);
+  }
+
+  // Load in the background: Health answers "loading" meanwhile.
+  int exit_code = 0;
+  std::thread loader([&] {
+    moelora::RendezvousOptions ro;
+    ro.rank = rank;
+    ro.world_size = world;
+    ro.store_dir = absl::GetFlag(FLAGS_dist_init_dir);
+    ro.hostname = absl::GetFlag(FLAGS_dist_host);
+    ro.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_dist_timeout_s));
+    service.SetLoadingDetail(absl::StrCat("connecting ", world, " ranks"));
+    auto comm = moelora::MakeGlooCommunicator(ro);
+    if (!comm.ok()) {
+      LOG(ERROR) << comm.status();
+      exit_code = 1;
+      server->Shutdown();
+      return;
+    }
+    service.SetLoadingDetail(absl::StrCat("loading ", model));
+    moelora::EngineOptions eo;
+    eo.model_dir = model;
+    eo.dtype = absl::GetFlag(FLAGS_dtype);
+    eo.max_loras = absl::GetFlag(FLAGS_max_loras);
+    eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
+    eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
+    eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
+    eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
+    auto engine = moelora::Engine::Create(eo, comm->get());
+    if (!engine.ok()) {
+      LOG(ERROR) << "cannot load the model: " << engine.status();
+      std::fprintf(stderr, "moelora-worker: cannot load the model: %s\n",
+                   engine.status().ToString().c_str());
+      exit_code = 1;
+      server->Shutdown();
+      return;
+    }
+    for (const auto& s : (*engine)->Info().skipped_tensors) LOG(INFO) << "skipped " << s;
+    service.SetReady(std::move(*comm), std::move(*engine));
+    LOG(INFO) << "rank " << rank << " ready";
+  });
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (g_stop.exchange(true)) return;
+    LOG(INFO) << "signal " << sig << ": shutting down";
+    server->Shutdown();
+  });
+  server->Wait();
+  loader.join();
+  if (!g_stop.exchange(true)) {
+    // Shut down by the loader: wake the signal thread.
+    pthread_kill(signals.native_handle(), SIGTERM);
+  }
+  signals.join();
+  return exit_code;
+}

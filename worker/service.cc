@@ -1,0 +1,191 @@
+#include "worker/service.h"
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "proto/grpc_status.h"
+
+namespace moelora {
+namespace {
+
+std::optional<AdapterFormat> FromProto(v1::AdapterFormat f) {
+  switch (f) {
+    case v1::FORMAT_2D:
+      return AdapterFormat::k2D;
+    case v1::FORMAT_3D:
+      return AdapterFormat::k3D;
+    case v1::FORMAT_DENSE:
+      return AdapterFormat::kDense;
+    default:
+      return std::nullopt;
+  }
+}
+
+v1::AdapterFormat ToProto(AdapterFormat f) {
+  switch (f) {
+    case AdapterFormat::k2D:
+      return v1::FORMAT_2D;
+    case AdapterFormat::k3D:
+      return v1::FORMAT_3D;
+    case AdapterFormat::kDense:
+      return v1::FORMAT_DENSE;
+  }
+  return v1::FORMAT_UNSPECIFIED;
+}
+
+}  // namespace
+
+void WorkerService::SetReady(std::unique_ptr<Communicator> comm, std::unique_ptr<Engine> engine) {
+  comm_ = std::move(comm);
+  owned_engine_ = std::move(engine);
+  engine_.store(owned_engine_.get(), std::memory_order_release);
+  metrics_->SetReady(true);
+  UpdateAdapterGauges();
+}
+
+void WorkerService::SetLoadingDetail(const std::string& detail) {
+  std::lock_guard<std::mutex> lock(detail_mu_);
+  detail_ = detail;
+}
+
+grpc::Status WorkerService::NotReady() const {
+  std::lock_guard<std::mutex> lock(detail_mu_);
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat("worker not ready: ", detail_));
+}
+
+void WorkerService::UpdateAdapterGauges() {
+  const EngineInfo i = engine()->Info();
+  metrics_->SetAdapters(i.staged_adapters, i.committed_adapters);
+}
+
+grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest* req,
+                                         v1::StageAdapterResponse* resp) {
+  Engine* e = engine();
+  if (!e) return NotReady();
+  if (req->path().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "StageAdapter: empty path");
+  }
+  auto r = e->StageAdapter(req->adapter_id(), req->path(), FromProto(req->format()));
+  if (!r.ok()) {
+    metrics_->AdapterLoadFailed(absl::AsciiStrToLower(absl::StatusCodeToString(r.status().code())));
+    return ToGrpc(absl::Status(r.status().code(),
+                               absl::StrCat("adapter \"", req->name(), "\": ", r.status().message())));
+  }
+  resp->set_detected_format(ToProto(r->detected_format));
+  resp->set_converted_to_2d(r->converted_to_2d);
+  resp->set_bytes(r->bytes);
+  resp->set_rank(r->rank);
+  for (const auto& [k, v] : r->phase_seconds) (*resp->mutable_phase_seconds())[k] = v;
+  metrics_->AdapterStaged(AdapterFormatName(r->detected_format), r->converted_to_2d,
+                          r->phase_seconds);
+  UpdateAdapterGauges();
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::CommitAdapter(grpc::ServerContext*,
+                                          const v1::CommitAdapterRequest* req,
+                                          v1::CommitAdapterResponse* resp) {
+  Engine* e = engine();
+  if (!e) return NotReady();
+  auto slot = e->CommitAdapter(req->adapter_id());
+  if (!slot.ok()) return ToGrpc(slot.status());
+  resp->set_slot(*slot);
+  UpdateAdapterGauges();
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::AbortAdapter(grpc::ServerContext*, const v1::AbortAdapterRequest* req,
+                                         v1::AbortAdapterResponse*) {
+  Engine* e = engine();
+  if (!e) return NotReady();
+  grpc::Status s = ToGrpc(e->AbortAdapter(req->adapter_id()));
+  UpdateAdapterGauges();
+  return s;
+}
+
+grpc::Status WorkerService::UnloadAdapter(grpc::ServerContext*,
+                                          const v1::WorkerUnloadAdapterRequest* req,
+                                          v1::WorkerUnloadAdapterResponse*) {
+  Engine* e = engine();
+  if (!e) return NotReady();
+  grpc::Status s = ToGrpc(e->UnloadAdapter(req->adapter_id()));
+  UpdateAdapterGauges();
+  return s;
+}
+
+grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* req,
+                                 v1::StepResponse* resp) {
+  Engine* e = engine();
+  if (!e) return NotReady();
+  std::vector<NewSequence> add;
+  for (const v1::SequenceSpec& s : req->add()) {
+    NewSequence n;
+    n.id = s.sequence_id();
+    n.adapter_id = s.adapter_id();
+    n.prompt.assign(s.prompt_token_ids().begin(), s.prompt_token_ids().end());
+    n.sampling.temperature = s.temperature();
+    n.sampling.top_p = s.top_p();
+    n.sampling.top_k = s.top_k();
+    n.sampling.seed = s.seed();
+    n.max_tokens = s.max_tokens();
+    n.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+    n.return_logprobs = s.return_logprobs();
+    n.return_logits = s.return_logits();
+    n.return_prompt_logits = s.return_prompt_logits();
+    add.push_back(std::move(n));
+  }
+  std::vector<int64_t> remove(req->remove().begin(), req->remove().end());
+  auto out = e->Step(add, remove);
+  if (!out.ok()) return ToGrpc(out.status());
+  for (const TokenOut& t : out->tokens) {
+    v1::SequenceToken* p = resp->add_tokens();
+    p->set_sequence_id(t.sequence_id);
+    p->set_token_id(t.token);
+    p->set_logprob(t.logprob);
+    p->set_finished(t.finished);
+    p->set_finish_reason(t.finish_reason);
+    p->mutable_logits()->Add(t.logits.begin(), t.logits.end());
+    p->mutable_prompt_logits()->Add(t.prompt_logits.begin(), t.prompt_logits.end());
+  }
+  resp->set_batch_tokens(out->batch_tokens);
+  resp->set_distinct_adapters(out->distinct_adapters);
+  resp->set_seconds(out->seconds);
+  if (!out->tokens.empty()) {
+    metrics_->StepDone(out->batch_tokens, out->distinct_adapters, out->seconds,
+                       static_cast<int>(out->tokens.size()), e->Info().running);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Health(grpc::ServerContext*, const v1::WorkerHealthRequest*,
+                                   v1::WorkerHealthResponse* resp) {
+  if (engine()) {
+    resp->set_ready(true);
+  } else {
+    std::lock_guard<std::mutex> lock(detail_mu_);
+    resp->set_ready(false);
+    resp->set_detail(detail_);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+                                 v1::WorkerInfoResponse* resp) {
+  Engine* e = engine();
+  if (!e) return NotReady();
+  const EngineInfo i = e->Info();
+  resp->set_rank(i.rank);
+  resp->set_world_size(i.world_size);
+  resp->set_architecture(i.architecture);
+  resp->set_vocab_size(i.vocab_size);
+  resp->set_max_model_len(i.max_model_len);
+  resp->set_max_loras(i.max_loras);
+  resp->set_max_lora_rank(i.max_lora_rank);
+  resp->set_mixed_moe_lora_format(i.mixed);
+  resp->set_native_moe_format(ToProto(i.native_format));
+  resp->set_device(device_);
+  for (const auto& s : i.skipped_tensors) resp->add_skipped_tensors(s);
+  resp->set_communicator(comm_ ? comm_->backend() : "");
+  return grpc::Status::OK;
+}
+
+}  // namespace moelora
