@@ -83,6 +83,16 @@ MoeModel::~MoeModel() = default;
 absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
                                                          const ModelOptions& o,
                                                          Communicator* comm) {
+  // The architecture first, so that an unserved model is named before its config is parsed.
+  if (auto info = ReadModelInfo(dir); info.ok()) {
+    MOELORA_ASSIGN_OR_RETURN(const ArchTable* t, FindArchTable(info->architecture));
+    if (!t->has_forward) {
+      return absl::UnimplementedError(absl::StrCat(
+          dir, ": ", info->architecture,
+          " has a weight-name table but no forward pass yet; served architectures: "
+          "Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration"));
+    }
+  }
   MOELORA_ASSIGN_OR_RETURN(ModelConfig c, ReadModelConfig(dir));
   MOELORA_ASSIGN_OR_RETURN(const ArchTable* table, FindArchTable(c.info.architecture));
   if (!table->has_forward) {

@@ -1,5 +1,6 @@
 #include "worker/model_config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -72,6 +73,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
 }
 
 absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(model_dir, ec)) {
+    return absl::NotFoundError(absl::StrCat(model_dir, ": model directory does not exist"));
+  }
   const std::string path = model_dir + "/config.json";
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open (is --model an HF model directory?)"));

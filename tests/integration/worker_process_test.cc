@@ -1,0 +1,198 @@
+// moelora-worker as real processes on loopback: logits against transformers + PEFT over gRPC,
+// TP=2 (gloo over TCP) against TP=1, error codes, /metrics, startup failures.
+#include <cmath>
+#include <map>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/worker_group.h"
+#include "tests/testing/http_get.h"
+#include "tests/unit/worker/engine_test_util.h"
+
+namespace moelora {
+namespace {
+
+using ::moelora::testing::Data;
+using ::moelora::testing::MaxAbsDiff;
+using ::moelora::testing::ReadExpected;
+using ::moelora::testing::WorkerGroup;
+using ::testing::HasSubstr;
+
+struct Gen {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;
+  std::vector<float> prompt_logits;
+};
+
+// Runs `prompts` (adapter ids alongside) as one batch to completion; greedy.
+std::vector<Gen> Generate(WorkerGroup& g, const std::vector<int64_t>& adapters,
+                          const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+  v1::StepRequest req;
+  req.set_step(1);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    v1::SequenceSpec* s = req.add_add();
+    s->set_sequence_id(static_cast<int64_t>(i) + 1);
+    s->set_adapter_id(adapters[i]);
+    s->mutable_prompt_token_ids()->Add(prompts[i].begin(), prompts[i].end());
+    s->set_max_tokens(max_tokens);
+    s->set_return_logits(true);
+    s->set_return_prompt_logits(true);
+  }
+  std::vector<Gen> out(prompts.size());
+  for (int step = 0; step < max_tokens + 1; ++step) {
+    v1::StepResponse resp;
+    grpc::Status st = g.Step(req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message() << "\n" << g.Logs();
+    if (!st.ok() || resp.tokens_size() == 0) break;
+    for (const auto& t : resp.tokens()) {
+      Gen& o = out[t.sequence_id() - 1];
+      o.tokens.push_back(t.token_id());
+      o.logits.emplace_back(t.logits().begin(), t.logits().end());
+      if (t.prompt_logits_size() > 0) o.prompt_logits.assign(t.prompt_logits().begin(), t.prompt_logits().end());
+    }
+    req.clear_add();
+    req.set_step(req.step() + 1);
+  }
+  return out;
+}
+
+struct Case {
+  const char* arch;  // fixture dir
+  bool mixed;
+  std::vector<const char*> adapters;  // loaded with ids 1, 2, ...
+};
+
+class WorkerTpTest : public ::testing::TestWithParam<Case> {};
+
+// The batch [adapters..., base] over gRPC matches transformers + PEFT at TP=1 and TP=2, and
+// TP=2 generates the same greedy tokens as TP=1 with logits within 1e-4.
+TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
+  const Case c = GetParam();
+  const std::string arch = c.arch;
+  auto ref = ReadExpected(Data(arch + "/expected_logits.safetensors"));
+  std::vector<std::string> flags;
+  if (c.mixed) flags.push_back("--enable-mixed-moe-lora-format");
+  std::vector<int64_t> ids;
+  std::vector<std::string> variants;
+  for (size_t i = 0; i < c.adapters.size(); ++i) ids.push_back(i + 1), variants.push_back(c.adapters[i]);
+  ids.push_back(0), variants.push_back("base");
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < ids.size(); ++i) prompts.push_back(ref.prompts[i % ref.prompts.size()]);
+
+  std::map<int, std::vector<Gen>> by_tp;
+  for (int tp : {1, 2}) {
+    WorkerGroup g(Data(arch + "/model"), tp, flags);
+    ASSERT_TRUE(g.WaitReady()) << g.Logs();
+    for (size_t i = 0; i < c.adapters.size(); ++i) {
+      grpc::Status s = g.Load(ids[i], Data(arch + "/" + c.adapters[i]));
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    auto gen = Generate(g, ids, prompts, 8);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const float d = MaxAbsDiff(gen[i].prompt_logits, ref.logits.at(variants[i])[i % ref.prompts.size()]);
+      std::printf("[ref] tp=%d %s %s: max |logit - HF| = %.3g\n", tp, c.arch, variants[i].c_str(), d);
+      EXPECT_LE(d, 1e-4f) << variants[i];
+      EXPECT_EQ(gen[i].tokens.size(), 8u);
+    }
+    by_tp[tp] = gen;
+  }
+  float worst = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(by_tp[1][i].tokens, by_tp[2][i].tokens) << variants[i];
+    for (size_t t = 0; t < by_tp[1][i].logits.size() && t < by_tp[2][i].logits.size(); ++t) {
+      worst = std::max(worst, MaxAbsDiff(by_tp[1][i].logits[t], by_tp[2][i].logits[t]));
+    }
+  }
+  std::printf("[tp] %s: TP=2 vs TP=1 max |logit diff| over 8 generated tokens = %.3g\n", c.arch, worst);
+  EXPECT_LE(worst, 1e-4f);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, WorkerTpTest,
+    ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
+                      Case{"qwen3_vl_moe", false, {"adapter_3d"}},
+                      Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}}),
+    [](const auto& info) {
+      return std::string(info.param.arch) + (info.param.mixed ? "_mixed" : "_native");
+    });
+
+TEST(WorkerProcessTest, RejectedAdaptersGetClearCodesAndChangeNothing) {
+  WorkerGroup g(Data("qwen3_moe/model"), 1, {"--max-loras", "2"});
+  ASSERT_TRUE(g.WaitReady()) << g.Logs();
+  grpc::Status s = g.Load(1, Data("qwen3_moe/adapter_3d"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("--enable-mixed-moe-lora-format"));
+  s = g.Load(1, Data("qwen3_moe/missing"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  s = g.Load(1, Data("qwen3_moe/adapter_2d"), v1::FORMAT_3D);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("adapter_model.safetensors"));
+  // Both slots are still free.
+  ASSERT_TRUE(g.Load(1, Data("qwen3_moe/adapter_2d")).ok());
+  ASSERT_TRUE(g.Load(2, Data("qwen3_moe/adapter_2d_shared_a")).ok());
+  s = g.Load(3, Data("qwen3_moe/adapter_3d_as_2d"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Steps with a bad joiner fail whole; the good ones then run.
+  v1::StepRequest bad;
+  auto* seq = bad.add_add();
+  seq->set_sequence_id(1);
+  seq->set_adapter_id(9);
+  seq->add_prompt_token_ids(1);
+  v1::StepResponse resp;
+  EXPECT_EQ(g.Step(bad, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  seq->set_adapter_id(1);
+  ASSERT_TRUE(g.Step(bad, &resp).ok());
+  EXPECT_EQ(resp.tokens_size(), 1);
+
+  grpc::ClientContext ctx;
+  v1::WorkerInfoResponse info;
+  ASSERT_TRUE(g.stub(0).Info(&ctx, {}, &info).ok());
+  EXPECT_EQ(info.architecture(), "Qwen3MoeForCausalLM");
+  EXPECT_EQ(info.native_moe_format(), v1::FORMAT_2D);
+  EXPECT_EQ(info.max_loras(), 2);
+}
+
+TEST(WorkerProcessTest, MetricsReportAdapterLoadPhasesAndTokens) {
+  WorkerGroup g(Data("qwen3_vl_moe/model"), 1, {"--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(g.WaitReady()) << g.Logs();
+  v1::StageAdapterResponse staged;
+  ASSERT_TRUE(g.Load(1, Data("qwen3_vl_moe/adapter_3d"), v1::FORMAT_UNSPECIFIED, &staged).ok());
+  EXPECT_EQ(staged.detected_format(), v1::FORMAT_3D);
+  EXPECT_TRUE(staged.converted_to_2d());
+  EXPECT_EQ(staged.rank(), 4);
+  EXPECT_EQ(g.Load(2, Data("qwen3_vl_moe/nope")).error_code(), grpc::StatusCode::NOT_FOUND);
+  Generate(g, {1, 0}, {{1, 2, 3}, {4, 5}}, 3);
+  const std::string m = ::moelora::testing::HttpGet(g.metrics_port(0), "/metrics");
+  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_seconds_count{rank=\"0\",converted=\"true\",format=\"3d\",phase=\"convert\"} 1"));
+  EXPECT_THAT(m, HasSubstr("phase=\"total\""));
+  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_failures_total{rank=\"0\",reason=\"not_found\"} 1"));
+  EXPECT_THAT(m, HasSubstr("moelora_generated_tokens_total{rank=\"0\"} 6"));
+  EXPECT_THAT(m, HasSubstr("moelora_adapters{rank=\"0\",state=\"loaded\"} 1"));
+  EXPECT_THAT(m, HasSubstr("moelora_batch_distinct_adapters_count{rank=\"0\"} 3"));
+  grpc::ClientContext ctx;
+  v1::WorkerInfoResponse info;
+  ASSERT_TRUE(g.stub(0).Info(&ctx, {}, &info).ok());
+  EXPECT_EQ(info.native_moe_format(), v1::FORMAT_3D);
+  EXPECT_GT(info.skipped_tensors_size(), 0);  // the vision tower
+  EXPECT_THAT(info.skipped_tensors(0), HasSubstr("model.visual."));
+}
+
+TEST(WorkerProcessTest, StartupFailuresExitNonZeroWithAReason) {
+  {
+    WorkerGroup g(Data("qwen3_moe/no_such_model"), 1);
+    EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
+    EXPECT_THAT(g.process(0).Log(), HasSubstr("model directory does not exist"));
+  }
+  {
+    WorkerGroup g(Data("gpt_oss/model"), 1);  // config only
+    EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
+    EXPECT_THAT(g.process(0).Log(), HasSubstr("GptOssForCausalLM"));
+  }
+  {
+    WorkerGroup g(Data("qwen3_moe/model"), 1, {"--no-such-flag"});
+    EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
+  }
+}
+
+}  // namespace
+}  // namespace moelora
