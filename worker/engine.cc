@@ -1,12 +1,14 @@
 #include "worker/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
 #include <deque>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -62,6 +64,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o,
                                                        Communicator* comm) {
   MOELORA_RETURN_IF_ERROR(ValidateDType(o.dtype));
   if (o.max_num_seqs < 1) return absl::InvalidArgumentError("--max-num-seqs must be >= 1");
+  if (o.num_threads < 0) return absl::InvalidArgumentError("--num-threads must be >= 0");
+  {
+    // libgomp may report one thread under a CPU quota; set the pool size explicitly.
+    const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    at::set_num_threads(o.num_threads > 0 ? o.num_threads : std::max(1, hw / comm->world_size()));
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = o;
   impl->comm = comm;

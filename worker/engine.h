@@ -34,6 +34,8 @@ struct EngineOptions {
   bool enable_mixed_moe_lora_format = false;
   int max_num_seqs = 256;
   int max_model_len = 0;  // 0: the model's max_position_embeddings
+  // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.
+  int num_threads = 0;
 };
 
 struct NewSequence {
