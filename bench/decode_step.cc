@@ -1,6 +1,7 @@
 // bench/decode_step: one continuous-batching decode step, measured on the same engine with
 //   (a) no adapter, (b) one adapter for the whole batch, (c) 8 distinct adapters (4 2D + 4 3D,
-//   mixed mode), and printed as ratios (b)/(a) and (c)/(b) from the same run (goal (c)/(b) <= 1.15).
+//   mixed mode), and printed as ratios (b)/(a) and (c)/(b) from the same run (goal (c)/(b)
+//   <= 1.15).
 //
 //   decode_step [--batch B] [--steps N] [--repeat K] [--only tiny|medium]
 //
@@ -82,7 +83,8 @@ void WriteModel(const std::string& dir, const Dims& d) {
   }
   std::vector<TensorToWrite> w;
   for (auto& [n, t] : ts) {
-    w.push_back({n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.numel()) * 4});
+    w.push_back(
+        {n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.numel()) * 4});
   }
   Check(WriteSafetensors(dir + "/model.safetensors", w), "write model");
 }
@@ -92,10 +94,12 @@ std::string WriteAdapter(const std::string& dir, const Dims& d, bool three_d, in
   const int64_t r = 16;
   b.config()["r"] = r;
   b.config()["lora_alpha"] = 1;  // small scaling keeps activations finite with random weights
-  b.config()["target_modules"] = three_d ? nlohmann::json{"q_proj", "k_proj", "v_proj", "o_proj"}
-                                         : nlohmann::json{"q_proj", "k_proj", "v_proj", "o_proj",
-                                                          "gate_proj", "up_proj", "down_proj"};
-  if (three_d) b.config()["target_parameters"] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  b.config()["target_modules"] = three_d
+                                     ? nlohmann::json{"q_proj", "k_proj", "v_proj", "o_proj"}
+                                     : nlohmann::json{"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"};
+  if (three_d)
+    b.config()["target_parameters"] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
   for (int64_t l = 0; l < d.layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     b.Pair(p + "self_attn.q_proj", r, d.H, d.heads * d.head_dim);
@@ -117,8 +121,8 @@ struct Case {
 };
 
 // Mean seconds of one decode step for `batch` sequences (best of `repeat`).
-double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat,
-                  int vocab, int64_t* next_id) {
+double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
+                  int64_t* next_id) {
   double best = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -127,7 +131,8 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
       NewSequence n;
       n.id = (*next_id)++;
       n.adapter_id = adapters[i];
-      for (int t = 0; t < 16; ++t) n.prompt.push_back(static_cast<int32_t>((i * 31 + t * 7) % vocab));
+      for (int t = 0; t < 16; ++t)
+        n.prompt.push_back(static_cast<int32_t>((i * 31 + t * 7) % vocab));
       n.max_tokens = steps + 8;
       add.push_back(n);
       ids.push_back(n.id);
@@ -169,9 +174,10 @@ void Run(const std::string& label, const std::string& model,
   const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id);
   const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
   const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
-  std::printf("%-7s threads %d batch %3d  (a) no adapter %8.3f ms  (b) one adapter %8.3f ms  "
-              "(c) 8 adapters 2D+3D %8.3f ms   (b)/(a) = %.3f   (c)/(b) = %.3f  [goal <= 1.15]\n",
-              label.c_str(), at::get_num_threads(), batch, a * 1e3, b * 1e3, c * 1e3, b / a, c / b);
+  std::printf(
+      "%-7s threads %d batch %3d  (a) no adapter %8.3f ms  (b) one adapter %8.3f ms  "
+      "(c) 8 adapters 2D+3D %8.3f ms   (b)/(a) = %.3f   (c)/(b) = %.3f  [goal <= 1.15]\n",
+      label.c_str(), at::get_num_threads(), batch, a * 1e3, b * 1e3, c * 1e3, b / a, c / b);
 }
 
 }  // namespace
@@ -182,12 +188,17 @@ int main(int argc, char** argv) {
   std::string only;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i];
-    if (f == "--batch") batch = std::atoi(argv[i + 1]);
-    else if (f == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (f == "--repeat") repeat = std::atoi(argv[i + 1]);
-    else if (f == "--only") only = argv[i + 1];
+    if (f == "--batch")
+      batch = std::atoi(argv[i + 1]);
+    else if (f == "--steps")
+      steps = std::atoi(argv[i + 1]);
+    else if (f == "--repeat")
+      repeat = std::atoi(argv[i + 1]);
+    else if (f == "--only")
+      only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: decode_step [--batch B] [--steps N] [--repeat K] [--only tiny|medium]\n");
+      std::fprintf(
+          stderr, "usage: decode_step [--batch B] [--steps N] [--repeat K] [--only tiny|medium]\n");
       return 2;
     }
   }
@@ -204,9 +215,11 @@ int main(int argc, char** argv) {
                  {data + "/qwen3_moe/adapter_3d"}, batch, steps, repeat, 8);
   }
   if (only.empty() || only == "medium") {
-    const std::string dir = (std::filesystem::temp_directory_path() / "moelora_bench_decode").string();
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / "moelora_bench_decode").string();
     const moelora::Dims d{1024, 512, 32, 8, 4, 16, 4, 64, 4096};
-    if (!std::filesystem::exists(dir + "/model/model.safetensors")) moelora::WriteModel(dir + "/model", d);
+    if (!std::filesystem::exists(dir + "/model/model.safetensors"))
+      moelora::WriteModel(dir + "/model", d);
     std::vector<std::string> a2, a3;
     for (int i = 0; i < 4; ++i) {
       a2.push_back(moelora::WriteAdapter(dir + "/a2d_" + std::to_string(i), d, false, 10 + i));

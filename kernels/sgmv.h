@@ -18,8 +18,8 @@
 namespace moelora {
 
 struct SgmvSegment {
-  int64_t begin = 0;  // first entry of this segment (a row, or an index into `rows`)
-  int64_t end = 0;    // one past the last
+  int64_t begin = 0;           // first entry of this segment (a row, or an index into `rows`)
+  int64_t end = 0;             // one past the last
   const float* a_t = nullptr;  // [in_dim, r_stride]
   const float* b_t = nullptr;  // [r_stride, out_dim]
   int32_t rank = 0;            // 0 < rank <= r_stride; 0 = nothing to add

@@ -9,6 +9,9 @@ PACKAGES=(
   build-essential cmake ninja-build ccache git pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libtorch-dev libgloo-dev prometheus-cpp-dev
+  # libtorch links the reference BLAS by default; OpenBLAS (OpenMP, like libtorch) replaces it
+  # through Debian's alternatives and makes CPU matmuls about 10x faster.
+  libopenblas0-openmp
   libgtest-dev libgmock-dev libbenchmark-dev libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
   clang libclang-rt-14-dev clang-format
 )

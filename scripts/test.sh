@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, builds, runs every test.
 #   1. Release build with gcc (CUDA code compiled and linked when nvcc is in /usr/local/cuda),
-#      ctest labels unit and gpu (gpu tests skip without a device);
+#      ctest labels unit, integration (real worker processes on loopback) and gpu (gpu tests
+#      skip without a device);
 #   2. clang build with ASan+UBSan and libFuzzer: the fuzzers run MOELORA_FUZZ_SECONDS each
 #      (default 30), seeded from tests/data;
-#   3. a short run of the adapter-load benchmark (figures only, never pass/fail).
+#   3. short runs of the benchmarks (figures only, never pass/fail).
 # Set MOELORA_SKIP_FUZZ=1 to skip step 2, MOELORA_BUILD_DIR to move the build trees.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +17,8 @@ export CCACHE_DIR="${CCACHE_DIR:-$PWD/.cache/ccache}"
 echo "== configure + build ($B)"
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release
 cmake --build "$B" -j"$JOBS"
-echo "== tests: unit + gpu"
-(cd "$B" && ctest --output-on-failure -j"$JOBS" -L 'unit|gpu')
+echo "== tests: unit + integration + gpu"
+(cd "$B" && ctest --output-on-failure -j"$JOBS" -L 'unit|integration|gpu')
 echo "== format check"
 cmake --build "$B" --target check-format || { echo "format check failed (run: cmake --build $B --target format)"; exit 1; }
 
@@ -31,3 +32,4 @@ fi
 
 echo "== bench (figures only)"
 "$B/bench/adapter_load" --layers 8 --repeat 2
+"$B/bench/decode_step" --steps 5 --repeat 2

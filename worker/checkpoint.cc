@@ -60,11 +60,12 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     }
     std::sort(shards.begin(), shards.end());
     if (shards.empty()) {
-      for (const char* pickle : {"pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json"}) {
+      for (const char* pickle :
+           {"pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json"}) {
         if (fs::exists(dir + "/" + pickle, ec)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              dir, ": only pickle weights (", pickle,
-              ") found; convert them to safetensors (pickle files are never opened)"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(dir, ": only pickle weights (", pickle,
+                           ") found; convert them to safetensors (pickle files are never opened)"));
         }
       }
       return absl::NotFoundError(absl::StrCat(dir, ": no *.safetensors weights"));

@@ -60,8 +60,7 @@ struct Engine::Impl {
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o,
-                                                       Communicator* comm) {
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, Communicator* comm) {
   MOELORA_RETURN_IF_ERROR(ValidateDType(o.dtype));
   if (o.max_num_seqs < 1) return absl::InvalidArgumentError("--max-num-seqs must be >= 1");
   if (o.num_threads < 0) return absl::InvalidArgumentError("--num-threads must be >= 0");
@@ -84,7 +83,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o,
   const int cfg_len = impl->model->config().max_position_embeddings;
   impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;
   if (impl->max_model_len <= 1) {
-    return absl::InvalidArgumentError("--max-model-len must be > 1 (config has no max_position_embeddings)");
+    return absl::InvalidArgumentError(
+        "--max-model-len must be > 1 (config has no max_position_embeddings)");
   }
   for (int s = 0; s < o.max_loras; ++s) impl->free_slots.insert(s);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -105,8 +105,8 @@ absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& 
                                                    " from ", it->second.path));
     }
     if (m.free_slots.empty()) {
-      return absl::ResourceExhaustedError(absl::StrCat("all ", m.options.max_loras,
-                                                       " LoRA slots (--max-loras) are in use"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("all ", m.options.max_loras, " LoRA slots (--max-loras) are in use"));
     }
     slot = *m.free_slots.begin();
     m.free_slots.erase(m.free_slots.begin());
@@ -139,8 +139,8 @@ absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& 
   r.converted_to_2d = a->converted_to_2d;
   r.bytes = m.model->SlotBytes(*a);
   r.rank = a->max_rank;
-  r.phase_seconds = {{"read", t.read}, {"validate", t.validate}, {"convert", t.convert},
-                     {"copy", Since(t0)}};
+  r.phase_seconds = {
+      {"read", t.read}, {"validate", t.validate}, {"convert", t.convert}, {"copy", Since(t0)}};
   std::lock_guard<std::mutex> lock(m.adapters_mu);
   m.adapters[id].result = r;
   return r;
@@ -220,7 +220,8 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
     if (n.prompt.empty()) return bad("empty prompt");
     for (size_t i = 0; i < n.prompt.size(); ++i) {
       if (n.prompt[i] < 0 || n.prompt[i] >= vocab) {
-        return bad("prompt token ", n.prompt[i], " at position ", i, " is outside [0, ", vocab, ")");
+        return bad("prompt token ", n.prompt[i], " at position ", i, " is outside [0, ", vocab,
+                   ")");
       }
     }
     if (static_cast<int>(n.prompt.size()) >= m.max_model_len) {
@@ -244,8 +245,8 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
     slots.push_back(slot);
   }
   if (static_cast<int>(ids.size()) > m.options.max_num_seqs) {
-    return absl::ResourceExhaustedError(absl::StrCat(ids.size(), " sequences exceed --max-num-seqs ",
-                                                     m.options.max_num_seqs));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(ids.size(), " sequences exceed --max-num-seqs ", m.options.max_num_seqs));
   }
   // Apply.
   for (auto it = m.running.begin(); it != m.running.end();) {

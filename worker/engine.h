@@ -55,7 +55,7 @@ struct TokenOut {
   int32_t token = 0;
   float logprob = 0;
   bool finished = false;
-  std::string finish_reason;  // "stop" | "length" when finished
+  std::string finish_reason;         // "stop" | "length" when finished
   std::vector<float> logits;         // [vocab] when requested
   std::vector<float> prompt_logits;  // [prompt_len * vocab] at prefill when requested
 };

@@ -11,8 +11,9 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
   const std::map<std::string, std::string> rl = {{"rank", std::to_string(rank)}};
   load_seconds_ = &prometheus::BuildHistogram()
                        .Name("moelora_adapter_load_seconds")
-                       .Help("Adapter load time on this worker by phase (read, validate, "
-                             "convert, copy) and in total (phase=\"total\")")
+                       .Help(
+                           "Adapter load time on this worker by phase (read, validate, "
+                           "convert, copy) and in total (phase=\"total\")")
                        .Labels(rl)
                        .Register(*registry_);
   load_failures_ = &prometheus::BuildCounter()
@@ -69,11 +70,13 @@ void WorkerMetrics::AdapterStaged(const std::string& format, bool converted,
   double total = 0;
   const std::string conv = converted ? "true" : "false";
   for (const auto& [phase, s] : phase_seconds) {
-    load_seconds_->Add({{"format", format}, {"converted", conv}, {"phase", phase}}, SecondsBuckets())
+    load_seconds_
+        ->Add({{"format", format}, {"converted", conv}, {"phase", phase}}, SecondsBuckets())
         .Observe(s);
     total += s;
   }
-  load_seconds_->Add({{"format", format}, {"converted", conv}, {"phase", "total"}}, SecondsBuckets())
+  load_seconds_
+      ->Add({{"format", format}, {"converted", conv}, {"phase", "total"}}, SecondsBuckets())
       .Observe(total);
 }
 

@@ -25,7 +25,7 @@ constexpr int kW1 = 0, kW3 = 1, kW2 = 2;  // expert LoRA projections (3D wrapper
 // A HostTensor as an f32 ATen tensor (copied).
 at::Tensor ToFloat(const HostTensor& h) {
   std::vector<int64_t> shape(h.shape.begin(), h.shape.end());
-  at::ScalarType st = h.dtype == DType::kBF16 ? at::kBFloat16
+  at::ScalarType st = h.dtype == DType::kBF16  ? at::kBFloat16
                       : h.dtype == DType::kF16 ? at::kHalf
                                                : at::kFloat;
   at::Tensor t = at::empty(shape, at::TensorOptions().dtype(st));
@@ -87,28 +87,30 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
   if (auto info = ReadModelInfo(dir); info.ok()) {
     MOELORA_ASSIGN_OR_RETURN(const ArchTable* t, FindArchTable(info->architecture));
     if (!t->has_forward) {
-      return absl::UnimplementedError(absl::StrCat(
-          dir, ": ", info->architecture,
-          " has a weight-name table but no forward pass yet; served architectures: "
-          "Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration"));
+      return absl::UnimplementedError(
+          absl::StrCat(dir, ": ", info->architecture,
+                       " has a weight-name table but no forward pass yet; served architectures: "
+                       "Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration"));
     }
   }
   MOELORA_ASSIGN_OR_RETURN(ModelConfig c, ReadModelConfig(dir));
   MOELORA_ASSIGN_OR_RETURN(const ArchTable* table, FindArchTable(c.info.architecture));
   if (!table->has_forward) {
-    return absl::UnimplementedError(absl::StrCat(
-        dir, ": ", c.info.architecture,
-        " has a weight-name table but no forward pass yet; served architectures: "
-        "Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration"));
+    return absl::UnimplementedError(
+        absl::StrCat(dir, ": ", c.info.architecture,
+                     " has a weight-name table but no forward pass yet; served architectures: "
+                     "Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration"));
   }
   const std::string cfg = dir + "/config.json";
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
   };
-  if (!c.all_layers_moe) return bad("dense MLP layers (mlp_only_layers / decoder_sparse_step) are not served yet");
+  if (!c.all_layers_moe)
+    return bad("dense MLP layers (mlp_only_layers / decoder_sparse_step) are not served yet");
   if (c.info.num_experts <= 0 || c.num_experts_per_tok <= 0 ||
       c.num_experts_per_tok > c.info.num_experts || c.info.moe_intermediate_size <= 0) {
-    return bad("needs num_experts > 0, 0 < num_experts_per_tok <= num_experts and moe_intermediate_size");
+    return bad(
+        "needs num_experts > 0, 0 < num_experts_per_tok <= num_experts and moe_intermediate_size");
   }
   if (c.info.num_layers <= 0 || c.info.num_attention_heads <= 0 || c.info.head_dim <= 0 ||
       c.info.head_dim % 2 != 0 || c.info.num_key_value_heads <= 0 ||
@@ -121,8 +123,8 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
                " and num_attention_heads must divide by --tensor-parallel-size ", tp);
   }
   if (o.max_loras < 1 || o.max_lora_rank < 1 || o.max_lora_rank > kSgmvMaxRank) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-loras must be >= 1 and --max-lora-rank in [1, ",
-                                                   kSgmvMaxRank, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-loras must be >= 1 and --max-lora-rank in [1, ", kSgmvMaxRank, "]"));
   }
   MOELORA_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(dir));
   const bool has_lm_head = ckpt->tensors().count("lm_head.weight") > 0;
@@ -131,8 +133,8 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
         absl::StrCat(dir, ": no lm_head.weight and tie_word_embeddings is false"));
   }
   LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true};
-  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w,
-                           LoadWeights(*ckpt, *table, c, Qwen3MoeParamSpecs(c, true, has_lm_head), lo));
+  MOELORA_ASSIGN_OR_RETURN(
+      LoadedWeights w, LoadWeights(*ckpt, *table, c, Qwen3MoeParamSpecs(c, true, has_lm_head), lo));
 
   auto m = std::unique_ptr<MoeModel>(new MoeModel());
   m->config_ = c;
@@ -150,7 +152,7 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
   m->final_norm_ = P.at("model.norm.weight");
   m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
   m->inv_freq_ = 1.0 / at::pow(c.rope_theta, at::arange(0, m->d_, 2, at::kLong).to(at::kFloat) /
-                                                  static_cast<double>(m->d_));
+                                                 static_cast<double>(m->d_));
   const int64_t S = o.max_loras, R = o.max_lora_rank, E = c.info.num_experts,
                 H = c.info.hidden_size;
   auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -198,7 +200,8 @@ SeqCache MoeModel::NewCache() const {
 
 absl::Status MoeModel::AllReduce(at::Tensor& t) {
   if (!comm_ || comm_->world_size() == 1) return absl::OkStatus();
-  at::Tensor buf = t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+  at::Tensor buf =
+      t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
   MOELORA_RETURN_IF_ERROR(comm_->AllReduceSum(buf.data_ptr<float>(), buf.numel()));
   if (!buf.is_same(t)) t.copy_(buf);
   return absl::OkStatus();
@@ -232,24 +235,35 @@ void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_
   if (segs.empty()) return;
   if (x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && x.is_contiguous() &&
       out.is_contiguous()) {
-    SgmvParams p{x.data_ptr<float>(), x.size(1), out.data_ptr<float>() + out_col, out.size(1),
-                 rows, x.size(1), out_dim, r_stride};
+    SgmvParams p{x.data_ptr<float>(),
+                 x.size(1),
+                 out.data_ptr<float>() + out_col,
+                 out.size(1),
+                 rows,
+                 x.size(1),
+                 out_dim,
+                 r_stride};
     RunSgmv(p, segs);
     return;
   }
   at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor d32 = at::zeros({out.size(0), out_dim}, x32.options());
-  SgmvParams p{x32.data_ptr<float>(), x32.size(1), d32.data_ptr<float>(), out_dim,
-               rows, x32.size(1), out_dim, r_stride};
+  SgmvParams p{x32.data_ptr<float>(),
+               x32.size(1),
+               d32.data_ptr<float>(),
+               out_dim,
+               rows,
+               x32.size(1),
+               out_dim,
+               r_stride};
   RunSgmv(p, segs);
   out.narrow(1, out_col, out_dim).add_(d32.to(out.scalar_type()));
 }
 
 }  // namespace
 
-at::Tensor MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h,
-                               const ForwardBatch& b, const at::Tensor& cos,
-                               const at::Tensor& sin) {
+at::Tensor MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h, const ForwardBatch& b,
+                               const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t T = h.size(0), R = options_.max_lora_rank;
   // Tokens grouped by slot for the dense LoRA (stable: rows keep their order within a slot).
   std::vector<int64_t> rows;
@@ -324,7 +338,7 @@ at::Tensor MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h,
       K = K.repeat_interleave(groups, 0);
       Vv = Vv.repeat_interleave(groups, 0);
     }
-    at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});  // [hq, n, d]
+    at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});   // [hq, n, d]
     at::Tensor scores = at::matmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, total]
     if (n > 1) {
       // Query i (position past + i) sees keys 0..past + i.
@@ -386,7 +400,8 @@ at::Tensor MoeModel::Moe(Layer& L, const at::Tensor& h, const ForwardBatch& b) {
       if (slot >= 0) {
         const int32_t r = L.erank[k][slot * E + e];
         if (r > 0) {
-          segs.push_back({i, j, A + (slot * E + e) * in_dim * R, B + (slot * E + e) * R * out_dim, r});
+          segs.push_back(
+              {i, j, A + (slot * E + e) * in_dim * R, B + (slot * E + e) * R * out_dim, r});
         }
       }
       i = j;
@@ -449,7 +464,8 @@ absl::StatusOr<at::Tensor> MoeModel::Forward(const ForwardBatch& b) {
   for (const auto& s : b.seqs) {
     for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
   }
-  at::Tensor sel = x.index_select(0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong));
+  at::Tensor sel =
+      x.index_select(0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong));
   sel = RmsNorm(sel, final_norm_, eps);
   return at::matmul(sel, lm_head_.t()).to(at::kFloat).contiguous();
 }
@@ -501,14 +517,15 @@ void MoeModel::ResetSlot(int slot) {
 
 absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
   if (slot < 0 || slot >= options_.max_loras) {
-    return absl::OutOfRangeError(absl::StrCat("slot ", slot, " outside [0, ", options_.max_loras, ")"));
+    return absl::OutOfRangeError(
+        absl::StrCat("slot ", slot, " outside [0, ", options_.max_loras, ")"));
   }
   const int R = options_.max_lora_rank;
   const std::string flag = "--enable-mixed-moe-lora-format";
   // Check everything before touching the slot.
   if (a.max_rank > R) {
-    return absl::ResourceExhaustedError(absl::StrCat(a.dir, ": LoRA rank ", a.max_rank,
-                                                     " is greater than --max-lora-rank ", R));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(a.dir, ": LoRA rank ", a.max_rank, " is greater than --max-lora-rank ", R));
   }
   std::vector<std::pair<DenseTarget, const LoraPair*>> dense;
   for (const auto& [module, pair] : a.dense) {
@@ -559,7 +576,8 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
     if (A.size(1) != in_l || B.size(0) != out_l) {
       ResetSlot(slot);
       return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": ", pair->a_name,
-                                                     " does not fit the model's ", kDenseNames[t.module]));
+                                                     " does not fit the model's ",
+                                                     kDenseNames[t.module]));
     }
     L.la[t.module][slot].narrow(1, 0, r).copy_(A.t());
     L.lb[t.module][slot].narrow(0, 0, r).copy_(B.t());
@@ -598,7 +616,7 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
     }
     for (int64_t e = 0; e < static_cast<int64_t>(ml.experts.size()); ++e) {
       for (int k : {kW1, kW3, kW2}) {
-        const auto& opt = ml.experts[e][k == kW1 ? static_cast<int>(ExpertProj::kGate)
+        const auto& opt = ml.experts[e][k == kW1   ? static_cast<int>(ExpertProj::kGate)
                                         : k == kW3 ? static_cast<int>(ExpertProj::kUp)
                                                    : static_cast<int>(ExpertProj::kDown)];
         if (!opt) continue;

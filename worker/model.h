@@ -50,8 +50,8 @@ struct ForwardBatch {
   std::vector<int32_t> slots;   // per token: LoRA slot, -1 = base model
   struct Seq {
     SeqCache* cache = nullptr;
-    int64_t begin = 0;   // first token in `tokens`
-    int64_t count = 0;   // new tokens (prompt at prefill, 1 at decode)
+    int64_t begin = 0;        // first token in `tokens`
+    int64_t count = 0;        // new tokens (prompt at prefill, 1 at decode)
     bool all_logits = false;  // logits for every new token, else only the last
   };
   std::vector<Seq> seqs;

@@ -79,7 +79,9 @@ absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir) {
   }
   const std::string path = model_dir + "/config.json";
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open (is --model an HF model directory?)"));
+  if (!in)
+    return absl::NotFoundError(
+        absl::StrCat(path, ": cannot open (is --model an HF model directory?)"));
   std::stringstream ss;
   ss << in.rdbuf();
   return ParseModelConfig(ss.str(), path);

@@ -40,7 +40,7 @@ ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
           "Use the 2D expert wrapper for every MoE layer and convert 3D adapters to 2D in "
           "place at load, so 2D and 3D adapters share batches");
 ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
-ABSL_FLAG(int, num_threads, 0,
+ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens at most (0: from config.json)");
 
@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
     eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
-    eo.num_threads = absl::GetFlag(FLAGS_num_threads);
+    eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);
     auto engine = moelora::Engine::Create(eo, comm->get());
     if (!engine.ok()) {
       LOG(ERROR) << "cannot load the model: " << engine.status();

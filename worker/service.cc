@@ -67,8 +67,8 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   auto r = e->StageAdapter(req->adapter_id(), req->path(), FromProto(req->format()));
   if (!r.ok()) {
     metrics_->AdapterLoadFailed(absl::AsciiStrToLower(absl::StatusCodeToString(r.status().code())));
-    return ToGrpc(absl::Status(r.status().code(),
-                               absl::StrCat("adapter \"", req->name(), "\": ", r.status().message())));
+    return ToGrpc(absl::Status(
+        r.status().code(), absl::StrCat("adapter \"", req->name(), "\": ", r.status().message())));
   }
   resp->set_detected_format(ToProto(r->detected_format));
   resp->set_converted_to_2d(r->converted_to_2d);
@@ -81,8 +81,7 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::CommitAdapter(grpc::ServerContext*,
-                                          const v1::CommitAdapterRequest* req,
+grpc::Status WorkerService::CommitAdapter(grpc::ServerContext*, const v1::CommitAdapterRequest* req,
                                           v1::CommitAdapterResponse* resp) {
   Engine* e = engine();
   if (!e) return NotReady();

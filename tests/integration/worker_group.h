@@ -25,13 +25,22 @@ class WorkerGroup {
     std::filesystem::create_directories(dist);
     for (int r = 0; r < tp; ++r) {
       const std::string pf = dir_.path() + "/port." + std::to_string(r);
-      std::vector<std::string> argv = {MOELORA_WORKER_BIN, "--model", model_dir,
-                                       "--rank", std::to_string(r),
-                                       "--tensor-parallel-size", std::to_string(tp),
-                                       "--dist-init-dir", dist, "--port-file", pf,
-                                       "--dist-timeout-s", "60"};
+      std::vector<std::string> argv = {MOELORA_WORKER_BIN,
+                                       "--model",
+                                       model_dir,
+                                       "--rank",
+                                       std::to_string(r),
+                                       "--tensor-parallel-size",
+                                       std::to_string(tp),
+                                       "--dist-init-dir",
+                                       dist,
+                                       "--port-file",
+                                       pf,
+                                       "--dist-timeout-s",
+                                       "60"};
       argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
-      procs_.push_back(std::make_unique<ChildProcess>(argv, dir_.path() + "/log." + std::to_string(r)));
+      procs_.push_back(
+          std::make_unique<ChildProcess>(argv, dir_.path() + "/log." + std::to_string(r)));
     }
     for (int r = 0; r < tp; ++r) {
       const std::string text = WaitForFile(dir_.path() + "/port." + std::to_string(r),
@@ -67,12 +76,14 @@ class WorkerGroup {
   ChildProcess& process(int r) { return *procs_[r]; }
   std::string Logs() {
     std::string s;
-    for (size_t r = 0; r < procs_.size(); ++r) s += "--- rank " + std::to_string(r) + "\n" + procs_[r]->Log();
+    for (size_t r = 0; r < procs_.size(); ++r)
+      s += "--- rank " + std::to_string(r) + "\n" + procs_[r]->Log();
     return s;
   }
 
   // Stage on all ranks, then commit on all (the controller's atomic load, without rollback).
-  grpc::Status Load(int64_t id, const std::string& path, v1::AdapterFormat format = v1::FORMAT_UNSPECIFIED,
+  grpc::Status Load(int64_t id, const std::string& path,
+                    v1::AdapterFormat format = v1::FORMAT_UNSPECIFIED,
                     v1::StageAdapterResponse* out = nullptr) {
     for (auto& stub : stubs_) {
       grpc::ClientContext ctx;

@@ -48,7 +48,8 @@ std::vector<Gen> Generate(WorkerGroup& g, const std::vector<int64_t>& adapters,
       Gen& o = out[t.sequence_id() - 1];
       o.tokens.push_back(t.token_id());
       o.logits.emplace_back(t.logits().begin(), t.logits().end());
-      if (t.prompt_logits_size() > 0) o.prompt_logits.assign(t.prompt_logits().begin(), t.prompt_logits().end());
+      if (t.prompt_logits_size() > 0)
+        o.prompt_logits.assign(t.prompt_logits().begin(), t.prompt_logits().end());
     }
     req.clear_add();
     req.set_step(req.step() + 1);
@@ -74,7 +75,8 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
   if (c.mixed) flags.push_back("--enable-mixed-moe-lora-format");
   std::vector<int64_t> ids;
   std::vector<std::string> variants;
-  for (size_t i = 0; i < c.adapters.size(); ++i) ids.push_back(i + 1), variants.push_back(c.adapters[i]);
+  for (size_t i = 0; i < c.adapters.size(); ++i)
+    ids.push_back(i + 1), variants.push_back(c.adapters[i]);
   ids.push_back(0), variants.push_back("base");
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < ids.size(); ++i) prompts.push_back(ref.prompts[i % ref.prompts.size()]);
@@ -89,8 +91,10 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
     }
     auto gen = Generate(g, ids, prompts, 8);
     for (size_t i = 0; i < ids.size(); ++i) {
-      const float d = MaxAbsDiff(gen[i].prompt_logits, ref.logits.at(variants[i])[i % ref.prompts.size()]);
-      std::printf("[ref] tp=%d %s %s: max |logit - HF| = %.3g\n", tp, c.arch, variants[i].c_str(), d);
+      const float d =
+          MaxAbsDiff(gen[i].prompt_logits, ref.logits.at(variants[i])[i % ref.prompts.size()]);
+      std::printf("[ref] tp=%d %s %s: max |logit - HF| = %.3g\n", tp, c.arch, variants[i].c_str(),
+                  d);
       EXPECT_LE(d, 1e-4f) << variants[i];
       EXPECT_EQ(gen[i].tokens.size(), 8u);
     }
@@ -103,18 +107,20 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
       worst = std::max(worst, MaxAbsDiff(by_tp[1][i].logits[t], by_tp[2][i].logits[t]));
     }
   }
-  std::printf("[tp] %s: TP=2 vs TP=1 max |logit diff| over 8 generated tokens = %.3g\n", c.arch, worst);
+  std::printf("[tp] %s: TP=2 vs TP=1 max |logit diff| over 8 generated tokens = %.3g\n", c.arch,
+              worst);
   EXPECT_LE(worst, 1e-4f);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Fixtures, WorkerTpTest,
-    ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
-                      Case{"qwen3_vl_moe", false, {"adapter_3d"}},
-                      Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}}),
-    [](const auto& info) {
-      return std::string(info.param.arch) + (info.param.mixed ? "_mixed" : "_native");
-    });
+INSTANTIATE_TEST_SUITE_P(Fixtures, WorkerTpTest,
+                         ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
+                                           Case{"qwen3_vl_moe", false, {"adapter_3d"}},
+                                           Case{
+                                               "qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}}),
+                         [](const auto& info) {
+                           return std::string(info.param.arch) +
+                                  (info.param.mixed ? "_mixed" : "_native");
+                         });
 
 TEST(WorkerProcessTest, RejectedAdaptersGetClearCodesAndChangeNothing) {
   WorkerGroup g(Data("qwen3_moe/model"), 1, {"--max-loras", "2"});
@@ -163,9 +169,11 @@ TEST(WorkerProcessTest, MetricsReportAdapterLoadPhasesAndTokens) {
   EXPECT_EQ(g.Load(2, Data("qwen3_vl_moe/nope")).error_code(), grpc::StatusCode::NOT_FOUND);
   Generate(g, {1, 0}, {{1, 2, 3}, {4, 5}}, 3);
   const std::string m = ::moelora::testing::HttpGet(g.metrics_port(0), "/metrics");
-  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_seconds_count{rank=\"0\",converted=\"true\",format=\"3d\",phase=\"convert\"} 1"));
+  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_seconds_count{rank=\"0\",converted=\"true\","
+                           "format=\"3d\",phase=\"convert\"} 1"));
   EXPECT_THAT(m, HasSubstr("phase=\"total\""));
-  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_failures_total{rank=\"0\",reason=\"not_found\"} 1"));
+  EXPECT_THAT(m,
+              HasSubstr("moelora_adapter_load_failures_total{rank=\"0\",reason=\"not_found\"} 1"));
   EXPECT_THAT(m, HasSubstr("moelora_generated_tokens_total{rank=\"0\"} 6"));
   EXPECT_THAT(m, HasSubstr("moelora_adapters{rank=\"0\",state=\"loaded\"} 1"));
   EXPECT_THAT(m, HasSubstr("moelora_batch_distinct_adapters_count{rank=\"0\"} 3"));

@@ -3,8 +3,8 @@
 #ifndef MOELORA_TESTS_TESTING_PROCESS_H_
 #define MOELORA_TESTS_TESTING_PROCESS_H_
 
-#include <signal.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>

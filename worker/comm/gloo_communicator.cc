@@ -31,8 +31,8 @@ class GlooCommunicator final : public Communicator {
           static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
       gloo::allreduce(opts);
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("gloo all-reduce of ", count,
-                                                 " floats failed (a peer rank is gone?): ", e.what()));
+      return absl::UnavailableError(absl::StrCat(
+          "gloo all-reduce of ", count, " floats failed (a peer rank is gone?): ", e.what()));
     }
     return absl::OkStatus();
   }

@@ -71,8 +71,8 @@ NameMapping Expert(const std::string& prefix, int expert, ExpertShard shard, boo
                    bool lora_wrapped) {
   NameMapping m;
   m.kind = NameMapping::kLoad;
-  m.target.param = shard == ExpertShard::kW2 ? W2Name(prefix, lora_wrapped)
-                                             : W13Name(prefix, lora_wrapped);
+  m.target.param =
+      shard == ExpertShard::kW2 ? W2Name(prefix, lora_wrapped) : W13Name(prefix, lora_wrapped);
   m.target.expert = expert;
   m.target.shard = shard;
   m.target.transposed = transposed;
@@ -110,7 +110,8 @@ bool MatchFused(const std::string& n, bool transposed, bool lora_wrapped, NameMa
   return true;
 }
 
-// Step3: `moe.{gate,up,down}_proj.weight` stacked [E, I, H] / [E, H, I] -> `moe.experts.w13_weight`.
+// Step3: `moe.{gate,up,down}_proj.weight` stacked [E, I, H] / [E, H, I] ->
+// `moe.experts.w13_weight`.
 bool MatchStackedStep(const std::string& n, bool lora_wrapped, NameMapping* out) {
   std::smatch m;
   if (!std::regex_match(n, m, StackedStepRe())) return false;
@@ -203,9 +204,9 @@ absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture) 
   for (const ArchTable& t : Tables()) {
     if (t.architecture == architecture) return &t;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown architecture \"", architecture,
-                                                 "\"; supported: ",
-                                                 absl::StrJoin(SupportedArchitectures(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown architecture \"", architecture,
+                   "\"; supported: ", absl::StrJoin(SupportedArchitectures(), ", ")));
 }
 
 }  // namespace moelora

@@ -34,8 +34,8 @@ const char* ExpertShardName(ExpertShard s);
 
 // Where one checkpoint tensor goes.
 struct WeightTarget {
-  std::string param;   // engine parameter name
-  int expert = -1;     // -1: the source stacks all experts on its dim 0
+  std::string param;  // engine parameter name
+  int expert = -1;    // -1: the source stacks all experts on its dim 0
   ExpertShard shard = ExpertShard::kNone;
   bool transposed = false;  // source is [.., in, out] (x @ W): transpose the last two dims
 };
@@ -48,9 +48,9 @@ struct NameMapping {
 };
 
 struct ArchTable {
-  std::string architecture;          // config.json architectures[0]
-  bool has_forward = false;          // the engine runs this model (else: name table only)
-  AdapterFormat native_moe_format;   // k2D or k3D (vLLM `is_3d_moe_weight`)
+  std::string architecture;         // config.json architectures[0]
+  bool has_forward = false;         // the engine runs this model (else: name table only)
+  AdapterFormat native_moe_format;  // k2D or k3D (vLLM `is_3d_moe_weight`)
   // Maps a checkpoint name. `lora_wrapped`: the engine has LoRA wrappers (names get
   // `.base_layer.`).
   NameMapping (*map)(const std::string& ckpt_name, bool lora_wrapped) = nullptr;

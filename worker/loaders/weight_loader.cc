@@ -31,9 +31,9 @@ absl::StatusOr<at::Tensor> SourceTensor(const TensorView& v, const std::string& 
       st = at::kHalf, elem = 2;
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          file, ": tensor ", v.name, " has dtype ", DTypeName(v.dtype),
-          "; base weights must be F32, BF16 or F16"));
+      return absl::InvalidArgumentError(absl::StrCat(file, ": tensor ", v.name, " has dtype ",
+                                                     DTypeName(v.dtype),
+                                                     "; base weights must be F32, BF16 or F16"));
   }
   std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
   auto* data = const_cast<uint8_t*>(v.data);
@@ -93,11 +93,13 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
         break;
       case TpSplit::kExperts:
         if (I % tp != 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("moe_intermediate_size ", I, " does not divide by --tensor-parallel-size ", tp));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "moe_intermediate_size ", I, " does not divide by --tensor-parallel-size ", tp));
         }
-        if (IsW13(s.name)) local[1] = 2 * I / tp;
-        else local[2] = I / tp;
+        if (IsW13(s.name))
+          local[1] = 2 * I / tp;
+        else
+          local[2] = I / tp;
         break;
     }
     out.params[s.name] = at::empty(local, at::TensorOptions().dtype(opt.dtype));
@@ -127,8 +129,8 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
     const ParamSpec& spec = *sit->second;
     auto claim = [&](int64_t piece) -> absl::Status {
       if (!cov.setter[piece].empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(where(), " sets part of ", spec.name,
-                                                       " that ", cov.setter[piece], " already set"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            where(), " sets part of ", spec.name, " that ", cov.setter[piece], " already set"));
       }
       cov.setter[piece] = name;
       return absl::OkStatus();
@@ -162,9 +164,9 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
       want.push_back(want_out), want.push_back(want_in);
     }
     if (src.sizes() != at::IntArrayRef(want)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ", spec.name,
-          m.target.transposed ? " (stored transposed, x @ W)" : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ",
+                       spec.name, m.target.transposed ? " (stored transposed, x @ W)" : ""));
     }
     at::Tensor s3 = stacked ? src : src.unsqueeze(0);
     if (m.target.transposed) s3 = s3.transpose(1, 2);
@@ -191,11 +193,11 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
   }
   if (!unconsumed.empty()) {
     const size_t shown = std::min<size_t>(unconsumed.size(), 8);
-    return absl::InvalidArgumentError(absl::StrCat(
-        ckpt.dir(), ": ", unconsumed.size(), " checkpoint tensor(s) the ", table.architecture,
-        " loader does not consume: ",
-        absl::StrJoin(unconsumed.begin(), unconsumed.begin() + shown, ", "),
-        unconsumed.size() > shown ? ", ..." : ""));
+    return absl::InvalidArgumentError(
+        absl::StrCat(ckpt.dir(), ": ", unconsumed.size(), " checkpoint tensor(s) the ",
+                     table.architecture, " loader does not consume: ",
+                     absl::StrJoin(unconsumed.begin(), unconsumed.begin() + shown, ", "),
+                     unconsumed.size() > shown ? ", ..." : ""));
   }
   std::vector<std::string> unset;
   for (const auto& [param, cov] : coverage) {

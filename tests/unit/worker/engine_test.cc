@@ -58,21 +58,21 @@ TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
   EXPECT_LE(worst, kRefTol);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Fixtures, ReferenceLogitsTest,
-    ::testing::Values(RefCase{"qwen3_moe", "base", false}, RefCase{"qwen3_moe", "adapter_2d", false},
-                      RefCase{"qwen3_moe", "adapter_2d_shared_a", false},
-                      RefCase{"qwen3_moe", "adapter_3d_as_2d", false},
-                      RefCase{"qwen3_moe", "adapter_3d", true},
-                      RefCase{"qwen3_moe", "adapter_2d", true},
-                      RefCase{"qwen3_vl_moe", "base", false},
-                      RefCase{"qwen3_vl_moe", "adapter_3d", false},
-                      RefCase{"qwen3_vl_moe", "adapter_3d", true},
-                      RefCase{"qwen3_vl_moe", "adapter_2d", true}),
-    [](const auto& info) {
-      return std::string(info.param.arch_dir) + "_" + info.param.variant +
-             (info.param.mixed ? "_mixed" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceLogitsTest,
+                         ::testing::Values(RefCase{"qwen3_moe", "base", false},
+                                           RefCase{"qwen3_moe", "adapter_2d", false},
+                                           RefCase{"qwen3_moe", "adapter_2d_shared_a", false},
+                                           RefCase{"qwen3_moe", "adapter_3d_as_2d", false},
+                                           RefCase{"qwen3_moe", "adapter_3d", true},
+                                           RefCase{"qwen3_moe", "adapter_2d", true},
+                                           RefCase{"qwen3_vl_moe", "base", false},
+                                           RefCase{"qwen3_vl_moe", "adapter_3d", false},
+                                           RefCase{"qwen3_vl_moe", "adapter_3d", true},
+                                           RefCase{"qwen3_vl_moe", "adapter_2d", true}),
+                         [](const auto& info) {
+                           return std::string(info.param.arch_dir) + "_" + info.param.variant +
+                                  (info.param.mixed ? "_mixed" : "");
+                         });
 
 TEST(EngineTest, BfloatComputeStaysCloseToReference) {
   auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
@@ -103,7 +103,8 @@ TEST(EngineTest, Converted3DEqualsNative3DEqualsEquivalent2D) {
     for (size_t i = 0; i < prompts.size(); ++i) {
       EXPECT_EQ(a[i].tokens, b[i].tokens);
       for (size_t t = 0; t < a[i].logits.size(); ++t) {
-        EXPECT_LE(MaxAbsDiff(a[i].logits[t], b[i].logits[t]), kSelfTol) << "seq " << i << " token " << t;
+        EXPECT_LE(MaxAbsDiff(a[i].logits[t], b[i].logits[t]), kSelfTol)
+            << "seq " << i << " token " << t;
       }
     }
   }
@@ -115,7 +116,8 @@ TEST(EngineTest, MixedBatchEqualsEachRequestAloneInEitherOrder) {
   auto h = MakeEngine("qwen3_moe/model", true);
   ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
   ASSERT_OK(Load(*h->engine, 2, "qwen3_moe/adapter_3d"));
-  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88}, {3, 9, 27, 81}, {7, 2, 95}};
+  const std::vector<std::vector<int32_t>> prompts = {
+      {1, 17, 42, 5, 88}, {3, 9, 27, 81}, {7, 2, 95}};
   const std::vector<int64_t> adapters = {1, 2, 0};
   std::vector<testing::Generation> alone;
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -145,7 +147,8 @@ TEST(EngineTest, SameModelStoredPerExpertOrFusedTransposedGivesSameLogits) {
   auto q = MakeEngine("qwen3_moe/model", false);
   auto vl = MakeEngine("qwen3_vl_moe/model", false);
   const std::vector<int32_t> prompt = {3, 9, 27, 81, 50, 11, 60};
-  const float d = MaxAbsDiff(PromptLogits(*q->engine, 0, prompt), PromptLogits(*vl->engine, 0, prompt));
+  const float d =
+      MaxAbsDiff(PromptLogits(*q->engine, 0, prompt), PromptLogits(*vl->engine, 0, prompt));
   EXPECT_LE(d, kSelfTol);
 }
 
@@ -169,13 +172,13 @@ TEST(EngineTest, BaseTokensBitIdenticalWithAdaptersLoaded) {
 
 TEST(EngineTest, LayoutThatTheWrapperDoesNotTakeIsFailedPreconditionNamingTheFlag) {
   auto q = MakeEngine("qwen3_moe/model", false);
-  EXPECT_THAT(Load(*q->engine, 1, "qwen3_moe/adapter_3d"),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("--enable-mixed-moe-lora-format")));
+  EXPECT_THAT(
+      Load(*q->engine, 1, "qwen3_moe/adapter_3d"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--enable-mixed-moe-lora-format")));
   auto vl = MakeEngine("qwen3_vl_moe/model", false);
-  EXPECT_THAT(Load(*vl->engine, 1, "qwen3_vl_moe/adapter_2d"),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("--enable-mixed-moe-lora-format")));
+  EXPECT_THAT(
+      Load(*vl->engine, 1, "qwen3_vl_moe/adapter_2d"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--enable-mixed-moe-lora-format")));
   // Nothing was kept: the slot is free again and the id can be reused for a valid adapter.
   ASSERT_OK(Load(*q->engine, 1, "qwen3_moe/adapter_2d"));
   EXPECT_EQ(q->engine->Info().committed_adapters, 1);
@@ -256,7 +259,8 @@ TEST(EngineTest, InvalidJoinerFailsTheStepAndChangesNothing) {
 TEST(EngineTest, StopTokensMaxTokensAndRemoval) {
   auto h = MakeEngine("qwen3_moe/model", false);
   auto free_run = GenerateBatch(*h->engine, {0}, {{5, 6, 7}}, 6)[0];
-  NewSequence n{.id = 1, .prompt = {5, 6, 7}, .max_tokens = 6, .stop_token_ids = {free_run.tokens[2]}};
+  NewSequence n{
+      .id = 1, .prompt = {5, 6, 7}, .max_tokens = 6, .stop_token_ids = {free_run.tokens[2]}};
   std::vector<int32_t> got;
   std::string reason;
   for (int i = 0; i < 10; ++i) {
@@ -283,11 +287,15 @@ TEST(EngineTest, StopTokensMaxTokensAndRemoval) {
 TEST(EngineTest, SeededSamplingIsDeterministicAndLogprobsAreLogProbabilities) {
   auto h = MakeEngine("qwen3_moe/model", false);
   auto run = [&](uint64_t seed, int64_t id) {
-    NewSequence n{.id = id, .prompt = {1, 2, 3}, .sampling = {.temperature = 1.5f, .top_p = 0.95f, .top_k = 50, .seed = seed},
-                  .max_tokens = 12, .return_logprobs = true};
+    NewSequence n{.id = id,
+                  .prompt = {1, 2, 3},
+                  .sampling = {.temperature = 1.5f, .top_p = 0.95f, .top_k = 50, .seed = seed},
+                  .max_tokens = 12,
+                  .return_logprobs = true};
     std::vector<int32_t> toks;
     for (int i = 0; i < 12; ++i) {
-      auto s = h->engine->Step(i == 0 ? std::vector<NewSequence>{n} : std::vector<NewSequence>{}, {});
+      auto s =
+          h->engine->Step(i == 0 ? std::vector<NewSequence>{n} : std::vector<NewSequence>{}, {});
       EXPECT_TRUE(s.ok());
       if (!s.ok() || s->tokens.empty()) break;
       EXPECT_LE(s->tokens[0].logprob, 0.0f);
@@ -307,12 +315,14 @@ TEST(EngineTest, ContinuousBatchingJoinMidwayMatchesAlone) {
   ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
   auto alone = GenerateBatch(*h->engine, {1}, {{9, 8, 7, 6}}, 5)[0];
   NewSequence first{.id = 1, .prompt = {1, 2, 3, 4, 5}, .max_tokens = 8};
-  NewSequence late{.id = 2, .adapter_id = 1, .prompt = {9, 8, 7, 6}, .max_tokens = 5, .return_logits = true};
+  NewSequence late{
+      .id = 2, .adapter_id = 1, .prompt = {9, 8, 7, 6}, .max_tokens = 5, .return_logits = true};
   ASSERT_OK(h->engine->Step({first}, {}));
   ASSERT_OK(h->engine->Step({}, {}));
   std::vector<int32_t> got;
   for (int i = 0; i < 5; ++i) {
-    auto s = h->engine->Step(i == 0 ? std::vector<NewSequence>{late} : std::vector<NewSequence>{}, {});
+    auto s =
+        h->engine->Step(i == 0 ? std::vector<NewSequence>{late} : std::vector<NewSequence>{}, {});
     ASSERT_OK(s);
     for (const auto& t : s->tokens) {
       if (t.sequence_id == 2) got.push_back(t.token);

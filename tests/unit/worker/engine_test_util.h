@@ -14,7 +14,9 @@
 
 namespace moelora::testing {
 
-inline std::string Data(const std::string& rel) { return std::string(MOELORA_TEST_DATA_DIR) + "/" + rel; }
+inline std::string Data(const std::string& rel) {
+  return std::string(MOELORA_TEST_DATA_DIR) + "/" + rel;
+}
 
 struct Fixture {
   std::vector<std::vector<int32_t>> prompts;

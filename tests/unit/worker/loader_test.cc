@@ -186,8 +186,8 @@ void WriteCheckpoint(const std::string& dir, const std::string& config_json,
   for (const auto& s : tensors) {
     keep.push_back(s.t.contiguous());
     const at::Tensor& c = keep.back();
-    w.push_back({s.name, DType::kF32, c.sizes().vec(), c.data_ptr(),
-                 static_cast<size_t>(c.numel()) * 4});
+    w.push_back(
+        {s.name, DType::kF32, c.sizes().vec(), c.data_ptr(), static_cast<size_t>(c.numel()) * 4});
   }
   ASSERT_OK(WriteSafetensors(dir + "/model.safetensors", w));
 }
@@ -229,17 +229,21 @@ TEST_P(LandingTest, EveryExpertWeightLandsInItsSlice) {
     LoadOptions o{rank, tp, at::kFloat, lora_wrapped};
     auto w = LoadWeights(**ckpt, **table, *config, *specs, o);
     ASSERT_OK(w);
-    const std::string experts = std::string(c.engine_prefix) + (std::string(c.moe) == "moe" ? "moe" : "mlp") + ".experts";
+    const std::string experts =
+        std::string(c.engine_prefix) + (std::string(c.moe) == "moe" ? "moe" : "mlp") + ".experts";
     const at::Tensor w13 = w->params.at(W13Name(experts, lora_wrapped));
     const at::Tensor w2 = w->params.at(W2Name(experts, lora_wrapped));
     ASSERT_EQ(w13.sizes(), (at::IntArrayRef{E, 2 * Ip, H}));
     ASSERT_EQ(w2.sizes(), (at::IntArrayRef{E, H, Ip}));
     for (int64_t e = 0; e < E; ++e) {
-      EXPECT_TRUE(at::equal(w13[e].narrow(0, 0, Ip), L.gate[e].narrow(0, rank * Ip, Ip))) << "gate e=" << e;
-      EXPECT_TRUE(at::equal(w13[e].narrow(0, Ip, Ip), L.up[e].narrow(0, rank * Ip, Ip))) << "up e=" << e;
+      EXPECT_TRUE(at::equal(w13[e].narrow(0, 0, Ip), L.gate[e].narrow(0, rank * Ip, Ip)))
+          << "gate e=" << e;
+      EXPECT_TRUE(at::equal(w13[e].narrow(0, Ip, Ip), L.up[e].narrow(0, rank * Ip, Ip)))
+          << "up e=" << e;
       EXPECT_TRUE(at::equal(w2[e], L.down[e].narrow(1, rank * Ip, Ip))) << "down e=" << e;
     }
-    const std::string q = std::string(c.engine_prefix) + "self_attn.q_proj." + (lora_wrapped ? "base_layer." : "") + "weight";
+    const std::string q = std::string(c.engine_prefix) + "self_attn.q_proj." +
+                          (lora_wrapped ? "base_layer." : "") + "weight";
     ASSERT_TRUE(w->params.count(q)) << q;
     EXPECT_TRUE(at::equal(w->params.at(q), L.q));
   }
@@ -248,18 +252,22 @@ TEST_P(LandingTest, EveryExpertWeightLandsInItsSlice) {
 INSTANTIATE_TEST_SUITE_P(
     Layouts, LandingTest,
     ::testing::Combine(
-        ::testing::Values(
-            LandCase{"Qwen3MoeForCausalLM", Layout::kPerExpert, "model.layers.0.", "model.layers.0.", "mlp"},
-            LandCase{"Qwen3VLMoeForConditionalGeneration", Layout::kFusedTransposed,
-                     "model.language_model.layers.0.", "model.layers.0.", "mlp"},
-            LandCase{"Qwen3_5MoeForConditionalGeneration", Layout::kFused,
-                     "model.language_model.layers.0.", "model.layers.0.", "mlp"},
-            LandCase{"Qwen3_5MoeForConditionalGeneration", Layout::kPerExpert,
-                     "model.language_model.layers.0.", "model.layers.0.", "mlp"},
-            LandCase{"Qwen3_5MoeMTP", Layout::kFused, "mtp.layers.0.", "mtp.layers.0.", "mlp"},
-            LandCase{"Step3TextForCausalLM", Layout::kStackedStep, "model.layers.0.", "model.layers.0.", "moe"},
-            LandCase{"Step3p5ForCausalLM", Layout::kStackedStep, "model.layers.0.", "model.layers.0.", "moe"},
-            LandCase{"Step3p5MTP", Layout::kStackedStep, "model.layers.45.", "model.layers.45.", "moe"}),
+        ::testing::Values(LandCase{"Qwen3MoeForCausalLM", Layout::kPerExpert, "model.layers.0.",
+                                   "model.layers.0.", "mlp"},
+                          LandCase{"Qwen3VLMoeForConditionalGeneration", Layout::kFusedTransposed,
+                                   "model.language_model.layers.0.", "model.layers.0.", "mlp"},
+                          LandCase{"Qwen3_5MoeForConditionalGeneration", Layout::kFused,
+                                   "model.language_model.layers.0.", "model.layers.0.", "mlp"},
+                          LandCase{"Qwen3_5MoeForConditionalGeneration", Layout::kPerExpert,
+                                   "model.language_model.layers.0.", "model.layers.0.", "mlp"},
+                          LandCase{"Qwen3_5MoeMTP", Layout::kFused, "mtp.layers.0.",
+                                   "mtp.layers.0.", "mlp"},
+                          LandCase{"Step3TextForCausalLM", Layout::kStackedStep, "model.layers.0.",
+                                   "model.layers.0.", "moe"},
+                          LandCase{"Step3p5ForCausalLM", Layout::kStackedStep, "model.layers.0.",
+                                   "model.layers.0.", "moe"},
+                          LandCase{"Step3p5MTP", Layout::kStackedStep, "model.layers.45.",
+                                   "model.layers.45.", "moe"}),
         ::testing::Bool(),  // checkpoint names carry .base_layer. (PEFT-wrapped trainer export)
         ::testing::Bool(),  // engine wraps for LoRA (parameters under .base_layer.)
         ::testing::Values(1, 2)),
@@ -278,7 +286,8 @@ class BadCheckpointTest : public ::testing::Test {
  protected:
   // Copies the fixture with `drop` removed and `extra` added.
   std::string Copy(const std::string& drop, const std::vector<StoredTensor>& extra = {},
-                   const std::string& config_edit_from = "", const std::string& config_edit_to = "") {
+                   const std::string& config_edit_from = "",
+                   const std::string& config_edit_to = "") {
     const std::string src = std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model";
     auto f = SafetensorsFile::Open(src + "/model.safetensors");
     EXPECT_TRUE(f.ok());
@@ -292,7 +301,8 @@ class BadCheckpointTest : public ::testing::Test {
     ts.insert(ts.end(), extra.begin(), extra.end());
     std::ifstream in(src + "/config.json");
     std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!config_edit_from.empty()) cfg.replace(cfg.find(config_edit_from), config_edit_from.size(), config_edit_to);
+    if (!config_edit_from.empty())
+      cfg.replace(cfg.find(config_edit_from), config_edit_from.size(), config_edit_to);
     const std::string dir = tmp_.path() + "/m" + std::to_string(n_++);
     WriteCheckpoint(dir, cfg, ts);
     return dir;
@@ -308,38 +318,44 @@ class BadCheckpointTest : public ::testing::Test {
 TEST_F(BadCheckpointTest, TheFixtureCopyLoads) { ASSERT_OK(Load(Copy(""))); }
 
 TEST_F(BadCheckpointTest, UnconsumedTensorIsNamed) {
-  EXPECT_THAT(Load(Copy("", {{"model.layers.0.mlp.shared_expert.up_proj.weight", at::zeros({4, 24})}})),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("does not consume: model.layers.0.mlp.shared_expert.up_proj.weight")));
+  EXPECT_THAT(
+      Load(Copy("", {{"model.layers.0.mlp.shared_expert.up_proj.weight", at::zeros({4, 24})}})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("does not consume: model.layers.0.mlp.shared_expert.up_proj.weight")));
 }
 
 TEST_F(BadCheckpointTest, UnsetParameterPieceIsNamed) {
-  EXPECT_THAT(Load(Copy("model.layers.1.mlp.experts.2.up_proj.weight")),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("model.layers.1.mlp.experts.base_layer.w13_weight (expert 2 up)")));
+  EXPECT_THAT(
+      Load(Copy("model.layers.1.mlp.experts.2.up_proj.weight")),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("model.layers.1.mlp.experts.base_layer.w13_weight (expert 2 up)")));
   EXPECT_THAT(Load(Copy("model.norm.weight")),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.norm.weight")));
 }
 
 TEST_F(BadCheckpointTest, ShapeMismatchNamesFileTensorAndShapes) {
-  EXPECT_THAT(Load(Copy("model.layers.0.mlp.experts.1.down_proj.weight",
-                        {{"model.layers.0.mlp.experts.1.down_proj.weight", at::zeros({10, 24})}})),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       ::testing::AllOf(HasSubstr("model.safetensors"),
-                                        HasSubstr("model.layers.0.mlp.experts.1.down_proj.weight [10, 24]"),
-                                        HasSubstr("expected [24, 10]"))));
+  EXPECT_THAT(
+      Load(Copy("model.layers.0.mlp.experts.1.down_proj.weight",
+                {{"model.layers.0.mlp.experts.1.down_proj.weight", at::zeros({10, 24})}})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               ::testing::AllOf(HasSubstr("model.safetensors"),
+                                HasSubstr("model.layers.0.mlp.experts.1.down_proj.weight [10, 24]"),
+                                HasSubstr("expected [24, 10]"))));
 }
 
 TEST_F(BadCheckpointTest, ExpertIndexOutOfRangeAndDoubleSets) {
-  EXPECT_THAT(Load(Copy("", {{"model.layers.0.mlp.experts.4.gate_proj.weight", at::zeros({10, 24})}})),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expert index 4 >= num_experts 4")));
-  EXPECT_THAT(Load(Copy("", {{"model.layers.0.mlp.experts.0.gate_proj.base_layer.weight", at::zeros({10, 24})}})),
+  EXPECT_THAT(
+      Load(Copy("", {{"model.layers.0.mlp.experts.4.gate_proj.weight", at::zeros({10, 24})}})),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expert index 4 >= num_experts 4")));
+  EXPECT_THAT(Load(Copy("", {{"model.layers.0.mlp.experts.0.gate_proj.base_layer.weight",
+                              at::zeros({10, 24})}})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("already set")));
 }
 
 TEST_F(BadCheckpointTest, ConfigErrors) {
   EXPECT_THAT(Load(Copy("", {}, "\"Qwen3MoeForCausalLM\"", "\"LlamaForCausalLM\"")),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown architecture \"LlamaForCausalLM\"")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unknown architecture \"LlamaForCausalLM\"")));
   EXPECT_THAT(Load(Copy("", {}, "\"architectures\"", "\"archs\"")),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no architectures[0]")));
   EXPECT_THAT(Load(Copy("", {}, "\"Qwen3MoeForCausalLM\"", "\"Step3p5ForCausalLM\"")),
@@ -364,13 +380,15 @@ TEST_F(BadCheckpointTest, ShardedCheckpointsAndMissingShards) {
   }
   ASSERT_OK(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", a));
   ASSERT_OK(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", b));
-  std::ofstream(dir + "/model.safetensors.index.json") << "{\"metadata\": {}, \"weight_map\": {" << map << "}}";
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << "{\"metadata\": {}, \"weight_map\": {" << map << "}}";
   ASSERT_OK(Load(dir));
   auto ckpt = Checkpoint::Open(dir);
   ASSERT_OK(ckpt);
   EXPECT_EQ((*ckpt)->num_files(), 2u);
   std::filesystem::remove(dir + "/model-00002-of-00002.safetensors");
-  EXPECT_THAT(Load(dir), StatusIs(absl::StatusCode::kNotFound, HasSubstr("model-00002-of-00002.safetensors")));
+  EXPECT_THAT(Load(dir),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("model-00002-of-00002.safetensors")));
 }
 
 TEST_F(BadCheckpointTest, IntegerWeightsAreRefused) {
@@ -379,7 +397,8 @@ TEST_F(BadCheckpointTest, IntegerWeightsAreRefused) {
   auto f = SafetensorsFile::Open(dir + "/model.safetensors");
   ASSERT_OK(f);
   std::vector<TensorToWrite> w;
-  for (const TensorView& v : (*f)->tensors()) w.push_back({v.name, v.dtype, v.shape, v.data, v.nbytes});
+  for (const TensorView& v : (*f)->tensors())
+    w.push_back({v.name, v.dtype, v.shape, v.data, v.nbytes});
   std::vector<int32_t> ints(24, 1);
   w.push_back({"model.norm.weight", DType::kI32, {24}, ints.data(), 96});
   const std::string out = tmp_.path() + "/ints";
