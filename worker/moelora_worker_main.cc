@@ -1,6 +1,7 @@
 // moelora-worker: one tensor-parallel rank of a model replica. Serves moelora.v1.Worker (gRPC)
 // and Prometheus /metrics. Normally started by moelora-controller; see --help.
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
 
   moelora::WorkerService service(&metrics, absl::GetFlag(FLAGS_device));
   grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpcurl without proto files
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
