@@ -1,7 +1,7 @@
 // moelora-worker: one tensor-parallel rank of a model replica. Serves moelora.v1.Worker (gRPC)
 // and Prometheus /metrics. Normally started by moelora-controller; see --help.
-#include <grpcpp/grpcpp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
@@ -43,6 +43,8 @@ ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
 ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
 ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
+ABSL_FLAG(int, debug_step_delay_ms, 0,
+          "Testing only: sleep this long in every Step (to interrupt generations on purpose)");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens at most (0: from config.json)");
 
 namespace {
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
   }
 
   moelora::WorkerService service(&metrics, absl::GetFlag(FLAGS_device));
+  service.set_step_delay(std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpcurl without proto files
   grpc::ServerBuilder builder;

@@ -1,7 +1,11 @@
 #include "worker/service.h"
 
+#include <cstdlib>
+#include <thread>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "proto/grpc_status.h"
 
 namespace moelora {
@@ -133,8 +137,17 @@ grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* re
     add.push_back(std::move(n));
   }
   std::vector<int64_t> remove(req->remove().begin(), req->remove().end());
+  if (step_delay_.count() > 0) std::this_thread::sleep_for(step_delay_);
   auto out = e->Step(add, remove);
-  if (!out.ok()) return ToGrpc(out.status());
+  if (!out.ok()) {
+    if (out.status().code() == absl::StatusCode::kUnavailable && comm_ && comm_->world_size() > 1) {
+      // A failed collective leaves this rank out of step with its peers for good: exit so the
+      // supervisor (controller or Kubernetes) restarts the whole group.
+      LOG(ERROR) << "collective failed, exiting: " << out.status();
+      std::_Exit(3);
+    }
+    return ToGrpc(out.status());
+  }
   for (const TokenOut& t : out->tokens) {
     v1::SequenceToken* p = resp->add_tokens();
     p->set_sequence_id(t.sequence_id);

@@ -5,6 +5,7 @@
 #define MOELORA_WORKER_SERVICE_H_
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +25,7 @@ class WorkerService final : public moelora::v1::Worker::Service {
   // Called once the model is loaded; the service owns both from then on.
   void SetReady(std::unique_ptr<Communicator> comm, std::unique_ptr<Engine> engine);
   void SetLoadingDetail(const std::string& detail);
+  void set_step_delay(std::chrono::milliseconds d) { step_delay_ = d; }
 
   grpc::Status StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest*,
                             v1::StageAdapterResponse*) override;
@@ -49,6 +51,7 @@ class WorkerService final : public moelora::v1::Worker::Service {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Engine> owned_engine_;
   std::atomic<Engine*> engine_{nullptr};
+  std::chrono::milliseconds step_delay_{0};
   mutable std::mutex detail_mu_;
   std::string detail_ = "loading the model";
 };

@@ -1,0 +1,705 @@
+#include "controller/controller.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <regex>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "controller/path_policy.h"
+#include "lora/adapter.h"
+
+namespace moelora {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+v1::AdapterFormat FormatToProto(AdapterFormat f) {
+  switch (f) {
+    case AdapterFormat::k2D:
+      return v1::FORMAT_2D;
+    case AdapterFormat::k3D:
+      return v1::FORMAT_3D;
+    case AdapterFormat::kDense:
+      return v1::FORMAT_DENSE;
+  }
+  return v1::FORMAT_UNSPECIFIED;
+}
+
+std::string FormatLabel(int f) {
+  switch (f) {
+    case v1::FORMAT_2D:
+      return "2d";
+    case v1::FORMAT_3D:
+      return "3d";
+    case v1::FORMAT_DENSE:
+      return "dense";
+    default:
+      return "unspecified";
+  }
+}
+
+std::string Reason(absl::StatusCode c) {
+  return absl::AsciiStrToLower(absl::StatusCodeToString(c));
+}
+
+}  // namespace
+
+Controller::Controller(ControllerOptions options, Registry* registry, WorkerGroup* group,
+                       ControllerMetrics* metrics)
+    : options_(std::move(options)), registry_(registry), group_(group), metrics_(metrics) {
+  for (const AdapterRecord& r : registry_->List()) {
+    Entry e;
+    e.record = r;
+    e.state = v1::ADAPTER_STATE_LOADING;
+    adapters_[r.name] = e;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  UpdateAdapterGauges();
+}
+
+Controller::~Controller() { Stop(); }
+
+void Controller::Start() {
+  loop_ = std::thread([this] { Loop(); });
+}
+
+void Controller::Stop() {
+  if (stop_.exchange(true)) return;
+  cv_.notify_all();
+  if (loop_.joinable()) loop_.join();
+  FailAll(absl::UnavailableError("the controller is shutting down"));
+}
+
+int Controller::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(pending_.size() + running_.size());
+}
+
+std::shared_ptr<std::mutex> Controller::NameLock(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& m = name_locks_[name];
+  if (!m) m = std::make_shared<std::mutex>();
+  return m;
+}
+
+void Controller::UpdateAdapterGauges() {
+  std::map<v1::AdapterState, int> n = {{v1::ADAPTER_STATE_LOADING, 0},
+                                       {v1::ADAPTER_STATE_READY, 0},
+                                       {v1::ADAPTER_STATE_UNLOADING, 0},
+                                       {v1::ADAPTER_STATE_FAILED, 0}};
+  int resident = 0;
+  for (const auto& [name, e] : adapters_) {
+    ++n[e.state];
+    resident += e.resident;
+  }
+  metrics_->adapters.Add({{"state", "loading"}}).Set(n[v1::ADAPTER_STATE_LOADING]);
+  metrics_->adapters.Add({{"state", "ready"}}).Set(n[v1::ADAPTER_STATE_READY]);
+  metrics_->adapters.Add({{"state", "unloading"}}).Set(n[v1::ADAPTER_STATE_UNLOADING]);
+  metrics_->adapters.Add({{"state", "failed"}}).Set(n[v1::ADAPTER_STATE_FAILED]);
+  metrics_->adapters.Add({{"state", "resident"}}).Set(resident);
+}
+
+v1::Adapter Controller::ToProto(const Entry& e) const {
+  const AdapterRecord& r = e.record;
+  v1::Adapter a;
+  a.set_name(r.name);
+  a.set_id(r.id);
+  a.set_path(r.path);
+  a.set_format(static_cast<v1::AdapterFormat>(r.requested_format));
+  a.set_detected_format(static_cast<v1::AdapterFormat>(r.detected_format));
+  a.set_converted_to_2d(r.converted_to_2d);
+  a.set_rank(r.rank);
+  a.set_alpha(r.alpha);
+  a.set_scaling(r.scaling);
+  for (const auto& m : r.target_modules) a.add_target_modules(m);
+  a.set_bytes(r.bytes);
+  a.set_load_seconds(r.load_seconds);
+  a.set_state(e.state);
+  a.set_num_experts(r.num_experts);
+  a.set_max_rank(r.max_rank);
+  return a;
+}
+
+absl::Status Controller::StageAndCommit(const AdapterRecord& r) {
+  v1::StageAdapterRequest req;
+  req.set_adapter_id(r.id);
+  req.set_name(r.name);
+  req.set_path(r.resolved_path);
+  req.set_format(static_cast<v1::AdapterFormat>(r.requested_format));
+  const auto t0 = Clock::now();
+  auto staged = group_->StageAll(req);
+  if (!staged.ok()) return staged.status();
+  const std::string fmt = FormatLabel(r.detected_format);
+  metrics_->ObserveLoad(fmt, r.converted_to_2d, "stage", Seconds(Clock::now() - t0));
+  const auto t1 = Clock::now();
+  if (absl::Status s = group_->CommitAll(r.id); !s.ok()) {
+    // Some ranks may have committed: undo everywhere.
+    group_->AbortAll(r.id).IgnoreError();
+    group_->UnloadAll(r.id).IgnoreError();
+    return s;
+  }
+  metrics_->ObserveLoad(fmt, r.converted_to_2d, "commit", Seconds(Clock::now() - t1));
+  return absl::OkStatus();
+}
+
+absl::Status Controller::OnGroupReady() {
+  ready_ = false;
+  std::vector<std::string> order;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    resident_ = 0;
+    std::vector<std::pair<int64_t, std::string>> ids;
+    for (auto& [name, e] : adapters_) {
+      e.resident = false;
+      ids.push_back({e.record.id, name});
+    }
+    std::sort(ids.begin(), ids.end());
+    for (auto& [id, name] : ids) order.push_back(name);
+  }
+  for (const std::string& name : order) {
+    AdapterRecord rec;
+    bool load = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = adapters_.find(name);
+      if (it == adapters_.end() || it->second.state == v1::ADAPTER_STATE_UNLOADING) {
+        if (it != adapters_.end() && it->second.active == 0) adapters_.erase(it);
+        continue;
+      }
+      rec = it->second.record;
+      load = resident_ < options_.max_loras;
+      if (load) ++resident_;
+    }
+    absl::Status s = load ? StageAndCommit(rec) : absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) continue;
+    if (s.ok()) {
+      it->second.state = v1::ADAPTER_STATE_READY;
+      it->second.resident = load;
+    } else {
+      LOG(WARNING) << "re-loading adapter " << name << " failed: " << s;
+      --resident_;
+      it->second.state = v1::ADAPTER_STATE_FAILED;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    UpdateAdapterGauges();
+  }
+  group_down_ = false;
+  ready_ = true;
+  metrics_->serving.Set(1);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+void Controller::OnGroupDown(const std::string& why) {
+  ready_ = false;
+  group_down_ = true;
+  metrics_->serving.Set(0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, e] : adapters_) e.resident = false;
+    resident_ = 0;
+  }
+  FailAll(absl::UnavailableError(absl::StrCat("worker group went down: ", why)));
+}
+
+void Controller::FailAll(const absl::Status& s) {
+  std::vector<std::shared_ptr<GenRequest>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& r : pending_) victims.push_back(r);
+    for (auto& [id, r] : running_) victims.push_back(r);
+    pending_.clear();
+    running_.clear();
+    metrics_->queue_depth.Set(0);
+  }
+  for (auto& r : victims) Finish(r, s, "");
+}
+
+void Controller::Finish(const std::shared_ptr<GenRequest>& r, absl::Status s,
+                        const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->done) return;
+    r->done = true;
+    r->status = std::move(s);
+    r->finish_reason = reason;
+    r->total_seconds = Seconds(Clock::now() - r->arrival);
+  }
+  r->cv.notify_all();
+  if (!r->adapter.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(r->adapter);
+    if (it != adapters_.end()) --it->second.active;
+  }
+  cv_.notify_all();
+}
+
+void Controller::RecordRequest(const GenRequest& r, absl::StatusCode code) {
+  metrics_->requests
+      .Add({{"adapter", r.adapter.empty() ? "base" : r.adapter}, {"code", Reason(code)}})
+      .Increment();
+}
+
+absl::StatusOr<v1::Adapter> Controller::LoadAdapter(const v1::LoadAdapterRequest& req) {
+  const auto t0 = Clock::now();
+  auto fail = [&](absl::Status s) {
+    metrics_->adapter_load_failures.Add({{"reason", Reason(s.code())}}).Increment();
+    return s;
+  };
+  static const std::regex kName("^[A-Za-z0-9._-]{1,128}$");
+  if (!std::regex_match(req.name(), kName)) {
+    return fail(absl::InvalidArgumentError(
+        "adapter name must be 1-128 characters of letters, digits, '.', '_' or '-'"));
+  }
+  absl::StatusOr<std::string> resolved = ResolveAdapterPath(options_.adapter_root, req.path());
+  if (!resolved.ok()) return fail(resolved.status());
+  std::shared_ptr<std::mutex> name_lock = NameLock(req.name());
+  std::lock_guard<std::mutex> serialize(*name_lock);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(req.name());
+    if (it != adapters_.end()) {
+      if (it->second.state == v1::ADAPTER_STATE_UNLOADING) {
+        return fail(absl::AbortedError(
+            absl::StrCat("adapter \"", req.name(), "\" is being unloaded; retry when it is gone")));
+      }
+      if (it->second.record.resolved_path == *resolved) return ToProto(it->second);  // idempotent
+      return fail(absl::AlreadyExistsError(absl::StrCat(
+          "adapter \"", req.name(), "\" is already loaded from ", it->second.record.path)));
+    }
+    if (static_cast<int>(adapters_.size()) >= options_.max_cpu_loras) {
+      return fail(absl::ResourceExhaustedError(absl::StrCat(
+          adapters_.size(), " adapters are registered, the maximum (--max-cpu-loras)")));
+    }
+  }
+  if (!serving()) return fail(absl::UnavailableError("the worker group is not ready"));
+  // Validate here, before any worker is touched.
+  AdapterReadOptions ro;
+  ro.model = options_.model;
+  ro.max_rank = options_.max_lora_rank;
+  if (req.format() == v1::FORMAT_2D) ro.expected_format = AdapterFormat::k2D;
+  if (req.format() == v1::FORMAT_3D) ro.expected_format = AdapterFormat::k3D;
+  if (req.format() == v1::FORMAT_DENSE) ro.expected_format = AdapterFormat::kDense;
+  AdapterLoadTimings timings;
+  absl::StatusOr<LoraAdapter> a = ReadAdapter(*resolved, ro, &timings);
+  if (!a.ok()) return fail(a.status());
+  const v1::AdapterFormat native = group_->info().native_moe_format();
+  const std::string flag = "--enable-mixed-moe-lora-format";
+  if (!options_.mixed && a->format == AdapterFormat::k3D && native == v1::FORMAT_2D) {
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat(req.path(), ": 3D MoE LoRA adapter, but ", options_.model.architecture,
+                     " uses the 2D expert wrapper and ", flag, " is off; restart with ", flag)));
+  }
+  if (!options_.mixed && a->format == AdapterFormat::k2D && native == v1::FORMAT_3D) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        req.path(), ": 2D MoE LoRA adapter, but ", options_.model.architecture,
+        " is 3D-native (3D expert wrapper) and ", flag, " is off; restart with ", flag)));
+  }
+  AdapterRecord rec;
+  rec.name = req.name();
+  rec.path = req.path();
+  rec.resolved_path = *resolved;
+  rec.requested_format = req.format();
+  rec.detected_format = FormatToProto(a->format);
+  rec.converted_to_2d = options_.mixed && a->format == AdapterFormat::k3D;
+  rec.rank = a->config.r;
+  rec.max_rank = a->max_rank;
+  rec.alpha = a->config.lora_alpha;
+  rec.scaling = a->config.use_rslora
+                    ? a->config.lora_alpha / std::sqrt(static_cast<double>(a->config.r))
+                    : a->config.lora_alpha / std::max(1, a->config.r);
+  rec.target_modules = a->TargetModules();
+  rec.num_experts = a->num_experts;
+  rec.bytes = static_cast<int64_t>(a->bytes);
+  rec.pinned = req.pinned();
+  const std::string fmt = FormatLabel(rec.detected_format);
+  metrics_->ObserveLoad(fmt, rec.converted_to_2d, "validate", Seconds(Clock::now() - t0));
+  absl::StatusOr<int64_t> id = registry_->Insert(rec);
+  if (!id.ok()) return fail(id.status());
+  rec.id = *id;
+  bool reserve = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry e;
+    e.record = rec;
+    e.state = v1::ADAPTER_STATE_LOADING;
+    e.last_used = Clock::now();
+    adapters_[rec.name] = e;
+    reserve = resident_ < options_.max_loras;
+    if (reserve) ++resident_;
+    UpdateAdapterGauges();
+  }
+  if (reserve) {
+    if (absl::Status s = StageAndCommit(rec); !s.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --resident_;
+        adapters_.erase(rec.name);
+        UpdateAdapterGauges();
+      }
+      registry_->Remove(rec.name).IgnoreError();
+      return fail(s);
+    }
+  }
+  rec.load_seconds = Seconds(Clock::now() - t0);
+  registry_->Update(rec).IgnoreError();
+  metrics_->ObserveLoad(fmt, rec.converted_to_2d, "total", rec.load_seconds);
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = adapters_[rec.name];
+  e.record = rec;
+  e.state = v1::ADAPTER_STATE_READY;
+  e.resident = reserve;
+  UpdateAdapterGauges();
+  cv_.notify_all();
+  return ToProto(e);
+}
+
+absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
+  std::shared_ptr<std::mutex> name_lock = NameLock(name);
+  std::lock_guard<std::mutex> serialize(*name_lock);
+  v1::Adapter out;
+  int64_t id = 0;
+  bool now = false, resident = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) {
+      return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+    }
+    Entry& e = it->second;
+    if (e.state != v1::ADAPTER_STATE_UNLOADING) {
+      e.state = v1::ADAPTER_STATE_UNLOADING;
+      registry_->Remove(name).IgnoreError();
+    }
+    out = ToProto(e);
+    id = e.record.id;
+    resident = e.resident;
+    now = e.active == 0;
+    if (now) {
+      if (resident) --resident_;
+      adapters_.erase(it);
+    }
+    UpdateAdapterGauges();
+  }
+  // In-flight requests keep it until they finish; the scheduler unloads it then.
+  if (now && resident) group_->UnloadAll(id).IgnoreError();
+  cv_.notify_all();
+  return out;
+}
+
+absl::StatusOr<v1::Adapter> Controller::GetAdapter(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = adapters_.find(name);
+  if (it == adapters_.end())
+    return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+  return ToProto(it->second);
+}
+
+std::vector<v1::Adapter> Controller::ListAdapters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::Adapter> out;
+  for (const auto& [name, e] : adapters_) out.push_back(ToProto(e));
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::GenerateRequest& req,
+                                                               Clock::time_point deadline) {
+  if (!serving()) return absl::UnavailableError("not serving: the worker group is not ready");
+  const v1::WorkerInfoResponse info = group_->info();
+  if (req.prompt_token_ids().empty()) {
+    if (!req.prompt().empty()) {
+      return absl::InvalidArgumentError(
+          "this model directory has no tokenizer: send prompt_token_ids instead of prompt");
+    }
+    return absl::InvalidArgumentError("empty prompt");
+  }
+  for (int i = 0; i < req.prompt_token_ids_size(); ++i) {
+    const int32_t t = req.prompt_token_ids(i);
+    if (t < 0 || t >= info.vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "] = ", t,
+                                                     " is outside the vocabulary [0, ",
+                                                     info.vocab_size(), ")"));
+    }
+  }
+  const int64_t room = static_cast<int64_t>(info.max_model_len()) - req.prompt_token_ids_size();
+  if (req.max_tokens() <= 0 || req.max_tokens() > room) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens ", req.max_tokens(), " must be in [1, ", std::max<int64_t>(room, 0),
+        "] (max_model_len ", info.max_model_len(), " minus the prompt)"));
+  }
+  if (!(req.temperature() >= 0) || !(req.top_p() >= 0 && req.top_p() <= 1) || req.top_k() < 0) {
+    return absl::InvalidArgumentError("temperature must be >= 0, top_p in [0, 1], top_k >= 0");
+  }
+  for (int32_t t : req.stop_token_ids()) {
+    if (t < 0 || t >= info.vocab_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop token ", t, " is outside the vocabulary"));
+    }
+  }
+  auto r = std::make_shared<GenRequest>();
+  r->req = req;
+  r->adapter = req.adapter();
+  r->arrival = Clock::now();
+  r->deadline = deadline;
+  r->seed = req.seed();
+  if (r->seed == 0)
+    r->seed = std::random_device{}() | (static_cast<uint64_t>(std::random_device{}()) << 32);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!r->adapter.empty()) {
+    auto it = adapters_.find(r->adapter);
+    if (it == adapters_.end() || it->second.state != v1::ADAPTER_STATE_READY) {
+      return absl::NotFoundError(absl::StrCat(
+          "adapter \"", r->adapter, "\" is not loaded",
+          it == adapters_.end()
+              ? ""
+              : absl::StrCat(" (state ", v1::AdapterState_Name(it->second.state), ")")));
+    }
+    ++it->second.active;
+    it->second.last_used = Clock::now();
+    r->adapter_id = it->second.record.id;
+  }
+  r->seq_id = next_seq_++;
+  pending_.push_back(r);
+  metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+  cv_.notify_all();
+  return r;
+}
+
+bool Controller::TrySwapIn(const std::string& name) {
+  AdapterRecord rec, victim;
+  bool has_victim = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) return true;  // gone: its requests were failed
+    if (it->second.resident) return true;
+    if (resident_ < options_.max_loras) {
+      ++resident_;
+    } else {
+      // A victim must not be used by a running sequence (queued requests for it are fine: they
+      // swap it back in when their turn comes).
+      std::set<std::string> in_use;
+      for (const auto& [id, r] : running_) in_use.insert(r->adapter);
+      Entry* best = nullptr;
+      for (auto& [n, e] : adapters_) {
+        if (!e.resident || e.record.pinned || in_use.count(n)) continue;
+        if (!best || e.last_used < best->last_used) best = &e;
+      }
+      if (!best) return false;  // every slot is busy: wait for running requests to finish
+      best->resident = false;
+      victim = best->record;
+      has_victim = true;
+    }
+    rec = it->second.record;
+  }
+  if (has_victim) group_->UnloadAll(victim.id).IgnoreError();
+  absl::Status s = StageAndCommit(rec);
+  std::vector<std::shared_ptr<GenRequest>> failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(name);
+    if (s.ok() && it != adapters_.end()) {
+      it->second.resident = true;
+    } else {
+      --resident_;
+      if (it != adapters_.end()) it->second.state = v1::ADAPTER_STATE_FAILED;
+      for (auto p = pending_.begin(); p != pending_.end();) {
+        if ((*p)->adapter == name) {
+          failed.push_back(*p);
+          p = pending_.erase(p);
+        } else {
+          ++p;
+        }
+      }
+    }
+    UpdateAdapterGauges();
+  }
+  for (auto& r : failed) {
+    Finish(r,
+           absl::Status(s.code(),
+                        absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message())),
+           "");
+  }
+  return true;
+}
+
+void Controller::Loop() {
+  while (!stop_) {
+    std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;
+    std::vector<std::shared_ptr<GenRequest>> admitted;
+    std::vector<int64_t> unload_ids;
+    std::string swap;
+    v1::StepRequest step;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(20),
+                   [&] { return stop_ || !pending_.empty() || !running_.empty(); });
+      if (stop_) break;
+      // Deferred unloads whose last request has finished.
+      for (auto it = adapters_.begin(); it != adapters_.end();) {
+        if (it->second.state == v1::ADAPTER_STATE_UNLOADING && it->second.active == 0) {
+          if (it->second.resident) {
+            unload_ids.push_back(it->second.record.id);
+            --resident_;
+          }
+          it = adapters_.erase(it);
+          UpdateAdapterGauges();
+        } else {
+          ++it;
+        }
+      }
+      if (!serving()) continue;
+      const auto now = Clock::now();
+      for (auto it = running_.begin(); it != running_.end();) {
+        GenRequest& r = *it->second;
+        absl::Status s;
+        if (r.cancelled)
+          s = absl::CancelledError("cancelled by the client");
+        else if (now > r.deadline)
+          s = absl::DeadlineExceededError("deadline exceeded while generating");
+        if (!s.ok()) {
+          step.add_remove(it->first);
+          ended.push_back({it->second, s});
+          it = running_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        GenRequest& r = **it;
+        absl::Status s;
+        if (r.cancelled)
+          s = absl::CancelledError("cancelled by the client");
+        else if (now > r.deadline)
+          s = absl::DeadlineExceededError("deadline exceeded while queued");
+        if (!s.ok()) {
+          ended.push_back({*it, s});
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      // Strict FIFO admission.
+      while (!pending_.empty() &&
+             static_cast<int>(running_.size() + admitted.size()) < options_.max_num_seqs) {
+        std::shared_ptr<GenRequest> head = pending_.front();
+        if (!head->adapter.empty()) {
+          auto it = adapters_.find(head->adapter);
+          if (it == adapters_.end()) {
+            ended.push_back({head, absl::NotFoundError("adapter unloaded")});
+            pending_.pop_front();
+            continue;
+          }
+          if (!it->second.resident) {
+            swap = head->adapter;
+            break;
+          }
+          it->second.last_used = now;
+        }
+        pending_.pop_front();
+        head->admitted = now;
+        head->queue_seconds = Seconds(now - head->arrival);
+        admitted.push_back(head);
+      }
+      metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+      for (auto& r : admitted) {
+        v1::SequenceSpec* s = step.add_add();
+        s->set_sequence_id(r->seq_id);
+        s->set_adapter_id(r->adapter_id);
+        s->mutable_prompt_token_ids()->CopyFrom(r->req.prompt_token_ids());
+        s->set_temperature(r->req.temperature());
+        s->set_top_p(r->req.top_p());
+        s->set_top_k(r->req.top_k());
+        s->set_seed(r->seed);
+        s->set_return_logprobs(r->req.return_logprobs());
+        s->set_max_tokens(r->req.max_tokens());
+        s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
+        running_[r->seq_id] = r;
+      }
+    }
+    for (int64_t id : unload_ids) group_->UnloadAll(id).IgnoreError();
+    for (auto& [r, s] : ended) Finish(r, s, "");
+    // The head of the queue needs a slot: swap it in between steps (waits while all slots are
+    // busy; nothing behind it is admitted meanwhile, so it cannot starve).
+    if (!swap.empty()) TrySwapIn(swap);
+    int nseq;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      nseq = static_cast<int>(running_.size());
+    }
+    if (nseq == 0 && step.remove().empty()) continue;
+    static std::atomic<int64_t> step_no{0};
+    step.set_step(++step_no);
+    absl::StatusOr<v1::StepResponse> resp = group_->StepAll(step);
+    if (!resp.ok()) {
+      const absl::StatusCode c = resp.status().code();
+      std::vector<std::shared_ptr<GenRequest>> victims;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound ||
+            c == absl::StatusCode::kAlreadyExists || c == absl::StatusCode::kResourceExhausted) {
+          // The workers refused a joiner and did not step: fail the joiners only.
+          for (auto& r : admitted) {
+            running_.erase(r->seq_id);
+            victims.push_back(r);
+          }
+        } else {
+          for (auto& [id, r] : running_) victims.push_back(r);
+          running_.clear();
+        }
+      }
+      LOG(WARNING) << "step failed: " << resp.status();
+      const absl::Status s =
+          c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound
+              ? resp.status()
+              : absl::UnavailableError(
+                    absl::StrCat("worker step failed: ", resp.status().message()));
+      for (auto& r : victims) Finish(r, s, "");
+      continue;
+    }
+    metrics_->batch_size.Observe(resp->tokens_size());
+    metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
+    const auto now = Clock::now();
+    std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const v1::SequenceToken& t : resp->tokens()) {
+        auto it = running_.find(t.sequence_id());
+        if (it == running_.end()) continue;
+        std::shared_ptr<GenRequest> r = it->second;
+        {
+          std::lock_guard<std::mutex> rl(r->mu);
+          if (r->tokens.empty()) {
+            r->ttft_seconds = Seconds(now - r->arrival);
+            metrics_->ttft.Observe(r->ttft_seconds);
+          } else {
+            metrics_->inter_token.Observe(Seconds(now - r->last_token));
+          }
+          r->last_token = now;
+          r->tokens.push_back(t.token_id());
+          if (r->req.return_logprobs()) r->logprobs.push_back(t.logprob());
+        }
+        r->cv.notify_all();
+        metrics_->generated_tokens.Increment();
+        if (t.finished()) {
+          finished.push_back({r, t.finish_reason()});
+          running_.erase(it);
+        }
+      }
+    }
+    for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
+  }
+}
+
+}  // namespace moelora

@@ -1,0 +1,84 @@
+#include "controller/metrics.h"
+
+namespace moelora {
+namespace {
+prometheus::Histogram::BucketBoundaries Seconds() {
+  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+}
+}  // namespace
+
+ControllerMetrics::ControllerMetrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      adapter_load_seconds(prometheus::BuildHistogram()
+                               .Name("moelora_adapter_load_seconds")
+                               .Help("LoadAdapter latency through the controller by phase "
+                                     "(validate, stage, commit, total)")
+                               .Register(*registry_)),
+      adapter_load_failures(prometheus::BuildCounter()
+                                .Name("moelora_adapter_load_failures_total")
+                                .Help("LoadAdapter calls refused, by reason (status code)")
+                                .Register(*registry_)),
+      adapters(prometheus::BuildGauge()
+                   .Name("moelora_adapters")
+                   .Help("Registered adapters by state (loading, ready, unloading, failed)")
+                   .Register(*registry_)),
+      requests(prometheus::BuildCounter()
+                   .Name("moelora_requests_total")
+                   .Help("Generate / GenerateStream calls by adapter and status code")
+                   .Register(*registry_)),
+      ttft(prometheus::BuildHistogram()
+               .Name("moelora_time_to_first_token_seconds")
+               .Help("From arrival to the first generated token")
+               .Register(*registry_)
+               .Add({}, Seconds())),
+      inter_token(prometheus::BuildHistogram()
+                      .Name("moelora_inter_token_seconds")
+                      .Help("Between consecutive tokens of one request")
+                      .Register(*registry_)
+                      .Add({}, Seconds())),
+      batch_size(
+          prometheus::BuildHistogram()
+              .Name("moelora_batch_size")
+              .Help("Sequences in one continuous-batching step")
+              .Register(*registry_)
+              .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256})),
+      batch_distinct_adapters(
+          prometheus::BuildHistogram()
+              .Name("moelora_batch_distinct_adapters")
+              .Help("Distinct adapters in one step (base not counted)")
+              .Register(*registry_)
+              .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 4, 8, 16, 32})),
+      queue_depth(prometheus::BuildGauge()
+                      .Name("moelora_queue_depth")
+                      .Help("Requests waiting for a batch slot")
+                      .Register(*registry_)
+                      .Add({})),
+      worker_up(prometheus::BuildGauge()
+                    .Name("moelora_worker_up")
+                    .Help("1 when the worker rank answers Health ready")
+                    .Register(*registry_)),
+      generated_tokens(prometheus::BuildCounter()
+                           .Name("moelora_generated_tokens_total")
+                           .Help("Tokens returned to clients")
+                           .Register(*registry_)
+                           .Add({})),
+      serving(prometheus::BuildGauge()
+                  .Name("moelora_serving")
+                  .Help("1 when the controller reports SERVING")
+                  .Register(*registry_)
+                  .Add({})),
+      worker_restarts(prometheus::BuildCounter()
+                          .Name("moelora_worker_group_restarts_total")
+                          .Help("Times the local worker group was restarted after a rank died")
+                          .Register(*registry_)
+                          .Add({})) {}
+
+void ControllerMetrics::ObserveLoad(const std::string& format, bool converted,
+                                    const std::string& phase, double s) {
+  adapter_load_seconds
+      .Add({{"format", format}, {"converted", converted ? "true" : "false"}, {"phase", phase}},
+           Seconds())
+      .Observe(s);
+}
+
+}  // namespace moelora

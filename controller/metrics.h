@@ -1,0 +1,43 @@
+// The controller's Prometheus metrics (DESIGN.md "Metrics"). Thread-safe.
+#ifndef MOELORA_CONTROLLER_METRICS_H_
+#define MOELORA_CONTROLLER_METRICS_H_
+
+#include <memory>
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace moelora {
+
+class ControllerMetrics {
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;  // first: the families below register in it
+
+ public:
+  ControllerMetrics();
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  prometheus::Family<prometheus::Histogram>& adapter_load_seconds;  // {format, converted, phase}
+  prometheus::Family<prometheus::Counter>& adapter_load_failures;   // {reason}
+  prometheus::Family<prometheus::Gauge>& adapters;                  // {state}
+  prometheus::Family<prometheus::Counter>& requests;                // {adapter, code}
+  prometheus::Histogram& ttft;
+  prometheus::Histogram& inter_token;
+  prometheus::Histogram& batch_size;
+  prometheus::Histogram& batch_distinct_adapters;
+  prometheus::Gauge& queue_depth;
+  prometheus::Family<prometheus::Gauge>& worker_up;  // {rank}
+  prometheus::Counter& generated_tokens;
+  prometheus::Gauge& serving;
+  prometheus::Counter& worker_restarts;
+
+  void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_METRICS_H_

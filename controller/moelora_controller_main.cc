@@ -1,0 +1,247 @@
+// moelora-controller: the public gRPC service (moelora.v1.Controller, grpc.health.v1, server
+// reflection) in front of a tensor-parallel group of moelora-worker processes. See --help.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/flags.h"
+#include "common/logging.h"
+#include "controller/controller.h"
+#include "controller/metrics.h"
+#include "controller/registry.h"
+#include "controller/service.h"
+#include "controller/worker_group.h"
+#include "prometheus/exposer.h"
+
+ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
+ABSL_FLAG(std::string, host, "0.0.0.0", "Address the public gRPC server binds to");
+ABSL_FLAG(int, port, 50051, "Public gRPC port (0: any free port; see --port-file)");
+ABSL_FLAG(int, metrics_port, 9400, "Prometheus /metrics port (0: any free port; -1: off)");
+ABSL_FLAG(std::string, port_file, "",
+          "Write {\"port\": P, \"metrics_port\": M} here once listening");
+ABSL_FLAG(int, tensor_parallel_size, 1, "Worker processes (tensor-parallel ranks) to spawn");
+ABSL_FLAG(std::string, workers, "",
+          "Comma-separated host:port of running workers, rank order (Kubernetes); default: spawn "
+          "--tensor-parallel-size local workers");
+ABSL_FLAG(std::string, worker_bin, "",
+          "moelora-worker executable (default: next to this binary, or ../worker/)");
+ABSL_FLAG(std::string, adapter_root, "", "The only directory adapters may be loaded from");
+ABSL_FLAG(std::string, state_dir, "moelora-state",
+          "Registry (SQLite) and worker run files; the registry survives restarts");
+ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
+          "Serve 2D and 3D adapters together (3D converted to 2D in place at load)");
+ABSL_FLAG(int, max_loras, 4, "Adapters resident in worker LoRA slots at once");
+ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank accepted");
+ABSL_FLAG(int, max_cpu_loras, 8,
+          "Adapters registered at once (>= --max-loras; extra ones are "
+          "swapped into slots on demand)");
+ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch");
+ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
+ABSL_FLAG(std::string, device, "cpu", "cpu (cuda is the GPU release)");
+ABSL_FLAG(std::string, dtype, "float32", "Worker compute dtype: float32 | bfloat16");
+ABSL_FLAG(int, drain_timeout_s, 30, "On SIGTERM: seconds in-flight requests may still take");
+ABSL_FLAG(int, step_timeout_s, 60, "A step that takes longer fails its requests (UNAVAILABLE)");
+ABSL_FLAG(std::string, worker_args, "",
+          "Extra flags for spawned workers, space-separated (e.g. \"--cpu-threads 1\")");
+ABSL_FLAG(std::string, preload, "",
+          "NAME=PATH[,NAME=PATH...]: adapters to load once serving (PATH under --adapter-root)");
+
+namespace {
+
+std::string DefaultWorkerBin(const char* argv0) {
+  std::error_code ec;
+  std::filesystem::path self = std::filesystem::canonical("/proc/self/exe", ec);
+  if (ec) self = std::filesystem::absolute(argv0);
+  for (auto p : {self.parent_path() / "moelora-worker",
+                 self.parent_path().parent_path() / "worker" / "moelora-worker"}) {
+    if (std::filesystem::exists(p, ec)) return p.string();
+  }
+  return "moelora-worker";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> rest = moelora::ParseFlags(
+      argc, argv,
+      "moelora-controller --model DIR --adapter-root DIR [--tensor-parallel-size N | --workers "
+      "H:P,...] [--port P] [--metrics-port M]\n\n"
+      "Serves MoE models with many LoRA adapters (2D per-expert and 3D fused) over gRPC:\n"
+      "moelora.v1.Controller (LoadAdapter, UnloadAdapter, ListAdapters, GetAdapter, Generate,\n"
+      "GenerateStream), grpc.health.v1 (SERVING once every worker rank has the model) and server\n"
+      "reflection (grpcurl works without proto files). Spawns --tensor-parallel-size\n"
+      "moelora-worker processes, or drives --workers. Exit status: 0 after SIGTERM/SIGINT (after\n"
+      "draining) or --help; 1 for a bad flag or a setup failure (the reason is printed).\n"
+      "Flags may be spelled --max-loras or --max_loras.",
+      "moelora_controller_main");
+  moelora::InitLogging(argv[0]);
+  auto fail = [](const std::string& msg) {
+    std::fprintf(stderr, "moelora-controller: %s\n", msg.c_str());
+    return 1;
+  };
+  if (rest.size() > 1) return fail(absl::StrCat("unexpected argument \"", rest[1], "\""));
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) return fail("--model is required (see --help)");
+  auto info = moelora::ReadModelInfo(model);
+  if (!info.ok()) return fail(info.status().ToString());
+  if (absl::GetFlag(FLAGS_device) != "cpu")
+    return fail("--device: only cpu is served by this build");
+  const int tp = absl::GetFlag(FLAGS_tensor_parallel_size);
+  if (tp < 1) return fail("--tensor-parallel-size must be >= 1");
+  if (absl::GetFlag(FLAGS_max_loras) < 1 ||
+      absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
+    return fail("need --max-loras >= 1 and --max-cpu-loras >= --max-loras");
+  }
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  auto registry = moelora::Registry::Open(state_dir);
+  if (!registry.ok()) return fail(registry.status().ToString());
+  moelora::ControllerMetrics metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = -1;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(
+          absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_metrics_port)));
+    } catch (const std::exception& e) {
+      return fail(absl::StrCat("cannot serve /metrics on port ", absl::GetFlag(FLAGS_metrics_port),
+                               ": ", e.what()));
+    }
+    exposer->RegisterCollectable(metrics.registry());
+    metrics_port = exposer->GetListeningPorts().at(0);
+  }
+
+  moelora::WorkerGroupOptions go;
+  go.worker_bin = absl::GetFlag(FLAGS_worker_bin).empty() ? DefaultWorkerBin(argv[0])
+                                                          : absl::GetFlag(FLAGS_worker_bin);
+  go.model = model;
+  go.tp = tp;
+  if (!absl::GetFlag(FLAGS_workers).empty()) {
+    go.addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
+  }
+  go.run_dir = std::filesystem::absolute(state_dir + "/run").string();
+  go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  go.worker_flags = {"--max-loras",     std::to_string(absl::GetFlag(FLAGS_max_loras)),
+                     "--max-lora-rank", std::to_string(absl::GetFlag(FLAGS_max_lora_rank)),
+                     "--max-num-seqs",  std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
+                     "--max-model-len", std::to_string(absl::GetFlag(FLAGS_max_model_len)),
+                     "--dtype",         absl::GetFlag(FLAGS_dtype),
+                     "--metrics-port",  "0"};
+  if (absl::GetFlag(FLAGS_enable_mixed_moe_lora_format))
+    go.worker_flags.push_back("--enable-mixed-moe-lora-format");
+  for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
+    go.worker_flags.push_back(std::string(a));
+  }
+  moelora::WorkerGroup group(go);
+
+  moelora::ControllerOptions co;
+  co.adapter_root = absl::GetFlag(FLAGS_adapter_root);
+  co.max_loras = absl::GetFlag(FLAGS_max_loras);
+  co.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
+  co.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
+  co.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
+  co.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
+  co.model = *info;
+  moelora::Controller controller(co, registry->get(), &group, &metrics);
+  group.SetOnReady([&] { return controller.OnGroupReady(); });
+  group.SetOnDown([&](const std::string& why) { controller.OnGroupDown(why); });
+
+  moelora::ControllerService service(&controller, &metrics);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
+                           grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    return fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
+                             absl::GetFlag(FLAGS_port)));
+  }
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus(false);
+  LOG(INFO) << "moelora-controller listening on " << absl::GetFlag(FLAGS_host) << ":" << port
+            << ", metrics on " << metrics_port << ", workers: "
+            << (go.addresses.empty() ? absl::StrCat(tp, " local (", go.worker_bin, ")")
+                                     : absl::GetFlag(FLAGS_workers));
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    std::ofstream(pf + ".tmp") << "{\"port\": " << port << ", \"metrics_port\": " << metrics_port
+                               << "}\n";
+    std::filesystem::rename(pf + ".tmp", pf);
+  }
+  controller.Start();
+  group.Start();
+
+  // Health follows the worker group; preloads run once, the first time it serves.
+  std::atomic<bool> stopping{false};
+  std::thread watcher([&] {
+    bool preloaded = false;
+    bool last = false;
+    while (!stopping) {
+      const bool serving = controller.serving();
+      if (serving != last) {
+        health->SetServingStatus(serving);
+        health->SetServingStatus("moelora.v1.Controller", serving);
+        last = serving;
+      }
+      const auto up = group.RanksUp();
+      for (size_t r = 0; r < up.size(); ++r)
+        metrics.worker_up.Add({{"rank", std::to_string(r)}}).Set(up[r]);
+      static int restarts = 0;
+      if (group.restarts() != restarts) {
+        metrics.worker_restarts.Increment(group.restarts() - restarts);
+        restarts = group.restarts();
+      }
+      if (serving && !preloaded) {
+        preloaded = true;
+        for (const auto& item :
+             absl::StrSplit(absl::GetFlag(FLAGS_preload), ',', absl::SkipEmpty())) {
+          std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+          moelora::v1::LoadAdapterRequest req;
+          req.set_name(kv.first);
+          req.set_path(kv.second);
+          auto a = controller.LoadAdapter(req);
+          if (a.ok()) {
+            LOG(INFO) << "preloaded " << kv.first << " ("
+                      << moelora::v1::AdapterFormat_Name(a->detected_format())
+                      << (a->converted_to_2d() ? ", converted to 2D" : "") << ")";
+          } else {
+            LOG(ERROR) << "preload " << kv.first << ": " << a.status();
+          }
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
+            << " s)";
+  health->SetServingStatus(false);
+  health->SetServingStatus("moelora.v1.Controller", false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
+  stopping = true;
+  watcher.join();
+  controller.Stop();
+  group.Stop();
+  LOG(INFO) << "stopped";
+  return 0;
+}

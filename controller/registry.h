@@ -1,0 +1,63 @@
+// The adapter registry: name -> adapter record, persisted in SQLite under --state-dir so a
+// controller restart loses no registration. Ids come from SQLite (stable across restarts).
+// Thread-safe: every method takes the registry's mutex.
+#ifndef MOELORA_CONTROLLER_REGISTRY_H_
+#define MOELORA_CONTROLLER_REGISTRY_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+struct sqlite3;
+
+namespace moelora {
+
+struct AdapterRecord {
+  int64_t id = 0;
+  std::string name;
+  std::string path;           // as given by the client
+  std::string resolved_path;  // inside --adapter-root, symlinks resolved
+  int requested_format = 0;   // moelora.v1.AdapterFormat
+  int detected_format = 0;
+  bool converted_to_2d = false;
+  int rank = 0;
+  int max_rank = 0;
+  double alpha = 0;
+  double scaling = 0;
+  std::vector<std::string> target_modules;
+  int num_experts = 0;
+  int64_t bytes = 0;
+  double load_seconds = 0;
+  bool pinned = false;
+};
+
+class Registry {
+ public:
+  // Opens (creating) `state_dir`/registry.sqlite3. INTERNAL naming the file on failure.
+  static absl::StatusOr<std::unique_ptr<Registry>> Open(const std::string& state_dir);
+  ~Registry();
+
+  // Inserts a new record (its id is assigned and returned). ALREADY_EXISTS if the name is taken.
+  absl::StatusOr<int64_t> Insert(const AdapterRecord& r);
+  // Rewrites every field of the record with this name. NOT_FOUND if absent.
+  absl::Status Update(const AdapterRecord& r);
+  absl::Status Remove(const std::string& name);
+  std::optional<AdapterRecord> Get(const std::string& name) const;
+  std::vector<AdapterRecord> List() const;  // by id
+  size_t size() const;
+
+ private:
+  Registry() = default;
+  mutable std::mutex mu_;
+  sqlite3* db_ = nullptr;
+  std::string path_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_REGISTRY_H_

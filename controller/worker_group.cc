@@ -1,0 +1,404 @@
+#include "controller/worker_group.h"
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "nlohmann/json.hpp"
+#include "proto/grpc_status.h"
+
+namespace moelora {
+
+struct WorkerGroup::Rank {
+  int index = 0;
+  std::string address;
+  pid_t pid = -1;  // local mode
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Worker::Stub> stub;
+  bool up = false;
+};
+
+WorkerGroup::WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {
+  if (!options_.addresses.empty()) options_.tp = static_cast<int>(options_.addresses.size());
+  for (int r = 0; r < options_.tp; ++r) {
+    auto rank = std::make_shared<Rank>();
+    rank->index = r;
+    if (!options_.addresses.empty()) rank->address = options_.addresses[r];
+    ranks_.push_back(rank);
+  }
+}
+
+WorkerGroup::~WorkerGroup() { Stop(); }
+
+void WorkerGroup::SetOnReady(std::function<absl::Status()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_ready_ = std::move(hook);
+}
+
+void WorkerGroup::SetOnDown(std::function<void(const std::string&)> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_down_ = std::move(hook);
+}
+
+void WorkerGroup::Start() {
+  if (options_.addresses.empty()) SpawnAll();
+  monitor_ = std::thread([this] { Monitor(); });
+}
+
+void WorkerGroup::Stop() {
+  if (stop_.exchange(true)) return;
+  if (monitor_.joinable()) monitor_.join();
+  serving_ = false;
+  if (options_.addresses.empty()) KillAll();
+}
+
+v1::WorkerInfoResponse WorkerGroup::info() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return info_;
+}
+
+std::vector<bool> WorkerGroup::RanksUp() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<bool> up;
+  for (const auto& r : ranks_) up.push_back(r->up);
+  return up;
+}
+
+std::vector<pid_t> WorkerGroup::pids() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<pid_t> p;
+  for (const auto& r : ranks_) p.push_back(r->pid);
+  return p;
+}
+
+bool WorkerGroup::WaitServing(std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(wait_mu_);
+  return wait_cv_.wait_for(lock, timeout, [this] { return serving_.load(); });
+}
+
+void WorkerGroup::SpawnAll() {
+  const int epoch = ++epoch_;
+  const std::string dir = absl::StrCat(options_.run_dir, "/group.", epoch);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/dist");
+  std::vector<std::shared_ptr<Rank>> ranks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ranks = ranks_;
+  }
+  for (auto& rank : ranks) {
+    const std::string r = std::to_string(rank->index);
+    std::vector<std::string> args = {options_.worker_bin,
+                                     "--model",
+                                     options_.model,
+                                     "--rank",
+                                     r,
+                                     "--tensor-parallel-size",
+                                     std::to_string(options_.tp),
+                                     "--dist-init-dir",
+                                     dir + "/dist",
+                                     "--port-file",
+                                     dir + "/port." + r,
+                                     "--dist-timeout-s",
+                                     "30"};
+    args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const std::string log = dir + "/worker." + r + ".log";
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      // Child: only async-signal-safe calls until exec.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(1);  // the controller died before prctl
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        close(fd);
+      }
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    rank->pid = pid;
+    rank->up = false;
+    rank->stub.reset();
+    rank->address.clear();
+    LOG(INFO) << "spawned worker rank " << r << " pid " << pid << " (log " << log << ")";
+  }
+}
+
+void WorkerGroup::KillAll() {
+  std::vector<pid_t> pids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& r : ranks_) {
+      if (r->pid > 0) pids.push_back(r->pid);
+      r->pid = -1;
+      r->up = false;
+    }
+  }
+  for (pid_t p : pids) kill(p, SIGTERM);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (pid_t p : pids) {
+    while (waitpid(p, nullptr, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(p, SIGKILL);
+        waitpid(p, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+// Local mode: reads the port files of the current epoch; connect mode: the given addresses.
+bool WorkerGroup::ConnectAll(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<std::shared_ptr<Rank>> ranks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ranks = ranks_;
+  }
+  for (auto& rank : ranks) {
+    if (rank->stub) continue;
+    std::string address = rank->address;
+    if (address.empty()) {
+      const std::string pf =
+          absl::StrCat(options_.run_dir, "/group.", epoch_, "/port.", rank->index);
+      std::ifstream in(pf);
+      if (!in) {
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        return false;  // retried on the next poll
+      }
+      std::stringstream ss;
+      ss << in.rdbuf();
+      const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+      if (!j.is_object() || !j.contains("port")) return false;
+      address = absl::StrCat("127.0.0.1:", j["port"].get<int>());
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    std::lock_guard<std::mutex> lock(mu_);
+    rank->address = address;
+    rank->channel = channel;
+    rank->stub = v1::Worker::NewStub(channel);
+  }
+  return true;
+}
+
+void WorkerGroup::Monitor() {
+  while (!stop_) {
+    std::this_thread::sleep_for(options_.health_period);
+    if (stop_) break;
+    // Local mode: a dead rank restarts the whole group.
+    if (options_.addresses.empty()) {
+      std::string dead;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& r : ranks_) {
+          int st = 0;
+          if (r->pid > 0 && waitpid(r->pid, &st, WNOHANG) == r->pid) {
+            dead = absl::StrCat("worker rank ", r->index, " (pid ", r->pid, ") exited with ",
+                                WIFEXITED(st) ? absl::StrCat("status ", WEXITSTATUS(st))
+                                              : absl::StrCat("signal ", WTERMSIG(st)));
+            r->pid = -1;
+          }
+        }
+      }
+      if (!dead.empty()) {
+        LOG(WARNING) << dead << "; restarting the worker group";
+        const bool was_serving = serving_.exchange(false);
+        std::function<void(const std::string&)> down;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          down = on_down_;
+        }
+        if (down && was_serving) down(dead);
+        KillAll();
+        ++restarts_;
+        if (stop_) break;
+        SpawnAll();
+        continue;
+      }
+    }
+    ConnectAll(std::chrono::milliseconds(0));
+    std::vector<std::shared_ptr<Rank>> ranks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ranks = ranks_;
+    }
+    bool all_up = true;
+    std::string why;
+    for (auto& r : ranks) {
+      bool up = false;
+      if (r->stub) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+        v1::WorkerHealthResponse resp;
+        grpc::Status s = r->stub->Health(&ctx, {}, &resp);
+        up = s.ok() && resp.ready();
+        if (!up)
+          why = absl::StrCat("rank ", r->index, ": ", s.ok() ? resp.detail() : s.error_message());
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        r->up = up;
+      }
+      all_up &= up;
+    }
+    if (!all_up) {
+      if (serving_.exchange(false)) {
+        LOG(WARNING) << "worker group out of service: " << why;
+        std::function<void(const std::string&)> down;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          down = on_down_;
+        }
+        if (down) down(why);
+      }
+      continue;
+    }
+    if (serving_) continue;
+    // Every rank is ready: fetch Info, run the hook (adapter reload), then serve.
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::WorkerInfoResponse info;
+    if (!ranks[0]->stub->Info(&ctx, {}, &info).ok()) continue;
+    std::function<absl::Status()> hook;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      info_ = info;
+      hook = on_ready_;
+    }
+    serving_ = true;  // the hook's RPCs need it; requests are gated by the controller
+    if (hook) {
+      if (absl::Status s = hook(); !s.ok()) {
+        LOG(WARNING) << "worker group ready but the on-ready hook failed: " << s;
+        serving_ = false;
+        continue;
+      }
+    }
+    LOG(INFO) << "worker group serving (" << ranks.size() << " ranks)";
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    wait_cv_.notify_all();
+  }
+}
+
+template <typename Req, typename Resp>
+absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
+    grpc::Status (v1::Worker::Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
+    const Req& req, std::chrono::milliseconds timeout, bool fail_fast) {
+  if (!serving_) return absl::UnavailableError("worker group is not ready");
+  std::vector<std::shared_ptr<Rank>> ranks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ranks = ranks_;
+  }
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    int pending = 0;
+    bool failed = false;
+    std::vector<grpc::Status> status;
+    std::vector<Resp> resp;
+    std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
+  };
+  auto st = std::make_shared<State>();
+  const int n = static_cast<int>(ranks.size());
+  st->pending = n;
+  st->status.resize(n);
+  st->resp.resize(n);
+  for (int r = 0; r < n; ++r) {
+    st->ctx.push_back(std::make_unique<grpc::ClientContext>());
+    st->ctx[r]->set_deadline(std::chrono::system_clock::now() + timeout);
+  }
+  for (int r = 0; r < n; ++r) {
+    if (!ranks[r]->stub) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->status[r] = grpc::Status(grpc::StatusCode::UNAVAILABLE, "not connected");
+      st->failed = true;
+      --st->pending;
+      continue;
+    }
+    // Detached: with fail_fast the caller may return before a stuck rank answers; the state
+    // (contexts included) lives until the last call returns.
+    std::thread([st, r, stub = ranks[r]->stub.get(), method, req, rank = ranks[r]] {
+      Resp resp;
+      grpc::Status s = (stub->*method)(st->ctx[r].get(), req, &resp);
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->status[r] = s;
+      st->resp[r] = std::move(resp);
+      if (!s.ok()) st->failed = true;
+      --st->pending;
+      st->cv.notify_all();
+    }).detach();
+  }
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->pending == 0 || (fail_fast && st->failed); });
+  for (int r = 0; r < n; ++r) {
+    if (st->pending > 0 && st->failed) st->ctx[r]->TryCancel();
+  }
+  for (int r = 0; r < n; ++r) {
+    if (!st->status[r].ok() && st->status[r].error_code() != grpc::StatusCode::CANCELLED) {
+      absl::Status s = FromGrpc(st->status[r]);
+      return absl::Status(s.code(), absl::StrCat("worker rank ", r, ": ", s.message()));
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (!st->status[r].ok())
+      return absl::UnavailableError(absl::StrCat("worker rank ", r, " cancelled"));
+  }
+  return st->resp;
+}
+
+absl::StatusOr<v1::StageAdapterResponse> WorkerGroup::StageAll(const v1::StageAdapterRequest& req) {
+  auto r = CallAll(&v1::Worker::Stub::StageAdapter, req, options_.load_timeout, false);
+  if (!r.ok()) {
+    AbortAll(req.adapter_id()).IgnoreError();
+    return r.status();
+  }
+  return (*r)[0];
+}
+
+absl::Status WorkerGroup::CommitAll(int64_t id) {
+  v1::CommitAdapterRequest req;
+  req.set_adapter_id(id);
+  return CallAll(&v1::Worker::Stub::CommitAdapter, req, options_.load_timeout, false).status();
+}
+
+absl::Status WorkerGroup::AbortAll(int64_t id) {
+  v1::AbortAdapterRequest req;
+  req.set_adapter_id(id);
+  return CallAll(&v1::Worker::Stub::AbortAdapter, req, options_.load_timeout, false).status();
+}
+
+absl::Status WorkerGroup::UnloadAll(int64_t id) {
+  v1::WorkerUnloadAdapterRequest req;
+  req.set_adapter_id(id);
+  return CallAll(&v1::Worker::Stub::UnloadAdapter, req, options_.load_timeout, false).status();
+}
+
+absl::StatusOr<v1::StepResponse> WorkerGroup::StepAll(const v1::StepRequest& req) {
+  auto r = CallAll(&v1::Worker::Stub::Step, req, options_.step_timeout, true);
+  if (!r.ok()) return r.status();
+  return (*r)[0];
+}
+
+}  // namespace moelora

@@ -1,0 +1,105 @@
+// The controller's view of its tensor-parallel worker group (TGI's router/shard split): every
+// RPC goes to all ranks at once; rank 0's reply is the answer.
+//
+// Local mode (default) spawns the N moelora-worker processes (they die with the controller:
+// PR_SET_PDEATHSIG) and, when any rank dies, restarts the whole group with a fresh rendezvous
+// directory (a TP group cannot re-form around one new rank). Connect mode (--workers) only
+// watches the given addresses. Either way a monitor thread polls Health; when every rank is
+// ready it calls the on-ready hook (the controller reloads its adapters there) and only then
+// reports serving.
+//
+// Thread-safety: all methods may be called from any thread.
+#ifndef MOELORA_CONTROLLER_WORKER_GROUP_H_
+#define MOELORA_CONTROLLER_WORKER_GROUP_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moelora/v1/worker.grpc.pb.h"
+
+namespace moelora {
+
+struct WorkerGroupOptions {
+  std::string worker_bin;                 // local mode: the moelora-worker executable
+  std::string model;                      // local mode: --model
+  int tp = 1;                             // ranks
+  std::vector<std::string> addresses;     // connect mode when not empty (one per rank, in order)
+  std::vector<std::string> worker_flags;  // passed to spawned workers (engine flags)
+  std::string run_dir;                    // local mode: port files, logs, rendezvous dirs
+  std::chrono::milliseconds step_timeout{60000};
+  std::chrono::milliseconds load_timeout{300000};
+  std::chrono::milliseconds health_period{200};
+};
+
+class WorkerGroup {
+ public:
+  explicit WorkerGroup(WorkerGroupOptions options);
+  ~WorkerGroup();
+
+  // Called (on the monitor thread) each time the group becomes ready, before it serves.
+  // A non-OK result keeps the group out of service and is retried on the next poll.
+  void SetOnReady(std::function<absl::Status()> hook);
+  // Called when a rank goes down (the group stops serving at once).
+  void SetOnDown(std::function<void(const std::string& why)> hook);
+  void Start();
+  void Stop();  // stops the monitor and (local mode) terminates the workers
+
+  bool serving() const { return serving_.load(); }
+  // Rank 0's Info from the last time the group became ready (empty before).
+  v1::WorkerInfoResponse info() const;
+  int size() const { return options_.tp; }
+  std::vector<bool> RanksUp() const;
+  int restarts() const { return restarts_.load(); }
+  // Waits until serving or the timeout passes.
+  bool WaitServing(std::chrono::milliseconds timeout) const;
+  // Local mode: worker process ids (tests kill them).
+  std::vector<pid_t> pids() const;
+
+  // All-rank RPCs. UNAVAILABLE when the group is not ready. Stage rolls back (Abort) on the ranks
+  // that succeeded when any fails.
+  absl::StatusOr<v1::StageAdapterResponse> StageAll(const v1::StageAdapterRequest& req);
+  absl::Status CommitAll(int64_t adapter_id);
+  absl::Status AbortAll(int64_t adapter_id);
+  absl::Status UnloadAll(int64_t adapter_id);
+  // Returns as soon as any rank fails (the others are cancelled) or when all have answered.
+  absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req);
+
+ private:
+  struct Rank;
+  void Monitor();
+  void SpawnAll();
+  void KillAll();
+  bool ConnectAll(std::chrono::milliseconds timeout);
+  template <typename Req, typename Resp>
+  absl::StatusOr<std::vector<Resp>> CallAll(
+      grpc::Status (v1::Worker::Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
+      const Req& req, std::chrono::milliseconds timeout, bool fail_fast);
+
+  WorkerGroupOptions options_;
+  mutable std::mutex mu_;  // ranks_, info_, hooks
+  std::vector<std::shared_ptr<Rank>> ranks_;
+  v1::WorkerInfoResponse info_;
+  std::function<absl::Status()> on_ready_;
+  std::function<void(const std::string&)> on_down_;
+  std::atomic<bool> serving_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<int> restarts_{0};
+  int epoch_ = 0;
+  std::thread monitor_;
+  mutable std::mutex wait_mu_;
+  mutable std::condition_variable wait_cv_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_WORKER_GROUP_H_
