@@ -40,6 +40,9 @@ class ChildProcess {
   ChildProcess& operator=(const ChildProcess&) = delete;
 
   bool started() const { return pid_ > 0; }
+  void Signal(int sig) {
+    if (pid_ > 0 && !exited_) kill(pid_, sig);
+  }
 
   // Exit status once it has exited, -1 while running (waits up to `timeout`).
   int WaitExit(std::chrono::milliseconds timeout) {
@@ -57,11 +60,11 @@ class ChildProcess {
     }
   }
 
-  // SIGTERM, then SIGKILL after 5 s. Returns the exit status.
+  // SIGTERM, then SIGKILL after 15 s. Returns the exit status.
   int Stop() {
     if (pid_ <= 0 || exited_) return status_;
     kill(pid_, SIGTERM);
-    if (WaitExit(std::chrono::seconds(5)) >= 0) return status_;
+    if (WaitExit(std::chrono::seconds(15)) >= 0) return status_;
     kill(pid_, SIGKILL);
     return WaitExit(std::chrono::seconds(5));
   }

@@ -1,0 +1,372 @@
+// moelora-controller end to end: real controller and worker processes on loopback, public API
+// only. Bounded waits everywhere.
+#include <signal.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/controller_process.h"
+#include "tests/testing/adapter_builder.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/unit/worker/engine_test_util.h"
+
+namespace moelora {
+namespace {
+
+namespace fs = std::filesystem;
+using ::moelora::testing::ControllerProcess;
+using ::moelora::testing::Data;
+using ::moelora::testing::ReadExpected;
+using ::moelora::testing::TempDir;
+using ::testing::HasSubstr;
+using Health = grpc::health::v1::HealthCheckResponse;
+
+// An adapter root with copies of the fixtures and a few bad adapters.
+struct AdapterRoot {
+  TempDir dir;
+  std::string root;
+  AdapterRoot() {
+    root = dir.path() + "/adapters";
+    fs::create_directories(root);
+    for (const char* a : {"adapter_2d", "adapter_3d", "adapter_2d_shared_a", "adapter_3d_as_2d"}) {
+      fs::copy(Data(std::string("qwen3_moe/") + a), root + "/" + a, fs::copy_options::recursive);
+    }
+    fs::copy(Data("gpt_oss/adapter_3d"), root + "/gpt_oss_3d", fs::copy_options::recursive);
+    fs::create_directories(root + "/pickle_only");
+    fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"), root + "/pickle_only/adapter_config.json");
+    std::ofstream(root + "/pickle_only/adapter_model.bin") << "not really a pickle";
+    fs::create_directories(root + "/garbage");
+    fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"), root + "/garbage/adapter_config.json");
+    std::ofstream(root + "/garbage/adapter_model.safetensors") << "\x10\x00\x00\x00\x00\x00\x00\x00{not json";
+    // An adapter for another model (hidden size 32, not 24) and one of rank 8.
+    {
+      ::moelora::testing::AdapterBuilder b;
+      b.Pair("model.layers.0.self_attn.q_proj", 2, 32, 32);
+      b.Write(root + "/other_model");
+    }
+    {
+      ::moelora::testing::AdapterBuilder b;
+      b.config()["r"] = 8;
+      b.Pair("model.layers.0.self_attn.q_proj", 8, 24, 32);
+      b.Write(root + "/big_rank");
+    }
+    fs::create_directories(dir.path() + "/outside");
+    fs::copy(Data("qwen3_moe/adapter_2d"), dir.path() + "/outside/a", fs::copy_options::recursive);
+    fs::create_directory_symlink(dir.path() + "/outside/a", root + "/escape");
+  }
+};
+
+const std::vector<std::vector<int32_t>> kPrompts = {{1, 17, 42, 5, 88}, {3, 9, 27, 81, 50, 11, 60}, {7, 2, 95}};
+
+int32_t Argmax(const std::vector<float>& logits, size_t row, size_t vocab) {
+  const float* r = logits.data() + row * vocab;
+  return static_cast<int32_t>(std::max_element(r, r + vocab) - r);
+}
+
+std::vector<int32_t> Tokens(const v1::GenerateResponse& r) { return {r.token_ids().begin(), r.token_ids().end()}; }
+
+class ControllerTest : public ::testing::Test {
+ protected:
+  AdapterRoot adapters_;
+  TempDir state_;
+};
+
+TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--tensor-parallel-size", "2", "--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(c.started()) << c.Log();
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  // Base outputs before any adapter exists.
+  std::vector<std::vector<int32_t>> base_before;
+  for (const auto& p : kPrompts) {
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate("", p, 8, &r).ok());
+    base_before.push_back(Tokens(r));
+    EXPECT_EQ(r.finish_reason(), "length");
+    EXPECT_EQ(r.usage().completion_tokens(), 8);
+  }
+  v1::Adapter a2d, a3d;
+  ASSERT_TRUE(c.Load("a2d", "adapter_2d", &a2d).ok());
+  ASSERT_TRUE(c.Load("a3d", "adapter_3d", &a3d).ok());
+  EXPECT_EQ(a2d.detected_format(), v1::FORMAT_2D);
+  EXPECT_FALSE(a2d.converted_to_2d());
+  EXPECT_EQ(a3d.detected_format(), v1::FORMAT_3D);
+  EXPECT_TRUE(a3d.converted_to_2d());
+  EXPECT_EQ(a3d.rank(), 4);
+  EXPECT_DOUBLE_EQ(a3d.scaling(), 2.0);
+  EXPECT_EQ(a3d.state(), v1::ADAPTER_STATE_READY);
+  EXPECT_GT(a3d.load_seconds(), 0);
+  EXPECT_THAT(std::vector<std::string>(a3d.target_modules().begin(), a3d.target_modules().end()),
+              ::testing::ElementsAre("experts", "o_proj", "q_proj"));
+
+  // One at a time; the first token is the argmax of transformers+PEFT's logits.
+  auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
+  const std::vector<std::string> names = {"a2d", "a3d", ""};
+  const std::vector<std::string> variants = {"adapter_2d", "adapter_3d", "base"};
+  std::vector<std::vector<int32_t>> alone;
+  for (size_t i = 0; i < names.size(); ++i) {
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(names[i], kPrompts[i], 8, &r, true).ok());
+    alone.push_back(Tokens(r));
+    ASSERT_EQ(r.logprobs_size(), 8);
+    for (float lp : r.logprobs()) EXPECT_LE(lp, 0.0f);
+    const auto& logits = ref.logits.at(variants[i])[i];
+    EXPECT_EQ(alone.back()[0], Argmax(logits, kPrompts[i].size() - 1, 96)) << names[i];
+  }
+  EXPECT_EQ(alone[2], base_before[2]);  // base unchanged by the loaded adapters
+  EXPECT_NE(alone[0], base_before[0]);  // the adapters do change their outputs
+  // Concurrently, several rounds: same tokens as alone.
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::future<std::vector<int32_t>>> fs;
+    for (size_t i = 0; i < names.size(); ++i) {
+      fs.push_back(std::async(std::launch::async, [&, i] {
+        v1::GenerateResponse r;
+        grpc::Status s = c.Generate(names[i], kPrompts[i], 8, &r);
+        EXPECT_TRUE(s.ok()) << s.error_message();
+        return Tokens(r);
+      }));
+    }
+    for (size_t i = 0; i < names.size(); ++i) EXPECT_EQ(fs[i].get(), alone[i]) << names[i];
+  }
+  // GenerateStream gives the same tokens, in chunks.
+  {
+    grpc::ClientContext ctx;
+    v1::GenerateRequest req;
+    req.set_adapter("a3d");
+    req.mutable_prompt_token_ids()->Add(kPrompts[1].begin(), kPrompts[1].end());
+    req.set_max_tokens(8);
+    auto reader = c.stub().GenerateStream(&ctx, req);
+    v1::GenerateResponse chunk;
+    std::vector<int32_t> got;
+    std::string reason;
+    while (reader->Read(&chunk)) {
+      got.insert(got.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      if (!chunk.finish_reason().empty()) reason = chunk.finish_reason();
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(got, alone[1]);
+    EXPECT_EQ(reason, "length");
+  }
+  // Metrics moved.
+  const std::string m = c.Metrics();
+  EXPECT_THAT(m, HasSubstr("moelora_requests_total{adapter=\"a3d\",code=\"ok\"} 5"));
+  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_seconds_count{converted=\"true\",format=\"3d\",phase=\"stage\"} 1"));
+  EXPECT_THAT(m, HasSubstr("moelora_adapters{state=\"ready\"} 2"));
+  EXPECT_THAT(m, HasSubstr("moelora_worker_up{rank=\"1\"} 1"));
+  EXPECT_THAT(m, HasSubstr("moelora_serving 1"));
+  // Unload: then NOT_FOUND.
+  ASSERT_TRUE(c.Unload("a2d").ok());
+  v1::GenerateResponse r;
+  EXPECT_EQ(c.Generate("a2d", kPrompts[0], 4, &r).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(c.List().size(), 1u);
+  // SIGTERM: exits 0 and takes its workers along.
+  EXPECT_EQ(c.process().Stop(), 0) << c.Log();
+}
+
+TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {
+  ControllerProcess c(state_.path(), adapters_.root, {"--max-lora-rank", "4"});
+  ASSERT_TRUE(c.started()) << c.Log();
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  ASSERT_TRUE(c.Load("good", "adapter_2d").ok());
+  struct Bad {
+    std::string name, path;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {"t1", "../outside/a", grpc::StatusCode::PERMISSION_DENIED, "outside --adapter-root"},
+      {"t2", "/etc", grpc::StatusCode::PERMISSION_DENIED, "outside --adapter-root"},
+      {"t3", "escape", grpc::StatusCode::PERMISSION_DENIED, "symlink"},
+      {"t4", "missing", grpc::StatusCode::NOT_FOUND, "does not exist"},
+      {"t5", "pickle_only", grpc::StatusCode::INVALID_ARGUMENT, "pickle"},
+      {"t6", "garbage", grpc::StatusCode::INVALID_ARGUMENT, "adapter_model.safetensors"},
+      {"t7", "other_model", grpc::StatusCode::INVALID_ARGUMENT, "q_proj"},
+      {"t8", "big_rank", grpc::StatusCode::RESOURCE_EXHAUSTED, "--max-lora-rank"},
+      {"t9", "adapter_3d", grpc::StatusCode::FAILED_PRECONDITION, "--enable-mixed-moe-lora-format"},
+      {"good", "adapter_2d_shared_a", grpc::StatusCode::ALREADY_EXISTS, "already loaded"},
+      {"bad/name", "adapter_2d", grpc::StatusCode::INVALID_ARGUMENT, "adapter name"},
+      {"t10", std::string("adapter_2d\0x", 12), grpc::StatusCode::INVALID_ARGUMENT, "NUL"},
+      {"t11", std::string(5000, 'a'), grpc::StatusCode::INVALID_ARGUMENT, "longer than 4096"},
+  };
+  for (const Bad& b : bad) {
+    grpc::Status s = c.Load(b.name, b.path);
+    EXPECT_EQ(s.error_code(), b.code) << b.name << " " << b.path.substr(0, 40) << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(b.message)) << b.name;
+    auto list = c.List();
+    ASSERT_EQ(list.size(), 1u) << b.name;
+    EXPECT_EQ(list[0].name(), "good");
+  }
+  // The same name and path again is idempotent.
+  v1::Adapter again;
+  ASSERT_TRUE(c.Load("good", "adapter_2d", &again).ok());
+  EXPECT_EQ(again.state(), v1::ADAPTER_STATE_READY);
+  // Generate errors.
+  v1::GenerateResponse r;
+  EXPECT_EQ(c.Generate("nope", kPrompts[0], 4, &r).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(c.Generate("", kPrompts[0], 1000000, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Generate("", kPrompts[0], 0, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Generate("", {}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Generate("", {1, 96}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Generate("", {-1}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(c.Generate("good", kPrompts[0], 4, &r).ok());
+  const std::string m = c.Metrics();
+  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_failures_total{reason=\"permission_denied\"} 3"));
+  EXPECT_THAT(m, HasSubstr("moelora_requests_total{adapter=\"nope\",code=\"not_found\"} 1"));
+}
+
+TEST_F(ControllerTest, RegistrySurvivesARestart) {
+  std::vector<int32_t> before;
+  {
+    ControllerProcess c(state_.path(), adapters_.root, {"--enable-mixed-moe-lora-format"});
+    ASSERT_TRUE(c.WaitServing()) << c.Log();
+    ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
+    ASSERT_TRUE(c.Load("a2d", "adapter_2d").ok());
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate("a3d", kPrompts[0], 6, &r).ok());
+    before = Tokens(r);
+    EXPECT_EQ(c.process().Stop(), 0);
+  }
+  ControllerProcess c(state_.path(), adapters_.root, {"--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  auto list = c.List();
+  ASSERT_EQ(list.size(), 2u);
+  for (const auto& a : list) EXPECT_EQ(a.state(), v1::ADAPTER_STATE_READY) << a.name();
+  v1::GenerateResponse r;
+  ASSERT_TRUE(c.Generate("a3d", kPrompts[0], 6, &r).ok());
+  EXPECT_EQ(Tokens(r), before);
+}
+
+TEST_F(ControllerTest, KilledWorkerFailsInFlightRequestsFastAndComesBack) {
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--tensor-parallel-size", "2", "--enable-mixed-moe-lora-format",
+                       "--worker-args", "--debug-step-delay-ms 20"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
+  v1::GenerateResponse ref;
+  ASSERT_TRUE(c.Generate("a3d", kPrompts[1], 5, &ref).ok());
+  // A long generation, then SIGKILL rank 1 while it runs.
+  auto long_run = std::async(std::launch::async, [&] {
+    v1::GenerateResponse r;
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status s = c.Generate("a3d", kPrompts[0], 100, &r);
+    return std::make_pair(s, std::chrono::steady_clock::now() - t0);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Worker pids: from the controller's run directory logs is fragile; use pgrep on our state dir.
+  const std::string cmd = "pgrep -f -- '--rank 1 --tensor-parallel-size 2 --dist-init-dir " +
+                          state_.path() + "/run/group.1/dist'";
+  FILE* p = popen(cmd.c_str(), "r");
+  int pid = 0;
+  ASSERT_EQ(fscanf(p, "%d", &pid), 1);
+  pclose(p);
+  const auto kill_time = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  auto [status, took] = long_run.get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_LT(std::chrono::steady_clock::now() - kill_time, std::chrono::seconds(10));
+  EXPECT_TRUE(c.WaitHealth(Health::NOT_SERVING, std::chrono::seconds(5)));
+  // The group restarts, the adapter is re-loaded, requests succeed again.
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  v1::GenerateResponse r;
+  ASSERT_TRUE(c.Generate("a3d", kPrompts[1], 5, &r).ok());
+  EXPECT_EQ(Tokens(r), Tokens(ref));
+  EXPECT_THAT(c.Metrics(), HasSubstr("moelora_worker_group_restarts_total 1"));
+}
+
+TEST_F(ControllerTest, ConcurrentGenerateWithLoadUnloadChurn) {
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--enable-mixed-moe-lora-format", "--max-loras", "3", "--max-cpu-loras", "8"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  ASSERT_TRUE(c.Load("a2d", "adapter_2d").ok());
+  ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
+  // Reference outputs, one at a time.
+  const std::vector<std::string> stable = {"a2d", "a3d", ""};
+  std::map<std::string, std::vector<int32_t>> want;
+  for (const auto& n : stable) {
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(n, kPrompts[0], 6, &r).ok());
+    want[n] = Tokens(r);
+  }
+  // Churn adapters: their expected outputs, measured while loaded alone.
+  std::map<std::string, std::string> churn = {{"c1", "adapter_2d_shared_a"}, {"c2", "adapter_3d_as_2d"},
+                                              {"c3", "adapter_2d_shared_a"}, {"c4", "adapter_3d"}};
+  for (const auto& [n, path] : churn) {
+    ASSERT_TRUE(c.Load(n, path).ok()) << n;
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(n, kPrompts[0], 6, &r).ok());
+    want[n] = Tokens(r);
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, not_found{0}, bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 16; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::vector<std::string> names = {"a2d", "a3d", "", "c1", "c2", "c3", "c4"};
+      while (!stop) {
+        const std::string n = names[rng() % names.size()];
+        v1::GenerateResponse r;
+        grpc::Status s = c.Generate(n, kPrompts[0], 6, &r);
+        if (s.ok() && Tokens(r) == want[n]) {
+          ++ok;
+        } else if (s.error_code() == grpc::StatusCode::NOT_FOUND && n.size() == 2 && n[0] == 'c') {
+          ++not_found;
+        } else {
+          ++bad;
+          ADD_FAILURE() << "adapter '" << n << "': " << s.error_code() << " " << s.error_message();
+        }
+      }
+    });
+  }
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      while (!stop) {
+        auto it = churn.begin();
+        std::advance(it, rng() % churn.size());
+        grpc::Status s = (rng() % 2) ? c.Unload(it->first) : c.Load(it->first, it->second);
+        const auto code = s.error_code();
+        if (!(s.ok() || code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::ABORTED ||
+              code == grpc::StatusCode::RESOURCE_EXHAUSTED)) {
+          ++bad;
+          ADD_FAILURE() << "churn " << it->first << ": " << code << " " << s.error_message();
+        }
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  stop = true;
+  for (auto& th : threads) th.join();
+  std::printf("[churn] ok=%d not_found=%d bad=%d\n", ok.load(), not_found.load(), bad.load());
+  EXPECT_GT(ok.load(), 50);
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(c.Health(), Health::SERVING);
+}
+
+TEST_F(ControllerTest, SigtermDrainsInFlightRequests) {
+  ControllerProcess c(state_.path(), adapters_.root, {"--worker-args", "--debug-step-delay-ms 10"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  auto run = std::async(std::launch::async, [&] {
+    v1::GenerateResponse r;
+    grpc::Status s = c.Generate("", kPrompts[0], 60, &r);
+    return std::make_pair(s, r.token_ids_size());
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  c.process().Signal(SIGTERM);
+  auto [s, n] = run.get();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(n, 60);
+  EXPECT_EQ(c.process().WaitExit(std::chrono::seconds(30)), 0) << c.Log();
+  // New requests are refused once draining has started (the server is gone after exit).
+  v1::GenerateResponse r;
+  EXPECT_FALSE(c.Generate("", kPrompts[0], 2, &r, false, std::chrono::seconds(2)).ok());
+}
+
+}  // namespace
+}  // namespace moelora
