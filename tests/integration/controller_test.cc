@@ -39,11 +39,14 @@ struct AdapterRoot {
     }
     fs::copy(Data("gpt_oss/adapter_3d"), root + "/gpt_oss_3d", fs::copy_options::recursive);
     fs::create_directories(root + "/pickle_only");
-    fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"), root + "/pickle_only/adapter_config.json");
+    fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"),
+                  root + "/pickle_only/adapter_config.json");
     std::ofstream(root + "/pickle_only/adapter_model.bin") << "not really a pickle";
     fs::create_directories(root + "/garbage");
-    fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"), root + "/garbage/adapter_config.json");
-    std::ofstream(root + "/garbage/adapter_model.safetensors") << "\x10\x00\x00\x00\x00\x00\x00\x00{not json";
+    fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"),
+                  root + "/garbage/adapter_config.json");
+    std::ofstream(root + "/garbage/adapter_model.safetensors")
+        << "\x10\x00\x00\x00\x00\x00\x00\x00{not json";
     // An adapter for another model (hidden size 32, not 24) and one of rank 8.
     {
       ::moelora::testing::AdapterBuilder b;
@@ -62,14 +65,17 @@ struct AdapterRoot {
   }
 };
 
-const std::vector<std::vector<int32_t>> kPrompts = {{1, 17, 42, 5, 88}, {3, 9, 27, 81, 50, 11, 60}, {7, 2, 95}};
+const std::vector<std::vector<int32_t>> kPrompts = {
+    {1, 17, 42, 5, 88}, {3, 9, 27, 81, 50, 11, 60}, {7, 2, 95}};
 
 int32_t Argmax(const std::vector<float>& logits, size_t row, size_t vocab) {
   const float* r = logits.data() + row * vocab;
   return static_cast<int32_t>(std::max_element(r, r + vocab) - r);
 }
 
-std::vector<int32_t> Tokens(const v1::GenerateResponse& r) { return {r.token_ids().begin(), r.token_ids().end()}; }
+std::vector<int32_t> Tokens(const v1::GenerateResponse& r) {
+  return {r.token_ids().begin(), r.token_ids().end()};
+}
 
 class ControllerTest : public ::testing::Test {
  protected:
@@ -156,7 +162,8 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
   // Metrics moved.
   const std::string m = c.Metrics();
   EXPECT_THAT(m, HasSubstr("moelora_requests_total{adapter=\"a3d\",code=\"ok\"} 5"));
-  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_seconds_count{converted=\"true\",format=\"3d\",phase=\"stage\"} 1"));
+  EXPECT_THAT(m, HasSubstr("moelora_adapter_load_seconds_count{converted=\"true\",format=\"3d\","
+                           "phase=\"stage\"} 1"));
   EXPECT_THAT(m, HasSubstr("moelora_adapters{state=\"ready\"} 2"));
   EXPECT_THAT(m, HasSubstr("moelora_worker_up{rank=\"1\"} 1"));
   EXPECT_THAT(m, HasSubstr("moelora_serving 1"));
@@ -196,7 +203,8 @@ TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {
   };
   for (const Bad& b : bad) {
     grpc::Status s = c.Load(b.name, b.path);
-    EXPECT_EQ(s.error_code(), b.code) << b.name << " " << b.path.substr(0, 40) << ": " << s.error_message();
+    EXPECT_EQ(s.error_code(), b.code)
+        << b.name << " " << b.path.substr(0, 40) << ": " << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr(b.message)) << b.name;
     auto list = c.List();
     ASSERT_EQ(list.size(), 1u) << b.name;
@@ -209,7 +217,8 @@ TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {
   // Generate errors.
   v1::GenerateResponse r;
   EXPECT_EQ(c.Generate("nope", kPrompts[0], 4, &r).error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(c.Generate("", kPrompts[0], 1000000, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Generate("", kPrompts[0], 1000000, &r).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(c.Generate("", kPrompts[0], 0, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(c.Generate("", {}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(c.Generate("", {1, 96}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
@@ -280,8 +289,9 @@ TEST_F(ControllerTest, KilledWorkerFailsInFlightRequestsFastAndComesBack) {
 }
 
 TEST_F(ControllerTest, ConcurrentGenerateWithLoadUnloadChurn) {
-  ControllerProcess c(state_.path(), adapters_.root,
-                      {"--enable-mixed-moe-lora-format", "--max-loras", "3", "--max-cpu-loras", "8"});
+  ControllerProcess c(
+      state_.path(), adapters_.root,
+      {"--enable-mixed-moe-lora-format", "--max-loras", "3", "--max-cpu-loras", "8"});
   ASSERT_TRUE(c.WaitServing()) << c.Log();
   ASSERT_TRUE(c.Load("a2d", "adapter_2d").ok());
   ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
@@ -294,8 +304,10 @@ TEST_F(ControllerTest, ConcurrentGenerateWithLoadUnloadChurn) {
     want[n] = Tokens(r);
   }
   // Churn adapters: their expected outputs, measured while loaded alone.
-  std::map<std::string, std::string> churn = {{"c1", "adapter_2d_shared_a"}, {"c2", "adapter_3d_as_2d"},
-                                              {"c3", "adapter_2d_shared_a"}, {"c4", "adapter_3d"}};
+  std::map<std::string, std::string> churn = {{"c1", "adapter_2d_shared_a"},
+                                              {"c2", "adapter_3d_as_2d"},
+                                              {"c3", "adapter_2d_shared_a"},
+                                              {"c4", "adapter_3d"}};
   for (const auto& [n, path] : churn) {
     ASSERT_TRUE(c.Load(n, path).ok()) << n;
     v1::GenerateResponse r;
