@@ -5,10 +5,14 @@
 #      skip without a device);
 #   2. clang build with ASan+UBSan and libFuzzer: the fuzzers run MOELORA_FUZZ_SECONDS each
 #      (default 30), seeded from tests/data;
-#   3. short runs of the benchmarks (figures only, never pass/fail).
-# Set MOELORA_SKIP_FUZZ=1 to skip step 2, MOELORA_BUILD_DIR to move the build trees.
+#   3. ThreadSanitizer: the controller (which has no libtorch) and its unit and integration tests,
+#      driving release-build workers; then ASan+UBSan: every unit and integration test;
+#   4. short runs of the benchmarks (figures only, never pass/fail).
+# MOELORA_SKIP_FUZZ=1 skips step 2, MOELORA_SKIP_SANITIZERS=1 step 3; MOELORA_BUILD_DIR moves the
+# build trees.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
 bash scripts/install_deps.sh
 JOBS="${JOBS:-$(nproc)}"
 B="${MOELORA_BUILD_DIR:-build}"
@@ -30,6 +34,23 @@ if [ "${MOELORA_SKIP_FUZZ:-0}" != "1" ]; then
   (cd "$B-fuzz" && ctest --output-on-failure -L fuzz)
 fi
 
+if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
+  WORKER_BIN="$(cd "$B" && pwd)/worker/moelora-worker"
+  echo "== ThreadSanitizer: controller (unit + integration; workers from the release build)"
+  cmake -S . -B "$B-tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
+    -DMOELORA_SANITIZE_THREAD=ON
+  cmake --build "$B-tsan" -j"$JOBS" --target moelora-controller controller_unit_test controller_test
+  (cd "$B-tsan" && MOELORA_WORKER_BIN="$WORKER_BIN" \
+    TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$ROOT/tests/tsan.supp" \
+    ctest --output-on-failure -R '^(RegistryTest|PathPolicyTest|ControllerTest)\.')
+  echo "== ASan+UBSan: unit + integration"
+  cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF -DMOELORA_SANITIZE=ON
+  cmake --build "$B-asan" -j"$JOBS"
+  (cd "$B-asan" && ASAN_OPTIONS="detect_leaks=0 abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
+    ctest --output-on-failure -L 'unit|integration')
+fi
+
 echo "== bench (figures only)"
 "$B/bench/adapter_load" --layers 8 --repeat 2
 "$B/bench/decode_step" --steps 5 --repeat 2
+"$B/bench/serving" --clients 8 --requests 10 --loads 6
