@@ -44,9 +44,12 @@ int main(int argc, char** argv) {
   int clients = 8, requests = 20, loads = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i];
-    if (f == "--clients") clients = std::atoi(argv[i + 1]);
-    else if (f == "--requests") requests = std::atoi(argv[i + 1]);
-    else if (f == "--loads") loads = std::atoi(argv[i + 1]);
+    if (f == "--clients")
+      clients = std::atoi(argv[i + 1]);
+    else if (f == "--requests")
+      requests = std::atoi(argv[i + 1]);
+    else if (f == "--loads")
+      loads = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: serving [--clients N] [--requests M] [--loads K]\n");
       return 2;
@@ -62,12 +65,14 @@ int main(int argc, char** argv) {
   double ctl_rps = 0, ctl_p50 = 0, ctl_p99 = 0;
   {
     moelora::testing::TempDir state;
-    moelora::testing::ControllerProcess c(state.path(), data, {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64"});
+    moelora::testing::ControllerProcess c(
+        state.path(), data, {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64"});
     if (!c.WaitServing()) {
       std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
       return 1;
     }
-    if (!c.Load("a2d", "qwen3_moe/adapter_2d").ok() || !c.Load("a3d", "qwen3_moe/adapter_3d").ok()) return 1;
+    if (!c.Load("a2d", "qwen3_moe/adapter_2d").ok() || !c.Load("a3d", "qwen3_moe/adapter_3d").ok())
+      return 1;
     std::vector<std::future<std::vector<double>>> fs;
     const auto t0 = Clock::now();
     for (int k = 0; k < clients; ++k) {
@@ -95,9 +100,12 @@ int main(int argc, char** argv) {
   // 1b. The same sequences straight into a worker (no controller).
   double dir_rps = 0, dir_round = 0;
   {
-    moelora::testing::WorkerGroup g(data + "/qwen3_moe/model", 1, {"--enable-mixed-moe-lora-format"});
+    moelora::testing::WorkerGroup g(data + "/qwen3_moe/model", 1,
+                                    {"--enable-mixed-moe-lora-format"});
     if (!g.WaitReady()) return 1;
-    if (!g.Load(1, data + "/qwen3_moe/adapter_2d").ok() || !g.Load(2, data + "/qwen3_moe/adapter_3d").ok()) return 1;
+    if (!g.Load(1, data + "/qwen3_moe/adapter_2d").ok() ||
+        !g.Load(2, data + "/qwen3_moe/adapter_3d").ok())
+      return 1;
     const std::vector<int64_t> ids = {1, 2, 0};
     int64_t seq = 1;
     std::vector<double> rounds;
@@ -123,19 +131,24 @@ int main(int argc, char** argv) {
     dir_rps = static_cast<double>(clients) * requests / Sec(Clock::now() - t0);
     dir_round = Percentile(rounds, 0.5);
   }
-  std::printf("serving: %d clients x %d requests, %d new tokens each, adapters a2d/a3d/base, TP=1\n",
-              clients, requests, kNewTokens);
-  std::printf("  through the controller: %7.1f req/s (%7.0f tok/s)   latency p50 %6.1f ms  p99 %6.1f ms\n",
-              ctl_rps, ctl_rps * kNewTokens, ctl_p50 * 1e3, ctl_p99 * 1e3);
-  std::printf("  straight to the worker: %7.1f req/s (%7.0f tok/s)   batch of %d to completion p50 %6.1f ms\n",
-              dir_rps, dir_rps * kNewTokens, clients, dir_round * 1e3);
+  std::printf(
+      "serving: %d clients x %d requests, %d new tokens each, adapters a2d/a3d/base, TP=1\n",
+      clients, requests, kNewTokens);
+  std::printf(
+      "  through the controller: %7.1f req/s (%7.0f tok/s)   latency p50 %6.1f ms  p99 %6.1f ms\n",
+      ctl_rps, ctl_rps * kNewTokens, ctl_p50 * 1e3, ctl_p99 * 1e3);
+  std::printf(
+      "  straight to the worker: %7.1f req/s (%7.0f tok/s)   batch of %d to completion p50 %6.1f "
+      "ms\n",
+      dir_rps, dir_rps * kNewTokens, clients, dir_round * 1e3);
   std::printf("  controller throughput / direct = %.3f\n", ctl_rps / dir_rps);
   // 2. LoadAdapter fan-out.
   double load_ms[3] = {0, 0, 0};
   for (int tp : {1, 2}) {
     moelora::testing::TempDir state;
-    moelora::testing::ControllerProcess c(state.path(), data,
-                                 {"--enable-mixed-moe-lora-format", "--tensor-parallel-size", std::to_string(tp)});
+    moelora::testing::ControllerProcess c(
+        state.path(), data,
+        {"--enable-mixed-moe-lora-format", "--tensor-parallel-size", std::to_string(tp)});
     if (!c.WaitServing()) return 1;
     std::vector<double> t;
     for (int i = 0; i < loads; ++i) {
@@ -146,8 +159,9 @@ int main(int argc, char** argv) {
     }
     load_ms[tp] = Percentile(t, 0.5) * 1e3;
   }
-  std::printf("LoadAdapter (tiny adapters, p50 of %d): TP=1 %.2f ms, TP=2 %.2f ms, TP=2/TP=1 = %.2f "
-              "(2.0 would mean ranks loaded one after the other)\n",
-              loads, load_ms[1], load_ms[2], load_ms[2] / load_ms[1]);
+  std::printf(
+      "LoadAdapter (tiny adapters, p50 of %d): TP=1 %.2f ms, TP=2 %.2f ms, TP=2/TP=1 = %.2f "
+      "(2.0 would mean ranks loaded one after the other)\n",
+      loads, load_ms[1], load_ms[2], load_ms[2] / load_ms[1]);
   return 0;
 }

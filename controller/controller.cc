@@ -222,6 +222,7 @@ void Controller::FailAll(const absl::Status& s) {
     pending_.clear();
     running_.clear();
     metrics_->queue_depth.Set(0);
+    metrics_->running.Set(0);
   }
   for (auto& r : victims) Finish(r, s, "");
 }
@@ -613,6 +614,7 @@ void Controller::Loop() {
         admitted.push_back(head);
       }
       metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+      metrics_->running.Set(static_cast<double>(running_.size() + admitted.size()));
       for (auto& r : admitted) {
         v1::SequenceSpec* s = step.add_add();
         s->set_sequence_id(r->seq_id);
@@ -699,6 +701,8 @@ void Controller::Loop() {
       }
     }
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_->running.Set(static_cast<double>(running_.size()));
   }
 }
 

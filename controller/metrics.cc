@@ -53,6 +53,11 @@ ControllerMetrics::ControllerMetrics()
                       .Help("Requests waiting for a batch slot")
                       .Register(*registry_)
                       .Add({})),
+      running(prometheus::BuildGauge()
+                  .Name("moelora_running_sequences")
+                  .Help("Sequences in the running batch")
+                  .Register(*registry_)
+                  .Add({})),
       worker_up(prometheus::BuildGauge()
                     .Name("moelora_worker_up")
                     .Help("1 when the worker rank answers Health ready")

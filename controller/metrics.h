@@ -30,6 +30,7 @@ class ControllerMetrics {
   prometheus::Histogram& batch_size;
   prometheus::Histogram& batch_distinct_adapters;
   prometheus::Gauge& queue_depth;
+  prometheus::Gauge& running;
   prometheus::Family<prometheus::Gauge>& worker_up;  // {rank}
   prometheus::Counter& generated_tokens;
   prometheus::Gauge& serving;

@@ -90,20 +90,26 @@ TEST(PathPolicyTest, OnlyInsideTheRootAfterResolvingSymlinks) {
   ASSERT_OK(ResolveAdapterPath(root, "ok/sub/.."));
   ASSERT_OK(ResolveAdapterPath(root, "alias"));  // a symlink that stays inside
   ASSERT_OK(ResolveAdapterPath(root, root + "/ok"));
-  EXPECT_THAT(ResolveAdapterPath(root, "../outside").status(), StatusIs(absl::StatusCode::kPermissionDenied));
-  EXPECT_THAT(ResolveAdapterPath(root, "ok/../../outside").status(), StatusIs(absl::StatusCode::kPermissionDenied));
-  EXPECT_THAT(ResolveAdapterPath(root, "/etc").status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(ResolveAdapterPath(root, "../outside").status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(ResolveAdapterPath(root, "ok/../../outside").status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(ResolveAdapterPath(root, "/etc").status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
   EXPECT_THAT(ResolveAdapterPath(root, "escape").status(),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("symlink")));
-  EXPECT_THAT(ResolveAdapterPath(root + "/", "../rootx").status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(ResolveAdapterPath(root + "/", "../rootx").status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
   EXPECT_THAT(ResolveAdapterPath(root, "nope").status(), StatusIs(absl::StatusCode::kNotFound));
-  EXPECT_THAT(ResolveAdapterPath(root, "file").status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ResolveAdapterPath(root, "file").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ResolveAdapterPath(root, "").status(), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ResolveAdapterPath(root, std::string("ok\0x", 4)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("NUL")));
   EXPECT_THAT(ResolveAdapterPath(root, std::string(300, 'a')).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("255")));
-  EXPECT_THAT(ResolveAdapterPath("", "ok").status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(ResolveAdapterPath("", "ok").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
   // A sibling directory sharing the root's name as a prefix is outside.
   fs::create_directories(t.path() + "/rootx/a");
   EXPECT_THAT(ResolveAdapterPath(root, t.path() + "/rootx/a").status(),
