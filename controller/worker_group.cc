@@ -23,7 +23,8 @@ struct WorkerGroup::Rank {
   std::string address;
   pid_t pid = -1;  // local mode
   std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Worker::Stub> stub;
+  // Shared: an all-rank call keeps the stub it started with even if the group restarts meanwhile.
+  std::shared_ptr<v1::Worker::Stub> stub;
   bool up = false;
 };
 
@@ -175,8 +176,12 @@ bool WorkerGroup::ConnectAll(std::chrono::milliseconds timeout) {
     ranks = ranks_;
   }
   for (auto& rank : ranks) {
-    if (rank->stub) continue;
-    std::string address = rank->address;
+    std::string address;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (rank->stub) continue;
+      address = rank->address;
+    }
     if (address.empty()) {
       const std::string pf =
           absl::StrCat(options_.run_dir, "/group.", epoch_, "/port.", rank->index);
@@ -198,7 +203,7 @@ bool WorkerGroup::ConnectAll(std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(mu_);
     rank->address = address;
     rank->channel = channel;
-    rank->stub = v1::Worker::NewStub(channel);
+    rank->stub = std::shared_ptr<v1::Worker::Stub>(v1::Worker::NewStub(channel));
   }
   return true;
 }
@@ -248,11 +253,16 @@ void WorkerGroup::Monitor() {
     std::string why;
     for (auto& r : ranks) {
       bool up = false;
-      if (r->stub) {
+      std::shared_ptr<v1::Worker::Stub> stub;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stub = r->stub;
+      }
+      if (stub) {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
         v1::WorkerHealthResponse resp;
-        grpc::Status s = r->stub->Health(&ctx, {}, &resp);
+        grpc::Status s = stub->Health(&ctx, {}, &resp);
         up = s.ok() && resp.ready();
         if (!up)
           why = absl::StrCat("rank ", r->index, ": ", s.ok() ? resp.detail() : s.error_message());
@@ -280,7 +290,12 @@ void WorkerGroup::Monitor() {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::WorkerInfoResponse info;
-    if (!ranks[0]->stub->Info(&ctx, {}, &info).ok()) continue;
+    std::shared_ptr<v1::Worker::Stub> stub0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stub0 = ranks[0]->stub;
+    }
+    if (!stub0 || !stub0->Info(&ctx, {}, &info).ok()) continue;
     std::function<absl::Status()> hook;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -306,10 +321,10 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     grpc::Status (v1::Worker::Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
     const Req& req, std::chrono::milliseconds timeout, bool fail_fast) {
   if (!serving_) return absl::UnavailableError("worker group is not ready");
-  std::vector<std::shared_ptr<Rank>> ranks;
+  std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ranks = ranks_;
+    for (const auto& r : ranks_) stubs.push_back(r->stub);
   }
   struct State {
     std::mutex mu;
@@ -321,7 +336,7 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
   };
   auto st = std::make_shared<State>();
-  const int n = static_cast<int>(ranks.size());
+  const int n = static_cast<int>(stubs.size());
   st->pending = n;
   st->status.resize(n);
   st->resp.resize(n);
@@ -330,7 +345,7 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     st->ctx[r]->set_deadline(std::chrono::system_clock::now() + timeout);
   }
   for (int r = 0; r < n; ++r) {
-    if (!ranks[r]->stub) {
+    if (!stubs[r]) {
       std::lock_guard<std::mutex> lock(st->mu);
       st->status[r] = grpc::Status(grpc::StatusCode::UNAVAILABLE, "not connected");
       st->failed = true;
@@ -339,9 +354,9 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     }
     // Detached: with fail_fast the caller may return before a stuck rank answers; the state
     // (contexts included) lives until the last call returns.
-    std::thread([st, r, stub = ranks[r]->stub.get(), method, req, rank = ranks[r]] {
+    std::thread([st, r, stub = stubs[r], method, req] {
       Resp resp;
-      grpc::Status s = (stub->*method)(st->ctx[r].get(), req, &resp);
+      grpc::Status s = ((*stub).*method)(st->ctx[r].get(), req, &resp);
       std::lock_guard<std::mutex> lock(st->mu);
       st->status[r] = s;
       st->resp[r] = std::move(resp);
