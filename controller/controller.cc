@@ -565,10 +565,12 @@ void Controller::Loop() {
       for (auto it = running_.begin(); it != running_.end();) {
         GenRequest& r = *it->second;
         absl::Status s;
-        if (r.cancelled)
-          s = absl::CancelledError("cancelled by the client");
-        else if (now > r.deadline)
+        // Deadline first: gRPC also marks a call cancelled when its deadline passes.
+        if (now > r.deadline) {
           s = absl::DeadlineExceededError("deadline exceeded while generating");
+        } else if (r.cancelled) {
+          s = absl::CancelledError("cancelled by the client");
+        }
         if (!s.ok()) {
           step.add_remove(it->first);
           ended.push_back({it->second, s});
@@ -580,10 +582,12 @@ void Controller::Loop() {
       for (auto it = pending_.begin(); it != pending_.end();) {
         GenRequest& r = **it;
         absl::Status s;
-        if (r.cancelled)
-          s = absl::CancelledError("cancelled by the client");
-        else if (now > r.deadline)
+        // Deadline first: gRPC also marks a call cancelled when its deadline passes.
+        if (now > r.deadline) {
           s = absl::DeadlineExceededError("deadline exceeded while queued");
+        } else if (r.cancelled) {
+          s = absl::CancelledError("cancelled by the client");
+        }
         if (!s.ok()) {
           ended.push_back({*it, s});
           it = pending_.erase(it);

@@ -80,8 +80,10 @@ TEST(Safetensors, EveryDTypeNameParses) {
 }
 
 TEST(Safetensors, AcceptsValidHandWrittenFile) {
-  auto f = Parse(Raw(
-      R"({"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"__metadata__":{"k":"v"}}  )", "ab"));
+  // The buffer must outlive the file's views (found by ASan: a temporary was passed here).
+  const std::string raw = Raw(
+      R"({"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"__metadata__":{"k":"v"}}  )", "ab");
+  auto f = Parse(raw);
   ASSERT_THAT(f, IsOk());
   EXPECT_EQ((*f)->Find("x")->data[1], 'b');
 }
