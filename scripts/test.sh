@@ -41,10 +41,12 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
     -DMOELORA_SANITIZE_THREAD=ON
   cmake --build "$B-tsan" -j"$JOBS" --target moelora-controller controller_unit_test controller_test
   (cd "$B-tsan" && MOELORA_WORKER_BIN="$WORKER_BIN" \
-    TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$ROOT/tests/tsan.supp" \
+    TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$ROOT/tests/tsan.supp" \
     ctest --output-on-failure -R '^(RegistryTest|PathPolicyTest|ControllerTest)\.')
   echo "== ASan+UBSan: unit + integration"
-  cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF -DMOELORA_SANITIZE=ON
+  # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
+  cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=None "-DCMAKE_CXX_FLAGS=-O1 -g1" -DMOELORA_ENABLE_CUDA=OFF \
+    -DMOELORA_SANITIZE=ON
   cmake --build "$B-asan" -j"$JOBS"
   (cd "$B-asan" && ASAN_OPTIONS="detect_leaks=0 abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
     ctest --output-on-failure -L 'unit|integration')
