@@ -174,7 +174,7 @@ absl::Status Controller::OnGroupReady() {
         continue;
       }
       rec = it->second.record;
-      load = resident_ < options_.max_loras;
+      load = resident_ + releasing_ < options_.max_loras;
       if (load) ++resident_;
     }
     absl::Status s = load ? StageAndCommit(rec) : absl::OkStatus();
@@ -337,7 +337,7 @@ absl::StatusOr<v1::Adapter> Controller::LoadAdapter(const v1::LoadAdapterRequest
     e.state = v1::ADAPTER_STATE_LOADING;
     e.last_used = Clock::now();
     adapters_[rec.name] = e;
-    reserve = resident_ < options_.max_loras;
+    reserve = resident_ + releasing_ < options_.max_loras;
     if (reserve) ++resident_;
     UpdateAdapterGauges();
   }
@@ -388,13 +388,18 @@ absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
     resident = e.resident;
     now = e.active == 0;
     if (now) {
-      if (resident) --resident_;
+      if (resident) --resident_, ++releasing_;
       adapters_.erase(it);
     }
     UpdateAdapterGauges();
   }
-  // In-flight requests keep it until they finish; the scheduler unloads it then.
-  if (now && resident) group_->UnloadAll(id).IgnoreError();
+  // In-flight requests keep it until they finish; the scheduler unloads it then. The slot counts
+  // as taken until the workers have really freed it.
+  if (now && resident) {
+    group_->UnloadAll(id).IgnoreError();
+    std::lock_guard<std::mutex> lock(mu_);
+    --releasing_;
+  }
   cv_.notify_all();
   return out;
 }
@@ -485,7 +490,7 @@ bool Controller::TrySwapIn(const std::string& name) {
     auto it = adapters_.find(name);
     if (it == adapters_.end()) return true;  // gone: its requests were failed
     if (it->second.resident) return true;
-    if (resident_ < options_.max_loras) {
+    if (resident_ + releasing_ < options_.max_loras) {
       ++resident_;
     } else {
       // A victim must not be used by a running sequence (queued requests for it are fine: they
@@ -553,6 +558,7 @@ void Controller::Loop() {
           if (it->second.resident) {
             unload_ids.push_back(it->second.record.id);
             --resident_;
+            ++releasing_;
           }
           it = adapters_.erase(it);
           UpdateAdapterGauges();
@@ -634,7 +640,11 @@ void Controller::Loop() {
         running_[r->seq_id] = r;
       }
     }
-    for (int64_t id : unload_ids) group_->UnloadAll(id).IgnoreError();
+    for (int64_t id : unload_ids) {
+      group_->UnloadAll(id).IgnoreError();
+      std::lock_guard<std::mutex> lock(mu_);
+      --releasing_;
+    }
     for (auto& [r, s] : ended) Finish(r, s, "");
     // The head of the queue needs a slot: swap it in between steps (waits while all slots are
     // busy; nothing behind it is admitted meanwhile, so it cannot starve).

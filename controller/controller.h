@@ -114,7 +114,8 @@ class Controller {
 
   mutable std::mutex mu_;  // adapters_, resident_, queue state
   std::map<std::string, Entry> adapters_;
-  int resident_ = 0;
+  int resident_ = 0;   // adapters in worker slots (or reserved for a load in progress)
+  int releasing_ = 0;  // slots whose unload has not reached the workers yet (still taken)
   std::map<std::string, std::shared_ptr<std::mutex>> name_locks_;
   std::deque<std::shared_ptr<GenRequest>> pending_;
   std::map<int64_t, std::shared_ptr<GenRequest>> running_;

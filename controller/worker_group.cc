@@ -318,7 +318,8 @@ void WorkerGroup::Monitor() {
 
 template <typename Req, typename Resp>
 absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
-    grpc::Status (v1::Worker::Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
+    std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
+        grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
     const Req& req, std::chrono::milliseconds timeout, bool fail_fast) {
   if (!serving_) return absl::UnavailableError("worker group is not ready");
   std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
@@ -326,65 +327,58 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& r : ranks_) stubs.push_back(r->stub);
   }
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    int pending = 0;
-    bool failed = false;
-    std::vector<grpc::Status> status;
-    std::vector<Resp> resp;
-    std::vector<std::unique_ptr<grpc::ClientContext>> ctx;
-  };
-  auto st = std::make_shared<State>();
   const int n = static_cast<int>(stubs.size());
-  st->pending = n;
-  st->status.resize(n);
-  st->resp.resize(n);
   for (int r = 0; r < n; ++r) {
-    st->ctx.push_back(std::make_unique<grpc::ClientContext>());
-    st->ctx[r]->set_deadline(std::chrono::system_clock::now() + timeout);
+    if (!stubs[r]) return absl::UnavailableError(absl::StrCat("worker rank ", r, " not connected"));
   }
+  // Asynchronous calls on one completion queue, from this thread: no thread per call, and the
+  // first failure can cancel the others (fail fast) without waiting for a stuck rank.
+  grpc::CompletionQueue cq;
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctx(n);
+  std::vector<Resp> resp(n);
+  std::vector<grpc::Status> status(n);
+  std::vector<std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>>> readers(n);
+  const auto deadline = std::chrono::system_clock::now() + timeout;
   for (int r = 0; r < n; ++r) {
-    if (!stubs[r]) {
-      std::lock_guard<std::mutex> lock(st->mu);
-      st->status[r] = grpc::Status(grpc::StatusCode::UNAVAILABLE, "not connected");
-      st->failed = true;
-      --st->pending;
-      continue;
+    ctx[r] = std::make_unique<grpc::ClientContext>();
+    ctx[r]->set_deadline(deadline);
+    readers[r] = ((*stubs[r]).*prepare)(ctx[r].get(), req, &cq);
+    readers[r]->StartCall();
+    readers[r]->Finish(&resp[r], &status[r], reinterpret_cast<void*>(static_cast<intptr_t>(r)));
+  }
+  int pending = n;
+  bool cancelled = false;
+  while (pending > 0) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!cq.Next(&tag, &ok)) break;
+    --pending;
+    const int r = static_cast<int>(reinterpret_cast<intptr_t>(tag));
+    if (fail_fast && !cancelled && !status[r].ok()) {
+      cancelled = true;
+      for (auto& c : ctx) c->TryCancel();  // the others complete promptly as CANCELLED
     }
-    // Detached: with fail_fast the caller may return before a stuck rank answers; the state
-    // (contexts included) lives until the last call returns.
-    std::thread([st, r, stub = stubs[r], method, req] {
-      Resp resp;
-      grpc::Status s = ((*stub).*method)(st->ctx[r].get(), req, &resp);
-      std::lock_guard<std::mutex> lock(st->mu);
-      st->status[r] = s;
-      st->resp[r] = std::move(resp);
-      if (!s.ok()) st->failed = true;
-      --st->pending;
-      st->cv.notify_all();
-    }).detach();
   }
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->pending == 0 || (fail_fast && st->failed); });
-  for (int r = 0; r < n; ++r) {
-    if (st->pending > 0 && st->failed) st->ctx[r]->TryCancel();
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
   }
   for (int r = 0; r < n; ++r) {
-    if (!st->status[r].ok() && st->status[r].error_code() != grpc::StatusCode::CANCELLED) {
-      absl::Status s = FromGrpc(st->status[r]);
+    if (!status[r].ok() && status[r].error_code() != grpc::StatusCode::CANCELLED) {
+      absl::Status s = FromGrpc(status[r]);
       return absl::Status(s.code(), absl::StrCat("worker rank ", r, ": ", s.message()));
     }
   }
   for (int r = 0; r < n; ++r) {
-    if (!st->status[r].ok())
+    if (!status[r].ok())
       return absl::UnavailableError(absl::StrCat("worker rank ", r, " cancelled"));
   }
-  return st->resp;
+  return resp;
 }
 
 absl::StatusOr<v1::StageAdapterResponse> WorkerGroup::StageAll(const v1::StageAdapterRequest& req) {
-  auto r = CallAll(&v1::Worker::Stub::StageAdapter, req, options_.load_timeout, false);
+  auto r = CallAll(&v1::Worker::Stub::PrepareAsyncStageAdapter, req, options_.load_timeout, false);
   if (!r.ok()) {
     AbortAll(req.adapter_id()).IgnoreError();
     return r.status();
@@ -395,23 +389,26 @@ absl::StatusOr<v1::StageAdapterResponse> WorkerGroup::StageAll(const v1::StageAd
 absl::Status WorkerGroup::CommitAll(int64_t id) {
   v1::CommitAdapterRequest req;
   req.set_adapter_id(id);
-  return CallAll(&v1::Worker::Stub::CommitAdapter, req, options_.load_timeout, false).status();
+  return CallAll(&v1::Worker::Stub::PrepareAsyncCommitAdapter, req, options_.load_timeout, false)
+      .status();
 }
 
 absl::Status WorkerGroup::AbortAll(int64_t id) {
   v1::AbortAdapterRequest req;
   req.set_adapter_id(id);
-  return CallAll(&v1::Worker::Stub::AbortAdapter, req, options_.load_timeout, false).status();
+  return CallAll(&v1::Worker::Stub::PrepareAsyncAbortAdapter, req, options_.load_timeout, false)
+      .status();
 }
 
 absl::Status WorkerGroup::UnloadAll(int64_t id) {
   v1::WorkerUnloadAdapterRequest req;
   req.set_adapter_id(id);
-  return CallAll(&v1::Worker::Stub::UnloadAdapter, req, options_.load_timeout, false).status();
+  return CallAll(&v1::Worker::Stub::PrepareAsyncUnloadAdapter, req, options_.load_timeout, false)
+      .status();
 }
 
 absl::StatusOr<v1::StepResponse> WorkerGroup::StepAll(const v1::StepRequest& req) {
-  auto r = CallAll(&v1::Worker::Stub::Step, req, options_.step_timeout, true);
+  auto r = CallAll(&v1::Worker::Stub::PrepareAsyncStep, req, options_.step_timeout, true);
   if (!r.ok()) return r.status();
   return (*r)[0];
 }

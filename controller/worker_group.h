@@ -82,7 +82,8 @@ class WorkerGroup {
   bool ConnectAll(std::chrono::milliseconds timeout);
   template <typename Req, typename Resp>
   absl::StatusOr<std::vector<Resp>> CallAll(
-      grpc::Status (v1::Worker::Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
+      std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
+          grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
       const Req& req, std::chrono::milliseconds timeout, bool fail_fast);
 
   WorkerGroupOptions options_;
