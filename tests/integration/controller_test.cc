@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/controller_process.h"
+#include "tests/integration/worker_group.h"
 #include "tests/testing/adapter_builder.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
@@ -470,6 +471,23 @@ TEST_F(ControllerTest, WorkersDieWithTheirController) {
     if (n > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_EQ(n, 0);
+}
+
+TEST_F(ControllerTest, ConnectModeDrivesRunningWorkers) {
+  // Two ranks started on their own (as Kubernetes would), then a controller with --workers.
+  ::moelora::testing::WorkerGroup workers(Data("qwen3_moe/model"), 2,
+                                          {"--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(workers.WaitReady()) << workers.Logs();
+  const std::string addrs = "127.0.0.1:" + std::to_string(workers.port(0)) +
+                            ",127.0.0.1:" + std::to_string(workers.port(1));
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--workers", addrs, "--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
+  v1::GenerateResponse r;
+  ASSERT_TRUE(c.Generate("a3d", kPrompts[0], 5, &r).ok());
+  EXPECT_EQ(r.token_ids_size(), 5);
+  EXPECT_THAT(c.Metrics(), HasSubstr("moelora_worker_up{rank=\"1\"} 1"));
 }
 
 }  // namespace

@@ -73,6 +73,7 @@ class WorkerGroup {
   int size() const { return static_cast<int>(stubs_.size()); }
   v1::Worker::Stub& stub(int r) { return *stubs_[r]; }
   int metrics_port(int r) const { return metrics_ports_[r]; }
+  int port(int r) const { return ports_[r]; }
   ChildProcess& process(int r) { return *procs_[r]; }
   std::string Logs() {
     std::string s;
