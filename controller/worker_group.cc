@@ -223,12 +223,25 @@ void WorkerGroup::Monitor() {
             dead = absl::StrCat("worker rank ", r->index, " (pid ", r->pid, ") exited with ",
                                 WIFEXITED(st) ? absl::StrCat("status ", WEXITSTATUS(st))
                                               : absl::StrCat("signal ", WTERMSIG(st)));
+            // The worker prints its reason last: show it here too.
+            std::ifstream log(
+                absl::StrCat(options_.run_dir, "/group.", epoch_, "/worker.", r->index, ".log"));
+            std::string line, last;
+            while (std::getline(log, line)) {
+              if (!line.empty()) last = line;
+            }
+            if (!last.empty()) absl::StrAppend(&dead, " (last log line: ", last, ")");
             r->pid = -1;
           }
         }
       }
       if (!dead.empty()) {
-        LOG(WARNING) << dead << "; restarting the worker group";
+        // Back off when the group keeps dying before it ever serves (a model that cannot load):
+        // 0.5 s, 1 s, 2 s, ... up to 30 s.
+        const int k = failures_since_serving_++;
+        const auto backoff = std::chrono::milliseconds(std::min(30000, 500 << std::min(k, 6)));
+        LOG(WARNING) << dead << "; restarting the worker group in " << backoff.count()
+                     << " ms (see the worker logs under " << options_.run_dir << ")";
         const bool was_serving = serving_.exchange(false);
         std::function<void(const std::string&)> down;
         {
@@ -238,6 +251,10 @@ void WorkerGroup::Monitor() {
         if (down && was_serving) down(dead);
         KillAll();
         ++restarts_;
+        for (auto waited = std::chrono::milliseconds(0); waited < backoff && !stop_;
+             waited += std::chrono::milliseconds(100)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
         if (stop_) break;
         SpawnAll();
         continue;
@@ -310,6 +327,7 @@ void WorkerGroup::Monitor() {
         continue;
       }
     }
+    failures_since_serving_ = 0;
     LOG(INFO) << "worker group serving (" << ranks.size() << " ranks)";
     std::lock_guard<std::mutex> lock(wait_mu_);
     wait_cv_.notify_all();

@@ -96,6 +96,7 @@ class WorkerGroup {
   std::atomic<bool> stop_{false};
   std::atomic<int> restarts_{0};
   int epoch_ = 0;
+  int failures_since_serving_ = 0;  // monitor thread only
   std::thread monitor_;
   mutable std::mutex wait_mu_;
   mutable std::condition_variable wait_cv_;
