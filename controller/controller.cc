@@ -45,6 +45,15 @@ std::string FormatLabel(int f) {
   }
 }
 
+// Why a request must leave: its deadline passed or its client cancelled (deadline first: gRPC also
+// marks a call cancelled when its deadline passes). OK when it may stay.
+absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
+  if (now > r.deadline)
+    return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
+  if (r.cancelled) return absl::CancelledError("cancelled by the client");
+  return absl::OkStatus();
+}
+
 std::string Reason(absl::StatusCode c) {
   return absl::AsciiStrToLower(absl::StatusCodeToString(c));
 }
@@ -569,14 +578,7 @@ void Controller::Loop() {
       if (!serving()) continue;
       const auto now = Clock::now();
       for (auto it = running_.begin(); it != running_.end();) {
-        GenRequest& r = *it->second;
-        absl::Status s;
-        // Deadline first: gRPC also marks a call cancelled when its deadline passes.
-        if (now > r.deadline) {
-          s = absl::DeadlineExceededError("deadline exceeded while generating");
-        } else if (r.cancelled) {
-          s = absl::CancelledError("cancelled by the client");
-        }
+        const absl::Status s = Expiry(*it->second, now, "generating");
         if (!s.ok()) {
           step.add_remove(it->first);
           ended.push_back({it->second, s});
@@ -586,14 +588,7 @@ void Controller::Loop() {
         }
       }
       for (auto it = pending_.begin(); it != pending_.end();) {
-        GenRequest& r = **it;
-        absl::Status s;
-        // Deadline first: gRPC also marks a call cancelled when its deadline passes.
-        if (now > r.deadline) {
-          s = absl::DeadlineExceededError("deadline exceeded while queued");
-        } else if (r.cancelled) {
-          s = absl::CancelledError("cancelled by the client");
-        }
+        const absl::Status s = Expiry(**it, now, "queued");
         if (!s.ok()) {
           ended.push_back({*it, s});
           it = pending_.erase(it);
