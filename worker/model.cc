@@ -494,8 +494,24 @@ bool ParseDense(const std::string& module, int num_layers, DenseTarget* t) {
 }  // namespace
 
 int64_t MoeModel::SlotBytes(const LoraAdapter& a) const {
-  // f32 on this rank, A and B of every pair, approximated from the adapter's own bytes.
-  return static_cast<int64_t>(a.bytes) * 4 / 2 / std::max(1, options_.tp_size);
+  // f32 bytes this rank holds: column-parallel modules (q/k/v, gate/up) keep A whole and 1/tp of
+  // B; row-parallel ones (o, down) 1/tp of A and B whole.
+  const int64_t tp = options_.tp_size;
+  auto pair = [&](const LoraPair& p, bool row_parallel) {
+    return 4 * (row_parallel ? p.a.numel() / tp + p.b.numel() : p.a.numel() + p.b.numel() / tp);
+  };
+  int64_t total = 0;
+  for (const auto& [module, p] : a.dense) total += pair(p, absl::EndsWith(module, "o_proj"));
+  for (const auto& [prefix, ml] : a.moe) {
+    if (ml.gate_up) total += pair(*ml.gate_up, false);
+    if (ml.down) total += pair(*ml.down, true);
+    for (const auto& e : ml.experts) {
+      for (int k = 0; k < 3; ++k) {
+        if (e[k]) total += pair(*e[k], k == static_cast<int>(ExpertProj::kDown));
+      }
+    }
+  }
+  return total;
 }
 
 void MoeModel::ResetSlot(int slot) {
