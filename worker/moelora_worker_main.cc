@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(256 << 20);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server) server->GetHealthCheckService()->SetServingStatus(false);  // until the model is loaded
   if (!server || port == 0) {
     return fail(1, absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
                                 absl::GetFlag(FLAGS_port)));
@@ -172,6 +173,7 @@ int main(int argc, char** argv) {
     }
     for (const auto& s : (*engine)->Info().skipped_tensors) LOG(INFO) << "skipped " << s;
     service.SetReady(std::move(*comm), std::move(*engine));
+    server->GetHealthCheckService()->SetServingStatus(true);
     LOG(INFO) << "rank " << rank << " ready";
   });
   std::thread signals([&] {
