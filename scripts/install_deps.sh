@@ -14,6 +14,8 @@ PACKAGES=(
   libopenblas0-openmp
   libgtest-dev libgmock-dev libbenchmark-dev libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
   clang libclang-rt-14-dev clang-format
+  # deploy checks: promtool and a live Prometheus; python3-venv for the pip-installed checkers
+  prometheus python3-venv
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

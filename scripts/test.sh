@@ -21,6 +21,11 @@ export CCACHE_DIR="${CCACHE_DIR:-$PWD/.cache/ccache}"
 echo "== configure + build ($B)"
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release
 cmake --build "$B" -j"$JOBS"
+echo "== Python packages for the reflection and deploy tests (pip into .cache/pyvenv)"
+if ! { python3 -m venv .cache/pyvenv && .cache/pyvenv/bin/pip install -q grpcio grpcio-reflection \
+      protobuf kubernetes-validate pyyaml; }; then
+  echo "pip unavailable: the reflection and deploy tests will report themselves skipped"
+fi
 echo "== tests: unit + integration + gpu"
 (cd "$B" && ctest --output-on-failure -j"$JOBS" -L 'unit|integration|gpu')
 echo "== format check"

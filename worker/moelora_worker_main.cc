@@ -122,7 +122,8 @@ int main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(256 << 20);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server) server->GetHealthCheckService()->SetServingStatus(false);  // until the model is loaded
+  if (server)
+    server->GetHealthCheckService()->SetServingStatus(false);  // until the model is loaded
   if (!server || port == 0) {
     return fail(1, absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
                                 absl::GetFlag(FLAGS_port)));
