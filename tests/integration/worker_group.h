@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdlib>
 #include <future>
 #include <memory>
 #include <string>
@@ -25,7 +26,9 @@ class WorkerGroup {
     std::filesystem::create_directories(dist);
     for (int r = 0; r < tp; ++r) {
       const std::string pf = dir_.path() + "/port." + std::to_string(r);
-      std::vector<std::string> argv = {MOELORA_WORKER_BIN,
+      // MOELORA_WORKER_BIN in the environment wins (sanitizer trees use a release worker).
+      const char* env_bin = std::getenv("MOELORA_WORKER_BIN");
+      std::vector<std::string> argv = {env_bin ? env_bin : MOELORA_WORKER_BIN,
                                        "--model",
                                        model_dir,
                                        "--rank",
