@@ -408,5 +408,46 @@ TEST_F(BadCheckpointTest, IntegerWeightsAreRefused) {
   EXPECT_THAT(Load(out), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dtype I32")));
 }
 
+TEST_F(BadCheckpointTest, Bf16AndF16CheckpointsLoadAsComputeDtype) {
+  // The fixture rewritten with every tensor in BF16 (or F16): it loads, and the f32 parameters
+  // equal the rounded originals.
+  const std::string src = std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model";
+  auto f = SafetensorsFile::Open(src + "/model.safetensors");
+  ASSERT_OK(f);
+  for (at::ScalarType st : {at::kBFloat16, at::kHalf}) {
+    std::vector<StoredTensor> ts;
+    for (const TensorView& v : (*f)->tensors()) {
+      at::Tensor t = at::empty(std::vector<int64_t>(v.shape.begin(), v.shape.end()), at::kFloat);
+      std::memcpy(t.data_ptr(), v.data, v.nbytes);
+      ts.push_back({v.name, t.to(st)});
+    }
+    const std::string dir = tmp_.path() + (st == at::kHalf ? "/f16" : "/bf16");
+    std::filesystem::create_directories(dir);
+    std::filesystem::copy_file(src + "/config.json", dir + "/config.json");
+    std::vector<TensorToWrite> w;
+    for (const auto& s : ts) {
+      w.push_back({s.name, st == at::kHalf ? DType::kF16 : DType::kBF16, s.t.sizes().vec(),
+                   s.t.data_ptr(), static_cast<size_t>(s.t.numel()) * 2});
+    }
+    ASSERT_OK(WriteSafetensors(dir + "/model.safetensors", w));
+    auto ckpt = Checkpoint::Open(dir);
+    ASSERT_OK(ckpt);
+    auto cfg = ReadModelConfig(dir);
+    ASSERT_OK(cfg);
+    auto table = FindArchTable("Qwen3MoeForCausalLM");
+    ASSERT_OK(table);
+    auto loaded = LoadWeights(**ckpt, **table, *cfg, Qwen3MoeParamSpecs(*cfg, true, true),
+                              LoadOptions{0, 1, at::kFloat, true});
+    ASSERT_OK(loaded);
+    const at::Tensor q = loaded->params.at("model.layers.0.self_attn.q_proj.base_layer.weight");
+    const auto it = std::find_if(ts.begin(), ts.end(), [](const StoredTensor& s) {
+      return s.name == "model.layers.0.self_attn.q_proj.weight";
+    });
+    ASSERT_NE(it, ts.end());
+    EXPECT_TRUE(at::equal(q, it->t.to(at::kFloat)));
+    ASSERT_OK(Load(dir));
+  }
+}
+
 }  // namespace
 }  // namespace moelora
