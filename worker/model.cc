@@ -578,7 +578,7 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
     }
   }
   ResetSlot(slot);
-  const int tp = options_.tp_size, rk = options_.tp_rank;
+  const int rk = options_.tp_rank;
   for (const auto& [t, pair] : dense) {
     Layer& L = *layers_[t.layer];
     at::Tensor A = ToFloat(pair->a), B = ToFloat(pair->b) * pair->scaling;  // [r, in], [out, r]
@@ -649,7 +649,6 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
       }
     }
   }
-  (void)tp;
   return absl::OkStatus();
 }
 
