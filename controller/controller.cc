@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "controller/path_policy.h"
 #include "lora/adapter.h"
+#include "proto/adapter_format.h"
 
 namespace moelora {
 namespace {
@@ -20,31 +21,6 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-v1::AdapterFormat FormatToProto(AdapterFormat f) {
-  switch (f) {
-    case AdapterFormat::k2D:
-      return v1::FORMAT_2D;
-    case AdapterFormat::k3D:
-      return v1::FORMAT_3D;
-    case AdapterFormat::kDense:
-      return v1::FORMAT_DENSE;
-  }
-  return v1::FORMAT_UNSPECIFIED;
-}
-
-std::string FormatLabel(int f) {
-  switch (f) {
-    case v1::FORMAT_2D:
-      return "2d";
-    case v1::FORMAT_3D:
-      return "3d";
-    case v1::FORMAT_DENSE:
-      return "dense";
-    default:
-      return "unspecified";
-  }
-}
-
 // Why a request must leave: its deadline passed or its client cancelled (deadline first: gRPC also
 // marks a call cancelled when its deadline passes). OK when it may stay.
 absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
@@ -52,6 +28,12 @@ absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* wher
     return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
   if (r.cancelled) return absl::CancelledError("cancelled by the client");
   return absl::OkStatus();
+}
+
+// The metric label of a record's format ("2d", "3d", "dense").
+std::string FormatLabel(int proto_format) {
+  const auto f = AdapterFormatFromProto(proto_format);
+  return f ? AdapterFormatName(*f) : "unspecified";
 }
 
 std::string Reason(absl::StatusCode c) {
@@ -203,7 +185,6 @@ absl::Status Controller::OnGroupReady() {
     std::lock_guard<std::mutex> lock(mu_);
     UpdateAdapterGauges();
   }
-  group_down_ = false;
   ready_ = true;
   metrics_->serving.Set(1);
   cv_.notify_all();
@@ -212,7 +193,6 @@ absl::Status Controller::OnGroupReady() {
 
 void Controller::OnGroupDown(const std::string& why) {
   ready_ = false;
-  group_down_ = true;
   metrics_->serving.Set(0);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -298,9 +278,7 @@ absl::StatusOr<v1::Adapter> Controller::LoadAdapter(const v1::LoadAdapterRequest
   AdapterReadOptions ro;
   ro.model = options_.model;
   ro.max_rank = options_.max_lora_rank;
-  if (req.format() == v1::FORMAT_2D) ro.expected_format = AdapterFormat::k2D;
-  if (req.format() == v1::FORMAT_3D) ro.expected_format = AdapterFormat::k3D;
-  if (req.format() == v1::FORMAT_DENSE) ro.expected_format = AdapterFormat::kDense;
+  ro.expected_format = AdapterFormatFromProto(req.format());
   AdapterLoadTimings timings;
   absl::StatusOr<LoraAdapter> a = ReadAdapter(*resolved, ro, &timings);
   if (!a.ok()) return fail(a.status());
@@ -321,7 +299,7 @@ absl::StatusOr<v1::Adapter> Controller::LoadAdapter(const v1::LoadAdapterRequest
   rec.path = req.path();
   rec.resolved_path = *resolved;
   rec.requested_format = req.format();
-  rec.detected_format = FormatToProto(a->format);
+  rec.detected_format = AdapterFormatToProto(a->format);
   rec.converted_to_2d = options_.mixed && a->format == AdapterFormat::k3D;
   rec.rank = a->config.r;
   rec.max_rank = a->max_rank;
@@ -614,7 +592,6 @@ void Controller::Loop() {
           it->second.last_used = now;
         }
         pending_.pop_front();
-        head->admitted = now;
         head->queue_seconds = Seconds(now - head->arrival);
         admitted.push_back(head);
       }

@@ -49,7 +49,7 @@ struct GenRequest {
   std::string adapter;  // "" = base
   v1::GenerateRequest req;
   uint64_t seed = 0;
-  std::chrono::steady_clock::time_point arrival, admitted, last_token;
+  std::chrono::steady_clock::time_point arrival, last_token;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   std::atomic<bool> cancelled{false};
 
@@ -123,7 +123,6 @@ class Controller {
   std::condition_variable cv_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> ready_{false};
-  std::atomic<bool> group_down_{false};
   std::thread loop_;
 };
 

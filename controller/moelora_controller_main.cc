@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "common/flags.h"
 #include "common/logging.h"
+#include "common/port_file.h"
 #include "controller/controller.h"
 #include "controller/metrics.h"
 #include "controller/registry.h"
@@ -181,9 +182,9 @@ int main(int argc, char** argv) {
             << (go.addresses.empty() ? absl::StrCat(tp, " local (", go.worker_bin, ")")
                                      : absl::GetFlag(FLAGS_workers));
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    std::ofstream(pf + ".tmp") << "{\"port\": " << port << ", \"metrics_port\": " << metrics_port
-                               << "}\n";
-    std::filesystem::rename(pf + ".tmp", pf);
+    if (auto s = moelora::WritePortFile(pf, port, metrics_port); !s.ok()) {
+      return fail(std::string(s.message()));
+    }
   }
   controller.Start();
   group.Start();

@@ -187,6 +187,4 @@ std::vector<AdapterRecord> Registry::List() const {
   return out;
 }
 
-size_t Registry::size() const { return List().size(); }
-
 }  // namespace moelora

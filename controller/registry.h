@@ -49,7 +49,6 @@ class Registry {
   absl::Status Remove(const std::string& name);
   std::optional<AdapterRecord> Get(const std::string& name) const;
   std::vector<AdapterRecord> List() const;  // by id
-  size_t size() const;
 
  private:
   Registry() = default;

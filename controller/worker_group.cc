@@ -168,8 +168,7 @@ void WorkerGroup::KillAll() {
 }
 
 // Local mode: reads the port files of the current epoch; connect mode: the given addresses.
-bool WorkerGroup::ConnectAll(std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+bool WorkerGroup::ConnectAll() {
   std::vector<std::shared_ptr<Rank>> ranks;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -186,10 +185,7 @@ bool WorkerGroup::ConnectAll(std::chrono::milliseconds timeout) {
       const std::string pf =
           absl::StrCat(options_.run_dir, "/group.", epoch_, "/port.", rank->index);
       std::ifstream in(pf);
-      if (!in) {
-        if (std::chrono::steady_clock::now() > deadline) return false;
-        return false;  // retried on the next poll
-      }
+      if (!in) return false;  // not written yet: retried on the next poll
       std::stringstream ss;
       ss << in.rdbuf();
       const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
@@ -260,7 +256,7 @@ void WorkerGroup::Monitor() {
         continue;
       }
     }
-    ConnectAll(std::chrono::milliseconds(0));
+    ConnectAll();
     std::vector<std::shared_ptr<Rank>> ranks;
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -79,7 +79,8 @@ class WorkerGroup {
   void Monitor();
   void SpawnAll();
   void KillAll();
-  bool ConnectAll(std::chrono::milliseconds timeout);
+  // Creates stubs for ranks that have none yet; false while a port file is missing.
+  bool ConnectAll();
   template <typename Req, typename Resp>
   absl::StatusOr<std::vector<Resp>> CallAll(
       std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(

@@ -317,12 +317,10 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
   }
   out.batch_tokens = static_cast<int>(b.tokens.size());
   out.distinct_adapters = static_cast<int>(distinct.size());
-  for (auto it = m.running.begin(); it != m.running.end();) {
-    bool done = false;
-    for (const auto& t : out.tokens) {
-      if (t.sequence_id == it->spec.id && t.finished) done = true;
-    }
-    it = done ? m.running.erase(it) : std::next(it);
+  // out.tokens[i] belongs to m.running[i]: drop the finished ones in one pass.
+  size_t i = 0;
+  for (auto it = m.running.begin(); it != m.running.end(); ++i) {
+    it = out.tokens[i].finished ? m.running.erase(it) : std::next(it);
   }
   out.seconds = Since(t0);
   return out;

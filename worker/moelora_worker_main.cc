@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "common/logging.h"
+#include "common/port_file.h"
 #include "prometheus/exposer.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
@@ -131,9 +132,9 @@ int main(int argc, char** argv) {
   LOG(INFO) << "moelora-worker rank " << rank << "/" << world << " listening on "
             << absl::GetFlag(FLAGS_host) << ":" << port << ", metrics on " << metrics_port;
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    const std::string tmp = pf + ".tmp";
-    std::ofstream(tmp) << "{\"port\": " << port << ", \"metrics_port\": " << metrics_port << "}\n";
-    std::filesystem::rename(tmp, pf);
+    if (auto s = moelora::WritePortFile(pf, port, metrics_port); !s.ok()) {
+      return fail(1, std::string(s.message()));
+    }
   }
 
   // Load in the background: Health answers "loading" meanwhile.

@@ -6,37 +6,10 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "proto/adapter_format.h"
 #include "proto/grpc_status.h"
 
 namespace moelora {
-namespace {
-
-std::optional<AdapterFormat> FromProto(v1::AdapterFormat f) {
-  switch (f) {
-    case v1::FORMAT_2D:
-      return AdapterFormat::k2D;
-    case v1::FORMAT_3D:
-      return AdapterFormat::k3D;
-    case v1::FORMAT_DENSE:
-      return AdapterFormat::kDense;
-    default:
-      return std::nullopt;
-  }
-}
-
-v1::AdapterFormat ToProto(AdapterFormat f) {
-  switch (f) {
-    case AdapterFormat::k2D:
-      return v1::FORMAT_2D;
-    case AdapterFormat::k3D:
-      return v1::FORMAT_3D;
-    case AdapterFormat::kDense:
-      return v1::FORMAT_DENSE;
-  }
-  return v1::FORMAT_UNSPECIFIED;
-}
-
-}  // namespace
 
 void WorkerService::SetReady(std::unique_ptr<Communicator> comm, std::unique_ptr<Engine> engine) {
   comm_ = std::move(comm);
@@ -68,13 +41,13 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   if (req->path().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "StageAdapter: empty path");
   }
-  auto r = e->StageAdapter(req->adapter_id(), req->path(), FromProto(req->format()));
+  auto r = e->StageAdapter(req->adapter_id(), req->path(), AdapterFormatFromProto(req->format()));
   if (!r.ok()) {
     metrics_->AdapterLoadFailed(absl::AsciiStrToLower(absl::StatusCodeToString(r.status().code())));
     return ToGrpc(absl::Status(
         r.status().code(), absl::StrCat("adapter \"", req->name(), "\": ", r.status().message())));
   }
-  resp->set_detected_format(ToProto(r->detected_format));
+  resp->set_detected_format(AdapterFormatToProto(r->detected_format));
   resp->set_converted_to_2d(r->converted_to_2d);
   resp->set_bytes(r->bytes);
   resp->set_rank(r->rank);
@@ -193,7 +166,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_max_loras(i.max_loras);
   resp->set_max_lora_rank(i.max_lora_rank);
   resp->set_mixed_moe_lora_format(i.mixed);
-  resp->set_native_moe_format(ToProto(i.native_format));
+  resp->set_native_moe_format(AdapterFormatToProto(i.native_format));
   resp->set_device(device_);
   for (const auto& s : i.skipped_tensors) resp->add_skipped_tensors(s);
   resp->set_communicator(comm_ ? comm_->backend() : "");
