@@ -1,15 +1,48 @@
-// The CUDA entry points of a build without CUDA (MOELORA_ENABLE_CUDA=OFF).
-#include "kernels/lora_shrink.h"
+// The CUDA entry points of a build without CUDA (MOELORA_ENABLE_CUDA=OFF): no device, every
+// device operation UNIMPLEMENTED.
+#include "kernels/bgmv.h"
+#include "kernels/device.h"
+#include "kernels/moe_lora.h"
 
 namespace moelora {
 
-bool CudaDeviceAvailable() { return false; }
-absl::Status LoraShrinkCuda(const LoraShrinkParams&, void*) {
+namespace {
+absl::Status NoCuda() {
   return absl::UnimplementedError("built without CUDA (configure with -DMOELORA_ENABLE_CUDA=ON)");
 }
-absl::Status LoraShrinkCudaFromHost(const LoraShrinkParams& p) {
-  return LoraShrinkCuda(p, nullptr);
-}
+}  // namespace
+
+bool CudaDeviceAvailable() { return false; }
+int CudaDeviceCount() { return 0; }
+std::string CudaDeviceSummary() { return "built without CUDA"; }
 int NcclVersionCode() { return 0; }
+absl::Status CudaSetDevice(int) { return NoCuda(); }
+absl::Status DeviceSynchronize() { return NoCuda(); }
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t) { return NoCuda(); }
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  ptr_ = o.ptr_;
+  bytes_ = o.bytes_;
+  o.ptr_ = nullptr;
+  return *this;
+}
+DeviceBuffer::~DeviceBuffer() = default;
+absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t) { return NoCuda(); }
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  ptr_ = o.ptr_;
+  bytes_ = o.bytes_;
+  o.ptr_ = nullptr;
+  return *this;
+}
+PinnedBuffer::~PinnedBuffer() = default;
+absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
+absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
+absl::StatusOr<std::unique_ptr<PinnedUploader>> PinnedUploader::Create(size_t, int) {
+  return NoCuda();
+}
+absl::StatusOr<std::unique_ptr<DeviceTimer>> DeviceTimer::Create() { return NoCuda(); }
+
+absl::Status BgmvCuda(const BgmvParams&, void*) { return NoCuda(); }
+absl::Status MoeLoraCuda(const MoeLoraParams&, void*) { return NoCuda(); }
 
 }  // namespace moelora

@@ -1,0 +1,237 @@
+// kernels/device.h over the CUDA runtime, and NCCL's version.
+#include "kernels/device.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/status.h"
+
+namespace moelora {
+
+using cuda_internal::CudaStatus;
+
+bool CudaDeviceAvailable() { return CudaDeviceCount() > 0; }
+
+int CudaDeviceCount() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+std::string CudaDeviceSummary() {
+  int n = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
+    return absl::StrCat("no CUDA device (", cudaGetErrorString(e), ")");
+  }
+  if (n == 0) return "no CUDA device";
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "CUDA device 0: no properties";
+  return absl::StrCat(n, " x ", prop.name, ", sm_", prop.major, prop.minor, ", ",
+                      prop.totalGlobalMem >> 30, " GiB");
+}
+
+int NcclVersionCode() {
+  int v = 0;
+  return ncclGetVersion(&v) == ncclSuccess ? v : 0;
+}
+
+absl::Status CudaSetDevice(int device) {
+  return CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")").c_str());
+}
+
+absl::Status DeviceSynchronize() { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
+  DeviceBuffer b;
+  if (bytes == 0) return b;
+  if (auto s = CudaStatus(cudaMalloc(&b.ptr_, bytes), absl::StrCat("cudaMalloc(", bytes, ")").c_str());
+      !s.ok()) {
+    b.ptr_ = nullptr;
+    return s;
+  }
+  b.bytes_ = bytes;
+  return b;
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
+  PinnedBuffer b;
+  if (bytes == 0) return b;
+  if (auto s = CudaStatus(cudaMallocHost(&b.ptr_, bytes),
+                          absl::StrCat("cudaMallocHost(", bytes, ")").c_str());
+      !s.ok()) {
+    b.ptr_ = nullptr;
+    return s;
+  }
+  b.bytes_ = bytes;
+  return b;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFreeHost(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_) cudaFreeHost(ptr_);
+}
+
+absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
+  return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+}
+
+absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
+  return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+}
+
+namespace {
+
+class CudaPinnedUploader final : public PinnedUploader {
+ public:
+  ~CudaPinnedUploader() override {
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      for (cudaEvent_t e : done_) cudaEventDestroy(e);
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  absl::Status Init(size_t chunk, int n) {
+    chunk_ = chunk;
+    if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                            "cudaStreamCreate");
+        !s.ok()) {
+      stream_ = nullptr;
+      return s;
+    }
+    for (int i = 0; i < n; ++i) {
+      auto buf = PinnedBuffer::Allocate(chunk);
+      if (!buf.ok()) return buf.status();
+      bufs_.push_back(std::move(*buf));
+      cudaEvent_t e;
+      if (auto s = CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                              "cudaEventCreate");
+          !s.ok()) {
+        return s;
+      }
+      done_.push_back(e);
+      used_.push_back(false);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Copy(void* dst, const void* src, size_t bytes) override {
+    auto* d = static_cast<uint8_t*>(dst);
+    const auto* s = static_cast<const uint8_t*>(src);
+    while (bytes > 0) {
+      const size_t n = std::min(bytes, chunk_);
+      const size_t i = next_;
+      next_ = (next_ + 1) % bufs_.size();
+      // Wait until the DMA that last read this staging buffer is done, then refill it.
+      if (used_[i]) {
+        if (auto st = CudaStatus(cudaEventSynchronize(done_[i]), "staging buffer wait"); !st.ok()) {
+          return st;
+        }
+      }
+      std::memcpy(bufs_[i].get(), s, n);
+      if (auto st = CudaStatus(cudaMemcpyAsync(d, bufs_[i].get(), n, cudaMemcpyHostToDevice,
+                                               stream_),
+                               "cudaMemcpyAsync H2D");
+          !st.ok()) {
+        return st;
+      }
+      if (auto st = CudaStatus(cudaEventRecord(done_[i], stream_), "cudaEventRecord"); !st.ok()) {
+        return st;
+      }
+      used_[i] = true;
+      d += n;
+      s += n;
+      bytes -= n;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() override {
+    return CudaStatus(cudaStreamSynchronize(stream_), "upload stream synchronize");
+  }
+
+ private:
+  size_t chunk_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::vector<PinnedBuffer> bufs_;
+  std::vector<cudaEvent_t> done_;
+  std::vector<bool> used_;
+  size_t next_ = 0;
+};
+
+class CudaDeviceTimer final : public DeviceTimer {
+ public:
+  ~CudaDeviceTimer() override {
+    if (start_) cudaEventDestroy(start_);
+    if (stop_) cudaEventDestroy(stop_);
+  }
+  absl::Status Init() {
+    if (auto s = CudaStatus(cudaEventCreate(&start_), "cudaEventCreate"); !s.ok()) return s;
+    return CudaStatus(cudaEventCreate(&stop_), "cudaEventCreate");
+  }
+  absl::Status Start(void* stream) override {
+    return CudaStatus(cudaEventRecord(start_, static_cast<cudaStream_t>(stream)), "timer start");
+  }
+  absl::StatusOr<double> StopMs(void* stream) override {
+    if (auto s = CudaStatus(cudaEventRecord(stop_, static_cast<cudaStream_t>(stream)), "timer stop");
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = CudaStatus(cudaEventSynchronize(stop_), "timer sync"); !s.ok()) return s;
+    float ms = 0;
+    if (auto s = CudaStatus(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime");
+        !s.ok()) {
+      return s;
+    }
+    return static_cast<double>(ms);
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PinnedUploader>> PinnedUploader::Create(size_t chunk_bytes,
+                                                                       int num_buffers) {
+  if (chunk_bytes == 0 || num_buffers < 2) {
+    return absl::InvalidArgumentError("PinnedUploader needs chunk_bytes > 0 and >= 2 buffers");
+  }
+  auto u = std::make_unique<CudaPinnedUploader>();
+  if (auto s = u->Init(chunk_bytes, num_buffers); !s.ok()) return s;
+  return std::unique_ptr<PinnedUploader>(std::move(u));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceTimer>> DeviceTimer::Create() {
+  auto t = std::make_unique<CudaDeviceTimer>();
+  if (auto s = t->Init(); !s.ok()) return s;
+  return std::unique_ptr<DeviceTimer>(std::move(t));
+}
+
+}  // namespace moelora

@@ -1,0 +1,90 @@
+// Host side of the CUDA ops: validation, then the plain-argument launchers of the .cu files.
+#include "absl/strings/str_cat.h"
+#include "kernels/bgmv.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/status.h"
+#include "kernels/internal/moe_lora_workspace.h"
+#include "kernels/moe_lora.h"
+
+namespace moelora {
+
+using cuda_internal::CudaStatus;
+using cuda_internal::ElemType;
+
+namespace {
+ElemType ToElem(DType d) {
+  return d == DType::kF16 ? ElemType::kF16 : d == DType::kBF16 ? ElemType::kBF16 : ElemType::kF32;
+}
+}  // namespace
+
+absl::Status BgmvCuda(const BgmvParams& p, void* stream) {
+  if (auto s = p.Validate(); !s.ok()) return s;
+  if (p.max_rank > kBgmvCudaMaxRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bgmv: max_rank ", p.max_rank, " > ", kBgmvCudaMaxRank, " (CUDA kernel)"));
+  }
+  if (!p.workspace) return absl::InvalidArgumentError("bgmv: CUDA needs a workspace");
+  cuda_internal::BgmvArgs a;
+  a.type = ToElem(p.dtype);
+  a.x = p.x;
+  a.x_stride = p.x_stride;
+  a.out = p.out;
+  a.out_stride = p.out_stride;
+  a.a_t = p.a_t;
+  a.b_t = p.b_t;
+  a.rank = p.rank;
+  a.slot_of_token = p.slot_of_token;
+  a.num_tokens = p.num_tokens;
+  a.in_dim = p.in_dim;
+  a.out_dim = p.out_dim;
+  a.max_rank = p.max_rank;
+  a.y = static_cast<float*>(p.workspace);
+  return CudaStatus(cuda_internal::LaunchBgmv(a, static_cast<cudaStream_t>(stream)), "bgmv launch");
+}
+
+absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
+  if (auto s = p.Validate(); !s.ok()) return s;
+  const bool lora = p.num_gate_up > 0 || p.has_down;
+  if (lora && p.max_rank > kBgmvCudaMaxRank) {
+    return absl::InvalidArgumentError(absl::StrCat("moe_lora: max_rank ", p.max_rank, " > ",
+                                                   kBgmvCudaMaxRank, " (CUDA kernel)"));
+  }
+  const int64_t keys = p.num_experts * (lora ? p.num_slots + 1 : 1);
+  if (keys > moe_internal::kMaxSortKeys) {
+    return absl::InvalidArgumentError(absl::StrCat("moe_lora: experts x (slots + 1) = ", keys,
+                                                   " > ", moe_internal::kMaxSortKeys,
+                                                   " (the device sort's counters)"));
+  }
+  if (p.num_tokens * p.top_k > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError("moe_lora: more than 2^30 assignments");
+  }
+  if (!p.workspace) return absl::InvalidArgumentError("moe_lora: CUDA needs a workspace");
+  cuda_internal::MoeArgs a;
+  a.type = ToElem(p.dtype);
+  a.x = p.x;
+  a.topk_ids = p.topk_ids;
+  a.topk_weights = p.topk_weights;
+  a.slot_of_token = lora ? p.slot_of_token : nullptr;
+  a.w13 = p.w13;
+  a.w2 = p.w2;
+  auto proj = [](const MoeLoraProj& m) {
+    return cuda_internal::MoeProjArgs{m.a_t, m.b_t, m.rank, m.out_col, m.out_dim};
+  };
+  for (int i = 0; i < p.num_gate_up; ++i) a.gate_up[i] = proj(p.gate_up[i]);
+  a.num_gate_up = p.num_gate_up;
+  if (p.has_down) a.down = proj(p.down);
+  a.has_down = p.has_down;
+  a.out = p.out;
+  a.num_tokens = p.num_tokens;
+  a.hidden = p.hidden;
+  a.inter = p.inter;
+  a.num_experts = p.num_experts;
+  a.top_k = p.top_k;
+  a.num_slots = p.num_slots;
+  a.max_rank = p.max_rank;
+  a.workspace = p.workspace;
+  return CudaStatus(cuda_internal::LaunchMoeLora(a, static_cast<cudaStream_t>(stream)),
+                    "moe_lora launch");
+}
+
+}  // namespace moelora

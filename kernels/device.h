@@ -1,0 +1,105 @@
+// The CUDA runtime as the rest of the project sees it: device memory, host<->device copies,
+// pinned staging for adapter uploads, event timing. No CUDA types here, so this header compiles
+// without nvcc; a build without CUDA (MOELORA_ENABLE_CUDA=OFF) answers UNIMPLEMENTED everywhere
+// and CudaDeviceAvailable() is false.
+//
+// Streams are passed as `void*` (a cudaStream_t; nullptr = the legacy default stream, which is
+// also libtorch's current stream unless a caller changes it).
+// Thread-safety: DeviceBuffer and PinnedUploader are single-owner objects; the free functions
+// are thread-safe as the CUDA runtime is.
+#ifndef MOELORA_KERNELS_DEVICE_H_
+#define MOELORA_KERNELS_DEVICE_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace moelora {
+
+// True when built with CUDA and at least one device is visible.
+bool CudaDeviceAvailable();
+int CudaDeviceCount();
+// "NVIDIA H200, sm_90, 139 GiB" or the reason there is none.
+std::string CudaDeviceSummary();
+// NCCL's version code (e.g. 22807) when built with CUDA, 0 otherwise: proves NCCL links.
+int NcclVersionCode();
+
+absl::Status CudaSetDevice(int device);
+absl::Status DeviceSynchronize();
+
+// Device memory, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  static absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Page-locked host memory, freed on destruction.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  static absl::StatusOr<PinnedBuffer> Allocate(size_t bytes);
+  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer();
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Blocking copies (synchronise the default stream).
+absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
+absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
+
+// Uploads pageable host memory to the device through a ring of pinned staging buffers: the
+// memcpy into buffer i+1 overlaps the DMA of buffer i, so an adapter of any size moves at close
+// to pinned bandwidth without pinning the adapter itself (a pinned copy of every registered
+// adapter would take host memory the kernel cannot page out).
+class PinnedUploader {
+ public:
+  // `chunk_bytes` per staging buffer, `num_buffers` >= 2. Creates its own stream.
+  static absl::StatusOr<std::unique_ptr<PinnedUploader>> Create(size_t chunk_bytes = 64 << 20,
+                                                                int num_buffers = 3);
+  virtual ~PinnedUploader() = default;
+  // Queues `bytes` from `src` (host, pageable) to `dst` (device). Returns once `src` may be
+  // reused; the device copy may still be in flight until Finish().
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes) = 0;
+  // Waits until every queued copy has landed.
+  virtual absl::Status Finish() = 0;
+};
+
+// Milliseconds between two points on a stream, measured with CUDA events.
+class DeviceTimer {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceTimer>> Create();
+  virtual ~DeviceTimer() = default;
+  virtual absl::Status Start(void* stream) = 0;
+  virtual absl::StatusOr<double> StopMs(void* stream) = 0;  // synchronises
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_KERNELS_DEVICE_H_
