@@ -35,10 +35,10 @@
 namespace moelora {
 
 struct MoeLoraProj {
-  const void* a_t = nullptr;     // [S, E, in, max_rank]
-  const void* b_t = nullptr;     // [S, E, max_rank, out_dim]
-  const int32_t* rank = nullptr; // [S, E]
-  int64_t out_col = 0;           // first column of h13 (gate/up) or y (down) written
+  const void* a_t = nullptr;      // [S, E, in, max_rank]
+  const void* b_t = nullptr;      // [S, E, max_rank, out_dim]
+  const int32_t* rank = nullptr;  // [S, E]
+  int64_t out_col = 0;            // first column of h13 (gate/up) or y (down) written
   int64_t out_dim = 0;
 };
 
@@ -56,12 +56,12 @@ struct MoeLoraParams {
   bool has_down = false;
   void* out = nullptr;  // [T, H], overwritten
   int64_t num_tokens = 0;
-  int64_t hidden = 0;        // H
-  int64_t inter = 0;         // I (local)
-  int64_t num_experts = 0;   // E
-  int64_t top_k = 0;         // K
-  int64_t num_slots = 0;     // S (>= 1 when any LoRA projection is given)
-  int64_t max_rank = 0;      // R_max
+  int64_t hidden = 0;       // H
+  int64_t inter = 0;        // I (local)
+  int64_t num_experts = 0;  // E
+  int64_t top_k = 0;        // K
+  int64_t num_slots = 0;    // S (>= 1 when any LoRA projection is given)
+  int64_t max_rank = 0;     // R_max
   // CUDA only: device scratch of MoeLoraWorkspaceBytes() bytes.
   void* workspace = nullptr;
 

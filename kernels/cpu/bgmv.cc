@@ -50,8 +50,8 @@ absl::Status BgmvCpu(const BgmvParams& p) {
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const int32_t s = p.slot_of_token[t];
     if (s < -1 || s >= p.num_slots) {
-      return absl::InvalidArgumentError(absl::StrCat("bgmv: token ", t, " has slot ", s,
-                                                     " outside [-1, ", p.num_slots, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("bgmv: token ", t, " has slot ", s, " outside [-1, ", p.num_slots, ")"));
     }
     if (s < 0 || p.rank[s] == 0) continue;
     const int64_t r = p.rank[s];

@@ -29,8 +29,8 @@ absl::Status MoeLoraParams::Validate() const {
   if (any_lora) {
     if (!slot_of_token) return bad("LoRA projections given but slot_of_token is null");
     if (num_slots <= 0 || max_rank <= 0) {
-      return bad("LoRA needs num_slots > 0 and max_rank > 0 (S=", num_slots, ", R_max=",
-                 max_rank, ")");
+      return bad("LoRA needs num_slots > 0 and max_rank > 0 (S=", num_slots, ", R_max=", max_rank,
+                 ")");
     }
   }
   auto check = [&](const MoeLoraProj& p, const char* what, int64_t cols) -> absl::Status {
@@ -54,8 +54,8 @@ absl::Status MoeLoraParams::Validate() const {
 
 size_t MoeLoraWorkspaceBytes(const MoeLoraParams& p) {
   const size_t db = p.dtype == DType::kF32 ? 4 : 2;
-  return moe_internal::ComputeMoeWorkspace(p.num_tokens, p.top_k, p.num_experts, p.hidden,
-                                           p.inter, p.max_rank, db)
+  return moe_internal::ComputeMoeWorkspace(p.num_tokens, p.top_k, p.num_experts, p.hidden, p.inter,
+                                           p.max_rank, db)
       .total;
 }
 
@@ -97,9 +97,8 @@ absl::Status MoeLoraCpu(const MoeLoraParams& p) {
   auto rank_ok = [&](const MoeLoraProj& pr) -> absl::Status {
     for (int64_t i = 0; i < p.num_slots * E; ++i) {
       if (pr.rank[i] < 0 || pr.rank[i] > R) {
-        return absl::InvalidArgumentError(absl::StrCat("moe_lora: rank[", i / E, ", ", i % E,
-                                                       "] = ", pr.rank[i], " outside [0, ", R,
-                                                       "]"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "moe_lora: rank[", i / E, ", ", i % E, "] = ", pr.rank[i], " outside [0, ", R, "]"));
       }
     }
     return absl::OkStatus();
@@ -118,16 +117,16 @@ absl::Status MoeLoraCpu(const MoeLoraParams& p) {
   for (int64_t t = 0; t < T; ++t) {
     const int32_t s = any_lora ? p.slot_of_token[t] : -1;
     if (s < -1 || s >= (any_lora ? p.num_slots : 0)) {
-      return absl::InvalidArgumentError(absl::StrCat("moe_lora: token ", t, " has slot ", s,
-                                                     " outside [-1, ", p.num_slots, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("moe_lora: token ", t, " has slot ", s, " outside [-1, ", p.num_slots, ")"));
     }
     for (int64_t h = 0; h < H; ++h) xt[h] = LoadAsF32(d, x, t * H + h);
     std::fill(sum.begin(), sum.end(), 0.0f);
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = p.topk_ids[t * K + k];
       if (e < 0 || e >= E) {
-        return absl::InvalidArgumentError(absl::StrCat("moe_lora: token ", t, " routes to expert ",
-                                                       e, " outside [0, ", E, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("moe_lora: token ", t, " routes to expert ", e, " outside [0, ", E, ")"));
       }
       for (int64_t c = 0; c < 2 * I; ++c) {
         float acc = 0.0f;

@@ -42,12 +42,15 @@ absl::Status CudaSetDevice(int device) {
   return CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")").c_str());
 }
 
-absl::Status DeviceSynchronize() { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+absl::Status DeviceSynchronize() {
+  return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
   DeviceBuffer b;
   if (bytes == 0) return b;
-  if (auto s = CudaStatus(cudaMalloc(&b.ptr_, bytes), absl::StrCat("cudaMalloc(", bytes, ")").c_str());
+  if (auto s =
+          CudaStatus(cudaMalloc(&b.ptr_, bytes), absl::StrCat("cudaMalloc(", bytes, ")").c_str());
       !s.ok()) {
     b.ptr_ = nullptr;
     return s;
@@ -130,8 +133,8 @@ class CudaPinnedUploader final : public PinnedUploader {
       if (!buf.ok()) return buf.status();
       bufs_.push_back(std::move(*buf));
       cudaEvent_t e;
-      if (auto s = CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
-                              "cudaEventCreate");
+      if (auto s =
+              CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
           !s.ok()) {
         return s;
       }
@@ -155,9 +158,9 @@ class CudaPinnedUploader final : public PinnedUploader {
         }
       }
       std::memcpy(bufs_[i].get(), s, n);
-      if (auto st = CudaStatus(cudaMemcpyAsync(d, bufs_[i].get(), n, cudaMemcpyHostToDevice,
-                                               stream_),
-                               "cudaMemcpyAsync H2D");
+      if (auto st =
+              CudaStatus(cudaMemcpyAsync(d, bufs_[i].get(), n, cudaMemcpyHostToDevice, stream_),
+                         "cudaMemcpyAsync H2D");
           !st.ok()) {
         return st;
       }
@@ -199,7 +202,8 @@ class CudaDeviceTimer final : public DeviceTimer {
     return CudaStatus(cudaEventRecord(start_, static_cast<cudaStream_t>(stream)), "timer start");
   }
   absl::StatusOr<double> StopMs(void* stream) override {
-    if (auto s = CudaStatus(cudaEventRecord(stop_, static_cast<cudaStream_t>(stream)), "timer stop");
+    if (auto s =
+            CudaStatus(cudaEventRecord(stop_, static_cast<cudaStream_t>(stream)), "timer stop");
         !s.ok()) {
       return s;
     }

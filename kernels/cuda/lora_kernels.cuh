@@ -124,9 +124,9 @@ __global__ void __launch_bounds__(kExpandThreads)
 // Launches ShrinkKernel with the smallest register bucket that holds R (R <= kMaxRank).
 template <typename T>
 cudaError_t LaunchShrink(int64_t rows, const T* in, int64_t in_stride, const int32_t* gather,
-                         int gather_div, const int32_t* row_lora, const T* a_t,
-                         const int32_t* rank, float* mid, int64_t mid_stride, int64_t in_dim,
-                         int64_t R, cudaStream_t stream) {
+                         int gather_div, const int32_t* row_lora, const T* a_t, const int32_t* rank,
+                         float* mid, int64_t mid_stride, int64_t in_dim, int64_t R,
+                         cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows));
   if (R <= 16) {
     ShrinkKernel<T, 16><<<grid, kShrinkThreads, 0, stream>>>(

@@ -30,8 +30,8 @@ constexpr int kAlignThreads = 1024;
 __global__ void __launch_bounds__(kAlignThreads)
     AlignKernel(const int32_t* __restrict__ topk_ids, const int32_t* __restrict__ slot_of_token,
                 int64_t n, int top_k, int num_experts, int s1, int32_t* __restrict__ sorted_src,
-                int32_t* __restrict__ inv, int32_t* __restrict__ row_lora, int32_t* __restrict__ tiles,
-                int32_t* __restrict__ num_tiles) {
+                int32_t* __restrict__ inv, int32_t* __restrict__ row_lora,
+                int32_t* __restrict__ tiles, int32_t* __restrict__ num_tiles) {
   extern __shared__ int32_t cnt[];  // [num_keys]
   __shared__ int32_t part[kAlignThreads];
   const int tid = threadIdx.x;
@@ -214,26 +214,23 @@ bool CanUseWmma(const T* w, int64_t n_dim, int64_t k_dim) {
 }
 
 template <typename T>
-cudaError_t LaunchGroupedGemm(const T* in, int64_t in_stride, const int32_t* gather,
-                              int gather_div, const T* w, const int32_t* tiles,
-                              const int32_t* num_tiles, int64_t max_tiles, float* out,
-                              int64_t out_stride, int64_t n_dim, int64_t k_dim,
-                              cudaStream_t stream) {
+cudaError_t LaunchGroupedGemm(const T* in, int64_t in_stride, const int32_t* gather, int gather_div,
+                              const T* w, const int32_t* tiles, const int32_t* num_tiles,
+                              int64_t max_tiles, float* out, int64_t out_stride, int64_t n_dim,
+                              int64_t k_dim, cudaStream_t stream) {
   if constexpr (sizeof(T) == 2) {
     if (CanUseWmma(w, n_dim, k_dim)) {
       const dim3 grid(static_cast<unsigned>(max_tiles),
                       static_cast<unsigned>((n_dim + kWmmaCols - 1) / kWmmaCols));
-      GroupedGemmWmma<T><<<grid, kGemmThreads, 0, stream>>>(in, in_stride, gather, gather_div, w,
-                                                            tiles, num_tiles, out, out_stride,
-                                                            n_dim, k_dim);
+      GroupedGemmWmma<T><<<grid, kGemmThreads, 0, stream>>>(
+          in, in_stride, gather, gather_div, w, tiles, num_tiles, out, out_stride, n_dim, k_dim);
       return cudaGetLastError();
     }
   }
   const dim3 grid(static_cast<unsigned>(max_tiles),
                   static_cast<unsigned>((n_dim + kGemmThreads - 1) / kGemmThreads));
-  GroupedGemmSimt<T><<<grid, kGemmThreads, 0, stream>>>(in, in_stride, gather, gather_div, w,
-                                                        tiles, num_tiles, out, out_stride, n_dim,
-                                                        k_dim);
+  GroupedGemmSimt<T><<<grid, kGemmThreads, 0, stream>>>(in, in_stride, gather, gather_div, w, tiles,
+                                                        num_tiles, out, out_stride, n_dim, k_dim);
   return cudaGetLastError();
 }
 
@@ -266,10 +263,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   out[t * hidden + h] = FromF<T>(s);
 }
 
-#define MOELORA_CUDA_TRY(...)                \
-  do {                                       \
-    const cudaError_t err_ = (__VA_ARGS__);  \
-    if (err_ != cudaSuccess) return err_;    \
+#define MOELORA_CUDA_TRY(...)               \
+  do {                                      \
+    const cudaError_t err_ = (__VA_ARGS__); \
+    if (err_ != cudaSuccess) return err_;   \
   } while (false)
 
 template <typename T>
@@ -292,14 +289,14 @@ cudaError_t Run(const MoeArgs& a, cudaStream_t stream) {
   const auto* x = static_cast<const T*>(a.x);
 
   const size_t shmem = static_cast<size_t>(E * s1) * sizeof(int32_t);
-  AlignKernel<<<1, kAlignThreads, shmem, stream>>>(
-      a.topk_ids, lora ? a.slot_of_token : nullptr, N, static_cast<int>(K), static_cast<int>(E),
-      s1, sorted_src, inv, row_lora, tiles, num_tiles);
+  AlignKernel<<<1, kAlignThreads, shmem, stream>>>(a.topk_ids, lora ? a.slot_of_token : nullptr, N,
+                                                   static_cast<int>(K), static_cast<int>(E), s1,
+                                                   sorted_src, inv, row_lora, tiles, num_tiles);
   MOELORA_CUDA_TRY(cudaGetLastError());
 
   MOELORA_CUDA_TRY(LaunchGroupedGemm<T>(x, H, sorted_src, static_cast<int>(K),
-                                        static_cast<const T*>(a.w13), tiles, num_tiles,
-                                        L.max_tiles, h13, 2 * I, 2 * I, H, stream));
+                                        static_cast<const T*>(a.w13), tiles, num_tiles, L.max_tiles,
+                                        h13, 2 * I, 2 * I, H, stream));
   if (lora) {
     for (int p = 0; p < a.num_gate_up; ++p) {
       const MoeProjArgs& pr = a.gate_up[p];
@@ -307,9 +304,9 @@ cudaError_t Run(const MoeArgs& a, cudaStream_t stream) {
       MOELORA_CUDA_TRY(LaunchShrink<T>(N, x, H, sorted_src, static_cast<int>(K), row_lora,
                                        static_cast<const T*>(pr.a_t), pr.rank, m, 2 * R, H, R,
                                        stream));
-      MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, m, 2 * R, row_lora,
-                                              static_cast<const T*>(pr.b_t), pr.rank,
-                                              h13 + pr.out_col, 2 * I, pr.out_dim, R, stream));
+      MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, m, 2 * R, row_lora, static_cast<const T*>(pr.b_t),
+                                              pr.rank, h13 + pr.out_col, 2 * I, pr.out_dim, R,
+                                              stream));
     }
   }
   {
@@ -322,18 +319,15 @@ cudaError_t Run(const MoeArgs& a, cudaStream_t stream) {
                                         num_tiles, L.max_tiles, y, H, H, I, stream));
   if (lora && a.has_down) {
     const MoeProjArgs& pr = a.down;
-    MOELORA_CUDA_TRY(LaunchShrink<T>(N, act, I, nullptr, 1, row_lora,
-                                     static_cast<const T*>(pr.a_t), pr.rank, mid, 2 * R, I, R,
-                                     stream));
-    MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, mid, 2 * R, row_lora,
-                                            static_cast<const T*>(pr.b_t), pr.rank,
-                                            y + pr.out_col, H, pr.out_dim, R, stream));
+    MOELORA_CUDA_TRY(LaunchShrink<T>(N, act, I, nullptr, 1, row_lora, static_cast<const T*>(pr.a_t),
+                                     pr.rank, mid, 2 * R, I, R, stream));
+    MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, mid, 2 * R, row_lora, static_cast<const T*>(pr.b_t),
+                                            pr.rank, y + pr.out_col, H, pr.out_dim, R, stream));
   }
   const dim3 grid(static_cast<unsigned>(T_),
                   static_cast<unsigned>((H + kCombineThreads - 1) / kCombineThreads));
-  CombineKernel<T><<<grid, kCombineThreads, 0, stream>>>(y, inv, a.topk_weights,
-                                                         static_cast<T*>(a.out), H,
-                                                         static_cast<int>(K));
+  CombineKernel<T><<<grid, kCombineThreads, 0, stream>>>(
+      y, inv, a.topk_weights, static_cast<T*>(a.out), H, static_cast<int>(K));
   return cudaGetLastError();
 }
 

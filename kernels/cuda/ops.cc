@@ -46,8 +46,8 @@ absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
   if (auto s = p.Validate(); !s.ok()) return s;
   const bool lora = p.num_gate_up > 0 || p.has_down;
   if (lora && p.max_rank > kBgmvCudaMaxRank) {
-    return absl::InvalidArgumentError(absl::StrCat("moe_lora: max_rank ", p.max_rank, " > ",
-                                                   kBgmvCudaMaxRank, " (CUDA kernel)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("moe_lora: max_rank ", p.max_rank, " > ", kBgmvCudaMaxRank, " (CUDA kernel)"));
   }
   const int64_t keys = p.num_experts * (lora ? p.num_slots + 1 : 1);
   if (keys > moe_internal::kMaxSortKeys) {

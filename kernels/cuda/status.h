@@ -12,8 +12,8 @@ namespace cuda_internal {
 
 inline absl::Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(e), " (",
-                                          cudaGetErrorString(e), ")"));
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
 }
 
 }  // namespace cuda_internal

@@ -21,11 +21,11 @@ using ::moelora::testing::IsOk;
 using ::moelora::testing::MoeDims;
 using ::moelora::testing::MoeProblem;
 
-#define SKIP_WITHOUT_DEVICE()                                                   \
-  do {                                                                          \
-    if (!CudaDeviceAvailable()) {                                               \
-      GTEST_SKIP() << "no CUDA device: " << CudaDeviceSummary();                \
-    }                                                                           \
+#define SKIP_WITHOUT_DEVICE()                                    \
+  do {                                                           \
+    if (!CudaDeviceAvailable()) {                                \
+      GTEST_SKIP() << "no CUDA device: " << CudaDeviceSummary(); \
+    }                                                            \
   } while (false)
 
 // Device copies of host buffers, kept alive with the test.
@@ -164,17 +164,17 @@ TEST_P(MoeLoraGpu, MatchesCpuTwin) {
   SKIP_WITHOUT_DEVICE();
   const DType d = GetParam();
   const std::vector<MoeCase> cases = {
-      {{.t = 1, .h = 16, .i = 16, .e = 4, .k = 1, .s = 1, .r = 1}, 2},     // T=1, rank 1
+      {{.t = 1, .h = 16, .i = 16, .e = 4, .k = 1, .s = 1, .r = 1}, 2},  // T=1, rank 1
       {{.t = 1, .h = 64, .i = 32, .e = 8, .k = 2, .s = 2, .r = 16}, 3},
-      {{.t = 5, .h = 33, .i = 17, .e = 6, .k = 2, .s = 3, .r = 5}, 2},     // SIMT GEMM path
-      {{.t = 37, .h = 128, .i = 48, .e = 16, .k = 4, .s = 4, .r = 16}, 2}, // WMMA path (f16/bf16)
+      {{.t = 5, .h = 33, .i = 17, .e = 6, .k = 2, .s = 3, .r = 5}, 2},      // SIMT GEMM path
+      {{.t = 37, .h = 128, .i = 48, .e = 16, .k = 4, .s = 4, .r = 16}, 2},  // WMMA path (f16/bf16)
       {{.t = 37, .h = 128, .i = 48, .e = 16, .k = 4, .s = 4, .r = 16}, 3},
       {{.t = 64, .h = 256, .i = 96, .e = 32, .k = 8, .s = 8, .r = 64}, 3},
-      {{.t = 100, .h = 96, .i = 40, .e = 8, .k = 2, .s = 2, .r = 8}, 0},   // base fused MoE
+      {{.t = 100, .h = 96, .i = 40, .e = 8, .k = 2, .s = 2, .r = 8}, 0},  // base fused MoE
   };
   for (const MoeCase& c : cases) {
-    SCOPED_TRACE(::testing::PrintToString(std::vector<int64_t>{c.d.t, c.d.h, c.d.i, c.d.e, c.d.k,
-                                                             c.d.s, c.d.r, c.wrapper}));
+    SCOPED_TRACE(::testing::PrintToString(
+        std::vector<int64_t>{c.d.t, c.d.h, c.d.i, c.d.e, c.d.k, c.d.s, c.d.r, c.wrapper}));
     MoeProblem p = MoeProblem::Make(c.d, d, 21);
     const std::vector<uint8_t> got = RunOnDevice(p, c.wrapper);
     ASSERT_THAT(MoeLoraCpu(p.Params(c.wrapper)), IsOk());
@@ -187,8 +187,8 @@ TEST_P(MoeLoraGpu, MatchesCpuTwin) {
 TEST_P(MoeLoraGpu, BaseTokensBitIdenticalWithAdaptersLoaded) {
   SKIP_WITHOUT_DEVICE();
   const DType d = GetParam();
-  MoeProblem p = MoeProblem::Make({.t = 48, .h = 128, .i = 64, .e = 16, .k = 4, .s = 4, .r = 16},
-                                  d, 22);
+  MoeProblem p =
+      MoeProblem::Make({.t = 48, .h = 128, .i = 64, .e = 16, .k = 4, .s = 4, .r = 16}, d, 22);
   const std::vector<uint8_t> base = RunOnDevice(p, 0);
   const std::vector<uint8_t> mixed = RunOnDevice(p, 2);
   const size_t row = p.d.h * testing::DTypeBytes(d);

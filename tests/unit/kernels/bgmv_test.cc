@@ -75,10 +75,10 @@ TEST(BgmvCpu, EqualsMergedWeights) {
       merged[t * stride_o + c] = static_cast<float>(s1);
     }
   }
-  BgmvParams p = F32Params(reinterpret_cast<const float*>(x.bytes.data()), base.data(),
-                           reinterpret_cast<const float*>(a.bytes.data()),
-                           reinterpret_cast<const float*>(b.bytes.data()), rank.data(),
-                           slot.data());
+  BgmvParams p =
+      F32Params(reinterpret_cast<const float*>(x.bytes.data()), base.data(),
+                reinterpret_cast<const float*>(a.bytes.data()),
+                reinterpret_cast<const float*>(b.bytes.data()), rank.data(), slot.data());
   p.x_stride = stride_x;
   p.out_stride = stride_o;
   p.num_tokens = T;
@@ -95,8 +95,8 @@ TEST(BgmvCpu, RoundsOutputOnceInBf16) {
   // representable in bf16 (ulp 1/128 at 1.0: 4/256 = 2 ulps). Rounding after each
   // contribution would lose every one of them (1/256 is half an ulp: ties to even stay at 1).
   std::vector<uint16_t> x = {F32ToBF16(1.0f)};
-  std::vector<uint16_t> a(4, F32ToBF16(1.0f));         // [1, in=1, R=4]
-  std::vector<uint16_t> b(4, F32ToBF16(1.0f / 256));   // [1, R=4, out=1]
+  std::vector<uint16_t> a(4, F32ToBF16(1.0f));        // [1, in=1, R=4]
+  std::vector<uint16_t> b(4, F32ToBF16(1.0f / 256));  // [1, R=4, out=1]
   std::vector<uint16_t> out = {F32ToBF16(1.0f)};
   const int32_t rank[] = {4}, slot[] = {0};
   BgmvParams p;
