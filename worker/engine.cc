@@ -10,8 +10,11 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 #include "lora/adapter.h"
 #include "worker/model.h"
 
@@ -22,6 +25,17 @@ double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 }  // namespace
+
+absl::Status ParseDevice(const std::string& device, int* cuda_index) {
+  *cuda_index = -1;
+  if (device == "cpu" || device == "cpu-twins" || device == "cuda") return absl::OkStatus();
+  if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), cuda_index) &&
+      *cuda_index >= 0) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device ", device, ": expected cpu, cuda, cuda:N or cpu-twins"));
+}
 
 absl::Status ValidateDType(const std::string& dtype) {
   if (dtype == "float32" || dtype == "bfloat16") return absl::OkStatus();
@@ -76,6 +90,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.tp_rank = comm->rank();
   mo.tp_size = comm->world_size();
   mo.dtype = o.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  int cuda_index = -1;
+  MOELORA_RETURN_IF_ERROR(ParseDevice(o.device, &cuda_index));
+  if (o.device == "cpu-twins") {
+    mo.kernels = LoraKernels::kCpuTwins;
+  } else if (absl::StartsWith(o.device, "cuda")) {
+    mo.kernels = LoraKernels::kCuda;
+    const int n = CudaDeviceCount();
+    mo.cuda_device = cuda_index >= 0 ? cuda_index : (n > 0 ? comm->rank() % n : 0);
+  }
   mo.max_loras = o.max_loras;
   mo.max_lora_rank = o.max_lora_rank;
   mo.mixed_moe_lora_format = o.enable_mixed_moe_lora_format;

@@ -29,6 +29,9 @@ namespace moelora {
 struct EngineOptions {
   std::string model_dir;
   std::string dtype = "float32";  // float32 | bfloat16
+  // cpu | cuda (device tp_rank % devices) | cuda:N | cpu-twins (the GPU code path on the CPU,
+  // through the CUDA kernels' CPU twins: slow; for tests and debugging).
+  std::string device = "cpu";
   int max_loras = 4;
   int max_lora_rank = 16;
   bool enable_mixed_moe_lora_format = false;
@@ -122,6 +125,9 @@ class Engine {
 
 // "float32" / "bfloat16" are accepted.
 absl::Status ValidateDType(const std::string& dtype);
+// INVALID_ARGUMENT unless `device` is cpu, cpu-twins, cuda or cuda:N; sets the CUDA device index
+// (-1: choose by rank) when given.
+absl::Status ParseDevice(const std::string& device, int* cuda_index);
 
 }  // namespace moelora
 

@@ -5,12 +5,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <regex>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/bgmv.h"
+#include "kernels/device.h"
+#include "kernels/moe_lora.h"
 #include "kernels/sgmv.h"
 #include "worker/checkpoint.h"
 #include "worker/loaders/name_tables.h"
@@ -51,6 +55,8 @@ struct MoeModel::Layer {
   // b_t [S, E, R, 2 I_p]. [kW2]: a_t [S, E, I_p, R], b_t [S, E, R, H]. rank [S * E].
   at::Tensor ea[3], eb[3];
   std::vector<int32_t> erank[3];
+  // Kernel paths: the ranks as int32 tensors on the model's device (the kernels read them there).
+  at::Tensor lrank_t[4], erank_t[3];
 };
 
 std::vector<ParamSpec> Qwen3MoeParamSpecs(const ModelConfig& c, bool lw, bool with_lm_head) {
@@ -126,6 +132,24 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
     return absl::InvalidArgumentError(
         absl::StrCat("--max-loras must be >= 1 and --max-lora-rank in [1, ", kSgmvMaxRank, "]"));
   }
+  const bool kernels = o.kernels != LoraKernels::kCpuSgmv;
+  if (kernels && o.max_lora_rank > kBgmvCudaMaxRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-lora-rank ", o.max_lora_rank, " > ", kBgmvCudaMaxRank,
+                     ": the GPU LoRA kernels take ranks up to ", kBgmvCudaMaxRank));
+  }
+  if (o.kernels == LoraKernels::kCuda) {
+    if (!at::hasCUDA()) {
+      return absl::FailedPreconditionError(
+          "--device cuda: this worker's libtorch has no CUDA; build against the PyTorch wheel's "
+          "libtorch (README: GPU build)");
+    }
+    if (o.cuda_device < 0 || o.cuda_device >= CudaDeviceCount()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--device cuda: device ", o.cuda_device, " does not exist (", CudaDeviceSummary(), ")"));
+    }
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(o.cuda_device));
+  }
   MOELORA_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(dir));
   const bool has_lm_head = ckpt->tensors().count("lm_head.weight") > 0;
   if (!has_lm_head && !c.tie_word_embeddings) {
@@ -148,14 +172,24 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
   m->d_ = c.info.head_dim;
   m->ip_ = c.info.moe_intermediate_size / tp;
   auto& P = w.params;
+  const at::Device dev = m->device();
+  if (kernels) {
+    for (auto& [name, t] : P) t = t.to(dev).contiguous();
+  }
+  if (o.kernels == LoraKernels::kCuda) {
+    MOELORA_ASSIGN_OR_RETURN(m->uploader_, PinnedUploader::Create());
+  }
   m->embed_ = P.at("model.embed_tokens.weight");
   m->final_norm_ = P.at("model.norm.weight");
   m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
   m->inv_freq_ = 1.0 / at::pow(c.rope_theta, at::arange(0, m->d_, 2, at::kLong).to(at::kFloat) /
                                                  static_cast<double>(m->d_));
+  m->inv_freq_ = m->inv_freq_.to(dev);
   const int64_t S = o.max_loras, R = o.max_lora_rank, E = c.info.num_experts,
                 H = c.info.hidden_size;
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  // Slots: f32 on the CPU path; the compute dtype, on the model's device, for the kernel paths.
+  const auto f32 = at::TensorOptions().dtype(kernels ? o.dtype : at::kFloat).device(dev);
+  const auto i32 = at::TensorOptions().dtype(at::kInt).device(dev);
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     auto L = std::make_unique<Layer>();
@@ -169,6 +203,7 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
       L->la[k] = at::zeros({S, in, R}, f32);
       L->lb[k] = at::zeros({S, R, out}, f32);
       L->lrank[k].assign(S, 0);
+      if (kernels) L->lrank_t[k] = at::zeros({S}, i32);
     }
     L->router = P.at(p + "mlp.gate.weight");
     L->w13 = P.at(W13Name(p + "mlp.experts", true));
@@ -185,10 +220,19 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
     }
     L->ea[kW2] = at::zeros({S, E, Ip, R}, f32);
     L->eb[kW2] = at::zeros({S, E, R, H}, f32);
-    for (int k = 0; k < 3; ++k) L->erank[k].assign(S * E, 0);
+    for (int k = 0; k < 3; ++k) {
+      L->erank[k].assign(S * E, 0);
+      if (kernels && L->ea[k].defined()) L->erank_t[k] = at::zeros({S * E}, i32);
+    }
     m->layers_.push_back(std::move(L));
   }
   return m;
+}
+
+at::Device MoeModel::device() const {
+  return options_.kernels == LoraKernels::kCuda
+             ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options_.cuda_device))
+             : at::Device(at::kCPU);
 }
 
 SeqCache MoeModel::NewCache() const {
@@ -262,13 +306,15 @@ void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_
 
 }  // namespace
 
-at::Tensor MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h, const ForwardBatch& b,
-                               const at::Tensor& cos, const at::Tensor& sin) {
+absl::StatusOr<at::Tensor> MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h,
+                                               const ForwardBatch& b, const at::Tensor& cos,
+                                               const at::Tensor& sin, const at::Tensor& slots) {
   const int64_t T = h.size(0), R = options_.max_lora_rank;
-  // Tokens grouped by slot for the dense LoRA (stable: rows keep their order within a slot).
+  // CPU path: tokens grouped by slot for the dense LoRA (stable: rows keep their order within a
+  // slot). The kernel paths take the per-token slots as they are.
   std::vector<int64_t> rows;
   std::vector<std::pair<int64_t, int32_t>> runs;  // (end index into rows, slot)
-  {
+  if (!kernel_path()) {
     std::vector<int64_t> idx;
     for (int64_t t = 0; t < T; ++t) {
       if (b.slots[t] >= 0) idx.push_back(t);
@@ -296,15 +342,21 @@ at::Tensor MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h, con
     }
     return segs;
   };
+  absl::Status lora_status;
   auto linear = [&](const at::Tensor& x, int k) {
     at::Tensor y = at::matmul(x, L.w[k].t()).contiguous();
-    AddLora(x, y, 0, y.size(1), rows.data(), R, segments(k));
+    if (!kernel_path()) {
+      AddLora(x, y, 0, y.size(1), rows.data(), R, segments(k));
+    } else if (slots.defined() && lora_status.ok()) {
+      lora_status = AddDenseLora(L, k, x.contiguous(), y, slots);
+    }
     return y;
   };
   const double eps = config_.rms_norm_eps;
   at::Tensor q = linear(h, kQ).view({T, hq_, d_});
   at::Tensor k = linear(h, kK).view({T, hkv_, d_});
   at::Tensor v = linear(h, kV).view({T, hkv_, d_});
+  MOELORA_RETURN_IF_ERROR(lora_status);
   q = RmsNorm(q, L.q_norm, eps);
   k = RmsNorm(k, L.k_norm, eps);
   // cos/sin: [T, d] -> broadcast over heads.
@@ -342,18 +394,23 @@ at::Tensor MoeModel::Attention(Layer& L, int layer_idx, const at::Tensor& h, con
     at::Tensor scores = at::matmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, total]
     if (n > 1) {
       // Query i (position past + i) sees keys 0..past + i.
-      at::Tensor qpos = at::arange(past, total, at::kLong).unsqueeze(1);
-      at::Tensor kpos = at::arange(0, total, at::kLong).unsqueeze(0);
+      const auto lopt = at::TensorOptions().dtype(at::kLong).device(h.device());
+      at::Tensor qpos = at::arange(past, total, lopt).unsqueeze(1);
+      at::Tensor kpos = at::arange(0, total, lopt).unsqueeze(0);
       scores = scores.masked_fill(kpos > qpos, -std::numeric_limits<float>::infinity());
     }
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(h.scalar_type());
     at::Tensor o = at::matmul(probs, Vv);  // [hq, n, d]
     attn.narrow(0, seq.begin, n).copy_(o.permute({1, 0, 2}).reshape({n, hq_ * d_}));
   }
-  return linear(attn, kO);
+  at::Tensor out = linear(attn, kO);
+  MOELORA_RETURN_IF_ERROR(lora_status);
+  return out;
 }
 
-at::Tensor MoeModel::Moe(Layer& L, const at::Tensor& h, const ForwardBatch& b) {
+absl::StatusOr<at::Tensor> MoeModel::Moe(Layer& L, const at::Tensor& h, const ForwardBatch& b,
+                                         const at::Tensor& slots) {
+  if (kernel_path()) return FusedMoe(L, h, slots);
   const int64_t T = h.size(0), topk = config_.num_experts_per_tok, E = config_.info.num_experts,
                 H = config_.info.hidden_size, R = options_.max_lora_rank, Ip = ip_;
   at::Tensor logits = at::matmul(h, L.router.t());
@@ -434,6 +491,107 @@ at::Tensor MoeModel::Moe(Layer& L, const at::Tensor& h, const ForwardBatch& b) {
   return out;
 }
 
+namespace {
+
+DType KernelDType(at::ScalarType t) {
+  return t == at::kBFloat16 ? DType::kBF16 : t == at::kHalf ? DType::kF16 : DType::kF32;
+}
+
+// Device scratch for a kernel, from the tensor allocator (cached on CUDA).
+at::Tensor Scratch(size_t bytes, const at::Device& dev) {
+  return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
+                   at::TensorOptions().dtype(at::kByte).device(dev));
+}
+
+}  // namespace
+
+absl::Status MoeModel::AddDenseLora(Layer& L, int k, const at::Tensor& x, at::Tensor& y,
+                                    const at::Tensor& slots) {
+  BgmvParams p;
+  p.dtype = KernelDType(x.scalar_type());
+  p.x = x.data_ptr();
+  p.x_stride = x.size(1);
+  p.out = y.data_ptr();
+  p.out_stride = y.size(1);
+  p.a_t = L.la[k].data_ptr();
+  p.b_t = L.lb[k].data_ptr();
+  p.rank = L.lrank_t[k].data_ptr<int32_t>();
+  p.slot_of_token = slots.data_ptr<int32_t>();
+  p.num_tokens = x.size(0);
+  p.in_dim = x.size(1);
+  p.out_dim = y.size(1);
+  p.max_rank = options_.max_lora_rank;
+  p.num_slots = options_.max_loras;
+  if (options_.kernels == LoraKernels::kCuda) {
+    at::Tensor ws = Scratch(BgmvWorkspaceBytes(p), x.device());
+    p.workspace = ws.data_ptr();
+    return BgmvCuda(p, nullptr);
+  }
+  return BgmvCpu(p);
+}
+
+absl::StatusOr<at::Tensor> MoeModel::FusedMoe(Layer& L, const at::Tensor& h,
+                                              const at::Tensor& slots) {
+  const int64_t T = h.size(0), K = config_.num_experts_per_tok, H = config_.info.hidden_size;
+  at::Tensor logits = at::matmul(h, L.router.t());
+  at::Tensor probs = at::softmax(logits, 1, at::kFloat);
+  auto [wts, idx] = at::topk(probs, K, -1);
+  if (config_.norm_topk_prob) wts = wts / wts.sum(-1, true);
+  at::Tensor ids = idx.to(at::kInt).contiguous();
+  wts = wts.to(at::kFloat).contiguous();
+  at::Tensor x = h.contiguous();
+  at::Tensor out = at::empty({T, H}, h.options());
+  MoeLoraParams p;
+  p.dtype = KernelDType(h.scalar_type());
+  p.x = x.data_ptr();
+  p.topk_ids = ids.data_ptr<int32_t>();
+  p.topk_weights = wts.data_ptr<float>();
+  p.w13 = L.w13.data_ptr();
+  p.w2 = L.w2.data_ptr();
+  p.out = out.data_ptr();
+  p.num_tokens = T;
+  p.hidden = H;
+  p.inter = ip_;
+  p.num_experts = config_.info.num_experts;
+  p.top_k = K;
+  p.num_slots = options_.max_loras;
+  p.max_rank = options_.max_lora_rank;
+  if (slots.defined()) {
+    p.slot_of_token = slots.data_ptr<int32_t>();
+    auto proj = [&](int k, int64_t col, int64_t dim) {
+      return MoeLoraProj{L.ea[k].data_ptr(), L.eb[k].data_ptr(), L.erank_t[k].data_ptr<int32_t>(),
+                         col, dim};
+    };
+    if (wrapper_ == AdapterFormat::k2D) {
+      p.gate_up[0] = proj(kW1, 0, ip_);
+      p.gate_up[1] = proj(kW3, ip_, ip_);
+      p.num_gate_up = 2;
+    } else {
+      p.gate_up[0] = proj(kW1, 0, 2 * ip_);
+      p.num_gate_up = 1;
+    }
+    p.down = proj(kW2, 0, H);
+    p.has_down = true;
+  }
+  if (options_.kernels == LoraKernels::kCuda) {
+    at::Tensor ws = Scratch(MoeLoraWorkspaceBytes(p), h.device());
+    p.workspace = ws.data_ptr();
+    MOELORA_RETURN_IF_ERROR(MoeLoraCuda(p, nullptr));
+  } else {
+    MOELORA_RETURN_IF_ERROR(MoeLoraCpu(p));
+  }
+  return out;
+}
+
+absl::Status MoeModel::Upload(at::Tensor& dst, const at::Tensor& src) {
+  if (!dst.is_cuda()) {
+    dst.copy_(src);
+    return absl::OkStatus();
+  }
+  at::Tensor host = src.to(dst.scalar_type()).contiguous();
+  return uploader_->Copy(dst.data_ptr(), host.data_ptr(), host.nbytes());
+}
+
 absl::StatusOr<at::Tensor> MoeModel::Forward(const ForwardBatch& b) {
   const int64_t T = static_cast<int64_t>(b.tokens.size());
   if (T == 0 || b.slots.size() != b.tokens.size()) {
@@ -443,8 +601,15 @@ absl::StatusOr<at::Tensor> MoeModel::Forward(const ForwardBatch& b) {
   for (const auto& s : b.seqs) {
     for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.cache->len + i;
   }
-  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong);
-  at::Tensor pos = at::from_blob(positions.data(), {T}, at::kLong).to(at::kFloat);
+  const at::Device dev = device();
+  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  at::Tensor pos = at::from_blob(positions.data(), {T}, at::kLong).to(at::kFloat).to(dev);
+  at::Tensor slots;  // kernel paths, when some token carries an adapter
+  if (kernel_path() &&
+      std::any_of(b.slots.begin(), b.slots.end(), [](int32_t s) { return s >= 0; })) {
+    slots = at::from_blob(const_cast<int32_t*>(b.slots.data()), {T}, at::kInt)
+                .to(dev, at::kInt, false, /*copy=*/true);
+  }
   at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, d/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1);
   at::Tensor cos = emb.cos().to(options_.dtype), sin = emb.sin().to(options_.dtype);
@@ -452,10 +617,12 @@ absl::StatusOr<at::Tensor> MoeModel::Forward(const ForwardBatch& b) {
   const double eps = config_.rms_norm_eps;
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = *layers_[l];
-    at::Tensor a = Attention(L, static_cast<int>(l), RmsNorm(x, L.in_norm, eps), b, cos, sin);
+    MOELORA_ASSIGN_OR_RETURN(
+        at::Tensor a,
+        Attention(L, static_cast<int>(l), RmsNorm(x, L.in_norm, eps), b, cos, sin, slots));
     MOELORA_RETURN_IF_ERROR(AllReduce(a));
     x = x + a;
-    at::Tensor m = Moe(L, RmsNorm(x, L.post_norm, eps), b);
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor m, Moe(L, RmsNorm(x, L.post_norm, eps), b, slots));
     MOELORA_RETURN_IF_ERROR(AllReduce(m));
     x = x + m;
   }
@@ -464,10 +631,10 @@ absl::StatusOr<at::Tensor> MoeModel::Forward(const ForwardBatch& b) {
   for (const auto& s : b.seqs) {
     for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
   }
-  at::Tensor sel =
-      x.index_select(0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong));
+  at::Tensor sel = x.index_select(
+      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
   sel = RmsNorm(sel, final_norm_, eps);
-  return at::matmul(sel, lm_head_.t()).to(at::kFloat).contiguous();
+  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
 }
 
 // ---- LoRA slots ----
@@ -494,11 +661,13 @@ bool ParseDense(const std::string& module, int num_layers, DenseTarget* t) {
 }  // namespace
 
 int64_t MoeModel::SlotBytes(const LoraAdapter& a) const {
-  // f32 bytes this rank holds: column-parallel modules (q/k/v, gate/up) keep A whole and 1/tp of
-  // B; row-parallel ones (o, down) 1/tp of A and B whole.
+  // Bytes this rank holds (f32 on the CPU path, the compute dtype on the kernel paths):
+  // column-parallel modules (q/k/v, gate/up) keep A whole and 1/tp of B; row-parallel ones (o,
+  // down) 1/tp of A and B whole.
   const int64_t tp = options_.tp_size;
+  const int64_t bytes = kernel_path() ? static_cast<int64_t>(c10::elementSize(options_.dtype)) : 4;
   auto pair = [&](const LoraPair& p, bool row_parallel) {
-    return 4 * (row_parallel ? p.a.numel() / tp + p.b.numel() : p.a.numel() + p.b.numel() / tp);
+    return bytes * (row_parallel ? p.a.numel() / tp + p.b.numel() : p.a.numel() + p.b.numel() / tp);
   };
   int64_t total = 0;
   for (const auto& [module, p] : a.dense) total += pair(p, absl::EndsWith(module, "o_proj"));
@@ -520,6 +689,7 @@ void MoeModel::ResetSlot(int slot) {
       L->la[k][slot].zero_();
       L->lb[k][slot].zero_();
       L->lrank[k][slot] = 0;
+      if (L->lrank_t[k].defined()) L->lrank_t[k][slot].zero_();
     }
     const int64_t E = config_.info.num_experts;
     for (int k = 0; k < 3; ++k) {
@@ -527,6 +697,7 @@ void MoeModel::ResetSlot(int slot) {
       L->ea[k][slot].zero_();
       L->eb[k][slot].zero_();
       for (int64_t e = 0; e < E; ++e) L->erank[k][slot * E + e] = 0;
+      if (L->erank_t[k].defined()) L->erank_t[k].narrow(0, slot * E, E).zero_();
     }
   }
 }
@@ -578,6 +749,17 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
     }
   }
   ResetSlot(slot);
+  // Where the slot's tensors are written: the slot itself on the CPU path; on the kernel paths a
+  // host f32 image of each touched tensor, converted and uploaded once everything is in place.
+  std::map<at::Tensor*, at::Tensor> staged;
+  auto dst = [&](at::Tensor& full) -> at::Tensor {
+    if (!kernel_path()) return full[slot];
+    auto it = staged.find(&full);
+    if (it == staged.end()) {
+      it = staged.emplace(&full, at::zeros(full[slot].sizes(), at::kFloat)).first;
+    }
+    return it->second;
+  };
   const int rk = options_.tp_rank;
   for (const auto& [t, pair] : dense) {
     Layer& L = *layers_[t.layer];
@@ -595,8 +777,8 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
                                                      " does not fit the model's ",
                                                      kDenseNames[t.module]));
     }
-    L.la[t.module][slot].narrow(1, 0, r).copy_(A.t());
-    L.lb[t.module][slot].narrow(0, 0, r).copy_(B.t());
+    dst(L.la[t.module]).narrow(1, 0, r).copy_(A.t());
+    dst(L.lb[t.module]).narrow(0, 0, r).copy_(B.t());
     L.lrank[t.module][slot] = r;
   }
   const int64_t E = config_.info.num_experts, I = config_.info.moe_intermediate_size, Ip = ip_;
@@ -612,8 +794,8 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
         for (int64_t e = 0; e < E; ++e) {
           at::Tensor Be = B.select(2, e);  // [2I, r]
           at::Tensor Bl = at::cat({Be.narrow(0, rk * Ip, Ip), Be.narrow(0, I + rk * Ip, Ip)}, 0);
-          L.ea[kW1][slot][e].narrow(1, 0, r).copy_(A[e].t());
-          L.eb[kW1][slot][e].narrow(0, 0, r).copy_(Bl.t());
+          dst(L.ea[kW1])[e].narrow(1, 0, r).copy_(A[e].t());
+          dst(L.eb[kW1])[e].narrow(0, 0, r).copy_(Bl.t());
           L.erank[kW1][slot * E + e] = r;
         }
       }
@@ -623,8 +805,8 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
         at::Tensor A = ToFloat(p.a).view({E, r, I});
         at::Tensor B = (ToFloat(p.b) * p.scaling).view({-1, r, E});
         for (int64_t e = 0; e < E; ++e) {
-          L.ea[kW2][slot][e].narrow(1, 0, r).copy_(A[e].narrow(1, rk * Ip, Ip).t());
-          L.eb[kW2][slot][e].narrow(0, 0, r).copy_(B.select(2, e).t());
+          dst(L.ea[kW2])[e].narrow(1, 0, r).copy_(A[e].narrow(1, rk * Ip, Ip).t());
+          dst(L.eb[kW2])[e].narrow(0, 0, r).copy_(B.select(2, e).t());
           L.erank[kW2][slot * E + e] = r;
         }
       }
@@ -643,10 +825,40 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
         } else {
           B = B.narrow(0, rk * Ip, Ip);
         }
-        L.ea[k][slot][e].narrow(1, 0, r).copy_(A.t());
-        L.eb[k][slot][e].narrow(0, 0, r).copy_(B.t());
+        dst(L.ea[k])[e].narrow(1, 0, r).copy_(A.t());
+        dst(L.eb[k])[e].narrow(0, 0, r).copy_(B.t());
         L.erank[k][slot * E + e] = r;
       }
+    }
+  }
+  if (kernel_path()) {
+    absl::Status s = UploadSlot(slot, staged);
+    if (!s.ok()) {
+      ResetSlot(slot);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MoeModel::UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged) {
+  // ResetSlot zeroed the slot on the compute stream; the uploader has its own stream.
+  if (options_.kernels == LoraKernels::kCuda) MOELORA_RETURN_IF_ERROR(DeviceSynchronize());
+  for (auto& [full, image] : staged) {
+    at::Tensor d = full->select(0, slot);
+    MOELORA_RETURN_IF_ERROR(Upload(d, image));
+  }
+  if (uploader_) MOELORA_RETURN_IF_ERROR(uploader_->Finish());
+  // Ranks last: a slot's kernels see rank 0 (no LoRA) until its weights are in place.
+  for (auto& L : layers_) {
+    for (int k = 0; k < 4; ++k) {
+      L->lrank_t[k].copy_(
+          at::from_blob(L->lrank[k].data(), {static_cast<int64_t>(L->lrank[k].size())}, at::kInt));
+    }
+    for (int k = 0; k < 3; ++k) {
+      if (!L->erank_t[k].defined()) continue;
+      L->erank_t[k].copy_(
+          at::from_blob(L->erank[k].data(), {static_cast<int64_t>(L->erank[k].size())}, at::kInt));
     }
   }
   return absl::OkStatus();

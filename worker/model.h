@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,7 +30,19 @@
 
 namespace moelora {
 
+class PinnedUploader;  // kernels/device.h
+
+// How LoRA (and, off the CPU path, the whole MoE block) is computed.
+enum class LoraKernels {
+  kCpuSgmv,   // CPU: ATen GEMMs per expert + the SGMV kernel on f32 slots (kernels/sgmv.h)
+  kCpuTwins,  // CPU: the CPU twins of the CUDA kernels (kernels/bgmv.h, moe_lora.h) on slots in
+              // the compute dtype: the device path's code, testable without a device
+  kCuda,      // GPU: the CUDA kernels, weights and slots in device memory
+};
+
 struct ModelOptions {
+  LoraKernels kernels = LoraKernels::kCpuSgmv;
+  int cuda_device = 0;  // with kCuda
   int tp_rank = 0;
   int tp_size = 1;
   at::ScalarType dtype = at::kFloat;
@@ -64,19 +77,22 @@ std::vector<ParamSpec> Qwen3MoeParamSpecs(const ModelConfig& c, bool lora_wrappe
 class MoeModel {
  public:
   // Loads `dir` through the architecture's loader. `comm` must outlive the model.
+  // With kCuda, the weights are moved to the device after loading; FAILED_PRECONDITION when
+  // this libtorch has no CUDA or no device answers.
   static absl::StatusOr<std::unique_ptr<MoeModel>> Load(const std::string& dir,
                                                         const ModelOptions& options,
                                                         Communicator* comm);
   ~MoeModel();
 
-  // Logits (f32) [rows, vocab]: per sequence in order, every new token's row (all_logits) or
-  // the last one. Appends the new tokens' K/V to each sequence's cache.
+  // Logits (f32, on the host) [rows, vocab]: per sequence in order, every new token's row
+  // (all_logits) or the last one. Appends the new tokens' K/V to each sequence's cache.
   absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch);
 
   SeqCache NewCache() const;
 
-  // Copies `adapter` (TP-sliced) into `slot`, replacing what was there. Checks first and changes
-  // nothing on error: INVALID_ARGUMENT for a module the engine does not wrap, FAILED_PRECONDITION
+  // Copies `adapter` (TP-sliced) into `slot`, replacing what was there (on kCuda: a host image of
+  // the slot, uploaded through pinned staging buffers). Checks first and changes nothing on
+  // error: INVALID_ARGUMENT for a module the engine does not wrap, FAILED_PRECONDITION
   // for an expert layout the MoE wrapper does not take, RESOURCE_EXHAUSTED for a rank above
   // max_lora_rank.
   absl::Status SetSlot(int slot, const LoraAdapter& adapter);
@@ -94,10 +110,24 @@ class MoeModel {
  private:
   struct Layer;
   MoeModel() = default;
-  at::Tensor Attention(Layer& L, int layer_idx, const at::Tensor& h, const ForwardBatch& b,
-                       const at::Tensor& cos, const at::Tensor& sin);
-  at::Tensor Moe(Layer& L, const at::Tensor& h, const ForwardBatch& b);
+  // `slots`: int32 [T] on the model's device for the kernel paths when any token carries an
+  // adapter; undefined otherwise.
+  absl::StatusOr<at::Tensor> Attention(Layer& L, int layer_idx, const at::Tensor& h,
+                                       const ForwardBatch& b, const at::Tensor& cos,
+                                       const at::Tensor& sin, const at::Tensor& slots);
+  absl::StatusOr<at::Tensor> Moe(Layer& L, const at::Tensor& h, const ForwardBatch& b,
+                                 const at::Tensor& slots);
+  // The kernel paths (kCpuTwins, kCuda): dense LoRA into y, and the fused MoE block.
+  absl::Status AddDenseLora(Layer& L, int k, const at::Tensor& x, at::Tensor& y,
+                            const at::Tensor& slots);
+  absl::StatusOr<at::Tensor> FusedMoe(Layer& L, const at::Tensor& h, const at::Tensor& slots);
   absl::Status AllReduce(at::Tensor& t);
+  bool kernel_path() const { return options_.kernels != LoraKernels::kCpuSgmv; }
+  at::Device device() const;
+  // Copies host `src` into device tensor `dst` (same shape; converted to dst's dtype).
+  absl::Status Upload(at::Tensor& dst, const at::Tensor& src);
+  // Kernel paths: uploads SetSlot's host images (keyed by the full slot tensor) and the ranks.
+  absl::Status UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged);
 
   ModelConfig config_;
   ModelOptions options_;
@@ -107,6 +137,7 @@ class MoeModel {
   std::vector<std::string> skipped_;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::unique_ptr<PinnedUploader> uploader_;   // kCuda: adapter uploads
   int64_t hq_ = 0, hkv_ = 0, d_ = 0, ip_ = 0;  // local heads, head dim, local I
 };
 

@@ -11,10 +11,12 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/port_file.h"
+#include "kernels/device.h"
 #include "prometheus/exposer.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
@@ -34,7 +36,10 @@ ABSL_FLAG(std::string, dist_init_dir, "",
           "--tensor-parallel-size > 1");
 ABSL_FLAG(std::string, dist_host, "127.0.0.1", "This rank's address for collectives (gloo TCP)");
 ABSL_FLAG(int, dist_timeout_s, 120, "Seconds to wait for peers and for each collective");
-ABSL_FLAG(std::string, device, "cpu", "cpu | cuda (cuda: the GPU build; not served yet)");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu | cuda (GPU tp_rank % visible devices) | cuda:N | cpu-twins (the GPU code path on "
+          "the CPU through the kernels' CPU twins; slow, for debugging). cuda needs a worker "
+          "built against a CUDA libtorch; tensor parallelism then runs over NCCL");
 ABSL_FLAG(std::string, dtype, "float32", "Compute dtype: float32 | bfloat16");
 ABSL_FLAG(int, max_loras, 4, "LoRA slots: distinct adapters resident at once");
 ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank a slot holds");
@@ -80,9 +85,14 @@ int main(int argc, char** argv) {
   if (world > 1 && absl::GetFlag(FLAGS_dist_init_dir).empty()) {
     return fail(1, "--dist-init-dir is required when --tensor-parallel-size > 1");
   }
-  if (absl::GetFlag(FLAGS_device) != "cpu") {
-    return fail(1, absl::StrCat("--device ", absl::GetFlag(FLAGS_device),
-                                ": only cpu is served by this build"));
+  const std::string device = absl::GetFlag(FLAGS_device);
+  int cuda_index = -1;
+  if (auto s = moelora::ParseDevice(device, &cuda_index); !s.ok()) {
+    return fail(1, std::string(s.message()));
+  }
+  const bool cuda = absl::StartsWith(device, "cuda");
+  if (cuda && !moelora::CudaDeviceAvailable()) {
+    return fail(1, absl::StrCat("--device ", device, ": ", moelora::CudaDeviceSummary()));
   }
   if (auto s = moelora::ValidateDType(absl::GetFlag(FLAGS_dtype)); !s.ok()) {
     return fail(1, std::string(s.message()));
@@ -147,7 +157,13 @@ int main(int argc, char** argv) {
     ro.hostname = absl::GetFlag(FLAGS_dist_host);
     ro.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_dist_timeout_s));
     service.SetLoadingDetail(absl::StrCat("connecting ", world, " ranks"));
-    auto comm = moelora::MakeGlooCommunicator(ro);
+    absl::StatusOr<std::unique_ptr<moelora::Communicator>> comm;
+    if (cuda && world > 1) {
+      const int n = moelora::CudaDeviceCount();
+      comm = moelora::MakeNcclCommunicator(ro, cuda_index >= 0 ? cuda_index : rank % n);
+    } else {
+      comm = moelora::MakeGlooCommunicator(ro);
+    }
     if (!comm.ok()) {
       LOG(ERROR) << comm.status();
       exit_code = 1;
@@ -158,6 +174,7 @@ int main(int argc, char** argv) {
     moelora::EngineOptions eo;
     eo.model_dir = model;
     eo.dtype = absl::GetFlag(FLAGS_dtype);
+    eo.device = device;
     eo.max_loras = absl::GetFlag(FLAGS_max_loras);
     eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);

@@ -1,6 +1,8 @@
 // The engine against transformers + PEFT (tests/data, tools/make_fixtures.py) and against
 // itself: converted 3D == native 3D == equivalent 2D, mixed batches == requests alone, Qwen3-MoE
 // storage == Qwen3-VL-MoE storage, base tokens untouched by loaded adapters.
+#include <ATen/ATen.h>
+
 #include <cstring>
 
 #include "gmock/gmock.h"
@@ -28,6 +30,7 @@ struct RefCase {
   const char* arch_dir;  // qwen3_moe | qwen3_vl_moe
   const char* variant;   // expected_logits variant; also the adapter directory ("" for base)
   bool mixed;
+  const char* device = "cpu";  // cpu-twins: the GPU code path through the kernels' CPU twins
 };
 
 class ReferenceLogitsTest : public ::testing::TestWithParam<RefCase> {};
@@ -37,7 +40,7 @@ TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
   const std::string dir = c.arch_dir;
   auto ref = ReadExpected(Data(dir + "/expected_logits.safetensors"));
   ASSERT_EQ(ref.prompts.size(), 3u);
-  auto h = MakeEngine(dir + "/model", c.mixed);
+  auto h = MakeEngine(dir + "/model", c.mixed, 4, 8, "float32", c.device);
   ASSERT_NE(h, nullptr);
   int64_t adapter = 0;
   const std::string variant = c.variant;
@@ -53,8 +56,8 @@ TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
     worst = std::max(worst, MaxAbsDiff(got, want[k]));
   }
   RecordProperty("max_abs_diff", std::to_string(worst));
-  std::printf("[ref] %s %s mixed=%d: max |logit - HF| = %.3g\n", c.arch_dir, c.variant, c.mixed,
-              worst);
+  std::printf("[ref] %s %s mixed=%d %s: max |logit - HF| = %.3g\n", c.arch_dir, c.variant, c.mixed,
+              c.device, worst);
   EXPECT_LE(worst, kRefTol);
 }
 
@@ -73,6 +76,20 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceLogitsTest,
                            return std::string(info.param.arch_dir) + "_" + info.param.variant +
                                   (info.param.mixed ? "_mixed" : "");
                          });
+
+// The device path's code (slots in the compute dtype, per-token slot tensors, the fused MoE
+// call with both wrappers) through the CUDA kernels' CPU twins.
+INSTANTIATE_TEST_SUITE_P(
+    KernelTwins, ReferenceLogitsTest,
+    ::testing::Values(RefCase{"qwen3_moe", "base", false, "cpu-twins"},
+                      RefCase{"qwen3_moe", "adapter_2d", false, "cpu-twins"},
+                      RefCase{"qwen3_moe", "adapter_3d", true, "cpu-twins"},
+                      RefCase{"qwen3_vl_moe", "adapter_3d", false, "cpu-twins"},
+                      RefCase{"qwen3_vl_moe", "adapter_2d", true, "cpu-twins"}),
+    [](const auto& info) {
+      return std::string(info.param.arch_dir) + "_" + info.param.variant +
+             (info.param.mixed ? "_mixed" : "");
+    });
 
 TEST(EngineTest, BfloatComputeStaysCloseToReference) {
   auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
@@ -167,6 +184,54 @@ TEST(EngineTest, BaseTokensBitIdenticalWithAdaptersLoaded) {
       EXPECT_EQ(0, std::memcmp(a[i].logits[t].data(), b[i].logits[t].data(),
                                a[i].logits[t].size() * sizeof(float)));
     }
+  }
+}
+
+// On the kernel path: a batch mixing a 2D adapter, a 3D adapter (converted) and the base model
+// equals each request alone, and its base rows are bit-identical to an engine with no adapters.
+TEST(EngineTest, KernelTwinsMixedBatchEqualsAloneAndKeepsBaseBitIdentical) {
+  auto plain = MakeEngine("qwen3_moe/model", true, 4, 8, "float32", "cpu-twins");
+  auto loaded = MakeEngine("qwen3_moe/model", true, 4, 8, "float32", "cpu-twins");
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(loaded, nullptr);
+  ASSERT_OK(Load(*loaded->engine, 1, "qwen3_moe/adapter_2d"));
+  ASSERT_OK(Load(*loaded->engine, 2, "qwen3_moe/adapter_3d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88}, {7, 2, 95}, {4, 4, 8}};
+  auto mixed = GenerateBatch(*loaded->engine, {1, 0, 2}, prompts, 4);
+  auto base = GenerateBatch(*plain->engine, {0}, {prompts[1]}, 4);
+  ASSERT_EQ(mixed[1].logits.size(), base[0].logits.size());
+  for (size_t t = 0; t < base[0].logits.size(); ++t) {
+    EXPECT_EQ(0, std::memcmp(mixed[1].logits[t].data(), base[0].logits[t].data(),
+                             base[0].logits[t].size() * sizeof(float)))
+        << "token " << t;
+  }
+  for (int i : {0, 2}) {
+    auto alone = GenerateBatch(*loaded->engine, {i == 0 ? 1 : 2}, {prompts[i]}, 4);
+    EXPECT_EQ(alone[0].tokens, mixed[i].tokens);
+    for (size_t t = 0; t < alone[0].logits.size(); ++t) {
+      EXPECT_LE(MaxAbsDiff(alone[0].logits[t], mixed[i].logits[t]), kSelfTol);
+    }
+  }
+}
+
+TEST(EngineTest, DeviceFlagIsCheckedAndCudaFailsCleanlyWithoutOne) {
+  int idx = 0;
+  EXPECT_THAT(ParseDevice("tpu", &idx), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ParseDevice("cuda:x", &idx), StatusIs(absl::StatusCode::kInvalidArgument));
+  ASSERT_OK(ParseDevice("cuda:1", &idx));
+  EXPECT_EQ(idx, 1);
+  EngineOptions o;
+  o.model_dir = Data("qwen3_moe/model");
+  o.device = "cpu-twins";
+  o.max_lora_rank = 65;
+  auto comm = MakeLocalCommunicator();
+  EXPECT_THAT(Engine::Create(o, comm.get()).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ranks up to 64")));
+  if (!at::hasCUDA()) {
+    o.device = "cuda";
+    o.max_lora_rank = 8;
+    EXPECT_THAT(Engine::Create(o, comm.get()).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no CUDA")));
   }
 }
 

@@ -62,9 +62,11 @@ struct EngineHolder {
 
 inline std::unique_ptr<EngineHolder> MakeEngine(const std::string& model, bool mixed,
                                                 int max_loras = 4, int max_rank = 8,
-                                                const std::string& dtype = "float32") {
+                                                const std::string& dtype = "float32",
+                                                const std::string& device = "cpu") {
   auto h = std::make_unique<EngineHolder>();
   EngineOptions o;
+  o.device = device;
   o.model_dir = Data(model);
   o.enable_mixed_moe_lora_format = mixed;
   o.max_loras = max_loras;
