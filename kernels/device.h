@@ -73,6 +73,7 @@ class PinnedBuffer {
 // Blocking copies (synchronise the default stream).
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
 absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
+absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes);
 
 // Uploads pageable host memory to the device through a ring of pinned staging buffers: the
 // memcpy into buffer i+1 overlaps the DMA of buffer i, so an adapter of any size moves at close

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <regex>
 
@@ -597,6 +598,10 @@ absl::StatusOr<at::Tensor> MoeModel::Forward(const ForwardBatch& b) {
   if (T == 0 || b.slots.size() != b.tokens.size()) {
     return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
   }
+  // The raw kernel launches use this thread's current device.
+  if (options_.kernels == LoraKernels::kCuda) {
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
+  }
   std::vector<int64_t> positions(T);
   for (const auto& s : b.seqs) {
     for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.cache->len + i;
@@ -842,23 +847,28 @@ absl::Status MoeModel::SetSlot(int slot, const LoraAdapter& a) {
 }
 
 absl::Status MoeModel::UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged) {
-  // ResetSlot zeroed the slot on the compute stream; the uploader has its own stream.
-  if (options_.kernels == LoraKernels::kCuda) MOELORA_RETURN_IF_ERROR(DeviceSynchronize());
+  std::lock_guard<std::mutex> lock(upload_mu_);  // one uploader; stages may run concurrently
+  if (options_.kernels == LoraKernels::kCuda) {
+    // This thread's current device, and ResetSlot's zeroing (compute stream) finished before
+    // the uploader's own stream writes the slot.
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
+    MOELORA_RETURN_IF_ERROR(DeviceSynchronize());
+  }
   for (auto& [full, image] : staged) {
     at::Tensor d = full->select(0, slot);
     MOELORA_RETURN_IF_ERROR(Upload(d, image));
   }
   if (uploader_) MOELORA_RETURN_IF_ERROR(uploader_->Finish());
-  // Ranks last: a slot's kernels see rank 0 (no LoRA) until its weights are in place.
+  // Ranks last, this slot's only: its kernels see rank 0 (no LoRA) until its weights are in
+  // place.
+  const int64_t E = config_.info.num_experts;
   for (auto& L : layers_) {
-    for (int k = 0; k < 4; ++k) {
-      L->lrank_t[k].copy_(
-          at::from_blob(L->lrank[k].data(), {static_cast<int64_t>(L->lrank[k].size())}, at::kInt));
-    }
+    for (int k = 0; k < 4; ++k) L->lrank_t[k][slot].fill_(L->lrank[k][slot]);
     for (int k = 0; k < 3; ++k) {
       if (!L->erank_t[k].defined()) continue;
-      L->erank_t[k].copy_(
-          at::from_blob(L->erank[k].data(), {static_cast<int64_t>(L->erank[k].size())}, at::kInt));
+      L->erank_t[k]
+          .narrow(0, slot * E, E)
+          .copy_(at::from_blob(L->erank[k].data() + slot * E, {E}, at::kInt));
     }
   }
   return absl::OkStatus();

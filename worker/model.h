@@ -19,6 +19,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,7 @@ class MoeModel {
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::unique_ptr<PinnedUploader> uploader_;   // kCuda: adapter uploads
+  std::mutex upload_mu_;                       // guards uploader_
   int64_t hq_ = 0, hkv_ = 0, d_ = 0, ip_ = 0;  // local heads, head dim, local I
 };
 

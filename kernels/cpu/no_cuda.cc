@@ -37,6 +37,7 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
 PinnedBuffer::~PinnedBuffer() = default;
 absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
+absl::Status CopyOnDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::StatusOr<std::unique_ptr<PinnedUploader>> PinnedUploader::Create(size_t, int) {
   return NoCuda();
 }

@@ -108,6 +108,10 @@ absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
   return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
 }
 
+absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) {
+  return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy D2D");
+}
+
 namespace {
 
 class CudaPinnedUploader final : public PinnedUploader {

@@ -103,7 +103,7 @@ class NcclCommunicator final : public Communicator {
   absl::Status Abort(absl::Status why) {
     ncclCommAbort(comm_);
     aborted_ = true;
-    reason_ = why.message();
+    reason_ = std::string(why.message());
     return absl::UnavailableError(why.message());
   }
   absl::Status Broken() const {

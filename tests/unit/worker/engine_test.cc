@@ -7,6 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
 
@@ -35,8 +36,13 @@ struct RefCase {
 
 class ReferenceLogitsTest : public ::testing::TestWithParam<RefCase> {};
 
+bool CudaUsable() { return at::hasCUDA() && CudaDeviceAvailable(); }
+
 TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
   const RefCase c = GetParam();
+  if (std::string(c.device) == "cuda" && !CudaUsable()) {
+    GTEST_SKIP() << "needs libtorch with CUDA and a device: " << CudaDeviceSummary();
+  }
   const std::string dir = c.arch_dir;
   auto ref = ReadExpected(Data(dir + "/expected_logits.safetensors"));
   ASSERT_EQ(ref.prompts.size(), 3u);
@@ -90,6 +96,34 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(info.param.arch_dir) + "_" + info.param.variant +
              (info.param.mixed ? "_mixed" : "");
     });
+
+// The GPU worker path: weights, slots and the kernels on the device (gpu_check.sh runs these).
+INSTANTIATE_TEST_SUITE_P(Cuda, ReferenceLogitsTest,
+                         ::testing::Values(RefCase{"qwen3_moe", "base", false, "cuda"},
+                                           RefCase{"qwen3_moe", "adapter_2d", false, "cuda"},
+                                           RefCase{"qwen3_moe", "adapter_3d", true, "cuda"},
+                                           RefCase{"qwen3_vl_moe", "adapter_3d", false, "cuda"},
+                                           RefCase{"qwen3_vl_moe", "adapter_2d", true, "cuda"}),
+                         [](const auto& info) {
+                           return std::string(info.param.arch_dir) + "_" + info.param.variant +
+                                  (info.param.mixed ? "_mixed" : "");
+                         });
+
+TEST(EngineTest, CudaBfloatMixedBatchStaysCloseToReference) {
+  if (!CudaUsable()) GTEST_SKIP() << "needs libtorch with CUDA and a device";
+  auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
+  auto h = MakeEngine("qwen3_moe/model", true, 4, 8, "bfloat16", "cuda");
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 3, "qwen3_moe/adapter_3d"));
+  ASSERT_OK(Load(*h->engine, 4, "qwen3_moe/adapter_2d"));
+  for (auto [id, variant] :
+       {std::pair<int64_t, const char*>{3, "adapter_3d"}, {4, "adapter_2d"}, {0, "base"}}) {
+    auto got = PromptLogits(*h->engine, id, ref.prompts[1]);
+    const float d = MaxAbsDiff(got, ref.logits.at(variant)[1]);
+    std::printf("[ref] cuda bf16 %s: max |logit - HF f32| = %.3g\n", variant, d);
+    EXPECT_LE(d, 0.1f) << variant;
+  }
+}
 
 TEST(EngineTest, BfloatComputeStaysCloseToReference) {
   auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
