@@ -13,8 +13,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <functional>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <set>
 #include <string>
@@ -27,12 +27,12 @@
 namespace moelora {
 namespace {
 
-#define CHECK_OK(expr)                                                                   \
-  do {                                                                                   \
-    if (auto s_ = (expr); !s_.ok()) {                                                    \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.ToString().c_str());    \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define CHECK_OK(expr)                                                                \
+  do {                                                                                \
+    if (auto s_ = (expr); !s_.ok()) {                                                 \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
   } while (false)
 
 template <typename T>
@@ -152,8 +152,7 @@ int Run(bool quick) {
     p.max_rank = R;
     DeviceBuffer ws = Unwrap(DeviceBuffer::Allocate(MoeLoraWorkspaceBytes(p)));
     p.workspace = ws.get();
-    const double base_ms =
-        MedianMs(*timer, iters, [&] { CHECK_OK(MoeLoraCuda(p, nullptr)); });
+    const double base_ms = MedianMs(*timer, iters, [&] { CHECK_OK(MoeLoraCuda(p, nullptr)); });
     MoeLoraParams q = p;
     q.slot_of_token = d_slots.as<int32_t>();
     const int32_t* rk = ranks.as<int32_t>();
@@ -167,8 +166,7 @@ int Run(bool quick) {
     }
     q.down = {da.get(), db.get(), rk, 0, H};
     q.has_down = true;
-    const double lora_ms =
-        MedianMs(*timer, iters, [&] { CHECK_OK(MoeLoraCuda(q, nullptr)); });
+    const double lora_ms = MedianMs(*timer, iters, [&] { CHECK_OK(MoeLoraCuda(q, nullptr)); });
     const double base_bytes = static_cast<double>(touched.size()) * 3 * I * H * 2;
     const double lora_bytes = base_bytes + pairs.size() * lora_pair_bytes_2d;
     const double ratio = lora_ms / base_ms;
@@ -203,12 +201,14 @@ int Run(bool quick) {
     CHECK_OK(up->Finish());
   });
   const double pinned_bw = adapter / pinned_s, upload_bw = adapter / upload_s;
-  std::printf("\nadapter upload 1.6 GB: pinned cudaMemcpy %.1f GB/s, PinnedUploader (pageable "
-              "source) %.1f GB/s = %.0f%% (goal >= 70%%)\n",
-              pinned_bw / 1e9, upload_bw / 1e9, 100.0 * upload_bw / pinned_bw);
-  std::printf("\nsummary: moe_lora_overhead_256tok_16adapters=%.2fx (goal <= 1.30) "
-              "upload_vs_pinned=%.0f%% (goal >= 70%%)\n",
-              goal_ratio, 100.0 * upload_bw / pinned_bw);
+  std::printf(
+      "\nadapter upload 1.6 GB: pinned cudaMemcpy %.1f GB/s, PinnedUploader (pageable "
+      "source) %.1f GB/s = %.0f%% (goal >= 70%%)\n",
+      pinned_bw / 1e9, upload_bw / 1e9, 100.0 * upload_bw / pinned_bw);
+  std::printf(
+      "\nsummary: moe_lora_overhead_256tok_16adapters=%.2fx (goal <= 1.30) "
+      "upload_vs_pinned=%.0f%% (goal >= 70%%)\n",
+      goal_ratio, 100.0 * upload_bw / pinned_bw);
   return 0;
 }
 
@@ -218,8 +218,9 @@ int Run(bool quick) {
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
-    std::printf("usage: gpu_kernels [--quick]\n  fused MoE LoRA vs base MoE and adapter upload "
-                "bandwidth on the first CUDA device; exits 0 without one\n");
+    std::printf(
+        "usage: gpu_kernels [--quick]\n  fused MoE LoRA vs base MoE and adapter upload "
+        "bandwidth on the first CUDA device; exits 0 without one\n");
     return 0;
   }
   if (!moelora::CudaDeviceAvailable()) {

@@ -48,7 +48,9 @@ ABSL_FLAG(int, max_cpu_loras, 8,
           "swapped into slots on demand)");
 ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
-ABSL_FLAG(std::string, device, "cpu", "cpu (cuda is the GPU release)");
+ABSL_FLAG(std::string, device, "cpu",
+          "Worker device: cpu | cuda (rank r uses GPU r % visible GPUs; TP over NCCL) | cpu-twins "
+          "(the GPU code path on the CPU; slow, for debugging)");
 ABSL_FLAG(std::string, dtype, "float32", "Worker compute dtype: float32 | bfloat16");
 ABSL_FLAG(int, drain_timeout_s, 30, "On SIGTERM: seconds in-flight requests may still take");
 ABSL_FLAG(int, step_timeout_s, 60, "A step that takes longer fails its requests (UNAVAILABLE)");
@@ -95,8 +97,10 @@ int main(int argc, char** argv) {
   if (model.empty()) return fail("--model is required (see --help)");
   auto info = moelora::ReadModelInfo(model);
   if (!info.ok()) return fail(info.status().ToString());
-  if (absl::GetFlag(FLAGS_device) != "cpu")
-    return fail("--device: only cpu is served by this build");
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "cuda" && device != "cpu-twins") {
+    return fail(absl::StrCat("--device ", device, ": expected cpu, cuda or cpu-twins"));
+  }
   const int tp = absl::GetFlag(FLAGS_tensor_parallel_size);
   if (tp < 1) return fail("--tensor-parallel-size must be >= 1");
   if (absl::GetFlag(FLAGS_max_loras) < 1 ||
@@ -142,6 +146,7 @@ int main(int argc, char** argv) {
                      "--max-num-seqs",  std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
                      "--max-model-len", std::to_string(absl::GetFlag(FLAGS_max_model_len)),
                      "--dtype",         absl::GetFlag(FLAGS_dtype),
+                     "--device",        device,
                      "--metrics-port",  "0"};
   if (absl::GetFlag(FLAGS_enable_mixed_moe_lora_format))
     go.worker_flags.push_back("--enable-mixed-moe-lora-format");

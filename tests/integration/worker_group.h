@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <future>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,12 @@ class WorkerGroup {
                                        "--dist-timeout-s",
                                        "60"};
       argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+      // MOELORA_TEST_WORKER_FLAGS (space-separated) is appended: kernels/gpu_check.sh runs the TP
+      // tests with "--device cuda".
+      if (const char* more = std::getenv("MOELORA_TEST_WORKER_FLAGS")) {
+        std::istringstream in(more);
+        for (std::string f; in >> f;) argv.push_back(f);
+      }
       procs_.push_back(
           std::make_unique<ChildProcess>(argv, dir_.path() + "/log." + std::to_string(r)));
     }

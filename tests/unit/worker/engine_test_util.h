@@ -3,6 +3,7 @@
 #define MOELORA_TESTS_UNIT_WORKER_ENGINE_TEST_UTIL_H_
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,8 +15,10 @@
 
 namespace moelora::testing {
 
+// tests/data, or $MOELORA_TEST_DATA_DIR (binaries run from a bundle on another machine).
 inline std::string Data(const std::string& rel) {
-  return std::string(MOELORA_TEST_DATA_DIR) + "/" + rel;
+  const char* env = std::getenv("MOELORA_TEST_DATA_DIR");
+  return std::string(env && *env ? env : MOELORA_TEST_DATA_DIR) + "/" + rel;
 }
 
 struct Fixture {
