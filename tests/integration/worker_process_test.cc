@@ -5,6 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "tests/integration/worker_group.h"
 #include "tests/testing/http_get.h"
 #include "tests/unit/worker/engine_test_util.h"
@@ -199,6 +200,35 @@ TEST(WorkerProcessTest, StartupFailuresExitNonZeroWithAReason) {
   {
     WorkerGroup g(Data("qwen3_moe/model"), 1, {"--no-such-flag"});
     EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
+  }
+  {
+    WorkerGroup g(Data("qwen3_moe/model"), 1, {"--device", "tpu"});
+    EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
+    EXPECT_THAT(g.process(0).Log(), HasSubstr("expected cpu, cuda, cuda:N or cpu-twins"));
+  }
+  if (!CudaDeviceAvailable()) {
+    WorkerGroup g(Data("qwen3_moe/model"), 1, {"--device", "cuda"});
+    EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
+    EXPECT_THAT(g.process(0).Log(), HasSubstr("--device cuda: "));
+  }
+}
+
+// The GPU code path through the kernels' CPU twins, as a real worker process.
+TEST(WorkerProcessTest, CpuTwinsWorkerServesMixedAdapters) {
+  WorkerGroup g(Data("qwen3_moe/model"), 1,
+                {"--device", "cpu-twins", "--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(g.WaitReady()) << g.Logs();
+  ASSERT_TRUE(g.Load(1, Data("qwen3_moe/adapter_3d")).ok());
+  ASSERT_TRUE(g.Load(2, Data("qwen3_moe/adapter_2d")).ok());
+  auto ref = ReadExpected(Data("qwen3_moe/expected_logits.safetensors"));
+  // One batch: [3D adapter, 2D adapter, base], each against transformers + PEFT.
+  const std::vector<std::string> variants = {"adapter_3d", "adapter_2d", "base"};
+  auto gen = Generate(g, {1, 2, 0}, {ref.prompts[0], ref.prompts[1], ref.prompts[2]}, 2);
+  ASSERT_EQ(gen.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const auto& want = ref.logits.at(variants[i])[i];
+    ASSERT_EQ(gen[i].prompt_logits.size(), want.size()) << variants[i];
+    EXPECT_LE(MaxAbsDiff(gen[i].prompt_logits, want), 1e-4f) << variants[i];
   }
 }
 

@@ -62,13 +62,25 @@ class NcclCommunicator final : public Communicator {
 
   absl::Status AllReduceSum(float* data, size_t count) override {
     if (aborted_) return Broken();
+    const auto deadline = Clock::now() + timeout_;
+    auto timed_out = [&] {
+      return Abort(absl::UnavailableError(absl::StrCat(
+          "ncclAllReduce of ", count, " floats did not finish within ", timeout_.count(),
+          " ms: a peer rank is dead or hung; communicator aborted")));
+    };
     ncclResult_t r = ncclAllReduce(data, data, count, ncclFloat32, ncclSum, comm_, nullptr);
-    if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclError("ncclAllReduce", r));
+    Backoff backoff;
+    // A non-blocking communicator may return before the collective is enqueued; it must be
+    // before the event is recorded behind it.
+    while (r == ncclInProgress) {
+      if (Clock::now() > deadline) return timed_out();
+      backoff.Wait();
+      ncclCommGetAsyncError(comm_, &r);
+    }
+    if (r != ncclSuccess) return Abort(NcclError("ncclAllReduce", r));
     if (cudaEventRecord(done_, nullptr) != cudaSuccess) {
       return Abort(absl::InternalError("cudaEventRecord after ncclAllReduce failed"));
     }
-    const auto deadline = Clock::now() + timeout_;
-    Backoff backoff;
     while (true) {
       const cudaError_t q = cudaEventQuery(done_);
       if (q == cudaSuccess) return absl::OkStatus();
@@ -81,11 +93,7 @@ class NcclCommunicator final : public Communicator {
       if (async != ncclSuccess && async != ncclInProgress) {
         return Abort(NcclError("ncclAllReduce (asynchronous error)", async));
       }
-      if (Clock::now() > deadline) {
-        return Abort(absl::UnavailableError(absl::StrCat(
-            "ncclAllReduce of ", count, " floats did not finish within ", timeout_.count(),
-            " ms: a peer rank is dead or hung; communicator aborted")));
-      }
+      if (Clock::now() > deadline) return timed_out();
       backoff.Wait();
     }
   }
