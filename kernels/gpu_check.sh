@@ -68,7 +68,7 @@ gtest() {  # name binary [filter]
   out=$(timeout 300 "$BIN/$bin" --gtest_filter="$filter" --gtest_brief=0 2>&1)
   local rc=$?
   echo "$out" >>"$LOG"
-  echo "$out" | grep -E '^\[(ref|tp)\]|FAILED|SKIPPED \]' | head -40
+  echo "$out" | grep -E '^\[(ref|tp)\]|FAILED|SKIPPED \]|Failure|error while loading' | head -40
   local passed skipped
   passed=$(echo "$out" | grep -oP '\[  PASSED  \] \K[0-9]+' | tail -1)
   skipped=$(echo "$out" | grep -oP '\[  SKIPPED \] \K[0-9]+(?= test)' | tail -1)
