@@ -30,16 +30,47 @@ int NcclVersionCode();
 absl::Status CudaSetDevice(int device);
 absl::Status DeviceSynchronize();
 
-// Device memory, freed on destruction.
-class DeviceBuffer {
+namespace device_internal {
+// Where an OwnedBuffer's memory comes from: kernels/cuda/device.cc (cudaMalloc, cudaMallocHost)
+// or kernels/cpu/no_cuda.cc (UNIMPLEMENTED).
+struct DeviceMemory {
+  static absl::Status Alloc(void** ptr, size_t bytes);
+  static void Free(void* ptr);
+};
+struct PinnedMemory {
+  static absl::Status Alloc(void** ptr, size_t bytes);
+  static void Free(void* ptr);
+};
+}  // namespace device_internal
+
+// Memory of kind `M`, freed on destruction; move-only.
+template <class M>
+class OwnedBuffer {
  public:
-  DeviceBuffer() = default;
-  static absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer();
+  OwnedBuffer() = default;
+  static absl::StatusOr<OwnedBuffer> Allocate(size_t bytes) {
+    OwnedBuffer b;
+    if (bytes == 0) return b;
+    if (absl::Status s = M::Alloc(&b.ptr_, bytes); !s.ok()) {
+      b.ptr_ = nullptr;
+      return s;
+    }
+    b.bytes_ = bytes;
+    return b;
+  }
+  OwnedBuffer(OwnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  OwnedBuffer& operator=(OwnedBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      ptr_ = o.ptr_;
+      bytes_ = o.bytes_;
+      o.ptr_ = nullptr;
+    }
+    return *this;
+  }
+  OwnedBuffer(const OwnedBuffer&) = delete;
+  OwnedBuffer& operator=(const OwnedBuffer&) = delete;
+  ~OwnedBuffer() { Reset(); }
   void* get() const { return ptr_; }
   template <typename T>
   T* as() const {
@@ -48,27 +79,17 @@ class DeviceBuffer {
   size_t bytes() const { return bytes_; }
 
  private:
+  void Reset() {
+    if (ptr_) M::Free(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
 
-// Page-locked host memory, freed on destruction.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  static absl::StatusOr<PinnedBuffer> Allocate(size_t bytes);
-  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
-  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer();
-  void* get() const { return ptr_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+using DeviceBuffer = OwnedBuffer<device_internal::DeviceMemory>;  // device memory
+using PinnedBuffer = OwnedBuffer<device_internal::PinnedMemory>;  // page-locked host memory
 
 // Blocking copies (synchronise the default stream).
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);

@@ -19,22 +19,10 @@ int NcclVersionCode() { return 0; }
 absl::Status CudaSetDevice(int) { return NoCuda(); }
 absl::Status DeviceSynchronize() { return NoCuda(); }
 
-absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t) { return NoCuda(); }
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  ptr_ = o.ptr_;
-  bytes_ = o.bytes_;
-  o.ptr_ = nullptr;
-  return *this;
-}
-DeviceBuffer::~DeviceBuffer() = default;
-absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t) { return NoCuda(); }
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
-  ptr_ = o.ptr_;
-  bytes_ = o.bytes_;
-  o.ptr_ = nullptr;
-  return *this;
-}
-PinnedBuffer::~PinnedBuffer() = default;
+absl::Status device_internal::DeviceMemory::Alloc(void**, size_t) { return NoCuda(); }
+void device_internal::DeviceMemory::Free(void*) {}
+absl::Status device_internal::PinnedMemory::Alloc(void**, size_t) { return NoCuda(); }
+void device_internal::PinnedMemory::Free(void*) {}
 absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
 absl::Status CopyOnDevice(void*, const void*, size_t) { return NoCuda(); }

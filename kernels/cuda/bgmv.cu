@@ -22,15 +22,7 @@ cudaError_t Run(const BgmvArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t LaunchBgmv(const BgmvArgs& a, cudaStream_t stream) {
-  switch (a.type) {
-    case ElemType::kF32:
-      return Run<float>(a, stream);
-    case ElemType::kF16:
-      return Run<__half>(a, stream);
-    case ElemType::kBF16:
-      return Run<__nv_bfloat16>(a, stream);
-  }
-  return cudaErrorInvalidValue;
+  return DispatchElem(a.type, [&](auto tag) { return Run<decltype(tag)>(a, stream); });
 }
 
 }  // namespace cuda_internal

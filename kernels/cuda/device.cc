@@ -46,59 +46,20 @@ absl::Status DeviceSynchronize() {
   return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
-absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
-  DeviceBuffer b;
-  if (bytes == 0) return b;
-  if (auto s =
-          CudaStatus(cudaMalloc(&b.ptr_, bytes), absl::StrCat("cudaMalloc(", bytes, ")").c_str());
-      !s.ok()) {
-    b.ptr_ = nullptr;
-    return s;
-  }
-  b.bytes_ = bytes;
-  return b;
-}
+namespace device_internal {
 
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    if (ptr_) cudaFree(ptr_);
-    ptr_ = o.ptr_;
-    bytes_ = o.bytes_;
-    o.ptr_ = nullptr;
-  }
-  return *this;
+absl::Status DeviceMemory::Alloc(void** ptr, size_t bytes) {
+  return CudaStatus(cudaMalloc(ptr, bytes), absl::StrCat("cudaMalloc(", bytes, ")").c_str());
 }
+void DeviceMemory::Free(void* ptr) { cudaFree(ptr); }
 
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr_) cudaFree(ptr_);
+absl::Status PinnedMemory::Alloc(void** ptr, size_t bytes) {
+  return CudaStatus(cudaMallocHost(ptr, bytes),
+                    absl::StrCat("cudaMallocHost(", bytes, ")").c_str());
 }
+void PinnedMemory::Free(void* ptr) { cudaFreeHost(ptr); }
 
-absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
-  PinnedBuffer b;
-  if (bytes == 0) return b;
-  if (auto s = CudaStatus(cudaMallocHost(&b.ptr_, bytes),
-                          absl::StrCat("cudaMallocHost(", bytes, ")").c_str());
-      !s.ok()) {
-    b.ptr_ = nullptr;
-    return s;
-  }
-  b.bytes_ = bytes;
-  return b;
-}
-
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
-  if (this != &o) {
-    if (ptr_) cudaFreeHost(ptr_);
-    ptr_ = o.ptr_;
-    bytes_ = o.bytes_;
-    o.ptr_ = nullptr;
-  }
-  return *this;
-}
-
-PinnedBuffer::~PinnedBuffer() {
-  if (ptr_) cudaFreeHost(ptr_);
-}
+}  // namespace device_internal
 
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
   return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");

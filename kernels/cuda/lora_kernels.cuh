@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/launch.h"
+
 namespace moelora {
 namespace cuda_internal {
 
@@ -119,6 +121,20 @@ __global__ void __launch_bounds__(kExpandThreads)
   for (int j = 0; j < r; ++j) acc += m[j] * ToF(b[j * out_dim]);
   OutT* o = out + i * out_stride + c;
   *o = FromF<OutT>(ToF(*o) + acc);
+}
+
+// Calls fn(T{}) with T the element type `type` names (float, __half or __nv_bfloat16).
+template <typename Fn>
+cudaError_t DispatchElem(ElemType type, Fn&& fn) {
+  switch (type) {
+    case ElemType::kF32:
+      return fn(float{});
+    case ElemType::kF16:
+      return fn(__half{});
+    case ElemType::kBF16:
+      return fn(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 // Launches ShrinkKernel with the smallest register bucket that holds R (R <= kMaxRank).

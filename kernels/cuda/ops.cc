@@ -12,6 +12,12 @@ using cuda_internal::CudaStatus;
 using cuda_internal::ElemType;
 
 namespace {
+absl::Status CheckCudaRank(const char* op, int64_t max_rank) {
+  if (max_rank <= kBgmvCudaMaxRank) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, ": max_rank ", max_rank, " > ", kBgmvCudaMaxRank, " (CUDA kernel)"));
+}
+
 ElemType ToElem(DType d) {
   return d == DType::kF16 ? ElemType::kF16 : d == DType::kBF16 ? ElemType::kBF16 : ElemType::kF32;
 }
@@ -19,10 +25,7 @@ ElemType ToElem(DType d) {
 
 absl::Status BgmvCuda(const BgmvParams& p, void* stream) {
   if (auto s = p.Validate(); !s.ok()) return s;
-  if (p.max_rank > kBgmvCudaMaxRank) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bgmv: max_rank ", p.max_rank, " > ", kBgmvCudaMaxRank, " (CUDA kernel)"));
-  }
+  if (auto s = CheckCudaRank("bgmv", p.max_rank); !s.ok()) return s;
   if (!p.workspace) return absl::InvalidArgumentError("bgmv: CUDA needs a workspace");
   cuda_internal::BgmvArgs a;
   a.type = ToElem(p.dtype);
@@ -45,9 +48,8 @@ absl::Status BgmvCuda(const BgmvParams& p, void* stream) {
 absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
   if (auto s = p.Validate(); !s.ok()) return s;
   const bool lora = p.num_gate_up > 0 || p.has_down;
-  if (lora && p.max_rank > kBgmvCudaMaxRank) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("moe_lora: max_rank ", p.max_rank, " > ", kBgmvCudaMaxRank, " (CUDA kernel)"));
+  if (lora) {
+    if (auto s = CheckCudaRank("moe_lora", p.max_rank); !s.ok()) return s;
   }
   const int64_t keys = p.num_experts * (lora ? p.num_slots + 1 : 1);
   if (keys > moe_internal::kMaxSortKeys) {

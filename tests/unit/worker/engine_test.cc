@@ -36,6 +36,11 @@ struct RefCase {
 
 class ReferenceLogitsTest : public ::testing::TestWithParam<RefCase> {};
 
+std::string RefCaseName(const ::testing::TestParamInfo<RefCase>& info) {
+  return std::string(info.param.arch_dir) + "_" + info.param.variant +
+         (info.param.mixed ? "_mixed" : "");
+}
+
 bool CudaUsable() { return at::hasCUDA() && CudaDeviceAvailable(); }
 
 TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
@@ -78,10 +83,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceLogitsTest,
                                            RefCase{"qwen3_vl_moe", "adapter_3d", false},
                                            RefCase{"qwen3_vl_moe", "adapter_3d", true},
                                            RefCase{"qwen3_vl_moe", "adapter_2d", true}),
-                         [](const auto& info) {
-                           return std::string(info.param.arch_dir) + "_" + info.param.variant +
-                                  (info.param.mixed ? "_mixed" : "");
-                         });
+                         RefCaseName);
 
 // The device path's code (slots in the compute dtype, per-token slot tensors, the fused MoE
 // call with both wrappers) through the CUDA kernels' CPU twins.
@@ -92,10 +94,7 @@ INSTANTIATE_TEST_SUITE_P(
                       RefCase{"qwen3_moe", "adapter_3d", true, "cpu-twins"},
                       RefCase{"qwen3_vl_moe", "adapter_3d", false, "cpu-twins"},
                       RefCase{"qwen3_vl_moe", "adapter_2d", true, "cpu-twins"}),
-    [](const auto& info) {
-      return std::string(info.param.arch_dir) + "_" + info.param.variant +
-             (info.param.mixed ? "_mixed" : "");
-    });
+    RefCaseName);
 
 // The GPU worker path: weights, slots and the kernels on the device (gpu_check.sh runs these).
 INSTANTIATE_TEST_SUITE_P(Cuda, ReferenceLogitsTest,
@@ -104,10 +103,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda, ReferenceLogitsTest,
                                            RefCase{"qwen3_moe", "adapter_3d", true, "cuda"},
                                            RefCase{"qwen3_vl_moe", "adapter_3d", false, "cuda"},
                                            RefCase{"qwen3_vl_moe", "adapter_2d", true, "cuda"}),
-                         [](const auto& info) {
-                           return std::string(info.param.arch_dir) + "_" + info.param.variant +
-                                  (info.param.mixed ? "_mixed" : "");
-                         });
+                         RefCaseName);
 
 TEST(EngineTest, CudaBfloatMixedBatchStaysCloseToReference) {
   if (!CudaUsable()) GTEST_SKIP() << "needs libtorch with CUDA and a device";
