@@ -49,38 +49,70 @@ else
     -DMOELORA_ENABLE_CUDA=ON -DCMAKE_PREFIX_PATH="$TORCH_DIR" \
     -DTorch_DIR="$TORCH_DIR/share/cmake/Torch" -DTORCH_CUDA_ARCH_LIST=9.0 >/dev/null || exit 1
   run cmake --build "$B" -j"$(nproc)" --target kernels_gpu_test kernels_test worker_engine_test \
-    worker_process_test moelora-worker gpu_kernels >/dev/null || { say "build failed"; exit 1; }
+    worker_process_test moelora-worker gpu_kernels decode_step >/dev/null || { say "build failed"; exit 1; }
   say "build: $(($(date +%s) - T0)) s"
   BIN="$B/bin"
   mkdir -p "$BIN"
   for t in tests/kernels_gpu_test tests/kernels_test tests/worker_engine_test \
-    tests/worker_process_test worker/moelora-worker bench/gpu_kernels; do
+    tests/worker_process_test worker/moelora-worker bench/gpu_kernels bench/decode_step; do
     ln -sf "$B/$t" "$BIN/"
   done
   export MOELORA_WORKER_BIN="$BIN/moelora-worker"
 fi
 export MOELORA_TEST_DATA_DIR="$ROOT/tests/data"
 
+export MOELORA_REQUIRE_CUDA=1  # a test that would skip for want of a device fails instead
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+
+# Each gtest suite of a binary runs as its own process, so one kernel fault (a sticky CUDA
+# error) fails that suite only; a failing suite is rerun under compute-sanitizer (memcheck)
+# when the machine has it. RESULT[name] sums the suites: passed / skipped / failed tests.
 declare -A RESULT
 gtest() {  # name binary [filter]
   local name=$1 bin=$2 filter=${3:-*}
-  local out
-  out=$(timeout 300 "$BIN/$bin" --gtest_filter="$filter" --gtest_brief=0 2>&1)
-  local rc=$?
-  echo "$out" >>"$LOG"
-  echo "$out" | grep -E '^\[(ref|tp)\]|FAILED|SKIPPED \]|Failure|error while loading' | head -40
-  local passed skipped
-  passed=$(echo "$out" | grep -oP '\[  PASSED  \] \K[0-9]+' | tail -1)
-  skipped=$(echo "$out" | grep -oP '\[  SKIPPED \] \K[0-9]+(?= test)' | tail -1)
-  RESULT[$name]="rc=$rc passed=${passed:-0} skipped=${skipped:-0}"
-  [ "$rc" -eq 0 ]
+  local suites rc_all=0 p_all=0 s_all=0 f_all=0 bad=""
+  # --gtest_list_tests: "Suite." lines, then "  test" lines (parameterised ones with a comment).
+  suites=$("$BIN/$bin" --gtest_filter="$filter" --gtest_list_tests 2>>"$LOG" |
+    awk '/^[^ ]/ {s=$1} /^  / {t[s]=t[s] (t[s]==""?"":":") s $1} END {for (k in t) print t[k]}')
+  if [ -z "$suites" ]; then
+    say "$name: no tests match '$filter' in $bin"
+    RESULT[$name]="rc=1 no tests"
+    return 1
+  fi
+  while read -r tests; do
+    local suite=${tests%%.*} out rc passed skipped failed
+    out=$(timeout 300 "$BIN/$bin" --gtest_filter="$tests" --gtest_brief=0 2>&1)
+    rc=$?
+    { echo "---- $name: $suite (rc=$rc)"; echo "$out"; } >>"$LOG"
+    echo "$out" | grep -E '^\[(ref|tp|shape)\]|FAILED|SKIPPED \]|Failure|error while loading' | head -20
+    passed=$(echo "$out" | grep -oP '\[  PASSED  \] \K[0-9]+' | tail -1)
+    skipped=$(echo "$out" | grep -oP '\[  SKIPPED \] \K[0-9]+(?= test)' | tail -1)
+    failed=$(echo "$out" | grep -oP '\[  FAILED  \] \K[0-9]+(?= test)' | tail -1)
+    [ "$rc" -ne 0 ] && [ -z "$failed" ] && failed=1  # crashed or timed out: counts as a failure
+    p_all=$((p_all + ${passed:-0})); s_all=$((s_all + ${skipped:-0})); f_all=$((f_all + ${failed:-0}))
+    say "  $suite: passed=${passed:-0} skipped=${skipped:-0} failed=${failed:-0} rc=$rc"
+    if [ "$rc" -ne 0 ]; then
+      rc_all=1
+      bad="$bad $suite"
+      if [ -n "$SANITIZER" ]; then
+        local slog="$LOGDIR/sanitizer-$name-${suite//\//_}.log"
+        say "  rerunning $suite under compute-sanitizer (log: $slog)"
+        timeout 300 "$SANITIZER" --tool memcheck --print-limit 20 "$BIN/$bin" \
+          --gtest_filter="$tests" >"$slog" 2>&1
+        grep -E '^========= (Invalid|Program hit|ERROR SUMMARY)|^=========     at' \
+          "$slog" | head -12 | tee -a "$LOG"
+      fi
+    fi
+  done <<<"$suites"
+  RESULT[$name]="rc=$rc_all passed=$p_all skipped=$s_all failed=$f_all${bad:+ (failing:$bad)}"
+  [ "$rc_all" -eq 0 ] && [ "$s_all" -eq 0 ]
 }
 
 FAIL=0
 say "== kernels: CUDA vs CPU twins"
 gtest kernels_gpu kernels_gpu_test || FAIL=1
 say "== kernels: CPU twins and device API"
-gtest kernels_unit kernels_test || FAIL=1
+gtest kernels_unit kernels_test '-Device.NoDeviceMeansCleanErrors' || FAIL=1
 say "== worker on the GPU (--device cuda) against transformers + PEFT"
 gtest worker_cuda worker_engine_test 'Cuda*:*Cuda*:KernelTwins*' || FAIL=1
 if [ "$NGPU" -ge 2 ]; then
@@ -92,7 +124,11 @@ fi
 say "== benchmarks"
 BENCH=$(timeout 300 "$BIN/gpu_kernels" 2>&1)
 echo "$BENCH" | tee -a "$LOG"
-
+say "== end to end: decode steps on a Qwen3-30B-A3B-shaped model (4 layers), --device cuda bf16"
+# (MOELORA_GPU_CHECK_SKIP_E2E=1 skips it: dry runs of this script without a device.)
+E2E=$(${MOELORA_GPU_CHECK_SKIP_E2E:+true} timeout 420 "$BIN/decode_step" --only a3b --device cuda --dtype bfloat16 --batches 1,16,64 \
+  --steps 10 --repeat 2 2>&1)
+echo "$E2E" | tee -a "$LOG"
 say ""
 say "== gpu_check summary"
 printf '%-14s %s\n' check result | tee -a "$LOG"
@@ -100,5 +136,6 @@ for k in kernels_gpu kernels_unit worker_cuda tp_nccl; do
   printf '%-14s %s\n' "$k" "${RESULT[$k]:-not run}" | tee -a "$LOG"
 done
 echo "$BENCH" | grep -E '^summary|^d2d|^device' | tee -a "$LOG"
+echo "$E2E" | grep -E '^a3b' | tee -a "$LOG"
 say "overall: $([ $FAIL -eq 0 ] && echo PASS || echo FAIL)"
 exit $FAIL

@@ -72,6 +72,10 @@ struct MoeLoraParams {
 
 size_t MoeLoraWorkspaceBytes(const MoeLoraParams& p);
 
+// The CUDA kernel sorts a call's (token, expert) assignments by (expert, slot + 1) with one
+// block's shared-memory counters: num_experts · (num_slots + 1) must not exceed this.
+inline constexpr int64_t kMoeLoraCudaMaxSortKeys = 10240;
+
 // Host reference: a direct loop over (token, k). Also checks every expert id, slot and rank
 // (INVALID_ARGUMENT naming the token), which the CUDA version cannot afford to do.
 [[nodiscard]] absl::Status MoeLoraCpu(const MoeLoraParams& p);

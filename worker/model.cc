@@ -139,6 +139,16 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Load(const std::string& dir,
         absl::StrCat("--max-lora-rank ", o.max_lora_rank, " > ", kBgmvCudaMaxRank,
                      ": the GPU LoRA kernels take ranks up to ", kBgmvCudaMaxRank));
   }
+  // The fused MoE kernel sorts its assignments by (expert, slot + 1) in one block's shared
+  // counters; refuse a slot count it cannot sort now rather than fail every MoE step later.
+  if (kernels && c.info.num_experts * (int64_t{o.max_loras} + 1) > kMoeLoraCudaMaxSortKeys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-loras ", o.max_loras, " is too large for ", c.info.num_experts,
+                     " experts on the GPU kernel path: num_experts x (max_loras + 1) = ",
+                     c.info.num_experts * (int64_t{o.max_loras} + 1), " > ",
+                     kMoeLoraCudaMaxSortKeys, " (the fused MoE kernel's sort); use --max-loras <= ",
+                     kMoeLoraCudaMaxSortKeys / c.info.num_experts - 1));
+  }
   if (o.kernels == LoraKernels::kCuda) {
     if (!at::hasCUDA()) {
       return absl::FailedPreconditionError(

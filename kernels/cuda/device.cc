@@ -4,11 +4,14 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/status.h"
+#include "kernels/internal/parallel_copy.h"
 
 namespace moelora {
 
@@ -122,7 +125,7 @@ class CudaPinnedUploader final : public PinnedUploader {
           return st;
         }
       }
-      std::memcpy(bufs_[i].get(), s, n);
+      copier_.Copy(bufs_[i].get(), s, n);
       if (auto st =
               CudaStatus(cudaMemcpyAsync(d, bufs_[i].get(), n, cudaMemcpyHostToDevice, stream_),
                          "cudaMemcpyAsync H2D");
@@ -146,6 +149,9 @@ class CudaPinnedUploader final : public PinnedUploader {
 
  private:
   size_t chunk_ = 0;
+  // Fills the staging buffers with several threads: one core's memcpy is slower than the link.
+  kernels_internal::ParallelCopier copier_{
+      static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u))};
   cudaStream_t stream_ = nullptr;
   std::vector<PinnedBuffer> bufs_;
   std::vector<cudaEvent_t> done_;

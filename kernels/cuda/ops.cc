@@ -52,9 +52,9 @@ absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
     if (auto s = CheckCudaRank("moe_lora", p.max_rank); !s.ok()) return s;
   }
   const int64_t keys = p.num_experts * (lora ? p.num_slots + 1 : 1);
-  if (keys > moe_internal::kMaxSortKeys) {
+  if (keys > kMoeLoraCudaMaxSortKeys) {
     return absl::InvalidArgumentError(absl::StrCat("moe_lora: experts x (slots + 1) = ", keys,
-                                                   " > ", moe_internal::kMaxSortKeys,
+                                                   " > ", kMoeLoraCudaMaxSortKeys,
                                                    " (the device sort's counters)"));
   }
   if (p.num_tokens * p.top_k > (int64_t{1} << 30)) {

@@ -10,8 +10,6 @@ namespace moelora {
 namespace moe_internal {
 
 inline constexpr int64_t kTileRows = 16;  // rows of one base-GEMM tile (one expert each)
-inline constexpr int64_t kMaxSortKeys =
-    10240;  // E · (S + 1): the sort's shared-memory counters (40 KiB)
 
 // Byte offsets into the workspace, each 256-byte aligned.
 struct MoeWorkspaceLayout {

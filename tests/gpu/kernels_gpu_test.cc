@@ -11,6 +11,7 @@
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
 #include "tests/testing/moe_problem.h"
+#include "tests/testing/require_device.h"
 #include "tests/testing/status_matchers.h"
 
 namespace moelora {
@@ -21,12 +22,8 @@ using ::moelora::testing::IsOk;
 using ::moelora::testing::MoeDims;
 using ::moelora::testing::MoeProblem;
 
-#define SKIP_WITHOUT_DEVICE()                                    \
-  do {                                                           \
-    if (!CudaDeviceAvailable()) {                                \
-      GTEST_SKIP() << "no CUDA device: " << CudaDeviceSummary(); \
-    }                                                            \
-  } while (false)
+#define SKIP_WITHOUT_DEVICE() \
+  MOELORA_SKIP_UNLESS_DEVICE(CudaDeviceAvailable(), "no CUDA device: " << CudaDeviceSummary())
 
 // Device copies of host buffers, kept alive with the test.
 class DeviceArena {
@@ -201,6 +198,39 @@ TEST_P(MoeLoraGpu, BaseTokensBitIdenticalWithAdaptersLoaded) {
   EXPECT_GT(checked, 0);
   // Deterministic: the same call twice gives the same bits.
   EXPECT_EQ(mixed, RunOnDevice(p, 2));
+}
+
+// Qwen3-30B-A3B's MoE layer (E=128 top-8, H=2048, I=768) at rank 64 in bf16, both wrappers.
+TEST(MoeLoraGpuShapes, RealModelShapeBf16) {
+  SKIP_WITHOUT_DEVICE();
+  const MoeDims d{.t = 4, .h = 2048, .i = 768, .e = 128, .k = 8, .s = 4, .r = 64};
+  for (int wrapper : {2, 3}) {
+    SCOPED_TRACE(wrapper);
+    MoeProblem p = MoeProblem::Make(d, DType::kBF16, 31);
+    const std::vector<uint8_t> got = RunOnDevice(p, wrapper);
+    ASSERT_THAT(MoeLoraCpu(p.Params(wrapper)), IsOk());
+    DTensor g = p.out;
+    g.bytes = got;
+    EXPECT_LT(testing::RelErr(g.floats(), p.out.floats()), Tolerance(DType::kBF16));
+  }
+}
+
+// At the sort's limit E·(S + 1) = 10240 the kernel runs and matches; one slot more is refused.
+TEST(MoeLoraGpuShapes, AtTheSortLimit) {
+  SKIP_WITHOUT_DEVICE();
+  const MoeDims d{.t = 64, .h = 64, .i = 32, .e = 128, .k = 8, .s = 79, .r = 16};
+  ASSERT_EQ(d.e * (d.s + 1), kMoeLoraCudaMaxSortKeys);
+  MoeProblem p = MoeProblem::Make(d, DType::kBF16, 32);
+  const std::vector<uint8_t> got = RunOnDevice(p, 2);
+  ASSERT_THAT(MoeLoraCpu(p.Params(2)), IsOk());
+  DTensor g = p.out;
+  g.bytes = got;
+  EXPECT_LT(testing::RelErr(g.floats(), p.out.floats()), Tolerance(DType::kBF16));
+  MoeLoraParams over = p.Params(2);
+  over.num_slots = d.s + 1;
+  over.workspace = &over;  // never dereferenced: refused before any launch
+  EXPECT_THAT(MoeLoraCuda(over, nullptr),
+              ::moelora::testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, MoeLoraGpu,
