@@ -303,14 +303,68 @@ def gpt_oss(out):
                 os.remove(os.path.join(dirpath, "README.md"))  # PEFT's generated model card
 
 
+# Config variants of the Qwen3-MoE fixture (same weights) for settings that change the math:
+# RoPE scaling types and the sliding window. Longer prompts so that the window and the scaled
+# frequencies matter.
+VARIANT_PROMPTS = [[1, 17, 42, 5, 88, 13, 70, 2, 9, 33, 61, 4], [3, 9, 27, 81, 50, 11, 60], [7, 2, 95]]
+VARIANT_NEW_TOKENS = 8
+QWEN3_VARIANTS = {
+    "rope_linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "rope_yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 32}),
+    "rope_llama3": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 16}),
+    "sliding_window": dict(use_sliding_window=True, sliding_window=4),
+}
+
+
+def qwen3_moe_variants(out):
+    """qwen3_moe/variants/<name>/: the base fixture's weights under another config, and
+    expected.safetensors: prompt.K, continuation.K (greedy tokens, each the argmax of a full
+    no-cache forward of everything before it) and logits.full.K [P + N - 1, V] (the no-cache
+    logits of prompt + continuation, so that row P - 1 + i is the logits that chose token i)."""
+    mdir = os.path.join(out, "qwen3_moe", "model")
+    for name, extra in QWEN3_VARIANTS.items():
+        vdir = os.path.join(out, "qwen3_moe", "variants", name)
+        shutil.rmtree(vdir, ignore_errors=True)
+        kw = text_kwargs()
+        kw.update(extra)
+        cfg = Qwen3MoeConfig(tie_word_embeddings=False, **kw, **EAGER)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        model = Qwen3MoeForCausalLM.from_pretrained(mdir, config=cfg, dtype=torch.float32, **EAGER).eval()
+        model.save_pretrained(os.path.join(vdir, "model"))
+        res = {}
+        base = Qwen3MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+        differs = False
+        for k, p in enumerate(VARIANT_PROMPTS):
+            seq = list(p)
+            for _ in range(VARIANT_NEW_TOKENS):
+                seq.append(int(logits_of(model, seq)[-1].argmax()))
+            full = logits_of(model, seq[:-1])
+            res[f"prompt.{k}"] = torch.tensor(p, dtype=torch.int32)
+            res[f"continuation.{k}"] = torch.tensor(seq[len(p):], dtype=torch.int32)
+            res[f"logits.full.{k}"] = full
+            differs |= (full - logits_of(base, seq[:-1])).abs().max().item() > 1e-3
+        assert differs, f"variant {name} gives the base model's logits: the fixture would prove nothing"
+        save_file(res, os.path.join(vdir, "expected.safetensors"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
+    ap.add_argument("--only", choices=["all", "variants"], default="all",
+                    help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model)")
     args = ap.parse_args()
+    torch.set_default_dtype(torch.float32)
+    if args.only == "variants":
+        qwen3_moe_variants(args.out)
+        return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
     torch.set_default_dtype(torch.float32)
     qwen3_moe(args.out)
+    qwen3_moe_variants(args.out)
     qwen3_vl_moe(args.out)
     gpt_oss(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:

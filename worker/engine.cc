@@ -16,13 +16,21 @@
 #include "common/status_macros.h"
 #include "kernels/device.h"
 #include "lora/adapter.h"
-#include "worker/model.h"
+#include "worker/model/causal_lm.h"
+#include "worker/torch_guard.h"
 
 namespace moelora {
 
 namespace {
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+absl::Status ResetSlot(CausalLM& model, int slot) {
+  return GuardTorch(absl::StrCat("clear LoRA slot ", slot), [&] {
+    model.ResetSlot(slot);
+    return absl::OkStatus();
+  });
 }
 }  // namespace
 
@@ -46,13 +54,13 @@ absl::Status ValidateDType(const std::string& dtype) {
 struct Engine::Impl {
   EngineOptions options;
   Communicator* comm = nullptr;
-  std::unique_ptr<MoeModel> model;
+  std::unique_ptr<CausalLM> model;
   int max_model_len = 0;
 
   struct Sequence {
     NewSequence spec;
     int32_t slot = -1;
-    SeqCache cache;
+    SeqState state;
     std::unique_ptr<Sampler> sampler;
     int32_t pending = -1;  // last sampled token, fed at the next step
     int generated = 0;
@@ -102,7 +110,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.max_loras = o.max_loras;
   mo.max_lora_rank = o.max_lora_rank;
   mo.mixed_moe_lora_format = o.enable_mixed_moe_lora_format;
-  MOELORA_ASSIGN_OR_RETURN(impl->model, MoeModel::Load(o.model_dir, mo, comm));
+  MOELORA_ASSIGN_OR_RETURN(impl->model, LoadCausalLM(o.model_dir, mo, comm));
   const int cfg_len = impl->model->config().max_position_embeddings;
   impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;
   if (impl->max_model_len <= 1) {
@@ -152,8 +160,11 @@ absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& 
     return a.status();
   }
   const auto t0 = std::chrono::steady_clock::now();
-  if (absl::Status s = m.model->SetSlot(slot, *a); !s.ok()) {
-    m.model->ResetSlot(slot);
+  if (absl::Status s = GuardTorch(absl::StrCat("load adapter ", path),
+                                  [&] { return m.model->SetSlot(slot, *a); });
+      !s.ok()) {
+    // SetSlot left the slot clear unless libtorch threw half-way; clear it again either way.
+    ResetSlot(*m.model, slot).IgnoreError();
     release();
     return s;
   }
@@ -189,7 +200,8 @@ absl::Status Engine::AbortAdapter(int64_t id) {
     slot = it->second.slot;
     m.adapters.erase(it);
   }
-  m.model->ResetSlot(slot);
+  // A slot that could not be cleared is not handed out again.
+  MOELORA_RETURN_IF_ERROR(ResetSlot(*m.model, slot));
   std::lock_guard<std::mutex> lock(m.adapters_mu);
   m.free_slots.insert(slot);
   return absl::OkStatus();
@@ -213,7 +225,7 @@ absl::Status Engine::UnloadAdapter(int64_t id) {
           "adapter id ", id, " is used by running sequence ", s.spec.id, "; unload it when done"));
     }
   }
-  m.model->ResetSlot(slot);
+  MOELORA_RETURN_IF_ERROR(ResetSlot(*m.model, slot));
   std::lock_guard<std::mutex> lock(m.adapters_mu);
   m.adapters.erase(id);
   m.free_slots.insert(slot);
@@ -280,7 +292,7 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
     Impl::Sequence s;
     s.spec = add[i];
     s.slot = slots[i];
-    s.cache = m.model->NewCache();
+    s.state = m.model->NewState();
     s.sampler = std::make_unique<Sampler>(add[i].sampling);
     m.running.push_back(std::move(s));
   }
@@ -291,7 +303,7 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
   for (size_t i = 0; i < m.running.size(); ++i) {
     Impl::Sequence& s = m.running[i];
     ForwardBatch::Seq fs;
-    fs.cache = &s.cache;
+    fs.state = &s.state;
     fs.begin = static_cast<int64_t>(b.tokens.size());
     if (i >= first_new) {
       for (int32_t t : s.spec.prompt) b.tokens.push_back(t);
@@ -304,9 +316,10 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
     if (s.slot >= 0) distinct.insert(s.slot);
     b.seqs.push_back(fs);
   }
-  absl::StatusOr<at::Tensor> logits = m.model->Forward(b);
+  absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&] { return m.model->Forward(b); });
   if (!logits.ok()) {
-    // A failed collective leaves the caches inconsistent across ranks: drop the batch.
+    // A failed step (a collective, or libtorch itself) leaves the states inconsistent across
+    // ranks: drop the batch and report it. The other ranks fail their collective by its deadline.
     m.running.clear();
     return logits.status();
   }
@@ -333,7 +346,7 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
     if (std::find(stop.begin(), stop.end(), t.token) != stop.end()) {
       t.finished = true, t.finish_reason = "stop";
     } else if ((s.spec.max_tokens > 0 && s.generated >= s.spec.max_tokens) ||
-               s.cache.len + 1 >= m.max_model_len) {
+               s.state.len + 1 >= m.max_model_len) {
       t.finished = true, t.finish_reason = "length";
     }
     out.tokens.push_back(std::move(t));

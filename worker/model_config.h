@@ -4,9 +4,11 @@
 #define MOELORA_WORKER_MODEL_CONFIG_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "lora/model_info.h"
+#include "worker/rope.h"
 
 namespace moelora {
 
@@ -17,13 +19,36 @@ struct ModelConfig {
   bool norm_topk_prob = true;   // renormalise the top-k routing weights
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
+  RopeSpec rope;  // rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x)
   int max_position_embeddings = 0;
   bool tie_word_embeddings = false;  // lm_head = embed_tokens when the checkpoint has no lm_head
   // Layers whose MLP is dense rather than MoE (Qwen3 `mlp_only_layers`, `decoder_sparse_step`).
   // Only all-MoE models are served for now; a config with dense layers is rejected by name.
   bool all_layers_moe = true;
   bool mixed_layer_types = false;  // hybrid attention (Qwen3.5 linear attention): not served yet
+  // layer_types[i] when the config lists them ("full_attention", "sliding_attention",
+  // "linear_attention"), else empty.
+  std::vector<std::string> layer_types;
+  // Sliding-window attention: a query at position p sees keys at positions > p - window.
+  // 0: none. Which layers use it: sliding_layers[i] (all layers when use_sliding_window is set
+  // without layer_types, as transformers' Qwen3-MoE does).
+  int sliding_window = 0;
+  std::vector<bool> sliding_layers;
+  std::string hidden_act = "silu";
+  bool attention_bias = false;
 };
+
+// Keys of a config.json (and of its text_config) that never change the forward pass: ids,
+// training-only settings, bookkeeping. Every other key must be implemented by the architecture
+// (CheckConfigKeys).
+bool IsBenignConfigKey(const std::string& key);
+
+// FAILED_PRECONDITION naming the first key of `text` (its text_config for multimodal wrappers,
+// and the top level) that is neither benign nor in `implemented`: a setting the forward pass
+// would otherwise ignore, giving wrong answers with no error.
+absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
+                             const std::string& architecture,
+                             const std::vector<std::string>& implemented);
 
 // Reads `model_dir`/config.json (text_config for multimodal wrappers). NOT_FOUND if the file is
 // missing; INVALID_ARGUMENT naming the file and the field otherwise.

@@ -23,14 +23,14 @@ inline bool CudaRequired() {
 
 // Skips the test (fails it under MOELORA_REQUIRE_CUDA=1) unless `available`; `why` is streamed
 // into the message. Use in a TEST body (it returns from it).
-#define MOELORA_SKIP_UNLESS_DEVICE(available, why)                          \
-  do {                                                                      \
-    if (!(available)) {                                                     \
-      if (::moelora::testing::CudaRequired()) {                             \
-        GTEST_FAIL() << "MOELORA_REQUIRE_CUDA is set but " << why;          \
-      }                                                                     \
-      GTEST_SKIP() << why;                                                  \
-    }                                                                       \
+#define MOELORA_SKIP_UNLESS_DEVICE(available, why)                 \
+  do {                                                             \
+    if (!(available)) {                                            \
+      if (::moelora::testing::CudaRequired()) {                    \
+        GTEST_FAIL() << "MOELORA_REQUIRE_CUDA is set but " << why; \
+      }                                                            \
+      GTEST_SKIP() << why;                                         \
+    }                                                              \
   } while (false)
 
 #endif  // MOELORA_TESTS_TESTING_REQUIRE_DEVICE_H_

@@ -4,7 +4,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 
 namespace moelora {
@@ -119,6 +118,8 @@ bool MatchStackedStep(const std::string& n, bool lora_wrapped, NameMapping* out)
   return true;
 }
 
+}  // namespace
+
 NameMapping MapQwen3Moe(const std::string& ckpt, bool lw) {
   const std::string n = StripBaseLayer(ckpt);
   NameMapping m;
@@ -154,23 +155,6 @@ NameMapping MapStep3(const std::string& ckpt, bool lw) {
   return Dense(n, lw);
 }
 
-const std::vector<ArchTable>& Tables() {
-  static const std::vector<ArchTable> tables = {
-      {"Qwen3MoeForCausalLM", true, AdapterFormat::k2D, &MapQwen3Moe},
-      {"Qwen3VLMoeForConditionalGeneration", true, AdapterFormat::k3D, &MapQwen3VlMoe},
-      {"Qwen3_5MoeForConditionalGeneration", false, AdapterFormat::k3D, &MapQwen35Moe},
-      // The MTP head's checkpoint keys are `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
-      {"Qwen3_5MoeMTP", false, AdapterFormat::k3D, &MapQwen35Moe},
-      {"Step3TextForCausalLM", false, AdapterFormat::k2D, &MapStep3},
-      {"Step3p5ForCausalLM", false, AdapterFormat::k2D, &MapStep3},
-      // The Step3.5 MTP layers follow the backbone's (model.layers.{N+i}.moe.*_proj.weight).
-      {"Step3p5MTP", false, AdapterFormat::k2D, &MapStep3},
-  };
-  return tables;
-}
-
-}  // namespace
-
 const char* ExpertShardName(ExpertShard s) {
   switch (s) {
     case ExpertShard::kNone:
@@ -192,21 +176,6 @@ std::string W13Name(const std::string& experts_prefix, bool lora_wrapped) {
 }
 std::string W2Name(const std::string& experts_prefix, bool lora_wrapped) {
   return absl::StrCat(experts_prefix, lora_wrapped ? ".base_layer" : "", ".w2_weight");
-}
-
-std::vector<std::string> SupportedArchitectures() {
-  std::vector<std::string> out;
-  for (const ArchTable& t : Tables()) out.push_back(t.architecture);
-  return out;
-}
-
-absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture) {
-  for (const ArchTable& t : Tables()) {
-    if (t.architecture == architecture) return &t;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown architecture \"", architecture,
-                   "\"; supported: ", absl::StrJoin(SupportedArchitectures(), ", ")));
 }
 
 }  // namespace moelora

@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "lora/adapter.h"
 
 namespace moelora {
 
@@ -47,18 +46,14 @@ struct NameMapping {
   std::string reason;   // kSkip: why (e.g. "vision tower: text path only")
 };
 
-struct ArchTable {
-  std::string architecture;         // config.json architectures[0]
-  bool has_forward = false;         // the engine runs this model (else: name table only)
-  AdapterFormat native_moe_format;  // k2D or k3D (vLLM `is_3d_moe_weight`)
-  // Maps a checkpoint name. `lora_wrapped`: the engine has LoRA wrappers (names get
-  // `.base_layer.`).
-  NameMapping (*map)(const std::string& ckpt_name, bool lora_wrapped) = nullptr;
-};
-
-// The table for `architecture`; INVALID_ARGUMENT listing the supported ones when unknown.
-absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture);
-std::vector<std::string> SupportedArchitectures();
+// Maps a checkpoint name to an engine parameter. `lora_wrapped`: the engine has LoRA wrappers
+// (names get `.base_layer.`). One rule per checkpoint family; the architecture registry
+// (worker/model/registry.h) says which architecture uses which.
+using NameRule = NameMapping (*)(const std::string& ckpt_name, bool lora_wrapped);
+NameMapping MapQwen3Moe(const std::string& ckpt_name, bool lora_wrapped);
+NameMapping MapQwen3VlMoe(const std::string& ckpt_name, bool lora_wrapped);  // fused, transposed
+NameMapping MapQwen35Moe(const std::string& ckpt_name, bool lora_wrapped);   // fused or per expert
+NameMapping MapStep3(const std::string& ckpt_name, bool lora_wrapped);       // stacked moe.*_proj
 
 // Engine names of the two expert parameters of the MoE block at `experts_prefix`
 // (e.g. "model.layers.3.mlp.experts").

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "worker/checkpoint.h"
 #include "worker/loaders/name_tables.h"
+#include "worker/model/registry.h"
 #include "worker/model_config.h"
 
 namespace moelora {

@@ -11,6 +11,7 @@
 #include "tests/testing/require_device.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "worker/torch_guard.h"
 
 namespace moelora {
 namespace {
@@ -87,6 +88,67 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceLogitsTest,
                                            RefCase{"qwen3_vl_moe", "adapter_3d", true},
                                            RefCase{"qwen3_vl_moe", "adapter_2d", true}),
                          RefCaseName);
+
+// Config variants of the Qwen3-MoE fixture (RoPE linear / yarn / llama3, the sliding window):
+// greedy generation through prefill and decode steps gives transformers' tokens, and each step's
+// logits are transformers' no-cache logits at that position (tools/make_fixtures.py).
+class ConfigVariantTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ConfigVariantTest, GreedyDecodeMatchesTransformers) {
+  const std::string dir = std::string("qwen3_moe/variants/") + GetParam();
+  auto f = SafetensorsFile::Open(Data(dir + "/expected.safetensors"));
+  ASSERT_OK(f);
+  auto ints = [&](const std::string& name) {
+    const TensorView* v = (*f)->Find(name);
+    std::vector<int32_t> out(v ? v->numel() : 0);
+    if (v) std::memcpy(out.data(), v->data, v->nbytes);
+    return out;
+  };
+  auto h = MakeEngine(dir + "/model", false);
+  ASSERT_NE(h, nullptr);
+  const int64_t V = h->engine->Info().vocab_size;
+  float worst = 0;
+  int prompts = 0;
+  for (int k = 0;; ++k) {
+    const std::vector<int32_t> prompt = ints("prompt." + std::to_string(k));
+    if (prompt.empty()) break;
+    ++prompts;
+    const std::vector<int32_t> want = ints("continuation." + std::to_string(k));
+    const TensorView* full = (*f)->Find("logits.full." + std::to_string(k));
+    ASSERT_NE(full, nullptr);
+    const float* ref = static_cast<const float*>(static_cast<const void*>(full->data));
+    auto g = GenerateBatch(*h->engine, {0}, {prompt}, static_cast<int>(want.size()), 10 * k + 100);
+    EXPECT_EQ(g[0].tokens, want) << "prompt " << k;
+    for (size_t i = 0; i < g[0].logits.size(); ++i) {
+      const int64_t row = static_cast<int64_t>(prompt.size()) - 1 + static_cast<int64_t>(i);
+      std::vector<float> r(ref + row * V, ref + (row + 1) * V);
+      worst = std::max(worst, MaxAbsDiff(g[0].logits[i], r));
+    }
+  }
+  EXPECT_EQ(prompts, 3);
+  std::printf("[ref] %s: greedy decode, max |logit - HF| = %.3g\n", GetParam(), worst);
+  EXPECT_LE(worst, kRefTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Qwen3Moe, ConfigVariantTest,
+                         ::testing::Values("rope_linear", "rope_yarn", "rope_llama3",
+                                           "sliding_window"));
+
+// The exception boundary: what libtorch throws becomes a Status.
+TEST(TorchGuardTest, ExceptionsBecomeStatuses) {
+  auto internal = GuardTorch("op", []() -> absl::Status {
+    TORCH_CHECK(false, "boom");
+    return absl::OkStatus();
+  });
+  EXPECT_THAT(internal, StatusIs(absl::StatusCode::kInternal, HasSubstr("op: libtorch: boom")));
+  auto oom = GuardTorch("alloc", []() -> absl::StatusOr<at::Tensor> {
+    return at::empty({int64_t{1} << 50}, at::kFloat);  // 4 PiB
+  });
+  EXPECT_THAT(oom.status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("alloc")));
+  auto fine = GuardTorch("ok", []() -> absl::StatusOr<int> { return 3; });
+  ASSERT_OK(fine);
+  EXPECT_EQ(*fine, 3);
+}
 
 // The device path's code (slots in the compute dtype, per-token slot tensors, the fused MoE
 // call with both wrappers) through the CUDA kernels' CPU twins.

@@ -13,7 +13,9 @@
 #include "worker/checkpoint.h"
 #include "worker/loaders/name_tables.h"
 #include "worker/loaders/weight_loader.h"
-#include "worker/model.h"
+#include "worker/model/causal_lm.h"
+#include "worker/model/registry.h"
+#include "worker/models/qwen3_moe.h"
 
 namespace moelora {
 namespace {
@@ -309,7 +311,7 @@ class BadCheckpointTest : public ::testing::Test {
   }
   absl::Status Load(const std::string& dir) {
     auto comm = MakeLocalCommunicator();
-    return MoeModel::Load(dir, ModelOptions{}, comm.get()).status();
+    return LoadCausalLM(dir, ModelOptions{}, comm.get()).status();
   }
   TempDir tmp_;
   int n_ = 0;
@@ -360,6 +362,60 @@ TEST_F(BadCheckpointTest, ConfigErrors) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no architectures[0]")));
   EXPECT_THAT(Load(Copy("", {}, "\"Qwen3MoeForCausalLM\"", "\"Step3p5ForCausalLM\"")),
               StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("no forward pass yet")));
+}
+
+// Every config.json key that changes the math is implemented or refused, naming the key: a
+// setting the forward pass would ignore gives wrong answers with no error.
+TEST_F(BadCheckpointTest, ConfigKeysThatChangeTheMathAreImplementedOrRefused) {
+  const std::string rope = "\"rope_type\": \"default\"";
+  struct Case {
+    std::string from, to;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {rope, "\"rope_type\": \"dynamic\", \"factor\": 2.0", absl::StatusCode::kFailedPrecondition,
+       "rope_parameters.rope_type \"dynamic\""},
+      {rope, "\"rope_type\": \"longrope\"", absl::StatusCode::kFailedPrecondition,
+       "is not implemented (implemented: default, linear, yarn, llama3)"},
+      {rope, "\"rope_type\": \"yarn\", \"factor\": 4.0, \"low_freq_factor\": 1.0",
+       absl::StatusCode::kFailedPrecondition, "rope_parameters.low_freq_factor"},
+      {rope, "\"rope_type\": \"llama3\", \"factor\": 8.0", absl::StatusCode::kInvalidArgument,
+       "llama3 needs low_freq_factor < high_freq_factor"},
+      {rope, "\"rope_type\": \"default\", \"partial_rotary_factor\": 0.5",
+       absl::StatusCode::kFailedPrecondition, "partial_rotary_factor 0.5"},
+      {"\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"",
+       absl::StatusCode::kFailedPrecondition, "hidden_act \"gelu\""},
+      {"\"attention_bias\": false", "\"attention_bias\": true",
+       absl::StatusCode::kFailedPrecondition, "attention_bias"},
+      {"\"use_sliding_window\": false", "\"use_sliding_window\": true",
+       absl::StatusCode::kInvalidArgument, "sliding_window is not a positive integer"},
+      {"\"vocab_size\": 96", "\"vocab_size\": 96, \"query_pre_attn_scalar\": 144",
+       absl::StatusCode::kFailedPrecondition, "query_pre_attn_scalar = 144 is not implemented"},
+      {"\"vocab_size\": 96",
+       "\"vocab_size\": 96, \"quantization_config\": {\"quant_method\": \"fp8\"}",
+       absl::StatusCode::kFailedPrecondition, "quantized checkpoints are not served"},
+      {"\"vocab_size\": 96",
+       "\"vocab_size\": 96, \"layer_types\": [\"full_attention\", \"linear_attention\"]",
+       absl::StatusCode::kFailedPrecondition, "layer_types[1] \"linear_attention\""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.to);
+    EXPECT_THAT(Load(Copy("", {}, c.from, c.to)), StatusIs(c.code, HasSubstr(c.message)));
+  }
+  // What is implemented loads: each RoPE type, the window, and the 4.x spelling rope_scaling.
+  for (const std::string& to :
+       {std::string("\"rope_type\": \"linear\", \"factor\": 2.0"),
+        std::string("\"rope_type\": \"yarn\", \"factor\": 4.0, \"beta_fast\": 16"),
+        std::string("\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, "
+                    "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 16")}) {
+    SCOPED_TRACE(to);
+    EXPECT_OK(Load(Copy("", {}, rope, to)));
+  }
+  // (Later duplicate keys win, as in Python's json.)
+  EXPECT_OK(Load(Copy("", {}, "\"vocab_size\": 96",
+                      "\"vocab_size\": 96, \"use_sliding_window\": true, \"sliding_window\": 4")));
+  EXPECT_OK(Load(Copy("", {}, "\"rope_parameters\"", "\"rope_scaling\"")));
 }
 
 TEST_F(BadCheckpointTest, ShardedCheckpointsAndMissingShards) {

@@ -1,0 +1,138 @@
+// RmsNorm, Rotary and Attention.
+#include "worker/layers/attention.h"
+
+#include <cmath>
+#include <limits>
+
+#include "common/status_macros.h"
+
+namespace moelora {
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps, NormKind kind) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
+  xf = xf * at::rsqrt(var + eps);
+  if (kind == NormKind::kZeroCentred) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
+  return w * xf.to(x.scalar_type());
+}
+
+Rotary::Rotary(const RopeSpec& spec, const at::Device& device)
+    : rotary_dim_(spec.rotary_dim()), head_dim_(spec.head_dim), device_(device) {
+  const std::vector<double> inv = RopeInvFreq(spec, &scaling_);
+  std::vector<float> f(inv.begin(), inv.end());
+  inv_freq_ =
+      at::from_blob(f.data(), {static_cast<int64_t>(f.size())}, at::kFloat).clone().to(device);
+}
+
+Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarType dtype) const {
+  const int64_t T = static_cast<int64_t>(positions.size());
+  at::Tensor pos = at::from_blob(const_cast<int64_t*>(positions.data()), {T}, at::kLong)
+                       .to(at::kFloat)
+                       .to(device_);
+  at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, rd/2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  at::Tensor c = emb.cos(), s = emb.sin();
+  if (scaling_ != 1.0) {
+    c = c * scaling_;
+    s = s * scaling_;
+  }
+  return {c.to(dtype), s.to(dtype)};
+}
+
+namespace {
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+}  // namespace
+
+at::Tensor Rotary::Apply(const at::Tensor& x, const Table& t) const {
+  at::Tensor c = t.cos.unsqueeze(1), s = t.sin.unsqueeze(1);  // [T, 1, rd]
+  if (rotary_dim_ == x.size(-1)) return x * c + RotateHalf(x) * s;
+  at::Tensor rot = x.narrow(-1, 0, rotary_dim_);
+  at::Tensor pass = x.narrow(-1, rotary_dim_, x.size(-1) - rotary_dim_);
+  return at::cat({rot * c + RotateHalf(rot) * s, pass}, -1);
+}
+
+Attention::Attention(const AttentionSpec& spec, std::unique_ptr<LoraLinear> q,
+                     std::unique_ptr<LoraLinear> k, std::unique_ptr<LoraLinear> v,
+                     std::unique_ptr<LoraLinear> o, at::Tensor q_norm, at::Tensor k_norm)
+    : spec_(spec),
+      q_(std::move(q)),
+      k_(std::move(k)),
+      v_(std::move(v)),
+      o_(std::move(o)),
+      q_norm_(std::move(q_norm)),
+      k_norm_(std::move(k_norm)) {}
+
+absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const ForwardBatch& b, int layer,
+                                              const Rotary& rope, const Rotary::Table& table,
+                                              const LoraBatch& lb) {
+  const int64_t T = h.size(0), hq = spec_.heads, hkv = spec_.kv_heads, d = spec_.head_dim;
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor qg, q_->Forward(h, lb));
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor k, k_->Forward(h, lb));
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor v, v_->Forward(h, lb));
+  at::Tensor q, gate;
+  if (spec_.output_gate) {
+    // Per head [q_h ; gate_h] (Qwen3.5: q_proj emits heads · 2 · head_dim).
+    at::Tensor g = qg.view({T, hq, 2 * d});
+    q = g.narrow(2, 0, d);
+    gate = g.narrow(2, d, d).reshape({T, hq * d});
+  } else {
+    q = qg.view({T, hq, d});
+  }
+  k = k.view({T, hkv, d});
+  v = v.view({T, hkv, d});
+  if (q_norm_.defined()) q = RmsNorm(q, q_norm_, spec_.eps, spec_.qk_norm_kind);
+  if (k_norm_.defined()) k = RmsNorm(k, k_norm_, spec_.eps, spec_.qk_norm_kind);
+  q = rope.Apply(q, table);
+  k = rope.Apply(k, table);
+  at::Tensor attn = at::empty({T, hq * d}, h.options());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const int64_t groups = hq / hkv, W = spec_.sliding_window;
+  for (const auto& seq : b.seqs) {
+    LayerState& st = seq.state->layers[layer];
+    const int64_t n = seq.count, past = seq.state->len, total = past + n;
+    at::Tensor& kc = st.k;
+    at::Tensor& vc = st.v;
+    if (!kc.defined() || kc.size(0) < total) {
+      const int64_t cap = std::max<int64_t>({total, kc.defined() ? 2 * kc.size(0) : 0, 16});
+      at::Tensor nk = at::empty({cap, hkv, d}, h.options());
+      at::Tensor nv = at::empty({cap, hkv, d}, h.options());
+      if (past > 0) {
+        nk.narrow(0, 0, past).copy_(kc.narrow(0, 0, past));
+        nv.narrow(0, 0, past).copy_(vc.narrow(0, 0, past));
+      }
+      kc = nk;
+      vc = nv;
+    }
+    kc.narrow(0, past, n).copy_(k.narrow(0, seq.begin, n));
+    vc.narrow(0, past, n).copy_(v.narrow(0, seq.begin, n));
+    // Keys a query can see: causal, and with a window only positions > p - W. The first query
+    // (position `past`) sees from past - W + 1 on: older keys are skipped outright.
+    const int64_t k0 = W > 0 ? std::max<int64_t>(0, past - W + 1) : 0;
+    at::Tensor K = kc.narrow(0, k0, total - k0).permute({1, 0, 2});  // [hkv, keys, d]
+    at::Tensor Vv = vc.narrow(0, k0, total - k0).permute({1, 0, 2});
+    if (groups > 1) {
+      K = K.repeat_interleave(groups, 0);
+      Vv = Vv.repeat_interleave(groups, 0);
+    }
+    at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});   // [hq, n, d]
+    at::Tensor scores = at::matmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, keys]
+    if (n > 1 || (W > 0 && total - k0 > W)) {
+      const auto lopt = at::TensorOptions().dtype(at::kLong).device(h.device());
+      at::Tensor qpos = at::arange(past, total, lopt).unsqueeze(1);
+      at::Tensor kpos = at::arange(k0, total, lopt).unsqueeze(0);
+      at::Tensor masked = kpos > qpos;
+      if (W > 0) masked = masked.logical_or(kpos <= qpos - W);
+      scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+    }
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(h.scalar_type());
+    at::Tensor o = at::matmul(probs, Vv);  // [hq, n, d]
+    attn.narrow(0, seq.begin, n).copy_(o.permute({1, 0, 2}).reshape({n, hq * d}));
+  }
+  if (spec_.output_gate) attn = attn * at::sigmoid(gate);
+  return o_->Forward(attn, lb);
+}
+
+}  // namespace moelora

@@ -1,0 +1,56 @@
+// Causal self-attention with grouped KV heads over each sequence's KV cache: optional q/k norms
+// (before RoPE), an optional sliding window, and an optional per-head output gate (Qwen3.5:
+// q_proj emits [q_h ; gate_h] per head, and the output is attn · sigmoid(gate) before o_proj).
+// Projections are LoraLinear (q/k/v column-parallel, o row-parallel): the caller all-reduces
+// the output.
+#ifndef MOELORA_WORKER_LAYERS_ATTENTION_H_
+#define MOELORA_WORKER_LAYERS_ATTENTION_H_
+
+#include <ATen/ATen.h>
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "worker/layers/linear.h"
+#include "worker/layers/lora_batch.h"
+#include "worker/layers/norm.h"
+#include "worker/layers/rotary.h"
+#include "worker/model/causal_lm.h"
+
+namespace moelora {
+
+struct AttentionSpec {
+  int64_t heads = 0;     // query heads on this rank
+  int64_t kv_heads = 0;  // KV heads on this rank
+  int64_t head_dim = 0;
+  double eps = 1e-6;  // q/k norm
+  NormKind qk_norm_kind = NormKind::kPlain;
+  int64_t sliding_window = 0;  // 0: full causal
+  bool output_gate = false;
+};
+
+class Attention {
+ public:
+  // q_norm / k_norm may be undefined (no q/k norm).
+  Attention(const AttentionSpec& spec, std::unique_ptr<LoraLinear> q, std::unique_ptr<LoraLinear> k,
+            std::unique_ptr<LoraLinear> v, std::unique_ptr<LoraLinear> o, at::Tensor q_norm,
+            at::Tensor k_norm);
+
+  // h [T, H] (normalised); appends the new tokens' K/V to state.layers[layer] of each sequence.
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b, int layer,
+                                     const Rotary& rope, const Rotary::Table& table,
+                                     const LoraBatch& lb);
+  LoraLinear* q() { return q_.get(); }
+  LoraLinear* k() { return k_.get(); }
+  LoraLinear* v() { return v_.get(); }
+  LoraLinear* o() { return o_.get(); }
+
+ private:
+  AttentionSpec spec_;
+  std::unique_ptr<LoraLinear> q_, k_, v_, o_;
+  at::Tensor q_norm_, k_norm_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LAYERS_ATTENTION_H_

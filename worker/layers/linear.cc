@@ -1,0 +1,260 @@
+// LoraLinear, LoraBatch, SlotShape, the LoraModule defaults and the shared LoRA helpers.
+#include "worker/layers/linear.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/bgmv.h"
+#include "worker/layers/lora_ops.h"
+
+namespace moelora {
+
+// ---- helpers ----
+
+at::Tensor ToFloat(const HostTensor& h) {
+  std::vector<int64_t> shape(h.shape.begin(), h.shape.end());
+  at::ScalarType st = h.dtype == DType::kBF16  ? at::kBFloat16
+                      : h.dtype == DType::kF16 ? at::kHalf
+                                               : at::kFloat;
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(st));
+  std::memcpy(t.data_ptr(), h.data(), h.nbytes());
+  return t.to(at::kFloat);
+}
+
+DType KernelDType(at::ScalarType t) {
+  return t == at::kBFloat16 ? DType::kBF16 : t == at::kHalf ? DType::kF16 : DType::kF32;
+}
+
+at::Tensor Scratch(size_t bytes, const at::Device& dev) {
+  return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
+                   at::TensorOptions().dtype(at::kByte).device(dev));
+}
+
+at::Tensor GatherRanges(const at::Tensor& t, int64_t dim, const std::vector<IndexRange>& ranges) {
+  if (ranges.size() == 1) return t.narrow(dim, ranges[0].begin, ranges[0].size);
+  std::vector<at::Tensor> parts;
+  for (const IndexRange& r : ranges) parts.push_back(t.narrow(dim, r.begin, r.size));
+  return at::cat(parts, dim);
+}
+
+namespace {
+// Runs SGMV segments in parallel (segments write disjoint rows).
+void RunSgmv(const SgmvParams& p, const std::vector<SgmvSegment>& segs) {
+  if (segs.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(segs.size()), 1,
+                   [&](int64_t b, int64_t e) { SgmvCpu(p, segs.data(), b, e); });
+}
+}  // namespace
+
+void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_dim,
+             const int64_t* rows, int64_t r_stride, const std::vector<SgmvSegment>& segs) {
+  if (segs.empty()) return;
+  if (x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && x.is_contiguous() &&
+      out.is_contiguous()) {
+    SgmvParams p{x.data_ptr<float>(),
+                 x.size(1),
+                 out.data_ptr<float>() + out_col,
+                 out.size(1),
+                 rows,
+                 x.size(1),
+                 out_dim,
+                 r_stride};
+    RunSgmv(p, segs);
+    return;
+  }
+  at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor d32 = at::zeros({out.size(0), out_dim}, x32.options());
+  SgmvParams p{x32.data_ptr<float>(),
+               x32.size(1),
+               d32.data_ptr<float>(),
+               out_dim,
+               rows,
+               x32.size(1),
+               out_dim,
+               r_stride};
+  RunSgmv(p, segs);
+  out.narrow(1, out_col, out_dim).add_(d32.to(out.scalar_type()));
+}
+
+// ---- LoraModule defaults ----
+
+absl::Status LoraModule::CheckDense(const LoraAdapter& a, const LoraPair& pair) const {
+  return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": tensor ", pair.a_name,
+                                                 " targets ", path_,
+                                                 ", which takes expert LoRA only"));
+}
+absl::Status LoraModule::CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const {
+  return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": expert LoRA for ",
+                                                 layer.prefix, " targets ", path_,
+                                                 ", which is not an experts module"));
+}
+void LoraModule::WriteDense(const LoraPair&, const SlotWrite&) {}
+void LoraModule::WriteExperts(const MoeLayerLora&, const SlotWrite&) {}
+int64_t LoraModule::DenseBytes(const LoraPair&, int64_t) const { return 0; }
+int64_t LoraModule::ExpertBytes(const MoeLayerLora&, int64_t) const { return 0; }
+
+// ---- LoraBatch, SlotShape ----
+
+LoraBatch LoraBatch::Make(const ModelOptions& o, const std::vector<int32_t>& slots,
+                          const at::Device& device) {
+  LoraBatch b;
+  b.kernels = o.kernels;
+  b.max_rank = o.max_lora_rank;
+  b.num_slots = o.max_loras;
+  b.slots = &slots;
+  b.any = std::any_of(slots.begin(), slots.end(), [](int32_t s) { return s >= 0; });
+  if (!b.any) return b;
+  if (b.kernel_path()) {
+    b.slots_t = at::from_blob(const_cast<int32_t*>(slots.data()),
+                              {static_cast<int64_t>(slots.size())}, at::kInt)
+                    .to(device, at::kInt, false, /*copy=*/true);
+    return b;
+  }
+  for (int64_t t = 0; t < static_cast<int64_t>(slots.size()); ++t) {
+    if (slots[t] >= 0) b.rows.push_back(t);
+  }
+  std::stable_sort(b.rows.begin(), b.rows.end(),
+                   [&](int64_t x, int64_t y) { return slots[x] < slots[y]; });
+  for (size_t i = 0; i < b.rows.size(); ++i) {
+    if (i + 1 == b.rows.size() || slots[b.rows[i + 1]] != slots[b.rows[i]]) {
+      b.runs.push_back({static_cast<int64_t>(i + 1), slots[b.rows[i]]});
+    }
+  }
+  return b;
+}
+
+SlotShape SlotShape::For(const ModelOptions& o, const at::Device& device) {
+  SlotShape s;
+  s.num_slots = o.max_loras;
+  s.max_rank = o.max_lora_rank;
+  s.kernels = o.kernels;
+  const bool kernels = o.kernels != LoraKernels::kCpuSgmv;
+  s.slot_options = at::TensorOptions().dtype(kernels ? o.dtype : at::kFloat).device(device);
+  s.rank_options = at::TensorOptions().dtype(at::kInt).device(device);
+  s.tp_rank = o.tp_rank;
+  s.tp_size = o.tp_size;
+  return s;
+}
+
+// ---- LoraLinear ----
+
+absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path, at::Tensor weight,
+                                                               at::Tensor bias, TpMode mode,
+                                                               int64_t in_full,
+                                                               std::vector<int64_t> out_sections,
+                                                               const SlotShape& shape) {
+  auto shard = PlanLoraShard(mode, in_full, out_sections, shape.tp_rank, shape.tp_size);
+  if (!shard.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", shard.status().message()));
+  }
+  if (weight.dim() != 2 || weight.size(0) != shard->out_local ||
+      weight.size(1) != shard->in_local) {
+    return absl::InternalError(absl::StrCat(path, ": weight shard [", weight.size(0), ", ",
+                                            weight.dim() > 1 ? weight.size(1) : 0, "], expected [",
+                                            shard->out_local, ", ", shard->in_local, "]"));
+  }
+  auto m = std::unique_ptr<LoraLinear>(new LoraLinear(std::move(path)));
+  m->w_ = std::move(weight);
+  m->bias_ = std::move(bias);
+  m->mode_ = mode;
+  m->in_full_ = in_full;
+  m->out_full_ = 0;
+  for (int64_t n : out_sections) m->out_full_ += n;
+  m->shard_ = *std::move(shard);
+  m->shape_ = shape;
+  const int64_t S = shape.num_slots, R = shape.max_rank;
+  m->la_ = at::zeros({S, m->shard_.in_local, R}, shape.slot_options);
+  m->lb_ = at::zeros({S, R, m->shard_.out_local}, shape.slot_options);
+  m->rank_.assign(S, 0);
+  if (shape.kernels != LoraKernels::kCpuSgmv) m->rank_t_ = at::zeros({S}, shape.rank_options);
+  return m;
+}
+
+absl::StatusOr<at::Tensor> LoraLinear::Forward(const at::Tensor& x, const LoraBatch& lb) const {
+  at::Tensor y = at::matmul(x, w_.t());
+  if (bias_.defined() && (mode_ != TpMode::kRow || shape_.tp_rank == 0)) y.add_(bias_);
+  y = y.contiguous();
+  if (!lb.any) return y;
+  const int64_t R = shape_.max_rank;
+  if (!lb.kernel_path()) {
+    std::vector<SgmvSegment> segs;
+    int64_t begin = 0;
+    const int64_t in = shard_.in_local, out = shard_.out_local;
+    for (auto [end, slot] : lb.runs) {
+      const int32_t r = rank_[slot];
+      if (r > 0) {
+        segs.push_back({begin, end, la_.data_ptr<float>() + slot * in * R,
+                        lb_.data_ptr<float>() + slot * R * out, r});
+      }
+      begin = end;
+    }
+    AddLora(x, y, 0, out, lb.rows.data(), R, segs);
+    return y;
+  }
+  at::Tensor xc = x.contiguous();
+  BgmvParams p;
+  p.dtype = KernelDType(xc.scalar_type());
+  p.x = xc.data_ptr();
+  p.x_stride = xc.size(1);
+  p.out = y.data_ptr();
+  p.out_stride = y.size(1);
+  p.a_t = la_.data_ptr();
+  p.b_t = lb_.data_ptr();
+  p.rank = rank_t_.data_ptr<int32_t>();
+  p.slot_of_token = lb.slots_t.data_ptr<int32_t>();
+  p.num_tokens = xc.size(0);
+  p.in_dim = xc.size(1);
+  p.out_dim = y.size(1);
+  p.max_rank = R;
+  p.num_slots = shape_.num_slots;
+  absl::Status s;
+  if (lb.kernels == LoraKernels::kCuda) {
+    at::Tensor ws = Scratch(BgmvWorkspaceBytes(p), xc.device());
+    p.workspace = ws.data_ptr();
+    s = BgmvCuda(p, nullptr);
+  } else {
+    s = BgmvCpu(p);
+  }
+  if (!s.ok()) return s;
+  return y;
+}
+
+absl::Status LoraLinear::CheckDense(const LoraAdapter& a, const LoraPair& p) const {
+  if (p.a.shape.size() != 2 || p.b.shape.size() != 2 || p.a.dim(1) != in_full_ ||
+      p.b.dim(0) != out_full_ || p.a.dim(0) != p.rank || p.b.dim(1) != p.rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        a.safetensors_path, ": ", p.a_name, " ", p.a.ShapeString(), " / ", p.b_name, " ",
+        p.b.ShapeString(), " do not fit ", path(), " (in ", in_full_, ", out ", out_full_, ")"));
+  }
+  return absl::OkStatus();
+}
+
+void LoraLinear::WriteDense(const LoraPair& p, const SlotWrite& w) {
+  at::Tensor A = GatherRanges(ToFloat(p.a), 1, shard_.a_cols);              // [r, in_local]
+  at::Tensor B = GatherRanges(ToFloat(p.b) * p.scaling, 0, shard_.b_rows);  // [out_local, r]
+  const int r = p.rank;
+  w.dst(la_).narrow(1, 0, r).copy_(A.t());
+  w.dst(lb_).narrow(0, 0, r).copy_(B.t());
+  rank_[w.slot] = r;
+}
+
+int64_t LoraLinear::DenseBytes(const LoraPair& p, int64_t elem) const {
+  return elem *
+         (p.a.numel() / in_full_ * shard_.in_local + p.b.numel() / out_full_ * shard_.out_local);
+}
+
+void LoraLinear::Reset(int slot) {
+  la_[slot].zero_();
+  lb_[slot].zero_();
+  rank_[slot] = 0;
+  if (rank_t_.defined()) rank_t_[slot].zero_();
+}
+
+void LoraLinear::SyncRanks(int slot) {
+  if (rank_t_.defined()) rank_t_[slot].fill_(rank_[slot]);
+}
+
+}  // namespace moelora

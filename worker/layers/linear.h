@@ -1,0 +1,71 @@
+// A linear layer with batched multi-LoRA, column- or row-parallel: y = x·Wᵀ (+ b) plus, for
+// each token, the LoRA of its slot (SGMV segments on the CPU path, the BGMV kernel on the
+// kernel paths). Its slots hold A transposed [S, in_local, R] and B transposed
+// [S, R, out_local] with the scaling folded in; which part of a pair a rank keeps comes from
+// lora/tp_slice.h.
+#ifndef MOELORA_WORKER_LAYERS_LINEAR_H_
+#define MOELORA_WORKER_LAYERS_LINEAR_H_
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lora/tp_slice.h"
+#include "worker/layers/lora_batch.h"
+#include "worker/layers/lora_module.h"
+
+namespace moelora {
+
+// What every LoRA slot tensor of a model is made of.
+struct SlotShape {
+  int num_slots = 0;               // S
+  int max_rank = 0;                // R
+  at::TensorOptions slot_options;  // f32 on the CPU (CPU path), else compute dtype on the device
+  at::TensorOptions rank_options;  // int32 on the device (kernel paths)
+  LoraKernels kernels = LoraKernels::kCpuSgmv;
+  int tp_rank = 0;
+  int tp_size = 1;
+  static SlotShape For(const ModelOptions& o, const at::Device& device);
+};
+
+class LoraLinear final : public LoraModule {
+ public:
+  // `weight`: this rank's shard [out_local, in_local], already in the compute dtype and on the
+  // model's device; `bias` (optional) this rank's part for column-parallel layers, the whole
+  // bias for row-parallel ones (added on rank 0 only: the all-reduce sums the ranks).
+  // `out_sections`: the full output dim's sections (one entry for a plain layer).
+  static absl::StatusOr<std::unique_ptr<LoraLinear>> Create(std::string path, at::Tensor weight,
+                                                            at::Tensor bias, TpMode mode,
+                                                            int64_t in_full,
+                                                            std::vector<int64_t> out_sections,
+                                                            const SlotShape& shape);
+
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& x, const LoraBatch& lb) const;
+  const at::Tensor& weight() const { return w_; }
+  int64_t out_local() const { return shard_.out_local; }
+
+  bool takes_experts() const override { return false; }
+  absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const override;
+  void WriteDense(const LoraPair& pair, const SlotWrite& w) override;
+  int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const override;
+  void Reset(int slot) override;
+  void SyncRanks(int slot) override;
+
+ private:
+  using LoraModule::LoraModule;
+  at::Tensor w_, bias_;
+  TpMode mode_ = TpMode::kReplicated;
+  int64_t in_full_ = 0, out_full_ = 0;
+  LoraShard shard_;
+  SlotShape shape_;
+  mutable at::Tensor la_, lb_;  // [S, in_local, R], [S, R, out_local]
+  std::vector<int32_t> rank_;   // [S]
+  at::Tensor rank_t_;           // kernel paths: [S] int32 on the device
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LAYERS_LINEAR_H_

@@ -1,0 +1,62 @@
+// What every LoRA-capable module of a model offers the slot protocol (CausalLM::SetSlot): it is
+// registered under its Hugging Face module path, checks an adapter's tensors for it before any
+// slot is touched, writes its TP shard into a slot, and clears it.
+#ifndef MOELORA_WORKER_LAYERS_LORA_MODULE_H_
+#define MOELORA_WORKER_LAYERS_LORA_MODULE_H_
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "lora/adapter.h"
+
+namespace moelora {
+
+// Where a module writes slot `slot` of one of its slot tensors `full` [S, ...]: `full[slot]`
+// itself (CPU path) or a host f32 image of it that CausalLM uploads afterwards (kernel paths).
+using SlotDst = std::function<at::Tensor(at::Tensor& full)>;
+
+struct SlotWrite {
+  int slot = 0;
+  int tp_rank = 0;
+  int tp_size = 1;
+  SlotDst dst;
+};
+
+class LoraModule {
+ public:
+  explicit LoraModule(std::string path) : path_(std::move(path)) {}
+  virtual ~LoraModule() = default;
+  LoraModule(const LoraModule&) = delete;
+  LoraModule& operator=(const LoraModule&) = delete;
+
+  // The Hugging Face module path (`model.layers.0.self_attn.q_proj`).
+  const std::string& path() const { return path_; }
+  // A linear module takes dense pairs; an experts module takes MoeLayerLora.
+  virtual bool takes_experts() const = 0;
+
+  // INVALID_ARGUMENT naming the file, the tensor and the shapes when `pair` does not fit.
+  virtual absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const;
+  // INVALID_ARGUMENT / FAILED_PRECONDITION when the layer's expert LoRA does not fit the wrapper.
+  virtual absl::Status CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const;
+  // Write this rank's shard (after a successful Check).
+  virtual void WriteDense(const LoraPair& pair, const SlotWrite& w);
+  virtual void WriteExperts(const MoeLayerLora& layer, const SlotWrite& w);
+  // Bytes this rank holds for it, at `elem_bytes` per value.
+  virtual int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const;
+  virtual int64_t ExpertBytes(const MoeLayerLora& layer, int64_t elem_bytes) const;
+
+  virtual void Reset(int slot) = 0;
+  // Kernel paths: copy the host ranks of `slot` into the device rank tensors the kernels read.
+  virtual void SyncRanks(int slot) = 0;
+
+ private:
+  std::string path_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LAYERS_LORA_MODULE_H_

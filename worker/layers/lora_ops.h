@@ -1,0 +1,33 @@
+// Small libtorch helpers the layers share: host tensors as ATen tensors, kernel dtypes, device
+// scratch, and the CPU path's SGMV accumulation. Internal to worker/layers and worker/models.
+#ifndef MOELORA_WORKER_LAYERS_LORA_OPS_H_
+#define MOELORA_WORKER_LAYERS_LORA_OPS_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "kernels/sgmv.h"
+#include "lora/adapter.h"
+#include "lora/tp_slice.h"
+
+namespace moelora {
+
+// A HostTensor as an f32 ATen tensor (copied).
+at::Tensor ToFloat(const HostTensor& h);
+DType KernelDType(at::ScalarType t);
+// Device scratch for a kernel, from the tensor allocator (cached on CUDA).
+at::Tensor Scratch(size_t bytes, const at::Device& dev);
+// Accumulates LoRA into `out` columns [out_col, out_col + out_dim) (rows given by `rows` or all)
+// through the SGMV kernel on f32 slots. When x or out is not f32 the LoRA sum is formed in f32
+// and added once.
+void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_dim,
+             const int64_t* rows, int64_t r_stride, const std::vector<SgmvSegment>& segs);
+// Concatenates the given ranges of `t` along `dim` (a view when there is one range).
+at::Tensor GatherRanges(const at::Tensor& t, int64_t dim, const std::vector<IndexRange>& ranges);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LAYERS_LORA_OPS_H_

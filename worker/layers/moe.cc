@@ -1,0 +1,334 @@
+#include "worker/layers/moe.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/moe_lora.h"
+#include "worker/layers/lora_ops.h"
+
+namespace moelora {
+
+namespace {
+constexpr int kW1 = 0, kW3 = 1, kW2 = 2;  // expert LoRA projections (3D wrapper: kW1 = w13)
+const char* const kMixedFlag = "--enable-mixed-moe-lora-format";
+}  // namespace
+
+MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t inter_full,
+                       AdapterFormat wrapper, std::string architecture, const SlotShape& shape)
+    : LoraModule(std::move(path)),
+      w13_(std::move(w13)),
+      w2_(std::move(w2)),
+      E_(w13_.size(0)),
+      H_(w13_.size(2)),
+      I_(inter_full),
+      Ip_(w13_.size(1) / 2),
+      wrapper_(wrapper),
+      architecture_(std::move(architecture)),
+      shape_(shape) {
+  const int64_t S = shape.num_slots, R = shape.max_rank, E = E_, H = H_, Ip = Ip_;
+  const auto& f = shape.slot_options;
+  if (wrapper_ == AdapterFormat::k2D) {
+    for (int k : {kW1, kW3}) {
+      ea_[k] = at::zeros({S, E, H, R}, f);
+      eb_[k] = at::zeros({S, E, R, Ip}, f);
+    }
+  } else {
+    ea_[kW1] = at::zeros({S, E, H, R}, f);
+    eb_[kW1] = at::zeros({S, E, R, 2 * Ip}, f);
+  }
+  ea_[kW2] = at::zeros({S, E, Ip, R}, f);
+  eb_[kW2] = at::zeros({S, E, R, H}, f);
+  const bool kernels = shape.kernels != LoraKernels::kCpuSgmv;
+  for (int k = 0; k < 3; ++k) {
+    erank_[k].assign(S * E, 0);
+    if (kernels && ea_[k].defined()) erank_t_[k] = at::zeros({S * E}, shape.rank_options);
+  }
+}
+
+absl::Status MoeExperts::CheckExperts(const LoraAdapter& a, const MoeLayerLora& ml) const {
+  const bool is3d = ml.format == AdapterFormat::k3D;
+  if (is3d && wrapper_ == AdapterFormat::k2D) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        a.dir, ": 3D MoE LoRA adapter (fused experts.base_layer / experts pairs), but ",
+        architecture_, " uses the 2D expert wrapper and ", kMixedFlag,
+        " is off; start the worker with ", kMixedFlag, " to convert 3D adapters to 2D at load"));
+  }
+  if (!is3d && wrapper_ == AdapterFormat::k3D) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        a.dir, ": 2D (per-expert) MoE LoRA adapter, but ", architecture_,
+        " is a 3D-native model using the 3D expert wrapper and ", kMixedFlag,
+        " is off; start the worker with ", kMixedFlag, " to serve 2D and 3D adapters together"));
+  }
+  if (ml.num_experts != E_) {
+    return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": ", ml.prefix, " has ",
+                                                   ml.num_experts, " experts, the model ", E_));
+  }
+  return absl::OkStatus();
+}
+
+void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
+  const int64_t E = E_, I = I_;
+  const int slot = w.slot;
+  // Every expert projection of a rank: gate/up keep A whole and their rows of B (column-
+  // parallel over I, each of gate and up on its own); down keeps its columns of A (row-parallel).
+  const auto gate_up_rows = ShardSections({I, I}, w.tp_rank, w.tp_size);
+  const auto down_cols = ShardSections({I}, w.tp_rank, w.tp_size);
+  // The model checked at load that I divides by the TP size, so these cannot fail.
+  const std::vector<IndexRange> gu = gate_up_rows.value(), dn = down_cols.value();
+  const std::vector<IndexRange> gate_rows = {gu[0]}, up_rows = {{gu[1].begin - I, gu[1].size}};
+  if (ml.format == AdapterFormat::k3D) {
+    // 3D wrapper: gate_up A [E*r, H], B [2I, r*E] (column j*E+e); down A [E*r, I], B [H, r*E].
+    if (ml.gate_up) {
+      const LoraPair& p = *ml.gate_up;
+      const int r = p.rank;
+      at::Tensor A = ToFloat(p.a).view({E, r, -1});
+      at::Tensor B = (ToFloat(p.b) * p.scaling).view({2 * I, r, E});
+      for (int64_t e = 0; e < E; ++e) {
+        at::Tensor Bl = GatherRanges(B.select(2, e), 0, gu);  // [2 I_p, r]
+        w.dst(ea_[kW1])[e].narrow(1, 0, r).copy_(A[e].t());
+        w.dst(eb_[kW1])[e].narrow(0, 0, r).copy_(Bl.t());
+        erank_[kW1][slot * E + e] = r;
+      }
+    }
+    if (ml.down) {
+      const LoraPair& p = *ml.down;
+      const int r = p.rank;
+      at::Tensor A = ToFloat(p.a).view({E, r, I});
+      at::Tensor B = (ToFloat(p.b) * p.scaling).view({-1, r, E});
+      for (int64_t e = 0; e < E; ++e) {
+        w.dst(ea_[kW2])[e].narrow(1, 0, r).copy_(GatherRanges(A[e], 1, dn).t());
+        w.dst(eb_[kW2])[e].narrow(0, 0, r).copy_(B.select(2, e).t());
+        erank_[kW2][slot * E + e] = r;
+      }
+    }
+    return;
+  }
+  for (int64_t e = 0; e < static_cast<int64_t>(ml.experts.size()); ++e) {
+    for (int k : {kW1, kW3, kW2}) {
+      const auto& opt = ml.experts[e][k == kW1   ? static_cast<int>(ExpertProj::kGate)
+                                      : k == kW3 ? static_cast<int>(ExpertProj::kUp)
+                                                 : static_cast<int>(ExpertProj::kDown)];
+      if (!opt) continue;
+      const int r = opt->rank;
+      at::Tensor A = ToFloat(opt->a), B = ToFloat(opt->b) * opt->scaling;
+      if (k == kW2) {
+        A = GatherRanges(A, 1, dn);
+      } else {
+        B = GatherRanges(B, 0, k == kW1 ? gate_rows : up_rows);
+      }
+      w.dst(ea_[k])[e].narrow(1, 0, r).copy_(A.t());
+      w.dst(eb_[k])[e].narrow(0, 0, r).copy_(B.t());
+      erank_[k][slot * E + e] = r;
+    }
+  }
+}
+
+int64_t MoeExperts::ExpertBytes(const MoeLayerLora& ml, int64_t elem) const {
+  // Column-parallel gate/up keep A whole and 1/tp of B; row-parallel down 1/tp of A, B whole.
+  const int64_t tp = shape_.tp_size;
+  auto pair = [&](const LoraPair& p, bool row) {
+    return elem * (row ? p.a.numel() / tp + p.b.numel() : p.a.numel() + p.b.numel() / tp);
+  };
+  int64_t total = 0;
+  if (ml.gate_up) total += pair(*ml.gate_up, false);
+  if (ml.down) total += pair(*ml.down, true);
+  for (const auto& e : ml.experts) {
+    for (int k = 0; k < 3; ++k) {
+      if (e[k]) total += pair(*e[k], k == static_cast<int>(ExpertProj::kDown));
+    }
+  }
+  return total;
+}
+
+void MoeExperts::Reset(int slot) {
+  for (int k = 0; k < 3; ++k) {
+    if (!ea_[k].defined()) continue;
+    ea_[k][slot].zero_();
+    eb_[k][slot].zero_();
+    std::fill_n(erank_[k].begin() + slot * E_, E_, 0);
+    if (erank_t_[k].defined()) erank_t_[k].narrow(0, slot * E_, E_).zero_();
+  }
+}
+
+void MoeExperts::SyncRanks(int slot) {
+  for (int k = 0; k < 3; ++k) {
+    if (!erank_t_[k].defined()) continue;
+    erank_t_[k]
+        .narrow(0, slot * E_, E_)
+        .copy_(at::from_blob(erank_[k].data() + slot * E_, {E_}, at::kInt));
+  }
+}
+
+absl::StatusOr<at::Tensor> MoeExperts::Forward(const at::Tensor& h, const at::Tensor& ids,
+                                               const at::Tensor& weights,
+                                               const LoraBatch& lb) const {
+  return lb.kernel_path() ? FusedForward(h, ids, weights, lb) : CpuForward(h, ids, weights, lb);
+}
+
+absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at::Tensor& idx,
+                                                  const at::Tensor& wts,
+                                                  const LoraBatch& lb) const {
+  const int64_t T = h.size(0), topk = idx.size(1), E = E_, H = H_, R = shape_.max_rank, Ip = Ip_;
+  const std::vector<int32_t>& slots = *lb.slots;
+  // Assignments sorted by (expert, slot): one run per expert for the base GEMMs, one segment per
+  // (expert, slot) for LoRA.
+  const int64_t N = T * topk;
+  at::Tensor idx_c = idx.contiguous();
+  const int64_t* ip = idx_c.data_ptr<int64_t>();
+  std::vector<int64_t> order(N);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    if (ip[x] != ip[y]) return ip[x] < ip[y];
+    return slots[x / topk] < slots[y / topk];
+  });
+  std::vector<int64_t> token(N);
+  for (int64_t i = 0; i < N; ++i) token[i] = order[i] / topk;
+  at::Tensor order_t = at::from_blob(order.data(), {N}, at::kLong);
+  at::Tensor token_t = at::from_blob(token.data(), {N}, at::kLong);
+  at::Tensor xs = h.index_select(0, token_t);
+  at::Tensor ws = wts.reshape({N}).index_select(0, order_t);
+  std::vector<std::pair<int64_t, int64_t>> expert_runs;  // (begin, end) per expert present
+  std::vector<int64_t> run_expert;
+  for (int64_t i = 0; i < N;) {
+    int64_t j = i;
+    while (j < N && ip[order[j]] == ip[order[i]]) ++j;
+    expert_runs.push_back({i, j});
+    run_expert.push_back(ip[order[i]]);
+    i = j;
+  }
+  auto lora_segments = [&](int k, int64_t in_dim, int64_t out_dim) {
+    std::vector<SgmvSegment> segs;
+    if (!ea_[k].defined() || !lb.any) return segs;
+    const float* A = ea_[k].data_ptr<float>();
+    const float* B = eb_[k].data_ptr<float>();
+    for (int64_t i = 0; i < N;) {
+      const int64_t e = ip[order[i]];
+      const int32_t slot = slots[token[i]];
+      int64_t j = i;
+      while (j < N && ip[order[j]] == e && slots[token[j]] == slot) ++j;
+      if (slot >= 0) {
+        const int32_t r = erank_[k][slot * E + e];
+        if (r > 0) {
+          segs.push_back(
+              {i, j, A + (slot * E + e) * in_dim * R, B + (slot * E + e) * R * out_dim, r});
+        }
+      }
+      i = j;
+    }
+    return segs;
+  };
+  at::Tensor h13 = at::empty({N, 2 * Ip}, h.options());
+  for (size_t r = 0; r < expert_runs.size(); ++r) {
+    auto [i, j] = expert_runs[r];
+    at::Tensor dst = h13.narrow(0, i, j - i);
+    at::mm_out(dst, xs.narrow(0, i, j - i), w13_[run_expert[r]].t());
+  }
+  if (wrapper_ == AdapterFormat::k2D) {
+    AddLora(xs, h13, 0, Ip, nullptr, R, lora_segments(kW1, H, Ip));
+    AddLora(xs, h13, Ip, Ip, nullptr, R, lora_segments(kW3, H, Ip));
+  } else {
+    AddLora(xs, h13, 0, 2 * Ip, nullptr, R, lora_segments(kW1, H, 2 * Ip));
+  }
+  at::Tensor act = (at::silu(h13.narrow(1, 0, Ip)) * h13.narrow(1, Ip, Ip)).contiguous();
+  at::Tensor ys = at::empty({N, H}, h.options());
+  for (size_t r = 0; r < expert_runs.size(); ++r) {
+    auto [i, j] = expert_runs[r];
+    at::Tensor dst = ys.narrow(0, i, j - i);
+    at::mm_out(dst, act.narrow(0, i, j - i), w2_[run_expert[r]].t());
+  }
+  AddLora(act, ys, 0, H, nullptr, R, lora_segments(kW2, Ip, H));
+  ys.mul_(ws.unsqueeze(1));
+  at::Tensor out = at::zeros({T, H}, h.options());
+  out.index_add_(0, token_t, ys);
+  return out;
+}
+
+absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const at::Tensor& idx,
+                                                    const at::Tensor& wts_in,
+                                                    const LoraBatch& lb) const {
+  const int64_t T = h.size(0), K = idx.size(1), H = H_;
+  at::Tensor ids = idx.to(at::kInt).contiguous();
+  at::Tensor wts = wts_in.to(at::kFloat).contiguous();
+  at::Tensor x = h.contiguous();
+  at::Tensor out = at::empty({T, H}, h.options());
+  MoeLoraParams p;
+  p.dtype = KernelDType(h.scalar_type());
+  p.x = x.data_ptr();
+  p.topk_ids = ids.data_ptr<int32_t>();
+  p.topk_weights = wts.data_ptr<float>();
+  p.w13 = w13_.data_ptr();
+  p.w2 = w2_.data_ptr();
+  p.out = out.data_ptr();
+  p.num_tokens = T;
+  p.hidden = H;
+  p.inter = Ip_;
+  p.num_experts = E_;
+  p.top_k = K;
+  p.num_slots = shape_.num_slots;
+  p.max_rank = shape_.max_rank;
+  if (lb.any) {
+    p.slot_of_token = lb.slots_t.data_ptr<int32_t>();
+    auto proj = [&](int k, int64_t col, int64_t dim) {
+      return MoeLoraProj{ea_[k].data_ptr(), eb_[k].data_ptr(), erank_t_[k].data_ptr<int32_t>(), col,
+                         dim};
+    };
+    if (wrapper_ == AdapterFormat::k2D) {
+      p.gate_up[0] = proj(kW1, 0, Ip_);
+      p.gate_up[1] = proj(kW3, Ip_, Ip_);
+      p.num_gate_up = 2;
+    } else {
+      p.gate_up[0] = proj(kW1, 0, 2 * Ip_);
+      p.num_gate_up = 1;
+    }
+    p.down = proj(kW2, 0, H);
+    p.has_down = true;
+  }
+  if (lb.kernels == LoraKernels::kCuda) {
+    at::Tensor ws = Scratch(MoeLoraWorkspaceBytes(p), h.device());
+    p.workspace = ws.data_ptr();
+    MOELORA_RETURN_IF_ERROR(MoeLoraCuda(p, nullptr));
+  } else {
+    MOELORA_RETURN_IF_ERROR(MoeLoraCpu(p));
+  }
+  return out;
+}
+
+MoeBlock::MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk_prob,
+                   std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared)
+    : router_(std::move(router)),
+      kind_(kind),
+      top_k_(top_k),
+      norm_topk_prob_(norm_topk_prob),
+      experts_(std::move(experts)),
+      shared_(std::move(shared)) {}
+
+absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatch& lb) const {
+  at::Tensor logits = at::matmul(h, router_.t());
+  at::Tensor wts, idx;
+  switch (kind_) {
+    case RouterKind::kSoftmaxTopK: {
+      at::Tensor probs = at::softmax(logits, 1, at::kFloat);
+      std::tie(wts, idx) = at::topk(probs, top_k_, -1);
+      if (norm_topk_prob_) wts = wts / wts.sum(-1, true);
+      break;
+    }
+  }
+  // The CPU path scales in the activation dtype (as transformers does); the fused kernel takes
+  // f32 weights.
+  if (!lb.kernel_path()) wts = wts.to(h.scalar_type());
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor out, experts_->Forward(h, idx, wts, lb));
+  if (shared_) {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor g, shared_->gate->Forward(h, lb));
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor u, shared_->up->Forward(h, lb));
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor s, shared_->down->Forward(at::silu(g) * u, lb));
+    if (shared_->gate_weight.defined()) {
+      s = s * at::sigmoid(at::matmul(h, shared_->gate_weight.t()));
+    }
+    out = out + s;
+  }
+  return out;
+}
+
+}  // namespace moelora

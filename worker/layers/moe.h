@@ -1,0 +1,91 @@
+// The MoE block: a router, routed experts with batched multi-LoRA in either wrapper, and an
+// optional shared expert (with an optional sigmoid gate, Qwen3.5).
+//
+// Experts (one LoraModule at `<layer>.mlp.experts`): this rank's shard of w13 [E, 2·I_p, H]
+// ([gate ; up] per expert) and w2 [E, H, I_p]. Expert LoRA goes through one of two wrappers
+// (FORMATS.md §1.3, §1.4): 2D (w1, w3, w2 per expert) or 3D (fused w13, w2). On the CPU path the
+// (token, expert) assignments are sorted by (expert, slot) and run as one GEMM per expert plus
+// SGMV segments per (expert, slot); on the kernel paths the whole block is one fused call
+// (kernels/moe_lora.h).
+#ifndef MOELORA_WORKER_LAYERS_MOE_H_
+#define MOELORA_WORKER_LAYERS_MOE_H_
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/layers/linear.h"
+#include "worker/layers/lora_batch.h"
+#include "worker/layers/lora_module.h"
+
+namespace moelora {
+
+class MoeExperts final : public LoraModule {
+ public:
+  // `wrapper`: the expert LoRA layout the slots take; `architecture` names the model in errors.
+  MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t inter_full,
+             AdapterFormat wrapper, std::string architecture, const SlotShape& shape);
+
+  // h [T, H], ids [T, K] int64, weights [T, K] in h's dtype: Σ_k w · expert(h) for this rank.
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const at::Tensor& ids,
+                                     const at::Tensor& weights, const LoraBatch& lb) const;
+  int64_t num_experts() const { return E_; }
+
+  bool takes_experts() const override { return true; }
+  absl::Status CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const override;
+  void WriteExperts(const MoeLayerLora& layer, const SlotWrite& w) override;
+  int64_t ExpertBytes(const MoeLayerLora& layer, int64_t elem_bytes) const override;
+  void Reset(int slot) override;
+  void SyncRanks(int slot) override;
+
+ private:
+  absl::StatusOr<at::Tensor> CpuForward(const at::Tensor& h, const at::Tensor& ids,
+                                        const at::Tensor& weights, const LoraBatch& lb) const;
+  absl::StatusOr<at::Tensor> FusedForward(const at::Tensor& h, const at::Tensor& ids,
+                                          const at::Tensor& weights, const LoraBatch& lb) const;
+
+  at::Tensor w13_, w2_;
+  int64_t E_ = 0, H_ = 0, I_ = 0, Ip_ = 0;
+  AdapterFormat wrapper_;
+  std::string architecture_;
+  SlotShape shape_;
+  // 2D: [kW1], [kW3]: a_t [S, E, H, R], b_t [S, E, R, I_p]; 3D: [kW1] holds w13 with b_t
+  // [S, E, R, 2 I_p]. [kW2]: a_t [S, E, I_p, R], b_t [S, E, R, H]. rank [S * E].
+  mutable at::Tensor ea_[3], eb_[3];
+  std::vector<int32_t> erank_[3];
+  at::Tensor erank_t_[3];  // kernel paths
+};
+
+enum class RouterKind {
+  kSoftmaxTopK,  // softmax over all experts (f32), top-k, renormalised when norm_topk_prob
+};
+
+struct SharedExpert {
+  std::unique_ptr<LoraLinear> gate, up, down;  // column, column, row
+  at::Tensor gate_weight;                      // [1, H] (sigmoid gate) or undefined
+};
+
+class MoeBlock {
+ public:
+  MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk_prob,
+           std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared = nullptr);
+  // This rank's part of the block's output (the caller all-reduces).
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
+  MoeExperts* experts() { return experts_.get(); }
+  SharedExpert* shared() { return shared_.get(); }
+
+ private:
+  at::Tensor router_;
+  RouterKind kind_;
+  int top_k_;
+  bool norm_topk_prob_;
+  std::unique_ptr<MoeExperts> experts_;
+  std::unique_ptr<SharedExpert> shared_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LAYERS_MOE_H_

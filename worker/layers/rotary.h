@@ -1,0 +1,41 @@
+// Rotary position embedding (neox pairs) on the first rotary_dim dims of each head, with the
+// frequencies of worker/rope.h (default, linear, yarn, llama3; partial rotary).
+#ifndef MOELORA_WORKER_LAYERS_ROTARY_H_
+#define MOELORA_WORKER_LAYERS_ROTARY_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "worker/rope.h"
+
+namespace moelora {
+
+class Rotary {
+ public:
+  Rotary() = default;
+  Rotary(const RopeSpec& spec, const at::Device& device);
+
+  // cos and sin [T, rotary_dim] for `positions`, in `dtype` (computed in f32, times the
+  // attention scaling, then cast: as transformers does).
+  struct Table {
+    at::Tensor cos, sin;
+  };
+  Table Compute(const std::vector<int64_t>& positions, at::ScalarType dtype) const;
+  // x [T, heads, head_dim]: rotates dims [0, rotary_dim) by pairs (i, i + rotary_dim / 2); the
+  // rest pass through.
+  at::Tensor Apply(const at::Tensor& x, const Table& t) const;
+  int64_t rotary_dim() const { return rotary_dim_; }
+
+ private:
+  at::Tensor inv_freq_;  // f32 [rotary_dim / 2] on the device
+  double scaling_ = 1.0;
+  int64_t rotary_dim_ = 0;
+  int64_t head_dim_ = 0;
+  at::Device device_ = at::kCPU;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_LAYERS_ROTARY_H_

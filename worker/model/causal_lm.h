@@ -1,0 +1,153 @@
+// The causal-LM interface every architecture implements, for one tensor-parallel rank, and the
+// per-sequence state it keeps. Includes ATen: only for translation units that use libtorch.
+//
+// One forward pass serves tokens of many sequences and adapters: every token carries its LoRA
+// slot (or none). A model is built from layers (worker/layers/); each LoRA-capable module
+// registers itself under its Hugging Face module path (`model.layers.3.self_attn.q_proj`,
+// `model.layers.3.mlp.experts`), and loading an adapter into a slot is a lookup of each of the
+// adapter's modules there (SetSlot). Slots hold A and B transposed with the scaling folded in:
+// f32 on the CPU path, the compute dtype on the kernel paths.
+//
+// Thread-safety: Forward, SetSlot and ResetSlot must not run concurrently on the same slot;
+// Forward never reads a slot that no token of its batch carries.
+#ifndef MOELORA_WORKER_MODEL_CAUSAL_LM_H_
+#define MOELORA_WORKER_MODEL_CAUSAL_LM_H_
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lora/adapter.h"
+#include "worker/comm/communicator.h"
+#include "worker/model_config.h"
+
+namespace moelora {
+
+class PinnedUploader;  // kernels/device.h
+class LoraModule;      // worker/layers/lora_module.h
+
+// How LoRA (and, off the CPU path, the whole MoE block) is computed.
+enum class LoraKernels {
+  kCpuSgmv,   // CPU: ATen GEMMs per expert + the SGMV kernel on f32 slots (kernels/sgmv.h)
+  kCpuTwins,  // CPU: the CPU twins of the CUDA kernels (kernels/bgmv.h, moe_lora.h) on slots in
+              // the compute dtype: the device path's code, testable without a device
+  kCuda,      // GPU: the CUDA kernels, weights and slots in device memory
+};
+
+struct ModelOptions {
+  LoraKernels kernels = LoraKernels::kCpuSgmv;
+  int cuda_device = 0;  // with kCuda
+  int tp_rank = 0;
+  int tp_size = 1;
+  at::ScalarType dtype = at::kFloat;
+  int max_loras = 4;
+  int max_lora_rank = 16;
+  bool mixed_moe_lora_format = false;  // every MoE layer uses the 2D wrapper
+};
+
+// One layer's part of a sequence's state on this rank: a KV cache (attention layers) or a
+// fixed-size recurrent state (linear-attention layers: the conv window and the SSM state).
+struct LayerState {
+  at::Tensor k, v;       // attention: [capacity, kv_heads_local, head_dim]
+  at::Tensor conv, ssm;  // recurrent: [channels_local, K - 1], [heads_local, dk, dv] (f32)
+};
+
+// A sequence's state: one LayerState per decoder layer, and the tokens seen so far.
+struct SeqState {
+  std::vector<LayerState> layers;
+  int64_t len = 0;
+};
+
+struct ForwardBatch {
+  std::vector<int64_t> tokens;  // all new tokens, sequence after sequence
+  std::vector<int32_t> slots;   // per token: LoRA slot, -1 = base model
+  struct Seq {
+    SeqState* state = nullptr;
+    int64_t begin = 0;        // first token in `tokens`
+    int64_t count = 0;        // new tokens (prompt at prefill, 1 at decode)
+    bool all_logits = false;  // logits for every new token, else only the last
+  };
+  std::vector<Seq> seqs;
+};
+
+// What every architecture's model shares: config, options, the TP communicator, the LoRA
+// module registry and the slot protocol. An architecture (worker/models/) subclasses it and
+// implements Forward.
+class CausalLM {
+ public:
+  virtual ~CausalLM();
+
+  // Logits (f32, on the host) [rows, vocab]: per sequence in order, every new token's row
+  // (all_logits) or the last one. Advances each sequence's state by its new tokens.
+  virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
+
+  // A fresh per-sequence state (empty caches, zero recurrent state).
+  SeqState NewState() const;
+
+  // Copies `adapter` (TP-sliced) into `slot`, replacing what was there (on kCuda: a host image of
+  // the slot, uploaded through pinned staging buffers). Checks first and changes nothing on
+  // error: INVALID_ARGUMENT for a module the model does not have or does not wrap (naming the
+  // module and the ones it does), FAILED_PRECONDITION for an expert layout the MoE wrapper does
+  // not take, RESOURCE_EXHAUSTED for a rank above max_lora_rank.
+  absl::Status SetSlot(int slot, const LoraAdapter& adapter);
+  void ResetSlot(int slot);
+  // Bytes of LoRA weights a slot holds on this rank for `adapter` (for reporting).
+  int64_t SlotBytes(const LoraAdapter& adapter) const;
+
+  const ModelConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  // The MoE wrapper in use: k3D for 3D-native models without mixed mode, else k2D.
+  AdapterFormat wrapper_format() const { return wrapper_; }
+  AdapterFormat native_format() const { return native_; }
+  const std::vector<std::string>& skipped_tensors() const { return skipped_; }
+  // Hugging Face module paths of every LoRA-capable module, in registration order.
+  std::vector<std::string> lora_modules() const;
+  at::Device device() const;
+  bool kernel_path() const { return options_.kernels != LoraKernels::kCpuSgmv; }
+
+ protected:
+  CausalLM() = default;
+  // Registers `m` under its module path (the model keeps ownership elsewhere).
+  void RegisterLora(LoraModule* m);
+  // Sums `t` over the tensor-parallel group (in place; f32 on the wire).
+  absl::Status AllReduce(at::Tensor& t);
+  // Fills what every model sets up after loading its weights: the uploader on kCuda.
+  absl::Status InitCommon();
+
+  ModelConfig config_;
+  ModelOptions options_;
+  Communicator* comm_ = nullptr;
+  AdapterFormat wrapper_ = AdapterFormat::k2D;
+  AdapterFormat native_ = AdapterFormat::k2D;
+  std::vector<std::string> skipped_;
+  int num_layers_ = 0;  // SeqState::layers size
+
+ private:
+  // Kernel paths: uploads SetSlot's host images (keyed by the full slot tensor) and the ranks.
+  absl::Status UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged);
+  LoraModule* FindLora(const std::string& module) const;
+
+  std::vector<LoraModule*> lora_order_;
+  std::map<std::string, LoraModule*> lora_by_name_;
+  std::unique_ptr<PinnedUploader> uploader_;  // kCuda: adapter uploads
+  std::mutex upload_mu_;                      // guards uploader_
+};
+
+// Loads `dir` through its architecture's registry entry (worker/model/registry.h): the config,
+// the checks every model shares, then the architecture's factory. `comm` must outlive the model.
+// With kCuda, the weights are moved to the device after loading; FAILED_PRECONDITION when this
+// libtorch has no CUDA or no device answers. UNIMPLEMENTED for an architecture whose weights
+// can be named but that has no forward pass; FAILED_PRECONDITION naming a config key that
+// changes the math and is not implemented.
+absl::StatusOr<std::unique_ptr<CausalLM>> LoadCausalLM(const std::string& dir,
+                                                       const ModelOptions& options,
+                                                       Communicator* comm);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_MODEL_CAUSAL_LM_H_

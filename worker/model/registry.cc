@@ -1,0 +1,53 @@
+#include "worker/model/registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace moelora {
+
+namespace {
+
+const std::vector<ArchTable>& Tables() {
+  static const std::vector<ArchTable> tables = {
+      {"Qwen3MoeForCausalLM", AdapterFormat::k2D, &MapQwen3Moe, &CreateQwen3Moe,
+       &Qwen3MoeConfigKeys()},
+      // The text path of the VL model is Qwen3-MoE with fused, transposed expert storage.
+      {"Qwen3VLMoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen3VlMoe, &CreateQwen3Moe,
+       &Qwen3MoeConfigKeys()},
+      {"Qwen3_5MoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen35Moe},
+      // The MTP head's checkpoint keys are `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
+      {"Qwen3_5MoeMTP", AdapterFormat::k3D, &MapQwen35Moe},
+      {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3},
+      {"Step3p5ForCausalLM", AdapterFormat::k2D, &MapStep3},
+      // The Step3.5 MTP layers follow the backbone's (model.layers.{N+i}.moe.*_proj.weight).
+      {"Step3p5MTP", AdapterFormat::k2D, &MapStep3},
+  };
+  return tables;
+}
+
+}  // namespace
+
+std::vector<std::string> SupportedArchitectures() {
+  std::vector<std::string> out;
+  for (const ArchTable& t : Tables()) out.push_back(t.architecture);
+  return out;
+}
+
+std::vector<std::string> ServedArchitectures() {
+  std::vector<std::string> out;
+  for (const ArchTable& t : Tables()) {
+    if (t.has_forward()) out.push_back(t.architecture);
+  }
+  return out;
+}
+
+absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture) {
+  for (const ArchTable& t : Tables()) {
+    if (t.architecture == architecture) return &t;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown architecture \"", architecture,
+                   "\"; supported: ", absl::StrJoin(SupportedArchitectures(), ", ")));
+}
+
+}  // namespace moelora

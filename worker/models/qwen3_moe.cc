@@ -1,0 +1,218 @@
+// Qwen3-MoE: h += o(attn(norm(h))); h += moe(norm(h)); logits = lm_head(norm(h)). Only composes
+// layers (worker/layers/).
+#include "worker/models/qwen3_moe.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
+#include "worker/layers/attention.h"
+#include "worker/layers/moe.h"
+#include "worker/model/model_context.h"
+
+namespace moelora {
+
+std::vector<ParamSpec> Qwen3MoeParamSpecs(const ModelConfig& c, bool lw, bool with_lm_head) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
+                I = c.info.moe_intermediate_size, d = c.info.head_dim,
+                hq = c.info.num_attention_heads, hkv = c.info.num_key_value_heads;
+  std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
+                              {"model.norm.weight", {H}, TpSplit::kReplicated}};
+  if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
+  const std::string bl = lw ? "base_layer." : "";
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "self_attn.q_proj." + bl + "weight", {hq * d, H}, TpSplit::kRows});
+    s.push_back({p + "self_attn.k_proj." + bl + "weight", {hkv * d, H}, TpSplit::kRows});
+    s.push_back({p + "self_attn.v_proj." + bl + "weight", {hkv * d, H}, TpSplit::kRows});
+    s.push_back({p + "self_attn.o_proj." + bl + "weight", {H, hq * d}, TpSplit::kCols});
+    s.push_back({p + "self_attn.q_norm.weight", {d}, TpSplit::kReplicated});
+    s.push_back({p + "self_attn.k_norm.weight", {d}, TpSplit::kReplicated});
+    s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
+    s.push_back({W13Name(p + "mlp.experts", lw), {E, 2 * I, H}, TpSplit::kExperts});
+    s.push_back({W2Name(p + "mlp.experts", lw), {E, H, I}, TpSplit::kExperts});
+  }
+  return s;
+}
+
+const std::vector<std::string>& Qwen3MoeConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+      "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+      "norm_topk_prob", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+      "partial_rotary_factor", "original_max_position_embeddings", "max_position_embeddings",
+      "vocab_size", "tie_word_embeddings",
+      // Checked below: silu only, no attention biases, full or sliding attention layers.
+      "hidden_act", "attention_bias", "use_sliding_window", "sliding_window", "layer_types",
+      // Dense-MLP layers: refused when present (mlp_only_layers non-empty, step != 1); the dense
+      // MLP's size matters only then.
+      "mlp_only_layers", "decoder_sparse_step", "intermediate_size"};
+  return keys;
+}
+
+namespace {
+
+class Qwen3Moe final : public CausalLM {
+ public:
+  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+
+ private:
+  struct Layer {
+    at::Tensor in_norm, post_norm;
+    std::unique_ptr<Attention> attn;
+    std::unique_ptr<MoeBlock> moe;
+  };
+  at::Tensor embed_, final_norm_, lm_head_;
+  Rotary rope_;
+  std::vector<Layer> layers_;
+};
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& ctx) {
+  const ModelConfig& c = ctx.config;
+  const ModelOptions& o = ctx.options;
+  const std::string cfg = ctx.dir + "/config.json";
+  auto refuse = [&](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat(cfg, ": ", parts...));
+  };
+  if (!c.all_layers_moe) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        cfg, ": dense MLP layers (mlp_only_layers / decoder_sparse_step) are not served yet"));
+  }
+  if (c.hidden_act != "silu") {
+    return refuse("hidden_act \"", c.hidden_act, "\" is not implemented (silu only)");
+  }
+  if (c.attention_bias)
+    return refuse("attention_bias true is not implemented for ", c.info.architecture);
+  for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    if (c.layer_types[i] != "full_attention" && c.layer_types[i] != "sliding_attention") {
+      return refuse("layer_types[", i, "] \"", c.layer_types[i], "\" is not a layer of ",
+                    c.info.architecture);
+    }
+  }
+  if (c.rope.partial_rotary_factor != 1.0) {
+    // transformers' Qwen3-MoE rotates whole heads (its cos/sin would not even broadcast).
+    return refuse("partial_rotary_factor ", c.rope.partial_rotary_factor,
+                  " is not implemented for ", c.info.architecture, " (whole-head RoPE only)");
+  }
+  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
+  if (!has_lm_head && !c.tie_word_embeddings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
+  }
+  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true};
+  MOELORA_ASSIGN_OR_RETURN(
+      LoadedWeights w,
+      LoadWeights(*ctx.checkpoint, *ctx.arch, c, Qwen3MoeParamSpecs(c, true, has_lm_head), lo));
+  auto m = std::unique_ptr<Qwen3Moe>(new Qwen3Moe());
+  m->config_ = c;
+  m->options_ = o;
+  m->comm_ = ctx.comm;
+  m->native_ = ctx.arch->native_moe_format;
+  m->wrapper_ = o.mixed_moe_lora_format ? AdapterFormat::k2D : m->native_;
+  m->skipped_ = w.skipped;
+  m->num_layers_ = c.info.num_layers;
+  const int tp = o.tp_size;
+  const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
+                hkv = c.info.num_key_value_heads;
+  auto& P = w.params;
+  const at::Device dev = m->device();
+  if (m->kernel_path()) {
+    for (auto& [name, t] : P) t = t.to(dev).contiguous();
+  }
+  MOELORA_RETURN_IF_ERROR(m->InitCommon());
+  m->embed_ = P.at("model.embed_tokens.weight");
+  m->final_norm_ = P.at("model.norm.weight");
+  m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
+  m->rope_ = Rotary(c.rope, dev);
+  const SlotShape shape = SlotShape::For(o, dev);
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    Layer L;
+    L.in_norm = P.at(p + "input_layernorm.weight");
+    L.post_norm = P.at(p + "post_attention_layernorm.weight");
+    auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
+      const std::string path = p + "self_attn." + name;
+      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
+                                {out}, shape);
+    };
+    MOELORA_ASSIGN_OR_RETURN(auto q, linear("q_proj", TpMode::kColumn, H, hq * d));
+    MOELORA_ASSIGN_OR_RETURN(auto k, linear("k_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto v, linear("v_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto out, linear("o_proj", TpMode::kRow, hq * d, H));
+    AttentionSpec as;
+    as.heads = hq / tp;
+    as.kv_heads = hkv / tp;
+    as.head_dim = d;
+    as.eps = c.rms_norm_eps;
+    const bool sliding = c.sliding_window > 0 && !c.sliding_layers.empty() && c.sliding_layers[l];
+    as.sliding_window = sliding ? c.sliding_window : 0;
+    L.attn = std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v),
+                                         std::move(out), P.at(p + "self_attn.q_norm.weight"),
+                                         P.at(p + "self_attn.k_norm.weight"));
+    auto experts = std::make_unique<MoeExperts>(
+        p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
+        P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
+        c.info.architecture, shape);
+    L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
+                                       c.num_experts_per_tok, c.norm_topk_prob, std::move(experts));
+    m->layers_.push_back(std::move(L));
+  }
+  for (Layer& L : m->layers_) {
+    m->RegisterLora(L.attn->q());
+    m->RegisterLora(L.attn->k());
+    m->RegisterLora(L.attn->v());
+    m->RegisterLora(L.attn->o());
+    m->RegisterLora(L.moe->experts());
+  }
+  return std::unique_ptr<CausalLM>(std::move(m));
+}
+
+absl::StatusOr<at::Tensor> Qwen3Moe::Forward(const ForwardBatch& b) {
+  const int64_t T = static_cast<int64_t>(b.tokens.size());
+  if (T == 0 || b.slots.size() != b.tokens.size()) {
+    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
+  }
+  // The raw kernel launches use this thread's current device.
+  if (options_.kernels == LoraKernels::kCuda) {
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
+  }
+  std::vector<int64_t> positions(T);
+  for (const auto& s : b.seqs) {
+    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.state->len + i;
+  }
+  const at::Device dev = device();
+  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  const Rotary::Table table = rope_.Compute(positions, options_.dtype);
+  at::Tensor x = embed_.index_select(0, tok);
+  const double eps = config_.rms_norm_eps;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(RmsNorm(x, L.in_norm, eps), b,
+                                                           static_cast<int>(l), rope_, table, lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(a));
+    x = x + a;
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(RmsNorm(x, L.post_norm, eps), lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(mo));
+    x = x + mo;
+  }
+  for (const auto& s : b.seqs) s.state->len += s.count;
+  std::vector<int64_t> rows;
+  for (const auto& s : b.seqs) {
+    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
+  }
+  at::Tensor sel = x.index_select(
+      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
+  sel = RmsNorm(sel, final_norm_, eps);
+  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx) {
+  return Qwen3Moe::Create(ctx);
+}
+
+}  // namespace moelora

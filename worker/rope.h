@@ -1,0 +1,38 @@
+// Rotary position embedding parameters from config.json, and their inverse frequencies: plain
+// C++ (no libtorch), following transformers' modeling_rope_utils (default, linear, yarn,
+// llama3) so that a checkpoint's rope_parameters / rope_scaling mean what they meant in
+// training. Thread-safe: plain data and pure functions.
+#ifndef MOELORA_WORKER_ROPE_H_
+#define MOELORA_WORKER_ROPE_H_
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moelora {
+
+struct RopeSpec {
+  std::string type = "default";  // default | linear | yarn | llama3
+  double theta = 10000.0;
+  int head_dim = 0;
+  double partial_rotary_factor = 1.0;  // rotate the first head_dim · factor dims (neox pairs)
+  double factor = 1.0;                 // linear, yarn, llama3
+  int original_max_position_embeddings = 0;  // yarn, llama3
+  // yarn
+  std::optional<double> attention_factor, mscale, mscale_all_dim;
+  double beta_fast = 32.0, beta_slow = 1.0;
+  bool truncate = true;
+  // llama3
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;
+
+  // Dims that rotate: int(head_dim · partial_rotary_factor), as transformers computes it.
+  int rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
+};
+
+// inv_freq[j] for j < rotary_dim / 2, and the factor cos and sin are multiplied by (yarn's
+// attention factor; 1 otherwise).
+std::vector<double> RopeInvFreq(const RopeSpec& spec, double* attention_scaling);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_ROPE_H_
