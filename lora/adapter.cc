@@ -104,7 +104,7 @@ absl::Status Validator::CheckDense(const std::string& module, Pending& p) {
   if (options_.model) {
     const ModelInfo& m = *options_.model;  // layer indices are checked for every module in Run()
     int out, in;
-    if (m.DenseDims(LastComponent(module), &out, &in) && (a.shape[1] != in || b.shape[0] != out)) {
+    if (m.DenseDims(module, &out, &in) && (a.shape[1] != in || b.shape[0] != out)) {
       return Bad("module '", module, "': lora_A ", Shape(a), " and lora_B ", Shape(b),
                  " do not fit [out=", out, ", in=", in, "] of ", m.architecture,
                  " (hint: adapter trained for a different base model?)");

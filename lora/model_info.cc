@@ -12,25 +12,36 @@ bool IsInterleavedGateUpArch(const std::string& architecture) {
   return architecture == "GptOssForCausalLM";
 }
 
-bool ModelInfo::DenseDims(const std::string& m, int* out, int* in) const {
+bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
+  auto ends = [&](const std::string& suffix) {
+    return module == suffix ||
+           (module.size() > suffix.size() && module.compare(module.size() - suffix.size() - 1,
+                                                            std::string::npos, "." + suffix) == 0);
+  };
+  auto set = [&](int o, int i) {
+    *out = o;
+    *in = i;
+    return o > 0 && i > 0;
+  };
   const int q = num_attention_heads * head_dim;
   const int kv = num_key_value_heads * head_dim;
-  if (q <= 0 || hidden_size <= 0) return false;
-  if (m == "q_proj") {
-    *out = q;
-    *in = hidden_size;
-    return true;
+  if (hidden_size <= 0) return false;
+  // The shared expert's projections share their last name with the routed experts' (which the
+  // expert validation checks): only the full path tells them apart.
+  if (ends("shared_expert.gate_proj") || ends("shared_expert.up_proj")) {
+    return set(shared_expert_intermediate_size, hidden_size);
   }
-  if (m == "k_proj" || m == "v_proj") {
-    *out = kv;
-    *in = hidden_size;
-    return true;
-  }
-  if (m == "o_proj") {
-    *out = hidden_size;
-    *in = q;
-    return true;
-  }
+  if (ends("shared_expert.down_proj")) return set(hidden_size, shared_expert_intermediate_size);
+  const int key_dim = linear_num_key_heads * linear_key_head_dim;
+  const int value_dim = linear_num_value_heads * linear_value_head_dim;
+  if (ends("in_proj_qkv")) return set(2 * key_dim + value_dim, hidden_size);
+  if (ends("in_proj_z")) return set(value_dim, hidden_size);
+  if (ends("in_proj_b") || ends("in_proj_a")) return set(linear_num_value_heads, hidden_size);
+  if (ends("out_proj")) return set(hidden_size, value_dim);
+  if (q <= 0) return false;
+  if (ends("q_proj")) return set(attn_output_gate ? 2 * q : q, hidden_size);
+  if (ends("k_proj") || ends("v_proj")) return set(kv, hidden_size);
+  if (ends("o_proj")) return set(hidden_size, q);
   return false;
 }
 
@@ -79,6 +90,17 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
   if (!get_int({"moe_intermediate_size"}, &info.moe_intermediate_size) && info.num_experts > 0) {
     get_int({"intermediate_size"}, &info.moe_intermediate_size);
   }
+  if (info.architecture.rfind("Qwen3_5Moe", 0) == 0) {
+    // transformers always gates Qwen3.5's attention output; vLLM reads attn_output_gate.
+    info.attn_output_gate =
+        !(t.contains("attn_output_gate") && t["attn_output_gate"].is_boolean() &&
+          !t["attn_output_gate"].get<bool>());
+  }
+  get_int({"linear_num_key_heads"}, &info.linear_num_key_heads);
+  get_int({"linear_num_value_heads"}, &info.linear_num_value_heads);
+  get_int({"linear_key_head_dim"}, &info.linear_key_head_dim);
+  get_int({"linear_value_head_dim"}, &info.linear_value_head_dim);
+  get_int({"shared_expert_intermediate_size"}, &info.shared_expert_intermediate_size);
   return info;
 }
 

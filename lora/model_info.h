@@ -19,10 +19,16 @@ struct ModelInfo {
   int num_key_value_heads = 0;
   int head_dim = 0;
   bool interleaved_gate_up = false;  // GPT-OSS: gate/up rows interleaved
+  // Qwen3.5: q_proj emits [q ; gate] per head (2 · heads · head_dim rows).
+  bool attn_output_gate = false;
+  // Qwen3.5 Gated DeltaNet (linear_attn.*): heads and head dims; 0 when the model has none.
+  int linear_num_key_heads = 0, linear_num_value_heads = 0;
+  int linear_key_head_dim = 0, linear_value_head_dim = 0;
+  int shared_expert_intermediate_size = 0;  // 0: no shared expert
 
-  // Expected [out, in] of a dense module by its last name component (q_proj, ...); false when
-  // the module's dims are not known here.
-  bool DenseDims(const std::string& module_suffix, int* out, int* in) const;
+  // Expected [out, in] of a dense module by its path (`model.layers.3.self_attn.q_proj`, or
+  // just its last components); false when the module's dims are not known here.
+  bool DenseDims(const std::string& module, int* out, int* in) const;
 };
 
 // Reads `model_dir`/config.json (the text sub-config for VL/multimodal wrappers). NOT_FOUND if

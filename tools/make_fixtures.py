@@ -45,6 +45,9 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (Qwen3_5MoeConfig,
+                                                                       Qwen3_5MoeTextConfig)
 
 # Distinct sizes so that a swapped or transposed tensor can never pass a shape check by accident.
 H, I, E, LAYERS, VOCAB = 24, 10, 4, 2, 96
@@ -350,15 +353,188 @@ def qwen3_moe_variants(out):
         save_file(res, os.path.join(vdir, "expected.safetensors"))
 
 
+# Tiny Qwen3.5-MoE: 3 Gated DeltaNet layers and 1 gated full-attention layer; sizes all different.
+Q35 = dict(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=4,
+           layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+           linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=6,
+           linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=I,
+           shared_expert_intermediate_size=12, num_experts=E, num_experts_per_tok=2,
+           max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+# Prompts: short ones, and one longer than the 64-token chunk of the chunked delta rule.
+Q35_PROMPTS = [[1, 17, 42, 5, 88], [3, 9, 27, 81, 50, 11, 60],
+               [(7 * i + 3) % VOCAB for i in range(70)]]
+Q35_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+              "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def q35_randomise(model, seed):
+    """transformers initialises the zero-centred norms to 0, dt_bias to 1 and the shared-expert gate
+    like any linear: randomise them so that every path of the forward matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight") or \
+                    name.endswith("q_norm.weight") or name.endswith("k_norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2.0 - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("shared_expert_gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def q35_logits(model, prompts=Q35_PROMPTS):
+    return [logits_of(model, p) for p in prompts]
+
+
+def q35_merged_2d(mdir, adapter_dir, prefix="model"):
+    """The base model with a 2D adapter merged by hand (W += scaling · B · A per module and per
+    expert, FORMATS.md §1): a reference for the 2D layout that does not go through PEFT."""
+    model = Qwen3_5MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    cfg = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, a in sd.items():
+            if not k.endswith(".lora_A.weight"):
+                continue
+            b = sd[k.replace(".lora_A.", ".lora_B.")]
+            module = k[len("base_model.model."):-len(".lora_A.weight")]
+            delta = scaling * (b @ a)
+            if ".mlp.experts." in module:
+                head, e, proj = module.rsplit(".", 2)
+                e = int(e)
+                if proj == "down_proj":
+                    params[head + ".down_proj"][e] += delta
+                else:
+                    off = 0 if proj == "gate_proj" else I
+                    params[head + ".gate_up_proj"][e, off:off + I] += delta
+            else:
+                params[module + ".weight"] += delta
+    return model
+
+
+def qwen3_5_moe(out):
+    root = os.path.join(out, "qwen3_5_moe")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir = os.path.join(root, "model")
+    cfg = Qwen3_5MoeTextConfig(**Q35, **EAGER)
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    torch.manual_seed(4321)
+    base = Qwen3_5MoeForCausalLM(cfg).eval()
+    q35_randomise(base, 99)
+    base.save_pretrained(mdir)
+    # transformers saves the experts one by one; the bf16 releases store them fused
+    # (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]): write that layout, and
+    # check that transformers reads it back to the same logits.
+    fused = {k: v.contiguous() for k, v in base.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused, sorted(fused)[:8]
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in fused, sorted(fused)[:8]
+    save_file(fused, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    load = lambda: Qwen3_5MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    want = q35_logits(base)
+    for a, b in zip(want, q35_logits(load())):
+        assert (a - b).abs().max().item() < 1e-6, (a - b).abs().max().item()
+
+    # The same text weights in the multimodal wrapper (as the released checkpoints are), with a
+    # tiny vision tower the worker must skip.
+    vl_cfg = Qwen3_5MoeConfig(text_config=dict(Q35), vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=H, patch_size=4,
+        temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16), **EAGER)
+    vl_cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    vl = Qwen3_5MoeForConditionalGeneration(vl_cfg).eval()
+    vsd = {k: v for k, v in vl.state_dict().items() if "visual" in k}
+    for k, v in fused.items():
+        vsd[k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k] = v
+    vdir = os.path.join(root, "model_vl")
+    vl_cfg.save_pretrained(vdir)
+    save_file({k: v.contiguous() for k, v in vsd.items()}, os.path.join(vdir, "model.safetensors"),
+              metadata={"format": "pt"})
+    vl2 = Qwen3_5MoeForConditionalGeneration.from_pretrained(vdir, dtype=torch.float32, **EAGER).eval()
+    for a, p in zip(want, Q35_PROMPTS):
+        assert (a - logits_of(vl2, p)).abs().max().item() < 1e-6
+
+    # 3D adapter by PEFT: target_parameters on the fused experts, and every linear module.
+    torch.manual_seed(21)
+    lc = LoraConfig(r=4, lora_alpha=8, target_modules=Q35_LINEAR,
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                    init_lora_weights=False)
+    pm = get_peft_model(load(), lc)
+    pm.save_pretrained(os.path.join(root, "adapter_3d"))
+    # 2D adapter: per expert (independent A for gate and up) + linear modules of both mixers and
+    # the shared expert; its reference is the hand-merged base model.
+    g = torch.Generator().manual_seed(22)
+    r2, sd2 = 3, {}
+    dims = {"self_attn.q_proj": (2 * 4 * 8, H), "self_attn.v_proj": (2 * 8, H),
+            "linear_attn.in_proj_qkv": (2 * 2 * 8 + 4 * 6, H), "linear_attn.in_proj_z": (4 * 6, H),
+            "linear_attn.in_proj_b": (4, H), "linear_attn.out_proj": (H, 4 * 6),
+            "mlp.shared_expert.up_proj": (12, H), "mlp.shared_expert.down_proj": (H, 12)}
+    for layer, lt in enumerate(Q35["layer_types"]):
+        for e in range(E):
+            for proj, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                k = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{proj}"
+                sd2[k + ".lora_A.weight"] = torch.randn(r2, i, generator=g) * 0.3
+                sd2[k + ".lora_B.weight"] = torch.randn(o, r2, generator=g) * 0.3
+        for mod, (o, i) in dims.items():
+            if (mod.startswith("self_attn") and lt != "full_attention") or \
+                    (mod.startswith("linear_attn") and lt != "linear_attention"):
+                continue
+            k = f"base_model.model.model.layers.{layer}.{mod}"
+            sd2[k + ".lora_A.weight"] = torch.randn(r2, i, generator=g) * 0.3
+            sd2[k + ".lora_B.weight"] = torch.randn(o, r2, generator=g) * 0.3
+    a2 = os.path.join(root, "adapter_2d")
+    os.makedirs(a2)
+    save_file(sd2, os.path.join(a2, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(a2, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r2, "lora_alpha": 6, "use_rslora": False, "bias": "none",
+                   "target_modules": ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                      "out_proj", "up_proj", "down_proj", "gate_proj"],
+                   "base_model_name_or_path": mdir, "task_type": "CAUSAL_LM", "lora_dropout": 0.0,
+                   "modules_to_save": None, "use_dora": False, "fan_in_fan_out": False}, f,
+                  indent=2, sort_keys=True)
+
+    variants = {"base": load(), "adapter_3d": peft_load(Qwen3_5MoeForCausalLM, mdir, os.path.join(root, "adapter_3d")),
+                "adapter_2d": q35_merged_2d(mdir, a2)}
+    res = {f"prompt.{k}": torch.tensor(p, dtype=torch.int32) for k, p in enumerate(Q35_PROMPTS)}
+    for name, m in variants.items():
+        for k, l in enumerate(q35_logits(m)):
+            res[f"logits.{name}.{k}"] = l
+    for name in ("adapter_3d", "adapter_2d"):
+        assert (res[f"logits.{name}.2"] - res["logits.base.2"]).abs().max().item() > 1e-3, name
+    # transformers' own cached paths (chunked prefill with an initial state, recurrent decode)
+    # agree with the no-cache forward used above.
+    m = variants["base"]
+    with torch.no_grad():
+        p = torch.tensor([Q35_PROMPTS[2]])
+        out = m(input_ids=p[:, :40], use_cache=True)
+        out2 = m(input_ids=p[:, 40:69], cache=out.past_key_values, use_cache=True)
+        out3 = m(input_ids=p[:, 69:70], cache=out2.past_key_values, use_cache=True)
+        ref = res["logits.base.2"]
+        assert (out2.logits[0, -1] - ref[68]).abs().max() < 1e-4
+        assert (out3.logits[0, -1] - ref[69]).abs().max() < 1e-4
+    save_file(res, os.path.join(root, "expected_logits.safetensors"))
+    save_file(expert_deltas(variants["adapter_3d"], "model.layers.{}"),
+              os.path.join(root, "adapter_3d", "expected_deltas.safetensors"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["all", "variants"], default="all",
-                    help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model)")
+    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe"], default="all",
+                    help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
+                         "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
     torch.set_default_dtype(torch.float32)
     if args.only == "variants":
         qwen3_moe_variants(args.out)
+        return
+    if args.only == "qwen3_5_moe":
+        qwen3_5_moe(args.out)
         return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
@@ -366,6 +542,7 @@ def main():
     qwen3_moe(args.out)
     qwen3_moe_variants(args.out)
     qwen3_vl_moe(args.out)
+    qwen3_5_moe(args.out)
     gpt_oss(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,

@@ -49,9 +49,8 @@ absl::StatusOr<RopeSpec> ParseRope(const nlohmann::json& t, const ModelConfig& c
     return false;
   };
   if (!number(rp, "rope_theta", &r.theta)) number(t, "rope_theta", &r.theta);
-  if (!number(rp, "partial_rotary_factor", &r.partial_rotary_factor)) {
-    number(t, "partial_rotary_factor", &r.partial_rotary_factor);
-  }
+  r.partial_rotary_given = number(rp, "partial_rotary_factor", &r.partial_rotary_factor) ||
+                           number(t, "partial_rotary_factor", &r.partial_rotary_factor);
   if (r.theta <= 0) return absl::InvalidArgumentError(absl::StrCat(file, ": rope_theta <= 0"));
   if (r.partial_rotary_factor <= 0 || r.partial_rotary_factor > 1 || r.rotary_dim() % 2 != 0) {
     return absl::InvalidArgumentError(
@@ -242,6 +241,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
                  " layers");
     }
   }
+  integer("linear_conv_kernel_dim", &c.linear.conv_kernel);
+  integer("linear_key_head_dim", &c.linear.key_head_dim);
+  integer("linear_value_head_dim", &c.linear.value_head_dim);
+  integer("linear_num_key_heads", &c.linear.num_key_heads);
+  integer("linear_num_value_heads", &c.linear.num_value_heads);
+  integer("shared_expert_intermediate_size", &c.shared_expert_intermediate_size);
   if (t.contains("hidden_act")) {
     if (!t["hidden_act"].is_string()) return bad("hidden_act must be a string");
     c.hidden_act = t["hidden_act"].get<std::string>();

@@ -36,6 +36,13 @@ struct ModelConfig {
   std::vector<bool> sliding_layers;
   std::string hidden_act = "silu";
   bool attention_bias = false;
+  // Qwen3.5 Gated DeltaNet layers (linear_attention) and the shared expert.
+  struct Linear {
+    int conv_kernel = 4;
+    int key_head_dim = 0, value_head_dim = 0;
+    int num_key_heads = 0, num_value_heads = 0;
+  } linear;
+  int shared_expert_intermediate_size = 0;
 };
 
 // Keys of a config.json (and of its text_config) that never change the forward pass: ids,

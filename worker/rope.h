@@ -16,6 +16,7 @@ struct RopeSpec {
   double theta = 10000.0;
   int head_dim = 0;
   double partial_rotary_factor = 1.0;  // rotate the first head_dim · factor dims (neox pairs)
+  bool partial_rotary_given = false;   // the config set it (Qwen3.5 defaults it to 0.25)
   double factor = 1.0;                 // linear, yarn, llama3
   int original_max_position_embeddings = 0;  // yarn, llama3
   // yarn

@@ -37,10 +37,16 @@ std::string TextPrefix(const std::string& name) {
   return name;
 }
 
-// Dense linears the engine wraps for LoRA (their weight moves under `.base_layer.`).
+// Dense linears the engine wraps for LoRA (their weight moves under `.base_layer.`): attention,
+// Qwen3.5's Gated DeltaNet projections and the shared expert.
 bool IsWrappedDense(const std::string& name) {
-  static const char* kWrapped[] = {".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
-                                   ".self_attn.v_proj.weight", ".self_attn.o_proj.weight"};
+  static const char* kWrapped[] = {
+      ".self_attn.q_proj.weight",          ".self_attn.k_proj.weight",
+      ".self_attn.v_proj.weight",          ".self_attn.o_proj.weight",
+      ".linear_attn.in_proj_qkv.weight",   ".linear_attn.in_proj_z.weight",
+      ".linear_attn.in_proj_b.weight",     ".linear_attn.in_proj_a.weight",
+      ".linear_attn.out_proj.weight",      ".mlp.shared_expert.gate_proj.weight",
+      ".mlp.shared_expert.up_proj.weight", ".mlp.shared_expert.down_proj.weight"};
   for (const char* s : kWrapped) {
     if (absl::EndsWith(name, s)) return true;
   }
@@ -146,6 +152,13 @@ NameMapping MapQwen35Moe(const std::string& ckpt, bool lw) {
   if (MatchFused(n, /*transposed=*/false, lw, &m)) return m;
   if (MatchPerExpert(n, lw, &m)) return m;  // FP8 releases store experts one by one
   return Dense(n, lw);
+}
+
+NameMapping MapQwen35MoeMain(const std::string& ckpt, bool lw) {
+  if (absl::StartsWith(ckpt, "mtp.")) {
+    return Skip("MTP head (speculative decoding is not served)");
+  }
+  return MapQwen35Moe(ckpt, lw);
 }
 
 NameMapping MapStep3(const std::string& ckpt, bool lw) {

@@ -53,7 +53,9 @@ using NameRule = NameMapping (*)(const std::string& ckpt_name, bool lora_wrapped
 NameMapping MapQwen3Moe(const std::string& ckpt_name, bool lora_wrapped);
 NameMapping MapQwen3VlMoe(const std::string& ckpt_name, bool lora_wrapped);  // fused, transposed
 NameMapping MapQwen35Moe(const std::string& ckpt_name, bool lora_wrapped);   // fused or per expert
-NameMapping MapStep3(const std::string& ckpt_name, bool lora_wrapped);       // stacked moe.*_proj
+// The main model's checkpoint: as MapQwen35Moe, with the MTP head's `mtp.*` skipped.
+NameMapping MapQwen35MoeMain(const std::string& ckpt_name, bool lora_wrapped);
+NameMapping MapStep3(const std::string& ckpt_name, bool lora_wrapped);  // stacked moe.*_proj
 
 // Engine names of the two expert parameters of the MoE block at `experts_prefix`
 // (e.g. "model.layers.3.mlp.experts").

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "lora/tp_slice.h"
 
 namespace moelora {
 namespace {
@@ -87,6 +88,17 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
         break;
       case TpSplit::kRows:
         MOELORA_RETURN_IF_ERROR(split_dim(0));
+        if (!s.sections.empty()) {
+          int64_t sum = 0;
+          for (int64_t n : s.sections) sum += n;
+          auto check = ShardSections(s.sections, 0, tp);
+          if (sum != s.shape[0] || !check.ok()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "parameter ", s.name, " ", Shape(s.shape), ": sections [",
+                absl::StrJoin(s.sections, ", "), "] do not each divide by --tensor-parallel-size ",
+                tp, " or do not sum to dim 0"));
+          }
+        }
         break;
       case TpSplit::kCols:
         MOELORA_RETURN_IF_ERROR(split_dim(1));
@@ -141,7 +153,14 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
             absl::StrCat(where(), ": expected ", Shape(spec.shape), " for ", spec.name));
       }
       at::Tensor piece = src;
-      if (spec.split == TpSplit::kRows) piece = src.narrow(0, r * dst.size(0), dst.size(0));
+      if (spec.split == TpSplit::kRows && !spec.sections.empty()) {
+        MOELORA_ASSIGN_OR_RETURN(std::vector<IndexRange> rows, ShardSections(spec.sections, r, tp));
+        std::vector<at::Tensor> parts;
+        for (const IndexRange& ir : rows) parts.push_back(src.narrow(0, ir.begin, ir.size));
+        piece = at::cat(parts, 0);
+      } else if (spec.split == TpSplit::kRows) {
+        piece = src.narrow(0, r * dst.size(0), dst.size(0));
+      }
       if (spec.split == TpSplit::kCols) piece = src.narrow(1, r * dst.size(1), dst.size(1));
       dst.copy_(piece);
       MOELORA_RETURN_IF_ERROR(claim(0));

@@ -33,6 +33,9 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;  // full (unsharded) shape
   TpSplit split = TpSplit::kReplicated;
+  // kRows of a merged parameter (Qwen3.5's in_proj_qkv and conv1d: [q | k | v]): the full sizes
+  // of dim 0's sections, each split over the ranks on its own (lora/tp_slice.h). Empty: one.
+  std::vector<int64_t> sections = {};
 };
 
 struct LoadOptions {

@@ -14,7 +14,11 @@ const std::vector<ArchTable>& Tables() {
       // The text path of the VL model is Qwen3-MoE with fused, transposed expert storage.
       {"Qwen3VLMoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen3VlMoe, &CreateQwen3Moe,
        &Qwen3MoeConfigKeys()},
-      {"Qwen3_5MoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen35Moe},
+      // Qwen3.5/3.6-MoE: the text path of the VL release, and text-only checkpoints.
+      {"Qwen3_5MoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen35MoeMain,
+       &CreateQwen35Moe, &Qwen35MoeConfigKeys()},
+      {"Qwen3_5MoeForCausalLM", AdapterFormat::k3D, &MapQwen35MoeMain, &CreateQwen35Moe,
+       &Qwen35MoeConfigKeys()},
       // The MTP head's checkpoint keys are `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
       {"Qwen3_5MoeMTP", AdapterFormat::k3D, &MapQwen35Moe},
       {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3},

@@ -36,8 +36,10 @@ std::vector<std::string> ServedArchitectures();  // those with a forward pass
 
 // Factories (worker/models/*.cc).
 absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx);
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx);
 // config.json keys each model implements.
 const std::vector<std::string>& Qwen3MoeConfigKeys();
+const std::vector<std::string>& Qwen35MoeConfigKeys();
 
 }  // namespace moelora
 

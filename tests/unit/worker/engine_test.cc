@@ -89,6 +89,53 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceLogitsTest,
                                            RefCase{"qwen3_vl_moe", "adapter_2d", true}),
                          RefCaseName);
 
+// Qwen3.5-MoE (Gated DeltaNet + gated attention + shared expert) against transformers + PEFT:
+// text-only and VL checkpoints, base, the 3D adapter native and converted in mixed mode, and the
+// 2D adapter (reference: the hand-merged base model), over prompts up to 70 tokens (two chunks
+// of the chunked delta rule).
+struct Q35Case {
+  const char* model;    // qwen3_5_moe/model | qwen3_5_moe/model_vl
+  const char* variant;  // base | adapter_3d | adapter_2d
+  bool mixed;
+};
+class Qwen35ReferenceTest : public ::testing::TestWithParam<Q35Case> {};
+
+TEST_P(Qwen35ReferenceTest, PrefillLogitsMatchTransformers) {
+  const Q35Case c = GetParam();
+  auto ref = ReadExpected(Data("qwen3_5_moe/expected_logits.safetensors"));
+  ASSERT_EQ(ref.prompts.size(), 3u);
+  auto h = MakeEngine(c.model, c.mixed, 4, 8);
+  ASSERT_NE(h, nullptr);
+  int64_t adapter = 0;
+  if (std::string(c.variant) != "base") {
+    adapter = 5;
+    ASSERT_OK(Load(*h->engine, adapter, std::string("qwen3_5_moe/") + c.variant));
+  }
+  float worst = 0;
+  for (size_t k = 0; k < ref.prompts.size(); ++k) {
+    auto got = PromptLogits(*h->engine, adapter, ref.prompts[k], 1 + k);
+    worst = std::max(worst, MaxAbsDiff(got, ref.logits.at(c.variant)[k]));
+  }
+  std::printf("[ref] %s %s mixed=%d: max |logit - HF| = %.3g\n", c.model, c.variant, c.mixed,
+              worst);
+  EXPECT_LE(worst, kRefTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Qwen35ReferenceTest,
+                         ::testing::Values(Q35Case{"qwen3_5_moe/model", "base", false},
+                                           Q35Case{"qwen3_5_moe/model", "adapter_3d", false},
+                                           Q35Case{"qwen3_5_moe/model", "adapter_3d", true},
+                                           Q35Case{"qwen3_5_moe/model", "adapter_2d", true},
+                                           Q35Case{"qwen3_5_moe/model_vl", "base", false},
+                                           Q35Case{"qwen3_5_moe/model_vl", "adapter_3d", true}),
+                         [](const ::testing::TestParamInfo<Q35Case>& i) {
+                           return std::string(std::string(i.param.model).find("_vl") !=
+                                                      std::string::npos
+                                                  ? "vl_"
+                                                  : "text_") +
+                                  i.param.variant + (i.param.mixed ? "_mixed" : "");
+                         });
+
 // Config variants of the Qwen3-MoE fixture (RoPE linear / yarn / llama3, the sliding window):
 // greedy generation through prefill and decode steps gives transformers' tokens, and each step's
 // logits are transformers' no-cache logits at that position (tools/make_fixtures.py).

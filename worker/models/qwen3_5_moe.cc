@@ -1,0 +1,307 @@
+// Qwen3.5-MoE (MODELS.md §2): a hybrid stack from layer_types, Gated DeltaNet
+// (linear_attention) or gated full attention (full_attention) as the mixer, then a softmax top-k
+// MoE block with a sigmoid-gated shared expert; every norm zero-centred. Text path of
+// Qwen3_5MoeForConditionalGeneration (vision tower and MTP head skipped) and the text-only
+// Qwen3_5MoeForCausalLM. Only composes layers (worker/layers/).
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
+#include "worker/layers/attention.h"
+#include "worker/layers/gated_delta_net.h"
+#include "worker/layers/moe.h"
+#include "worker/model/model_context.h"
+#include "worker/models/qwen3_moe.h"
+
+namespace moelora {
+
+namespace {
+
+bool IsLinear(const ModelConfig& c, int l) { return c.layer_types[l] == "linear_attention"; }
+
+std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
+                I = c.info.moe_intermediate_size, d = c.info.head_dim,
+                hq = c.info.num_attention_heads, hkv = c.info.num_key_value_heads,
+                Is = c.shared_expert_intermediate_size;
+  const int64_t kd = int64_t{c.linear.num_key_heads} * c.linear.key_head_dim,
+                vd = int64_t{c.linear.num_value_heads} * c.linear.value_head_dim,
+                nv = c.linear.num_value_heads, K = c.linear.conv_kernel;
+  std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
+                              {"model.norm.weight", {H}, TpSplit::kReplicated}};
+  if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+    if (IsLinear(c, l)) {
+      const std::string a = p + "linear_attn.";
+      s.push_back(
+          {a + "in_proj_qkv.base_layer.weight", {2 * kd + vd, H}, TpSplit::kRows, {kd, kd, vd}});
+      s.push_back({a + "in_proj_z.base_layer.weight", {vd, H}, TpSplit::kRows});
+      s.push_back({a + "in_proj_b.base_layer.weight", {nv, H}, TpSplit::kRows});
+      s.push_back({a + "in_proj_a.base_layer.weight", {nv, H}, TpSplit::kRows});
+      s.push_back({a + "conv1d.weight", {2 * kd + vd, 1, K}, TpSplit::kRows, {kd, kd, vd}});
+      s.push_back({a + "dt_bias", {nv}, TpSplit::kRows});
+      s.push_back({a + "A_log", {nv}, TpSplit::kRows});
+      s.push_back({a + "norm.weight", {c.linear.value_head_dim}, TpSplit::kReplicated});
+      s.push_back({a + "out_proj.base_layer.weight", {H, vd}, TpSplit::kCols});
+    } else {
+      s.push_back({p + "self_attn.q_proj.base_layer.weight", {2 * hq * d, H}, TpSplit::kRows});
+      s.push_back({p + "self_attn.k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+      s.push_back({p + "self_attn.v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+      s.push_back({p + "self_attn.o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
+      s.push_back({p + "self_attn.q_norm.weight", {d}, TpSplit::kReplicated});
+      s.push_back({p + "self_attn.k_norm.weight", {d}, TpSplit::kReplicated});
+    }
+    s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
+    s.push_back({W13Name(p + "mlp.experts", true), {E, 2 * I, H}, TpSplit::kExperts});
+    s.push_back({W2Name(p + "mlp.experts", true), {E, H, I}, TpSplit::kExperts});
+    s.push_back({p + "mlp.shared_expert.gate_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
+    s.push_back({p + "mlp.shared_expert.up_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
+    s.push_back({p + "mlp.shared_expert.down_proj.base_layer.weight", {H, Is}, TpSplit::kCols});
+    s.push_back({p + "mlp.shared_expert_gate.weight", {1, H}, TpSplit::kReplicated});
+  }
+  return s;
+}
+
+class Qwen35Moe final : public CausalLM {
+ public:
+  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+
+ private:
+  struct Layer {
+    at::Tensor in_norm, post_norm;
+    std::unique_ptr<GatedDeltaNet> gdn;  // linear_attention layers
+    std::unique_ptr<Attention> attn;     // full_attention layers
+    std::unique_ptr<MoeBlock> moe;
+  };
+  at::Tensor embed_, final_norm_, lm_head_;
+  Rotary rope_;
+  std::vector<Layer> layers_;
+};
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& ctx) {
+  ModelConfig c = ctx.config;
+  const ModelOptions& o = ctx.options;
+  const std::string cfg = ctx.dir + "/config.json";
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
+  };
+  auto refuse = [&](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat(cfg, ": ", parts...));
+  };
+  if (c.hidden_act != "silu") return refuse("hidden_act \"", c.hidden_act, "\" (silu only)");
+  if (c.attention_bias) return refuse("attention_bias true is not implemented for Qwen3.5");
+  if (!c.norm_topk_prob) {
+    // transformers always renormalises Qwen3.5's top-k; a config that says otherwise is
+    // ambiguous between it and vLLM.
+    return refuse("norm_topk_prob false is not implemented for Qwen3.5 (always renormalised)");
+  }
+  if (c.layer_types.empty()) {
+    // transformers' default: full attention every full_attention_interval-th layer (4).
+    for (int l = 0; l < c.info.num_layers; ++l) {
+      c.layer_types.push_back((l + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+    }
+  }
+  for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    if (c.layer_types[i] != "full_attention" && c.layer_types[i] != "linear_attention") {
+      return refuse("layer_types[", i, "] \"", c.layer_types[i], "\" is not a Qwen3.5 layer");
+    }
+  }
+  // transformers defaults Qwen3.5's partial_rotary_factor to 0.25 when the config omits it.
+  if (!c.rope.partial_rotary_given) c.rope.partial_rotary_factor = 0.25;
+  if (c.rope.rotary_dim() % 2 != 0 || c.rope.rotary_dim() <= 0) {
+    return bad("partial_rotary_factor ", c.rope.partial_rotary_factor, " of head_dim ",
+               c.info.head_dim, " gives an odd number of rotary dims");
+  }
+  const int tp = o.tp_size;
+  const auto& lin = c.linear;
+  if (lin.num_key_heads <= 0 || lin.num_value_heads <= 0 || lin.key_head_dim <= 0 ||
+      lin.value_head_dim <= 0 || lin.conv_kernel < 1 ||
+      lin.num_value_heads % lin.num_key_heads != 0) {
+    return bad(
+        "linear_num_key_heads, linear_num_value_heads (a multiple of it), "
+        "linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim must be "
+        "positive");
+  }
+  if (lin.num_key_heads % tp != 0 || lin.num_value_heads % tp != 0) {
+    return bad("linear_num_key_heads ", lin.num_key_heads, " and linear_num_value_heads ",
+               lin.num_value_heads, " must divide by --tensor-parallel-size ", tp);
+  }
+  if (c.shared_expert_intermediate_size <= 0 || c.shared_expert_intermediate_size % tp != 0) {
+    return bad("shared_expert_intermediate_size ", c.shared_expert_intermediate_size,
+               " must be positive and divide by --tensor-parallel-size ", tp);
+  }
+  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
+  if (!has_lm_head && !c.tie_word_embeddings) {
+    return bad("no lm_head.weight and tie_word_embeddings is false");
+  }
+  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true};
+  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
+                                                        Qwen35Specs(c, has_lm_head), lopt));
+  auto m = std::unique_ptr<Qwen35Moe>(new Qwen35Moe());
+  m->config_ = c;
+  m->options_ = o;
+  m->comm_ = ctx.comm;
+  m->native_ = ctx.arch->native_moe_format;
+  m->wrapper_ = o.mixed_moe_lora_format ? AdapterFormat::k2D : m->native_;
+  m->skipped_ = w.skipped;
+  m->num_layers_ = c.info.num_layers;
+  auto& P = w.params;
+  const at::Device dev = m->device();
+  if (m->kernel_path()) {
+    for (auto& [name, t] : P) t = t.to(dev).contiguous();
+  }
+  MOELORA_RETURN_IF_ERROR(m->InitCommon());
+  m->embed_ = P.at("model.embed_tokens.weight");
+  m->final_norm_ = P.at("model.norm.weight");
+  m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
+  m->rope_ = Rotary(c.rope, dev);
+  const SlotShape shape = SlotShape::For(o, dev);
+  const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
+                hkv = c.info.num_key_value_heads, Is = c.shared_expert_intermediate_size;
+  const int64_t kd = int64_t{lin.num_key_heads} * lin.key_head_dim,
+                vd = int64_t{lin.num_value_heads} * lin.value_head_dim, nv = lin.num_value_heads;
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    Layer L;
+    L.in_norm = P.at(p + "input_layernorm.weight");
+    L.post_norm = P.at(p + "post_attention_layernorm.weight");
+    auto linear = [&](const std::string& path, TpMode mode, int64_t in, std::vector<int64_t> out) {
+      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
+                                std::move(out), shape);
+    };
+    if (IsLinear(c, l)) {
+      const std::string a = p + "linear_attn.";
+      MOELORA_ASSIGN_OR_RETURN(auto qkv,
+                               linear(a + "in_proj_qkv", TpMode::kColumn, H, {kd, kd, vd}));
+      MOELORA_ASSIGN_OR_RETURN(auto z, linear(a + "in_proj_z", TpMode::kColumn, H, {vd}));
+      MOELORA_ASSIGN_OR_RETURN(auto bp, linear(a + "in_proj_b", TpMode::kColumn, H, {nv}));
+      MOELORA_ASSIGN_OR_RETURN(auto ap, linear(a + "in_proj_a", TpMode::kColumn, H, {nv}));
+      MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "out_proj", TpMode::kRow, vd, {H}));
+      GatedDeltaNetSpec gs;
+      gs.num_key_heads = lin.num_key_heads / tp;
+      gs.num_value_heads = lin.num_value_heads / tp;
+      gs.key_head_dim = lin.key_head_dim;
+      gs.value_head_dim = lin.value_head_dim;
+      gs.conv_kernel = lin.conv_kernel;
+      gs.eps = c.rms_norm_eps;
+      L.gdn = std::make_unique<GatedDeltaNet>(
+          gs, std::move(qkv), std::move(z), std::move(bp), std::move(ap), std::move(out),
+          P.at(a + "conv1d.weight").squeeze(1), P.at(a + "dt_bias"), P.at(a + "A_log"),
+          P.at(a + "norm.weight"));
+    } else {
+      const std::string a = p + "self_attn.";
+      MOELORA_ASSIGN_OR_RETURN(auto q, linear(a + "q_proj", TpMode::kColumn, H, {2 * hq * d}));
+      MOELORA_ASSIGN_OR_RETURN(auto k, linear(a + "k_proj", TpMode::kColumn, H, {hkv * d}));
+      MOELORA_ASSIGN_OR_RETURN(auto v, linear(a + "v_proj", TpMode::kColumn, H, {hkv * d}));
+      MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "o_proj", TpMode::kRow, hq * d, {H}));
+      AttentionSpec as;
+      as.heads = hq / tp;
+      as.kv_heads = hkv / tp;
+      as.head_dim = d;
+      as.eps = c.rms_norm_eps;
+      as.qk_norm_kind = NormKind::kZeroCentred;
+      as.output_gate = true;
+      L.attn =
+          std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
+                                      P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
+    }
+    auto shared = std::make_unique<SharedExpert>();
+    const std::string se = p + "mlp.shared_expert.";
+    MOELORA_ASSIGN_OR_RETURN(shared->gate, linear(se + "gate_proj", TpMode::kColumn, H, {Is}));
+    MOELORA_ASSIGN_OR_RETURN(shared->up, linear(se + "up_proj", TpMode::kColumn, H, {Is}));
+    MOELORA_ASSIGN_OR_RETURN(shared->down, linear(se + "down_proj", TpMode::kRow, Is, {H}));
+    shared->gate_weight = P.at(p + "mlp.shared_expert_gate.weight");
+    auto experts = std::make_unique<MoeExperts>(
+        p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
+        P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
+        c.info.architecture, shape);
+    L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
+                                       c.num_experts_per_tok, /*norm_topk_prob=*/true,
+                                       std::move(experts), std::move(shared));
+    m->layers_.push_back(std::move(L));
+  }
+  for (Layer& L : m->layers_) {
+    if (L.gdn) {
+      for (LoraModule* x :
+           {L.gdn->in_qkv(), L.gdn->in_z(), L.gdn->in_b(), L.gdn->in_a(), L.gdn->out()}) {
+        m->RegisterLora(x);
+      }
+    } else {
+      for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
+    }
+    m->RegisterLora(L.moe->shared()->gate.get());
+    m->RegisterLora(L.moe->shared()->up.get());
+    m->RegisterLora(L.moe->shared()->down.get());
+    m->RegisterLora(L.moe->experts());
+  }
+  return std::unique_ptr<CausalLM>(std::move(m));
+}
+
+absl::StatusOr<at::Tensor> Qwen35Moe::Forward(const ForwardBatch& b) {
+  const int64_t T = static_cast<int64_t>(b.tokens.size());
+  if (T == 0 || b.slots.size() != b.tokens.size()) {
+    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
+  }
+  if (options_.kernels == LoraKernels::kCuda) {
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
+  }
+  std::vector<int64_t> positions(T);
+  for (const auto& s : b.seqs) {
+    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.state->len + i;
+  }
+  const at::Device dev = device();
+  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  const Rotary::Table table = rope_.Compute(positions, options_.dtype);
+  at::Tensor x = embed_.index_select(0, tok);
+  const double eps = config_.rms_norm_eps;
+  const NormKind zc = NormKind::kZeroCentred;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    at::Tensor hn = RmsNorm(x, L.in_norm, eps, zc);
+    absl::StatusOr<at::Tensor> mixed =
+        L.gdn ? L.gdn->Forward(hn, b, static_cast<int>(l), lb)
+              : L.attn->Forward(hn, b, static_cast<int>(l), rope_, table, lb);
+    if (!mixed.ok()) return mixed.status();
+    MOELORA_RETURN_IF_ERROR(AllReduce(*mixed));
+    x = x + *mixed;
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(RmsNorm(x, L.post_norm, eps, zc), lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(mo));
+    x = x + mo;
+  }
+  for (const auto& s : b.seqs) s.state->len += s.count;
+  std::vector<int64_t> rows;
+  for (const auto& s : b.seqs) {
+    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
+  }
+  at::Tensor sel = x.index_select(
+      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
+  sel = RmsNorm(sel, final_norm_, eps, zc);
+  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
+}
+
+}  // namespace
+
+const std::vector<std::string>& Qwen35MoeConfigKeys() {
+  static const std::vector<std::string> keys = [] {
+    std::vector<std::string> k = Qwen3MoeConfigKeys();
+    k.insert(k.end(), {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                       "linear_num_key_heads", "linear_num_value_heads",
+                       "shared_expert_intermediate_size", "full_attention_interval",
+                       // Always float32 here (the SSM state is kept in f32).
+                       "mamba_ssm_dtype",
+                       // The MTP head is not served; it does not change the main model.
+                       "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"});
+    return k;
+  }();
+  return keys;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx) {
+  return Qwen35Moe::Create(ctx);
+}
+
+}  // namespace moelora
