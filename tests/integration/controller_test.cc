@@ -39,6 +39,10 @@ struct AdapterRoot {
       fs::copy(Data(std::string("qwen3_moe/") + a), root + "/" + a, fs::copy_options::recursive);
     }
     fs::copy(Data("gpt_oss/adapter_3d"), root + "/gpt_oss_3d", fs::copy_options::recursive);
+    for (const char* a : {"adapter_2d", "adapter_3d"}) {
+      fs::copy(Data(std::string("qwen3_5_moe/") + a), root + "/q35_" + a,
+               fs::copy_options::recursive);
+    }
     fs::create_directories(root + "/pickle_only");
     fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"),
                   root + "/pickle_only/adapter_config.json");
@@ -175,6 +179,44 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
   EXPECT_EQ(c.List().size(), 1u);
   // SIGTERM: exits 0 and takes its workers along.
   EXPECT_EQ(c.process().Stop(), 0) << c.Log();
+}
+
+// Qwen3.5-MoE (the VL release's layout) through the public API at TP=2: a 2D and a 3D adapter
+// (converted in place) and the base model, concurrently; the first tokens are transformers'.
+TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--tensor-parallel-size", "2", "--enable-mixed-moe-lora-format"},
+                      "qwen3_5_moe/model_vl");
+  ASSERT_TRUE(c.started()) << c.Log();
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  v1::Adapter a2d, a3d;
+  ASSERT_TRUE(c.Load("q2d", "q35_adapter_2d", &a2d).ok()) << c.Log();
+  ASSERT_TRUE(c.Load("q3d", "q35_adapter_3d", &a3d).ok()) << c.Log();
+  EXPECT_EQ(a2d.detected_format(), v1::FORMAT_2D);
+  EXPECT_EQ(a3d.detected_format(), v1::FORMAT_3D);
+  EXPECT_TRUE(a3d.converted_to_2d());
+  auto ref = ReadExpected(Data("qwen3_5_moe/expected_logits.safetensors"));
+  const std::vector<std::string> names = {"q2d", "q3d", ""};
+  const std::vector<std::string> variants = {"adapter_2d", "adapter_3d", "base"};
+  std::vector<std::vector<int32_t>> alone(3), together(3);
+  for (size_t i = 0; i < names.size(); ++i) {
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(names[i], ref.prompts[i], 6, &r).ok());
+    alone[i] = Tokens(r);
+    EXPECT_EQ(alone[i][0], Argmax(ref.logits.at(variants[i])[i], ref.prompts[i].size() - 1, 96))
+        << variants[i];
+  }
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < names.size(); ++i) {
+    threads.emplace_back([&, i] {
+      v1::GenerateResponse r;
+      grpc::Status s = c.Generate(names[i], ref.prompts[i], 6, &r);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      together[i] = Tokens(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(together, alone);
 }
 
 TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {

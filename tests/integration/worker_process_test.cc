@@ -116,8 +116,11 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, WorkerTpTest,
                          ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
                                            Case{"qwen3_vl_moe", false, {"adapter_3d"}},
-                                           Case{
-                                               "qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}}),
+                                           Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}},
+                                           // Qwen3.5-MoE at TP=2: heads, GDN value/key heads
+                                           // and conv sections sharded.
+                                           Case{"qwen3_5_moe", false, {"adapter_3d"}},
+                                           Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}}),
                          [](const auto& info) {
                            return std::string(info.param.arch) +
                                   (info.param.mixed ? "_mixed" : "_native");

@@ -151,9 +151,9 @@ TEST(Qwen35Test, BaseRowsBitIdenticalWithAdaptersLoaded) {
 TEST(Qwen35Test, WithoutMixedModeTheNativeLayoutIsRequired) {
   auto h = MakeEngine("qwen3_5_moe/model", false, 4, 8);
   ASSERT_NE(h, nullptr);
-  EXPECT_THAT(Load(*h->engine, 1, "qwen3_5_moe/adapter_2d"),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("--enable-mixed-moe-lora-format")));
+  EXPECT_THAT(
+      Load(*h->engine, 1, "qwen3_5_moe/adapter_2d"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--enable-mixed-moe-lora-format")));
   EXPECT_OK(Load(*h->engine, 2, "qwen3_5_moe/adapter_3d"));
 }
 
