@@ -4,7 +4,8 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|a3b] [--device cpu|cuda|cuda:N|cpu-twins] [--dtype D]
+//               [--only tiny|medium|qwen3_5|a3b] [--device cpu|cuda|cuda:N|cpu-twins]
+//               [--dtype D] [--prefill N]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -12,7 +13,9 @@
 // asked for (--only a3b: gpu_check.sh runs it with --device cuda --dtype bfloat16), 4 layers of
 // Qwen3-30B-A3B's shape (H=2048, E=128 top-8, I=768, 32 heads x 128, 4 KV heads; vocab 4096, not
 // 151936: the LM head is not what is measured), written in bf16 (4.8 GB). For a3b the line also
-// gives tokens/s and (c)/(a), the goal being <= 1.2 at batch 64.
+// gives tokens/s and (c)/(a), the goal being <= 1.2 at batch 64. qwen3_5: a medium Qwen3.5-like
+// model (3 Gated DeltaNet : 1 attention layers) with rank-16 adapters on every module, and a
+// 512-token (--prefill) prefill in the chunked form against token by token (goal >= 5x).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -25,12 +28,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
 #include "tests/testing/adapter_builder.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
+#include "worker/model/causal_lm.h"
 
 namespace moelora {
 namespace {
@@ -122,6 +127,152 @@ std::string WriteAdapter(const std::string& dir, const Dims& d, bool three_d, in
   return b.Write(dir);
 }
 
+// A medium Qwen3.5-like model: 3 Gated DeltaNet layers to 1 gated attention layer, MoE with a
+// gated shared expert, fused expert storage (as the releases). H=1024, 4 layers, E=32 top-8,
+// I=512, shared 512, attention 8 x 128 (2 KV heads, partial rotary 0.25), GDN 4 key heads and
+// 8 value heads of 128, vocab 4096.
+struct Q35Dims {
+  int64_t H = 1024, I = 512, Is = 512, E = 32, topk = 8, layers = 4, heads = 8, kv_heads = 2,
+          head_dim = 128, nk = 4, nv = 8, dk = 128, dv = 128, K = 4, vocab = 4096;
+  bool linear(int64_t l) const { return (l + 1) % 4 != 0; }
+};
+
+void WriteQwen35Model(const std::string& dir, const Q35Dims& d) {
+  std::filesystem::create_directories(dir);
+  std::string types;
+  for (int64_t l = 0; l < d.layers; ++l) {
+    types +=
+        absl::StrCat(l ? ", " : "", d.linear(l) ? "\"linear_attention\"" : "\"full_attention\"");
+  }
+  std::ofstream(dir + "/config.json") << absl::StrCat(
+      "{\"architectures\": [\"Qwen3_5MoeForCausalLM\"], \"hidden_size\": ", d.H,
+      ", \"moe_intermediate_size\": ", d.I, ", \"shared_expert_intermediate_size\": ", d.Is,
+      ", \"num_experts\": ", d.E, ", \"num_experts_per_tok\": ", d.topk,
+      ", \"num_hidden_layers\": ", d.layers, ", \"layer_types\": [", types,
+      "], \"num_attention_heads\": ", d.heads, ", \"num_key_value_heads\": ", d.kv_heads,
+      ", \"head_dim\": ", d.head_dim, ", \"linear_num_key_heads\": ", d.nk,
+      ", \"linear_num_value_heads\": ", d.nv, ", \"linear_key_head_dim\": ", d.dk,
+      ", \"linear_value_head_dim\": ", d.dv, ", \"linear_conv_kernel_dim\": ", d.K,
+      ", \"vocab_size\": ", d.vocab,
+      ", \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_parameters\": "
+      "{\"rope_type\": \"default\", \"rope_theta\": 10000000.0, \"partial_rotary_factor\": "
+      "0.25}, \"tie_word_embeddings\": false}");
+  at::manual_seed(0);
+  std::vector<std::pair<std::string, at::Tensor>> ts;
+  auto add = [&](const std::string& n, std::vector<int64_t> shape, double std = 0.02) {
+    ts.push_back({n, std == 0 ? at::zeros(shape) : at::randn(shape) * std});
+  };
+  const int64_t kd = d.nk * d.dk, vd = d.nv * d.dv;
+  add("model.embed_tokens.weight", {d.vocab, d.H});
+  add("lm_head.weight", {d.vocab, d.H});
+  add("model.norm.weight", {d.H}, 0);
+  for (int64_t l = 0; l < d.layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    add(p + "input_layernorm.weight", {d.H}, 0);
+    add(p + "post_attention_layernorm.weight", {d.H}, 0);
+    if (d.linear(l)) {
+      const std::string a = p + "linear_attn.";
+      add(a + "in_proj_qkv.weight", {2 * kd + vd, d.H});
+      add(a + "in_proj_z.weight", {vd, d.H});
+      add(a + "in_proj_b.weight", {d.nv, d.H});
+      add(a + "in_proj_a.weight", {d.nv, d.H});
+      add(a + "conv1d.weight", {2 * kd + vd, 1, d.K}, 0.5);
+      add(a + "dt_bias", {d.nv}, 0.5);
+      add(a + "A_log", {d.nv}, 0.5);
+      add(a + "norm.weight", {d.dv}, 0);
+      add(a + "out_proj.weight", {d.H, vd});
+    } else {
+      add(p + "self_attn.q_proj.weight", {2 * d.heads * d.head_dim, d.H});
+      add(p + "self_attn.k_proj.weight", {d.kv_heads * d.head_dim, d.H});
+      add(p + "self_attn.v_proj.weight", {d.kv_heads * d.head_dim, d.H});
+      add(p + "self_attn.o_proj.weight", {d.H, d.heads * d.head_dim});
+      add(p + "self_attn.q_norm.weight", {d.head_dim}, 0);
+      add(p + "self_attn.k_norm.weight", {d.head_dim}, 0);
+    }
+    add(p + "mlp.gate.weight", {d.E, d.H});
+    add(p + "mlp.experts.gate_up_proj", {d.E, 2 * d.I, d.H});
+    add(p + "mlp.experts.down_proj", {d.E, d.H, d.I});
+    add(p + "mlp.shared_expert.gate_proj.weight", {d.Is, d.H});
+    add(p + "mlp.shared_expert.up_proj.weight", {d.Is, d.H});
+    add(p + "mlp.shared_expert.down_proj.weight", {d.H, d.Is});
+    add(p + "mlp.shared_expert_gate.weight", {1, d.H});
+  }
+  for (auto& [n, t] : ts) {
+    if (absl::EndsWith(n, "norm.weight") && absl::StrContains(n, "linear_attn")) t.fill_(1.0);
+  }
+  std::vector<TensorToWrite> w;
+  for (auto& [n, t] : ts) {
+    w.push_back(
+        {n, DType::kF32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.numel()) * 4});
+  }
+  Check(WriteSafetensors(dir + "/model.safetensors", w), "write model");
+}
+
+// Rank-16 adapters on every linear module of both mixers, the shared expert and the experts.
+std::string WriteQwen35Adapter(const std::string& dir, const Q35Dims& d, bool three_d, int seed) {
+  testing::AdapterBuilder b(seed);
+  const int64_t r = 16, kd = d.nk * d.dk, vd = d.nv * d.dv;
+  b.config()["r"] = r;
+  b.config()["lora_alpha"] = 1;
+  b.config()["target_modules"] = {"q_proj",      "k_proj",    "v_proj",    "o_proj",
+                                  "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                  "out_proj",    "gate_proj", "up_proj",   "down_proj"};
+  if (three_d)
+    b.config()["target_parameters"] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  for (int64_t l = 0; l < d.layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    if (d.linear(l)) {
+      b.Pair(p + "linear_attn.in_proj_qkv", r, d.H, 2 * kd + vd);
+      b.Pair(p + "linear_attn.in_proj_z", r, d.H, vd);
+      b.Pair(p + "linear_attn.in_proj_b", r, d.H, d.nv);
+      b.Pair(p + "linear_attn.in_proj_a", r, d.H, d.nv);
+      b.Pair(p + "linear_attn.out_proj", r, vd, d.H);
+    } else {
+      b.Pair(p + "self_attn.q_proj", r, d.H, 2 * d.heads * d.head_dim);
+      b.Pair(p + "self_attn.k_proj", r, d.H, d.kv_heads * d.head_dim);
+      b.Pair(p + "self_attn.v_proj", r, d.H, d.kv_heads * d.head_dim);
+      b.Pair(p + "self_attn.o_proj", r, d.heads * d.head_dim, d.H);
+    }
+    b.Pair(p + "mlp.shared_expert.gate_proj", r, d.H, d.Is);
+    b.Pair(p + "mlp.shared_expert.up_proj", r, d.H, d.Is);
+    b.Pair(p + "mlp.shared_expert.down_proj", r, d.Is, d.H);
+    if (three_d) {
+      b.Experts3D(p + "mlp.experts", d.E, r, d.H, d.I);
+    } else {
+      b.Experts2D(p + "mlp.experts", d.E, r, d.H, d.I);
+    }
+  }
+  return b.Write(dir);
+}
+
+// Prefill of one `len`-token prompt: one forward (the chunked delta rule) against `len`
+// single-token forwards (the recurrent form), on the model itself.
+void PrefillChunkedVsTokenByToken(const std::string& model, int len) {
+  auto comm = MakeLocalCommunicator();
+  auto m = LoadCausalLM(model, ModelOptions{}, comm.get());
+  Check(m.status(), "load");
+  std::vector<int64_t> toks(len);
+  for (int i = 0; i < len; ++i) toks[i] = (i * 31 + 7) % 4096;
+  auto run = [&](int piece) {
+    SeqState st = (*m)->NewState();
+    const double t0 = Now();
+    for (int p = 0; p < len; p += piece) {
+      ForwardBatch b;
+      b.tokens.assign(toks.begin() + p, toks.begin() + std::min(len, p + piece));
+      b.slots.assign(b.tokens.size(), -1);
+      b.seqs.push_back({&st, 0, static_cast<int64_t>(b.tokens.size()), false});
+      Check((*m)->Forward(b).status(), "forward");
+    }
+    return Now() - t0;
+  };
+  run(len);  // warm-up
+  const double chunked = run(len), by_token = run(1);
+  std::printf(
+      "qwen3.5 prefill %d tokens: chunked %.3f s (%.0f tok/s)  token by token %.3f s (%.0f tok/s)"
+      "  ratio %.2f  [goal >= 5]\n",
+      len, chunked, len / chunked, by_token, len / by_token, by_token / chunked);
+}
+
 struct Case {
   const char* name;
   std::vector<int64_t> adapter_of_seq;
@@ -158,6 +309,7 @@ struct RunFlags {
   std::vector<int> batches{32};
   int steps = 20, repeat = 3;
   std::string device = "cpu", dtype = "float32";
+  int prefill_len = 512;
 };
 
 void Run(const std::string& label, const std::string& model,
@@ -209,8 +361,8 @@ int main(int argc, char** argv) {
   std::string only;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|a3b] [--device cpu|cuda|cuda:N|cpu-twins] "
-      "[--dtype float32|bfloat16]\n";
+      "                   [--only tiny|medium|qwen3_5|a3b] [--device cpu|cuda|cuda:N|cpu-twins] "
+      "[--dtype float32|bfloat16] [--prefill N]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -233,6 +385,8 @@ int main(int argc, char** argv) {
       f.device = v;
     } else if (flag == "--dtype") {
       f.dtype = v;
+    } else if (flag == "--prefill") {
+      f.prefill_len = std::atoi(v.c_str());
     } else {
       std::fprintf(stderr, "%s", usage);
       return 2;
@@ -267,6 +421,20 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "medium") {
     synthetic("medium", tmp + "/moelora_bench_decode", {1024, 512, 32, 8, 4, 16, 4, 64, 4096},
               false);
+  }
+  if (only.empty() || only == "qwen3_5") {
+    const std::string dir = tmp + "/moelora_bench_decode_q35";
+    const moelora::Q35Dims d;
+    if (!std::filesystem::exists(dir + "/model/model.safetensors"))
+      moelora::WriteQwen35Model(dir + "/model", d);
+    std::vector<std::string> a2, a3;
+    for (int i = 0; i < 4; ++i) {
+      a2.push_back(
+          moelora::WriteQwen35Adapter(dir + "/a2d_" + std::to_string(i), d, false, 30 + i));
+      a3.push_back(moelora::WriteQwen35Adapter(dir + "/a3d_" + std::to_string(i), d, true, 40 + i));
+    }
+    moelora::Run("qwen3.5", dir + "/model", a2, a3, f, 16);
+    if (f.device == "cpu") moelora::PrefillChunkedVsTokenByToken(dir + "/model", f.prefill_len);
   }
   if (only == "a3b") {
     synthetic("a3b", tmp + "/moelora_bench_decode_a3b", {2048, 768, 128, 8, 4, 32, 4, 128, 4096},

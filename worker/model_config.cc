@@ -247,6 +247,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   integer("linear_num_key_heads", &c.linear.num_key_heads);
   integer("linear_num_value_heads", &c.linear.num_value_heads);
   integer("shared_expert_intermediate_size", &c.shared_expert_intermediate_size);
+  if (integer("full_attention_interval", &c.full_attention_interval) &&
+      c.full_attention_interval < 1) {
+    return bad("full_attention_interval must be >= 1");
+  }
   if (t.contains("hidden_act")) {
     if (!t["hidden_act"].is_string()) return bad("hidden_act must be a string");
     c.hidden_act = t["hidden_act"].get<std::string>();

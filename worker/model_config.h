@@ -43,6 +43,7 @@ struct ModelConfig {
     int num_key_heads = 0, num_value_heads = 0;
   } linear;
   int shared_expert_intermediate_size = 0;
+  int full_attention_interval = 4;  // Qwen3.5 without layer_types: every N-th layer is full
 };
 
 // Keys of a config.json (and of its text_config) that never change the forward pass: ids,

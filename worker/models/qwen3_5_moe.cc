@@ -93,6 +93,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   };
   if (c.hidden_act != "silu") return refuse("hidden_act \"", c.hidden_act, "\" (silu only)");
   if (c.attention_bias) return refuse("attention_bias true is not implemented for Qwen3.5");
+  if (!c.info.attn_output_gate) {
+    return refuse("attn_output_gate false is not implemented (Qwen3.5 gates attention output)");
+  }
   if (!c.norm_topk_prob) {
     // transformers always renormalises Qwen3.5's top-k; a config that says otherwise is
     // ambiguous between it and vLLM.
@@ -101,7 +104,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   if (c.layer_types.empty()) {
     // transformers' default: full attention every full_attention_interval-th layer (4).
     for (int l = 0; l < c.info.num_layers; ++l) {
-      c.layer_types.push_back((l + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+      c.layer_types.push_back((l + 1) % c.full_attention_interval == 0 ? "full_attention"
+                                                                       : "linear_attention");
     }
   }
   for (size_t i = 0; i < c.layer_types.size(); ++i) {
@@ -288,13 +292,14 @@ absl::StatusOr<at::Tensor> Qwen35Moe::Forward(const ForwardBatch& b) {
 const std::vector<std::string>& Qwen35MoeConfigKeys() {
   static const std::vector<std::string> keys = [] {
     std::vector<std::string> k = Qwen3MoeConfigKeys();
-    k.insert(k.end(), {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                       "linear_num_key_heads", "linear_num_value_heads",
-                       "shared_expert_intermediate_size", "full_attention_interval",
-                       // Always float32 here (the SSM state is kept in f32).
-                       "mamba_ssm_dtype",
-                       // The MTP head is not served; it does not change the main model.
-                       "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"});
+    k.insert(k.end(),
+             {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size",
+              "full_attention_interval", "attn_output_gate",
+              // Always float32 here (the SSM state is kept in f32).
+              "mamba_ssm_dtype",
+              // The MTP head is not served; it does not change the main model.
+              "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"});
     return k;
   }();
   return keys;

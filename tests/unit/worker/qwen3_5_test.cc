@@ -157,6 +157,18 @@ TEST(Qwen35Test, WithoutMixedModeTheNativeLayoutIsRequired) {
   EXPECT_OK(Load(*h->engine, 2, "qwen3_5_moe/adapter_3d"));
 }
 
+TEST(Qwen35Test, TheVisionTowerIsSkippedAndListed) {
+  auto h = MakeEngine("qwen3_5_moe/model_vl", false, 4, 8);
+  ASSERT_NE(h, nullptr);
+  const EngineInfo i = h->engine->Info();
+  EXPECT_EQ(i.architecture, "Qwen3_5MoeForConditionalGeneration");
+  EXPECT_EQ(i.native_format, AdapterFormat::k3D);
+  ASSERT_FALSE(i.skipped_tensors.empty());
+  for (const std::string& s : i.skipped_tensors) {
+    EXPECT_THAT(s, AllOf(HasSubstr("model.visual."), HasSubstr("vision tower")));
+  }
+}
+
 TEST(Qwen35Test, AModuleTheModelLacksIsRejectedByName) {
   // Layer 2 is a full-attention layer: it has no linear_attn.in_proj_qkv.
   auto h = LoadModel();
