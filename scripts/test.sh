@@ -59,5 +59,5 @@ fi
 
 echo "== bench (figures only)"
 "$B/bench/adapter_load" --layers 8 --repeat 2
-"$B/bench/decode_step" --steps 5 --repeat 2
+"$B/bench/decode_step" --steps 5 --repeat 2 --prefill 128
 "$B/bench/serving" --clients 8 --requests 10 --loads 6
