@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -155,6 +156,53 @@ TEST(Qwen35Test, WithoutMixedModeTheNativeLayoutIsRequired) {
       Load(*h->engine, 1, "qwen3_5_moe/adapter_2d"),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--enable-mixed-moe-lora-format")));
   EXPECT_OK(Load(*h->engine, 2, "qwen3_5_moe/adapter_3d"));
+}
+
+// Continuous batching: a prompt prefilled in the same step as another sequence's decodes gives
+// both sequences the tokens they get alone.
+TEST(Qwen35Test, APromptJoiningRunningDecodesChangesNeither) {
+  auto h = MakeEngine("qwen3_5_moe/model", true, 4, 8);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 1, "qwen3_5_moe/adapter_3d"));
+  ASSERT_OK(Load(*h->engine, 2, "qwen3_5_moe/adapter_2d"));
+  const std::vector<int32_t> pa = {1, 17, 42, 5, 88}, pb = {9, 9, 31, 2, 77, 6, 3};
+  auto alone_a = GenerateBatch(*h->engine, {1}, {pa}, 8, 300);
+  auto alone_b = GenerateBatch(*h->engine, {2}, {pb}, 5, 400);
+  NewSequence a, b;
+  a.id = 1, a.adapter_id = 1, a.prompt = pa, a.max_tokens = 8;
+  b.id = 2, b.adapter_id = 2, b.prompt = pb, b.max_tokens = 5;
+  std::vector<int32_t> got_a, got_b;
+  for (int step = 0; step < 8; ++step) {
+    std::vector<NewSequence> add;
+    if (step == 0) add.push_back(a);
+    if (step == 3) add.push_back(b);  // joins while `a` decodes
+    auto out = h->engine->Step(add, {});
+    ASSERT_OK(out);
+    for (const TokenOut& t : out->tokens) (t.sequence_id == 1 ? got_a : got_b).push_back(t.token);
+  }
+  EXPECT_EQ(got_a, alone_a[0].tokens);
+  EXPECT_EQ(got_b, alone_b[0].tokens);
+  EXPECT_EQ(h->engine->Info().running, 0);  // both finished, their states freed
+}
+
+// The GPU code path (slots in the compute dtype, BGMV, the fused MoE call) through the kernels'
+// CPU twins, and bfloat16 compute, against transformers' f32 logits.
+TEST(Qwen35Test, KernelTwinsAndBfloat16StayCloseToTransformers) {
+  auto ref = ReadExpected(Data("qwen3_5_moe/expected_logits.safetensors"));
+  for (auto [dtype, device, tol] :
+       {std::tuple<const char*, const char*, float>{"float32", "cpu-twins", kRefTol},
+        {"bfloat16", "cpu", 0.1f}}) {
+    auto h = MakeEngine("qwen3_5_moe/model", true, 4, 8, dtype, device);
+    ASSERT_NE(h, nullptr);
+    ASSERT_OK(Load(*h->engine, 3, "qwen3_5_moe/adapter_3d"));
+    for (auto [id, variant] : {std::pair<int64_t, const char*>{0, "base"}, {3, "adapter_3d"}}) {
+      auto got = ::moelora::testing::PromptLogits(*h->engine, id, ref.prompts[1]);
+      const float d = MaxAbsDiff(got, ref.logits.at(variant)[1]);
+      std::printf("[ref] qwen3_5 %s %s %s: max |logit - HF f32| = %.3g\n", device, dtype, variant,
+                  d);
+      EXPECT_LE(d, tol) << device << " " << dtype << " " << variant;
+    }
+  }
 }
 
 TEST(Qwen35Test, TheVisionTowerIsSkippedAndListed) {
