@@ -10,9 +10,10 @@ namespace {
 
 template <typename T>
 cudaError_t Run(const BgmvArgs& a, cudaStream_t stream) {
-  cudaError_t e = LaunchShrink<T>(a.num_tokens, static_cast<const T*>(a.x), a.x_stride, nullptr, 1,
-                                  a.slot_of_token, static_cast<const T*>(a.a_t), a.rank, a.y,
-                                  a.max_rank, a.in_dim, a.max_rank, stream);
+  const ShrinkProj<T> proj{static_cast<const T*>(a.a_t), a.rank, a.y};
+  cudaError_t e =
+      LaunchShrink<T>(a.num_tokens, static_cast<const T*>(a.x), a.x_stride, nullptr, 1,
+                      a.slot_of_token, &proj, 1, a.max_rank, a.in_dim, a.max_rank, stream);
   if (e != cudaSuccess) return e;
   return LaunchExpand<T, T>(a.num_tokens, a.y, a.max_rank, a.slot_of_token,
                             static_cast<const T*>(a.b_t), a.rank, static_cast<T*>(a.out),

@@ -45,55 +45,106 @@ constexpr int kShrinkWarps = kShrinkThreads / 32;
 constexpr int kExpandThreads = 256;
 constexpr int kMaxRank = 64;
 
+// One shrink projection: its A (transposed, [L, in_dim, R]), ranks [L] and where its rank-sized
+// intermediate goes (mid + i · mid_stride for row i).
+template <typename T>
+struct ShrinkProj {
+  const T* a_t;
+  const int32_t* rank;
+  float* mid;
+};
+constexpr int kShrinkMaxProj = 2;  // gate and up of the 2D expert wrapper, in one launch
+constexpr int kShrinkRows = 8;     // rows per block: A is read once per run of rows of one LoRA
+constexpr int kShrinkChunk = 128;  // input values staged in shared memory per row and pass
+
 // mid[i, j] = Σ_k a_t[l, k, j] · in[src(i), k] for j < rank[l], 0 for rank[l] <= j < R; rows
-// without a LoRA are left alone. One block per row; each thread keeps RB partial sums (RB >= R:
-// 16, 32 or 64) over a strided slice of k, reading a_t's row k (R contiguous values: the warp
-// reads one contiguous span), then the block reduces. src(i) = gather ? gather[i] / gather_div
-// : i.
-template <typename T, int RB>
+// without a LoRA are left alone. Block (b, p) handles rows [b·8, b·8 + 8) for projection p. Its
+// rows fall into runs of one LoRA index l (rows are sorted by (expert, slot) on the MoE path, and
+// a prompt's tokens share a slot on the dense path); per run, each warp takes every fourth k of
+// a staged chunk of the inputs and its lanes read a_t's row k (R contiguous values: one
+// coalesced load per warp), so a value of A is read once per run and used for all its rows.
+// Lane q·32 + lane keeps the partial sums of column j = lane + 32·q for each row; the block
+// then sums the four warps. src(i) = gather ? gather[i] / gather_div : i.
+template <typename T>
 __global__ void __launch_bounds__(kShrinkThreads)
     ShrinkKernel(const T* __restrict__ in, int64_t in_stride, const int32_t* __restrict__ gather,
-                 int gather_div, const int32_t* __restrict__ row_lora, const T* __restrict__ a_t,
-                 const int32_t* __restrict__ rank, float* __restrict__ mid, int64_t mid_stride,
-                 int64_t in_dim, int64_t R) {
-  const int64_t i = blockIdx.x;
-  const int32_t l = row_lora[i];
-  if (l < 0) return;  // uniform over the block
-  const int r = rank[l];
-  float* m = mid + i * mid_stride;
-  if (r == 0) {
-    for (int j = threadIdx.x; j < R; j += kShrinkThreads) m[j] = 0.0f;
-    return;
-  }
-  const int64_t src = gather ? gather[i] / gather_div : i;
-  const T* x = in + src * in_stride;
-  const T* a = a_t + static_cast<int64_t>(l) * in_dim * R;
-  float acc[RB];
-#pragma unroll
-  for (int j = 0; j < RB; ++j) acc[j] = 0.0f;
-  for (int64_t k = threadIdx.x; k < in_dim; k += kShrinkThreads) {
-    const float xv = ToF(x[k]);
-    const T* ak = a + k * R;
-#pragma unroll
-    for (int j = 0; j < RB; ++j) {
-      if (j < r) acc[j] += ToF(ak[j]) * xv;
-    }
-  }
-  __shared__ float part[kShrinkWarps][RB];
+                 int gather_div, const int32_t* __restrict__ row_lora, ShrinkProj<T> p0,
+                 ShrinkProj<T> p1, int64_t mid_stride, int64_t rows, int64_t in_dim, int64_t R) {
+  const ShrinkProj<T> pr = blockIdx.y == 0 ? p0 : p1;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kShrinkRows;
+  const int64_t r1 = min(r0 + kShrinkRows, rows);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int j = 0; j < RB; ++j) {
-    const float v = WarpSum(acc[j]);
-    if (lane == 0) part[warp][j] = v;
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < R; j += kShrinkThreads) {
-    float v = 0.0f;
-    if (j < r) {
-#pragma unroll
-      for (int w = 0; w < kShrinkWarps; ++w) v += part[w][j];
+  __shared__ float xs[kShrinkRows][kShrinkChunk];
+  __shared__ float part[kShrinkWarps][kShrinkRows][kMaxRank];
+  __shared__ int64_t src[kShrinkRows];
+  for (int64_t s = r0; s < r1;) {
+    // The run [s, e) of rows with LoRA index l (uniform over the block).
+    const int32_t l = row_lora[s];
+    int64_t e = s + 1;
+    while (e < r1 && row_lora[e] == l) ++e;
+    const int c = static_cast<int>(e - s);
+    if (l < 0) {
+      s = e;
+      continue;
     }
-    m[j] = v;
+    const int r = pr.rank[l];
+    if (r == 0) {
+      for (int idx = threadIdx.x; idx < c * R; idx += kShrinkThreads) {
+        pr.mid[(s + idx / R) * mid_stride + idx % R] = 0.0f;
+      }
+      s = e;
+      continue;
+    }
+    if (threadIdx.x < c) {
+      const int64_t i = s + threadIdx.x;
+      src[threadIdx.x] = gather ? gather[i] / gather_div : i;
+    }
+    const T* a = pr.a_t + static_cast<int64_t>(l) * in_dim * R;
+    float acc[kShrinkRows][2];
+#pragma unroll
+    for (int m = 0; m < kShrinkRows; ++m) acc[m][0] = acc[m][1] = 0.0f;
+    const int j0 = lane, j1 = lane + 32;
+    for (int64_t k0 = 0; k0 < in_dim; k0 += kShrinkChunk) {
+      const int kn = static_cast<int>(min(static_cast<int64_t>(kShrinkChunk), in_dim - k0));
+      __syncthreads();  // src written; the previous chunk's readers done
+      for (int idx = threadIdx.x; idx < c * kShrinkChunk; idx += kShrinkThreads) {
+        const int m = idx / kShrinkChunk, kk = idx % kShrinkChunk;
+        xs[m][kk] = kk < kn ? ToF(in[src[m] * in_stride + k0 + kk]) : 0.0f;
+      }
+      __syncthreads();
+      for (int kk = warp; kk < kn; kk += kShrinkWarps) {
+        const T* ak = a + (k0 + kk) * R;
+        const float a0 = j0 < r ? ToF(ak[j0]) : 0.0f;
+        const float a1 = j1 < r ? ToF(ak[j1]) : 0.0f;
+#pragma unroll
+        for (int m = 0; m < kShrinkRows; ++m) {
+          if (m < c) {
+            const float xv = xs[m][kk];
+            acc[m][0] += a0 * xv;
+            acc[m][1] += a1 * xv;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kShrinkRows; ++m) {
+      if (m < c) {
+        if (j0 < R) part[warp][m][j0] = acc[m][0];
+        if (j1 < R) part[warp][m][j1] = acc[m][1];
+      }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < c * R; idx += kShrinkThreads) {
+      const int m = idx / static_cast<int>(R), j = idx % static_cast<int>(R);
+      float v = 0.0f;
+      if (j < r) {
+#pragma unroll
+        for (int w = 0; w < kShrinkWarps; ++w) v += part[w][m][j];
+      }
+      pr.mid[(s + m) * mid_stride + j] = v;
+    }
+    __syncthreads();  // part and src are reused by the next run
+    s = e;
   }
 }
 
@@ -137,23 +188,19 @@ cudaError_t DispatchElem(ElemType type, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-// Launches ShrinkKernel with the smallest register bucket that holds R (R <= kMaxRank).
+// Launches ShrinkKernel for one or two projections that read the same rows (R <= kMaxRank).
 template <typename T>
 cudaError_t LaunchShrink(int64_t rows, const T* in, int64_t in_stride, const int32_t* gather,
-                         int gather_div, const int32_t* row_lora, const T* a_t, const int32_t* rank,
-                         float* mid, int64_t mid_stride, int64_t in_dim, int64_t R,
+                         int gather_div, const int32_t* row_lora, const ShrinkProj<T>* proj,
+                         int num_proj, int64_t mid_stride, int64_t in_dim, int64_t R,
                          cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(rows));
-  if (R <= 16) {
-    ShrinkKernel<T, 16><<<grid, kShrinkThreads, 0, stream>>>(
-        in, in_stride, gather, gather_div, row_lora, a_t, rank, mid, mid_stride, in_dim, R);
-  } else if (R <= 32) {
-    ShrinkKernel<T, 32><<<grid, kShrinkThreads, 0, stream>>>(
-        in, in_stride, gather, gather_div, row_lora, a_t, rank, mid, mid_stride, in_dim, R);
-  } else {
-    ShrinkKernel<T, 64><<<grid, kShrinkThreads, 0, stream>>>(
-        in, in_stride, gather, gather_div, row_lora, a_t, rank, mid, mid_stride, in_dim, R);
-  }
+  if (num_proj < 1 || num_proj > kShrinkMaxProj || R > kMaxRank) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((rows + kShrinkRows - 1) / kShrinkRows),
+                  static_cast<unsigned>(num_proj));
+  ShrinkKernel<T><<<grid, kShrinkThreads, 0, stream>>>(in, in_stride, gather, gather_div, row_lora,
+                                                       proj[0], proj[num_proj - 1], mid_stride,
+                                                       rows, in_dim, R);
   return cudaGetLastError();
 }
 

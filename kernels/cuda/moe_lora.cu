@@ -297,16 +297,19 @@ cudaError_t Run(const MoeArgs& a, cudaStream_t stream) {
   MOELORA_CUDA_TRY(LaunchGroupedGemm<T>(x, H, sorted_src, static_cast<int>(K),
                                         static_cast<const T*>(a.w13), tiles, num_tiles, L.max_tiles,
                                         h13, 2 * I, 2 * I, H, stream));
-  if (lora) {
+  if (lora && a.num_gate_up > 0) {
+    // Gate and up (2D wrapper) read the same rows of x: one shrink launch for both.
+    ShrinkProj<T> proj[kShrinkMaxProj];
+    for (int p = 0; p < a.num_gate_up; ++p) {
+      proj[p] = {static_cast<const T*>(a.gate_up[p].a_t), a.gate_up[p].rank, mid + p * R};
+    }
+    MOELORA_CUDA_TRY(LaunchShrink<T>(N, x, H, sorted_src, static_cast<int>(K), row_lora, proj,
+                                     a.num_gate_up, 2 * R, H, R, stream));
     for (int p = 0; p < a.num_gate_up; ++p) {
       const MoeProjArgs& pr = a.gate_up[p];
-      float* m = mid + p * R;
-      MOELORA_CUDA_TRY(LaunchShrink<T>(N, x, H, sorted_src, static_cast<int>(K), row_lora,
-                                       static_cast<const T*>(pr.a_t), pr.rank, m, 2 * R, H, R,
-                                       stream));
-      MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, m, 2 * R, row_lora, static_cast<const T*>(pr.b_t),
-                                              pr.rank, h13 + pr.out_col, 2 * I, pr.out_dim, R,
-                                              stream));
+      MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, mid + p * R, 2 * R, row_lora,
+                                              static_cast<const T*>(pr.b_t), pr.rank,
+                                              h13 + pr.out_col, 2 * I, pr.out_dim, R, stream));
     }
   }
   {
@@ -319,8 +322,9 @@ cudaError_t Run(const MoeArgs& a, cudaStream_t stream) {
                                         num_tiles, L.max_tiles, y, H, H, I, stream));
   if (lora && a.has_down) {
     const MoeProjArgs& pr = a.down;
-    MOELORA_CUDA_TRY(LaunchShrink<T>(N, act, I, nullptr, 1, row_lora, static_cast<const T*>(pr.a_t),
-                                     pr.rank, mid, 2 * R, I, R, stream));
+    const ShrinkProj<T> down{static_cast<const T*>(pr.a_t), pr.rank, mid};
+    MOELORA_CUDA_TRY(
+        LaunchShrink<T>(N, act, I, nullptr, 1, row_lora, &down, 1, 2 * R, I, R, stream));
     MOELORA_CUDA_TRY(LaunchExpand<T, float>(N, mid, 2 * R, row_lora, static_cast<const T*>(pr.b_t),
                                             pr.rank, y + pr.out_col, H, pr.out_dim, R, stream));
   }
