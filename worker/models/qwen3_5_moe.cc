@@ -92,6 +92,14 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     return absl::FailedPreconditionError(absl::StrCat(cfg, ": ", parts...));
   };
   if (c.hidden_act != "silu") return refuse("hidden_act \"", c.hidden_act, "\" (silu only)");
+  if (c.sliding_window > 0) {
+    return refuse("use_sliding_window / sliding_window are not implemented for Qwen3.5");
+  }
+  if (!c.all_layers_moe) {
+    return refuse(
+        "dense MLP layers (mlp_only_layers / decoder_sparse_step) are not implemented "
+        "for Qwen3.5");
+  }
   if (c.attention_bias) return refuse("attention_bias true is not implemented for Qwen3.5");
   if (!c.info.attn_output_gate) {
     return refuse("attn_output_gate false is not implemented (Qwen3.5 gates attention output)");

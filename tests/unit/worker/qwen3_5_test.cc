@@ -4,13 +4,17 @@
 // against each request alone; base rows bit-identical with adapters loaded; adapter modules the
 // model lacks rejected by name.
 #include <ATen/ATen.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lora/adapter.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
 #include "worker/model/causal_lm.h"
@@ -203,6 +207,57 @@ TEST(Qwen35Test, KernelTwinsAndBfloat16StayCloseToTransformers) {
       EXPECT_LE(d, tol) << device << " " << dtype << " " << variant;
     }
   }
+}
+
+// Keys that change Qwen3.5's math and are not implemented stop the load, naming the key.
+TEST(Qwen35Test, ConfigKeysItDoesNotImplementAreRefused) {
+  namespace fs = std::filesystem;
+  const fs::path tmp =
+      fs::temp_directory_path() / ("moelora_q35_cfg_" + std::to_string(::getpid()));
+  const std::string src = Data("qwen3_5_moe/model");
+  std::ifstream in(src + "/config.json");
+  const nlohmann::json base = nlohmann::json::parse(in);
+  struct Case {
+    const char* key;
+    nlohmann::json value;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"attn_output_gate", false, "attn_output_gate false"},
+      {"use_sliding_window", true, "sliding_window"},
+      {"norm_topk_prob", false, "norm_topk_prob false"},
+      {"linear_conv_bias", true, "linear_conv_bias = true is not implemented"},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    const fs::path dir = tmp / std::to_string(n++);
+    fs::create_directories(dir);
+    fs::copy_file(src + "/model.safetensors", dir / "model.safetensors");
+    nlohmann::json j = base;
+    j[c.key] = c.value;
+    if (std::string(c.key) == "use_sliding_window") j["sliding_window"] = 4;
+    std::ofstream(dir / "config.json") << j.dump();
+    auto comm = MakeLocalCommunicator();
+    EXPECT_THAT(LoadCausalLM(dir.string(), ModelOptions{}, comm.get()).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(c.message)));
+  }
+  // Without layer_types, full_attention_interval decides (here: every layer is full attention,
+  // so the DeltaNet weights are not consumed: the load names them).
+  {
+    const fs::path dir = tmp / "interval";
+    fs::create_directories(dir);
+    fs::copy_file(src + "/model.safetensors", dir / "model.safetensors");
+    nlohmann::json j = base;
+    j.erase("layer_types");
+    j["full_attention_interval"] = 1;
+    std::ofstream(dir / "config.json") << j.dump();
+    auto comm = MakeLocalCommunicator();
+    EXPECT_THAT(
+        LoadCausalLM(dir.string(), ModelOptions{}, comm.get()).status(),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.layers.0.linear_attn.")));
+  }
+  fs::remove_all(tmp);
 }
 
 TEST(Qwen35Test, TheVisionTowerIsSkippedAndListed) {
