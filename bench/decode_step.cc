@@ -4,7 +4,7 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|qwen3_5|a3b] [--device cpu|cuda|cuda:N|cpu-twins]
+//               [--only tiny|medium|ep-memory|qwen3_5|a3b] [--device cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
@@ -33,9 +33,12 @@
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
 #include "tests/testing/adapter_builder.h"
+#include "worker/checkpoint.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
+#include "worker/loaders/weight_loader.h"
 #include "worker/model/causal_lm.h"
+#include "worker/models/qwen3_moe.h"
 
 namespace moelora {
 namespace {
@@ -273,6 +276,49 @@ void PrefillChunkedVsTokenByToken(const std::string& model, int len) {
       len, chunked, len / chunked, by_token, len / by_token, by_token / chunked);
 }
 
+// Expert memory per rank at TP=2, plain TP against expert parallelism, on the medium model:
+// the base expert weights (the loader's shards) and one 2D and one 3D adapter's LoRA as the slots
+// hold it (SlotBytes), for rank 0 (the model is loaded with rank 0's options; nothing runs).
+void ExpertMemory(const std::string& model, const std::string& a2d, const std::string& a3d) {
+  auto comm = MakeLocalCommunicator();
+  for (bool ep : {false, true}) {
+    ModelOptions o;
+    o.tp_rank = 0;
+    o.tp_size = 2;
+    o.expert_parallel = ep;
+    o.mixed_moe_lora_format = true;
+    auto m = LoadCausalLM(model, o, comm.get());
+    Check(m.status(), "load");
+    auto ckpt = Checkpoint::Open(model);
+    Check(ckpt.status(), "checkpoint");
+    const ModelConfig& c = (*m)->config();
+    auto table = FindArchTable(c.info.architecture);
+    Check(table.status(), "arch");
+    auto w = LoadWeights(**ckpt, **table, c, Qwen3MoeParamSpecs(c, true, true),
+                         LoadOptions{0, 2, at::kFloat, true, ep});
+    Check(w.status(), "weights");
+    int64_t expert_bytes = 0;
+    for (const auto& [name, t] : w->params) {
+      if (absl::StrContains(name, ".experts.")) expert_bytes += t.nbytes();
+    }
+    AdapterReadOptions ro;
+    ro.model = c.info;
+    ro.convert_to_2d = true;
+    int64_t lora[2] = {0, 0};
+    for (int i = 0; i < 2; ++i) {
+      auto a = ReadAdapter(i == 0 ? a2d : a3d, ro);
+      Check(a.status(), "adapter");
+      // Expert LoRA only: drop the dense modules.
+      a->dense.clear();
+      lora[i] = (*m)->SlotBytes(*a);
+    }
+    std::printf(
+        "expert memory per rank, TP=2 %-18s base experts %8.1f MB   expert LoRA: 2D %6.2f MB, 3D "
+        "(converted) %6.2f MB\n",
+        ep ? "expert-parallel:" : "plain TP:", expert_bytes / 1e6, lora[0] / 1e6, lora[1] / 1e6);
+  }
+}
+
 struct Case {
   const char* name;
   std::vector<int64_t> adapter_of_seq;
@@ -361,7 +407,8 @@ int main(int argc, char** argv) {
   std::string only;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|qwen3_5|a3b] [--device cpu|cuda|cuda:N|cpu-twins] "
+      "                   [--only tiny|medium|ep-memory|qwen3_5|a3b] [--device "
+      "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N]\n";
   if (argc == 2) {
     std::printf("%s", usage);
@@ -421,6 +468,14 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "medium") {
     synthetic("medium", tmp + "/moelora_bench_decode", {1024, 512, 32, 8, 4, 16, 4, 64, 4096},
               false);
+  }
+  if (only.empty() || only == "ep-memory") {
+    const std::string dir = tmp + "/moelora_bench_decode";
+    const moelora::Dims d{1024, 512, 32, 8, 4, 16, 4, 64, 4096};
+    if (!std::filesystem::exists(dir + "/model/model.safetensors"))
+      moelora::WriteModel(dir + "/model", d);
+    moelora::ExpertMemory(dir + "/model", moelora::WriteAdapter(dir + "/a2d_0", d, false, 10),
+                          moelora::WriteAdapter(dir + "/a3d_0", d, true, 20));
   }
   if (only.empty() || only == "qwen3_5") {
     const std::string dir = tmp + "/moelora_bench_decode_q35";

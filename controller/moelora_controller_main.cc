@@ -41,6 +41,9 @@ ABSL_FLAG(std::string, state_dir, "moelora-state",
           "Registry (SQLite) and worker run files; the registry survives restarts");
 ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
           "Serve 2D and 3D adapters together (3D converted to 2D in place at load)");
+ABSL_FLAG(bool, enable_expert_parallel, false,
+          "Workers hold num_experts / tensor-parallel-size whole experts each (and only their "
+          "LoRA) instead of a slice of every expert (CPU workers)");
 ABSL_FLAG(int, max_loras, 4, "Adapters resident in worker LoRA slots at once");
 ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank accepted");
 ABSL_FLAG(int, max_cpu_loras, 8,
@@ -150,6 +153,8 @@ int main(int argc, char** argv) {
                      "--metrics-port",  "0"};
   if (absl::GetFlag(FLAGS_enable_mixed_moe_lora_format))
     go.worker_flags.push_back("--enable-mixed-moe-lora-format");
+  if (absl::GetFlag(FLAGS_enable_expert_parallel))
+    go.worker_flags.push_back("--enable-expert-parallel");
   for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
     go.worker_flags.push_back(std::string(a));
   }

@@ -46,6 +46,10 @@ ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank a slot holds");
 ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
           "Use the 2D expert wrapper for every MoE layer and convert 3D adapters to 2D in "
           "place at load, so 2D and 3D adapters share batches");
+ABSL_FLAG(bool, enable_expert_parallel, false,
+          "Expert parallelism: this rank holds num_experts / tensor-parallel-size whole experts "
+          "(and their LoRA only) instead of 1/tp of every expert; the MoE all-reduce sums the "
+          "ranks (CPU path)");
 ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
 ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
@@ -178,6 +182,7 @@ int main(int argc, char** argv) {
     eo.max_loras = absl::GetFlag(FLAGS_max_loras);
     eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
+    eo.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
     eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
     eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);

@@ -62,6 +62,8 @@ struct Case {
   const char* arch;  // fixture dir
   bool mixed;
   std::vector<const char*> adapters;  // loaded with ids 1, 2, ...
+  bool expert_parallel = false;       // TP=2 with --enable-expert-parallel
+  const char* tag = "";               // test name suffix
 };
 
 class WorkerTpTest : public ::testing::TestWithParam<Case> {};
@@ -84,7 +86,9 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
 
   std::map<int, std::vector<Gen>> by_tp;
   for (int tp : {1, 2}) {
-    WorkerGroup g(Data(arch + "/model"), tp, flags);
+    std::vector<std::string> tp_flags = flags;
+    if (tp == 2 && c.expert_parallel) tp_flags.push_back("--enable-expert-parallel");
+    WorkerGroup g(Data(arch + "/model"), tp, tp_flags);
     ASSERT_TRUE(g.WaitReady()) << g.Logs();
     for (size_t i = 0; i < c.adapters.size(); ++i) {
       grpc::Status s = g.Load(ids[i], Data(arch + "/" + c.adapters[i]));
@@ -113,18 +117,24 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
   EXPECT_LE(worst, 1e-4f);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, WorkerTpTest,
-                         ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
-                                           Case{"qwen3_vl_moe", false, {"adapter_3d"}},
-                                           Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}},
-                                           // Qwen3.5-MoE at TP=2: heads, GDN value/key heads
-                                           // and conv sections sharded.
-                                           Case{"qwen3_5_moe", false, {"adapter_3d"}},
-                                           Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}}),
-                         [](const auto& info) {
-                           return std::string(info.param.arch) +
-                                  (info.param.mixed ? "_mixed" : "_native");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, WorkerTpTest,
+    ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
+                      Case{"qwen3_vl_moe", false, {"adapter_3d"}},
+                      Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}},
+                      // Qwen3.5-MoE at TP=2: heads, GDN value/key heads
+                      // and conv sections sharded.
+                      Case{"qwen3_5_moe", false, {"adapter_3d"}},
+                      Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}},
+                      // The upstream mixed 2D/3D test with expert
+                      // parallelism at TP=2, in both orders.
+                      Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}, true, "_ep"},
+                      Case{"qwen3_5_moe", true, {"adapter_3d", "adapter_2d"}, true, "_ep_swapped"},
+                      Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}, true, "_ep"}),
+    [](const auto& info) {
+      return std::string(info.param.arch) + (info.param.mixed ? "_mixed" : "_native") +
+             info.param.tag;
+    });
 
 TEST(WorkerProcessTest, RejectedAdaptersGetClearCodesAndChangeNothing) {
   WorkerGroup g(Data("qwen3_moe/model"), 1, {"--max-loras", "2"});

@@ -16,7 +16,8 @@ const char* const kMixedFlag = "--enable-mixed-moe-lora-format";
 }  // namespace
 
 MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t inter_full,
-                       AdapterFormat wrapper, std::string architecture, const SlotShape& shape)
+                       AdapterFormat wrapper, std::string architecture, const SlotShape& shape,
+                       int64_t expert_offset, int64_t total_experts)
     : LoraModule(std::move(path)),
       w13_(std::move(w13)),
       w2_(std::move(w2)),
@@ -24,6 +25,8 @@ MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t 
       H_(w13_.size(2)),
       I_(inter_full),
       Ip_(w13_.size(1) / 2),
+      e0_(expert_offset),
+      E_total_(total_experts > 0 ? total_experts : w13_.size(0)),
       wrapper_(wrapper),
       architecture_(std::move(architecture)),
       shape_(shape) {
@@ -61,20 +64,24 @@ absl::Status MoeExperts::CheckExperts(const LoraAdapter& a, const MoeLayerLora& 
         " is a 3D-native model using the 3D expert wrapper and ", kMixedFlag,
         " is off; start the worker with ", kMixedFlag, " to serve 2D and 3D adapters together"));
   }
-  if (ml.num_experts != E_) {
+  if (ml.num_experts != E_total_) {
     return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": ", ml.prefix, " has ",
-                                                   ml.num_experts, " experts, the model ", E_));
+                                                   ml.num_experts, " experts, the model ",
+                                                   E_total_));
   }
   return absl::OkStatus();
 }
 
 void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
-  const int64_t E = E_, I = I_;
+  const int64_t E = E_, I = I_, Et = E_total_, e0 = e0_;
   const int slot = w.slot;
   // Every expert projection of a rank: gate/up keep A whole and their rows of B (column-
   // parallel over I, each of gate and up on its own); down keeps its columns of A (row-parallel).
-  const auto gate_up_rows = ShardSections({I, I}, w.tp_rank, w.tp_size);
-  const auto down_cols = ShardSections({I}, w.tp_rank, w.tp_size);
+  // With expert parallelism a rank holds whole experts: nothing is sliced.
+  const int tp_rank = expert_parallel() ? 0 : w.tp_rank;
+  const int tp_size = expert_parallel() ? 1 : w.tp_size;
+  const auto gate_up_rows = ShardSections({I, I}, tp_rank, tp_size);
+  const auto down_cols = ShardSections({I}, tp_rank, tp_size);
   // The model checked at load that I divides by the TP size, so these cannot fail.
   const std::vector<IndexRange> gu = gate_up_rows.value(), dn = down_cols.value();
   const std::vector<IndexRange> gate_rows = {gu[0]}, up_rows = {{gu[1].begin - I, gu[1].size}};
@@ -83,11 +90,11 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
     if (ml.gate_up) {
       const LoraPair& p = *ml.gate_up;
       const int r = p.rank;
-      at::Tensor A = ToFloat(p.a).view({E, r, -1});
-      at::Tensor B = (ToFloat(p.b) * p.scaling).view({2 * I, r, E});
+      at::Tensor A = ToFloat(p.a).view({Et, r, -1});
+      at::Tensor B = (ToFloat(p.b) * p.scaling).view({2 * I, r, Et});
       for (int64_t e = 0; e < E; ++e) {
-        at::Tensor Bl = GatherRanges(B.select(2, e), 0, gu);  // [2 I_p, r]
-        w.dst(ea_[kW1])[e].narrow(1, 0, r).copy_(A[e].t());
+        at::Tensor Bl = GatherRanges(B.select(2, e0 + e), 0, gu);  // [2 I_p, r]
+        w.dst(ea_[kW1])[e].narrow(1, 0, r).copy_(A[e0 + e].t());
         w.dst(eb_[kW1])[e].narrow(0, 0, r).copy_(Bl.t());
         erank_[kW1][slot * E + e] = r;
       }
@@ -95,21 +102,21 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
     if (ml.down) {
       const LoraPair& p = *ml.down;
       const int r = p.rank;
-      at::Tensor A = ToFloat(p.a).view({E, r, I});
-      at::Tensor B = (ToFloat(p.b) * p.scaling).view({-1, r, E});
+      at::Tensor A = ToFloat(p.a).view({Et, r, I});
+      at::Tensor B = (ToFloat(p.b) * p.scaling).view({-1, r, Et});
       for (int64_t e = 0; e < E; ++e) {
-        w.dst(ea_[kW2])[e].narrow(1, 0, r).copy_(GatherRanges(A[e], 1, dn).t());
-        w.dst(eb_[kW2])[e].narrow(0, 0, r).copy_(B.select(2, e).t());
+        w.dst(ea_[kW2])[e].narrow(1, 0, r).copy_(GatherRanges(A[e0 + e], 1, dn).t());
+        w.dst(eb_[kW2])[e].narrow(0, 0, r).copy_(B.select(2, e0 + e).t());
         erank_[kW2][slot * E + e] = r;
       }
     }
     return;
   }
-  for (int64_t e = 0; e < static_cast<int64_t>(ml.experts.size()); ++e) {
+  for (int64_t e = 0; e < E && e0 + e < static_cast<int64_t>(ml.experts.size()); ++e) {
     for (int k : {kW1, kW3, kW2}) {
-      const auto& opt = ml.experts[e][k == kW1   ? static_cast<int>(ExpertProj::kGate)
-                                      : k == kW3 ? static_cast<int>(ExpertProj::kUp)
-                                                 : static_cast<int>(ExpertProj::kDown)];
+      const auto& opt = ml.experts[e0 + e][k == kW1   ? static_cast<int>(ExpertProj::kGate)
+                                           : k == kW3 ? static_cast<int>(ExpertProj::kUp)
+                                                      : static_cast<int>(ExpertProj::kDown)];
       if (!opt) continue;
       const int r = opt->rank;
       at::Tensor A = ToFloat(opt->a), B = ToFloat(opt->b) * opt->scaling;
@@ -129,6 +136,8 @@ int64_t MoeExperts::ExpertBytes(const MoeLayerLora& ml, int64_t elem) const {
   // Column-parallel gate/up keep A whole and 1/tp of B; row-parallel down 1/tp of A, B whole.
   const int64_t tp = shape_.tp_size;
   auto pair = [&](const LoraPair& p, bool row) {
+    // Expert parallelism: this rank's experts' share of everything.
+    if (expert_parallel()) return elem * (p.a.numel() + p.b.numel()) / E_total_ * E_;
     return elem * (row ? p.a.numel() / tp + p.b.numel() : p.a.numel() + p.b.numel() / tp);
   };
   int64_t total = 0;
@@ -174,11 +183,16 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
   const std::vector<int32_t>& slots = *lb.slots;
   // Assignments sorted by (expert, slot): one run per expert for the base GEMMs, one segment per
   // (expert, slot) for LoRA.
-  const int64_t N = T * topk;
-  at::Tensor idx_c = idx.contiguous();
+  at::Tensor idx_c = (idx - e0_).contiguous();  // local expert ids
   const int64_t* ip = idx_c.data_ptr<int64_t>();
-  std::vector<int64_t> order(N);
-  std::iota(order.begin(), order.end(), 0);
+  // The assignments to experts held here (all of them without expert parallelism).
+  std::vector<int64_t> order;
+  order.reserve(T * topk);
+  for (int64_t i = 0; i < T * topk; ++i) {
+    if (ip[i] >= 0 && ip[i] < E) order.push_back(i);
+  }
+  const int64_t N = static_cast<int64_t>(order.size());
+  if (N == 0) return at::zeros({T, H}, h.options());
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     if (ip[x] != ip[y]) return ip[x] < ip[y];
     return slots[x / topk] < slots[y / topk];
@@ -188,7 +202,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
   at::Tensor order_t = at::from_blob(order.data(), {N}, at::kLong);
   at::Tensor token_t = at::from_blob(token.data(), {N}, at::kLong);
   at::Tensor xs = h.index_select(0, token_t);
-  at::Tensor ws = wts.reshape({N}).index_select(0, order_t);
+  at::Tensor ws = wts.reshape({T * topk}).index_select(0, order_t);
   std::vector<std::pair<int64_t, int64_t>> expert_runs;  // (begin, end) per expert present
   std::vector<int64_t> run_expert;
   for (int64_t i = 0; i < N;) {

@@ -26,13 +26,19 @@ namespace moelora {
 class MoeExperts final : public LoraModule {
  public:
   // `wrapper`: the expert LoRA layout the slots take; `architecture` names the model in errors.
+  // Expert parallelism: w13/w2 hold experts [expert_offset, expert_offset + local) of
+  // `total_experts`, whole (their intermediate dim is inter_full); tokens routed elsewhere
+  // contribute nothing here (the all-reduce after the block sums the ranks). Without it
+  // (total_experts = 0): every expert, 1/tp of its intermediate dim.
   MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t inter_full,
-             AdapterFormat wrapper, std::string architecture, const SlotShape& shape);
+             AdapterFormat wrapper, std::string architecture, const SlotShape& shape,
+             int64_t expert_offset = 0, int64_t total_experts = 0);
 
   // h [T, H], ids [T, K] int64, weights [T, K] in h's dtype: Σ_k w · expert(h) for this rank.
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const at::Tensor& ids,
                                      const at::Tensor& weights, const LoraBatch& lb) const;
-  int64_t num_experts() const { return E_; }
+  int64_t num_experts() const { return E_total_; }
+  bool expert_parallel() const { return E_total_ != E_; }
 
   bool takes_experts() const override { return true; }
   absl::Status CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const override;
@@ -48,7 +54,8 @@ class MoeExperts final : public LoraModule {
                                           const at::Tensor& weights, const LoraBatch& lb) const;
 
   at::Tensor w13_, w2_;
-  int64_t E_ = 0, H_ = 0, I_ = 0, Ip_ = 0;
+  int64_t E_ = 0, H_ = 0, I_ = 0, Ip_ = 0;  // E_: experts held here
+  int64_t e0_ = 0, E_total_ = 0;            // the first one held, and all of them
   AdapterFormat wrapper_;
   std::string architecture_;
   SlotShape shape_;

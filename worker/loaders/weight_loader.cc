@@ -104,6 +104,15 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
         MOELORA_RETURN_IF_ERROR(split_dim(1));
         break;
       case TpSplit::kExperts:
+        if (opt.expert_parallel) {
+          if (E % tp != 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("num_experts ", E, " does not divide by --tensor-parallel-size ", tp,
+                             " (--enable-expert-parallel)"));
+          }
+          local[0] = E / tp;
+          break;
+        }
         if (I % tp != 0) {
           return absl::InvalidArgumentError(absl::StrCat(
               "moe_intermediate_size ", I, " does not divide by --tensor-parallel-size ", tp));
@@ -116,7 +125,8 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
     }
     out.params[s.name] = at::empty(local, at::TensorOptions().dtype(opt.dtype));
     spec_of[s.name] = &s;
-    coverage[s.name].setter.assign(PiecesOf(s.name, E), "");
+    coverage[s.name].setter.assign(
+        PiecesOf(s.name, s.split == TpSplit::kExperts && opt.expert_parallel ? E / tp : E), "");
   }
 
   std::vector<std::string> unconsumed;
@@ -189,17 +199,27 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
     }
     at::Tensor s3 = stacked ? src : src.unsqueeze(0);
     if (m.target.transposed) s3 = s3.transpose(1, 2);
-    const int64_t e0 = stacked ? 0 : m.target.expert;
+    // Expert parallelism: this rank's experts [lo, lo + El) whole; otherwise every expert, with
+    // 1/tp of the intermediate dim.
+    const bool ep = opt.expert_parallel;
+    const int64_t El = ep ? E / tp : E, lo = ep ? r * El : 0;
+    int64_t e0 = stacked ? 0 : m.target.expert;
+    if (stacked && ep) {
+      s3 = s3.narrow(0, lo, El);
+    } else if (ep) {
+      if (e0 < lo || e0 >= lo + El) continue;  // another rank's expert
+    }
+    e0 -= stacked ? 0 : lo;
     const int64_t n = s3.size(0);
     at::Tensor d3 = dst.narrow(0, e0, n);
-    const int64_t Ip = I / tp;
+    const int64_t Ip = ep ? I : I / tp, ir = ep ? 0 : r;
     if (sh == ExpertShard::kW2) {
-      d3.copy_(s3.narrow(2, r * Ip, Ip));
+      d3.copy_(s3.narrow(2, ir * Ip, Ip));
       for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(e));
       continue;
     }
     auto copy_half = [&](const at::Tensor& half, int which) -> absl::Status {
-      d3.narrow(1, which * Ip, Ip).copy_(half.narrow(1, r * Ip, Ip));
+      d3.narrow(1, which * Ip, Ip).copy_(half.narrow(1, ir * Ip, Ip));
       for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(2 * e + which));
       return absl::OkStatus();
     };

@@ -43,6 +43,9 @@ struct LoadOptions {
   int tp_size = 1;
   at::ScalarType dtype = at::kFloat;
   bool lora_wrapped = true;
+  // kExperts parameters hold E / tp whole experts (rank r: [r·E/tp, (r+1)·E/tp)) instead of
+  // 1/tp of every expert's intermediate dim; other ranks' experts are skipped.
+  bool expert_parallel = false;
 };
 
 struct LoadedWeights {

@@ -48,6 +48,8 @@ struct ModelOptions {
   int max_loras = 4;
   int max_lora_rank = 16;
   bool mixed_moe_lora_format = false;  // every MoE layer uses the 2D wrapper
+  // Expert parallelism: rank r holds experts [r·E/tp, (r+1)·E/tp) whole, and their LoRA only.
+  bool expert_parallel = false;
 };
 
 // One layer's part of a sequence's state on this rank: a KV cache (attention layers) or a

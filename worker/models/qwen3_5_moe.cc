@@ -149,7 +149,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   if (!has_lm_head && !c.tie_word_embeddings) {
     return bad("no lm_head.weight and tie_word_embeddings is false");
   }
-  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true};
+  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
   MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
                                                         Qwen35Specs(c, has_lm_head), lopt));
   auto m = std::unique_ptr<Qwen35Moe>(new Qwen35Moe());
@@ -229,7 +229,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     auto experts = std::make_unique<MoeExperts>(
         p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
         P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
-        c.info.architecture, shape);
+        c.info.architecture, shape, o.expert_parallel ? o.tp_rank * (c.info.num_experts / tp) : 0,
+        o.expert_parallel ? c.info.num_experts : 0);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, /*norm_topk_prob=*/true,
                                        std::move(experts), std::move(shared));

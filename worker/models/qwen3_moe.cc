@@ -101,7 +101,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     return absl::InvalidArgumentError(
         absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
   }
-  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true};
+  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
   MOELORA_ASSIGN_OR_RETURN(
       LoadedWeights w,
       LoadWeights(*ctx.checkpoint, *ctx.arch, c, Qwen3MoeParamSpecs(c, true, has_lm_head), lo));
@@ -154,7 +154,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     auto experts = std::make_unique<MoeExperts>(
         p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
         P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
-        c.info.architecture, shape);
+        c.info.architecture, shape, o.expert_parallel ? o.tp_rank * (c.info.num_experts / tp) : 0,
+        o.expert_parallel ? c.info.num_experts : 0);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, c.norm_topk_prob, std::move(experts));
     m->layers_.push_back(std::move(L));
