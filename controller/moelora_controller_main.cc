@@ -44,6 +44,8 @@ ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
 ABSL_FLAG(bool, enable_expert_parallel, false,
           "Workers hold num_experts / tensor-parallel-size whole experts each (and only their "
           "LoRA) instead of a slice of every expert (CPU workers)");
+ABSL_FLAG(bool, fully_sharded_loras, false,
+          "Workers shard lora_A of column-parallel and lora_B of row-parallel layers too");
 ABSL_FLAG(int, max_loras, 4, "Adapters resident in worker LoRA slots at once");
 ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank accepted");
 ABSL_FLAG(int, max_cpu_loras, 8,
@@ -155,6 +157,7 @@ int main(int argc, char** argv) {
     go.worker_flags.push_back("--enable-mixed-moe-lora-format");
   if (absl::GetFlag(FLAGS_enable_expert_parallel))
     go.worker_flags.push_back("--enable-expert-parallel");
+  if (absl::GetFlag(FLAGS_fully_sharded_loras)) go.worker_flags.push_back("--fully-sharded-loras");
   for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
     go.worker_flags.push_back(std::string(a));
   }

@@ -111,6 +111,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.max_lora_rank = o.max_lora_rank;
   mo.mixed_moe_lora_format = o.enable_mixed_moe_lora_format;
   mo.expert_parallel = o.enable_expert_parallel;
+  mo.fully_sharded_loras = o.fully_sharded_loras;
   MOELORA_ASSIGN_OR_RETURN(impl->model, LoadCausalLM(o.model_dir, mo, comm));
   const int cfg_len = impl->model->config().max_position_embeddings;
   impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;

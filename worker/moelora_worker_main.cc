@@ -50,6 +50,9 @@ ABSL_FLAG(bool, enable_expert_parallel, false,
           "Expert parallelism: this rank holds num_experts / tensor-parallel-size whole experts "
           "(and their LoRA only) instead of 1/tp of every expert; the MoE all-reduce sums the "
           "ranks (CPU path)");
+ABSL_FLAG(bool, fully_sharded_loras, false,
+          "Shard lora_A of column-parallel and lora_B of row-parallel dense LoRA layers too "
+          "(vLLM's meaning), with one more collective per LoRA layer (CPU path)");
 ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
 ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
@@ -183,6 +186,7 @@ int main(int argc, char** argv) {
     eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
     eo.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
+    eo.fully_sharded_loras = absl::GetFlag(FLAGS_fully_sharded_loras);
     eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
     eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);

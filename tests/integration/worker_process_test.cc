@@ -61,9 +61,9 @@ std::vector<Gen> Generate(WorkerGroup& g, const std::vector<int64_t>& adapters,
 struct Case {
   const char* arch;  // fixture dir
   bool mixed;
-  std::vector<const char*> adapters;  // loaded with ids 1, 2, ...
-  bool expert_parallel = false;       // TP=2 with --enable-expert-parallel
-  const char* tag = "";               // test name suffix
+  std::vector<const char*> adapters;        // loaded with ids 1, 2, ...
+  std::vector<std::string> tp2_flags = {};  // extra flags at TP=2 (expert parallelism, ...)
+  const char* tag = "";                     // test name suffix
 };
 
 class WorkerTpTest : public ::testing::TestWithParam<Case> {};
@@ -87,7 +87,7 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
   std::map<int, std::vector<Gen>> by_tp;
   for (int tp : {1, 2}) {
     std::vector<std::string> tp_flags = flags;
-    if (tp == 2 && c.expert_parallel) tp_flags.push_back("--enable-expert-parallel");
+    if (tp == 2) tp_flags.insert(tp_flags.end(), c.tp2_flags.begin(), c.tp2_flags.end());
     WorkerGroup g(Data(arch + "/model"), tp, tp_flags);
     ASSERT_TRUE(g.WaitReady()) << g.Logs();
     for (size_t i = 0; i < c.adapters.size(); ++i) {
@@ -119,18 +119,39 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Fixtures, WorkerTpTest,
-    ::testing::Values(Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
-                      Case{"qwen3_vl_moe", false, {"adapter_3d"}},
-                      Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}},
-                      // Qwen3.5-MoE at TP=2: heads, GDN value/key heads
-                      // and conv sections sharded.
-                      Case{"qwen3_5_moe", false, {"adapter_3d"}},
-                      Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}},
-                      // The upstream mixed 2D/3D test with expert
-                      // parallelism at TP=2, in both orders.
-                      Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}, true, "_ep"},
-                      Case{"qwen3_5_moe", true, {"adapter_3d", "adapter_2d"}, true, "_ep_swapped"},
-                      Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}, true, "_ep"}),
+    ::testing::Values(
+        Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}},
+        Case{"qwen3_vl_moe", false, {"adapter_3d"}},
+        Case{"qwen3_vl_moe", true, {"adapter_2d", "adapter_3d"}},
+        // Qwen3.5-MoE at TP=2: heads, GDN value/key heads
+        // and conv sections sharded.
+        Case{"qwen3_5_moe", false, {"adapter_3d"}},
+        Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}},
+        // The upstream mixed 2D/3D test at TP=2 with expert parallelism and
+        // with fully sharded LoRAs, in both orders.
+        Case{
+            "qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
+        Case{"qwen3_5_moe",
+             true,
+             {"adapter_3d", "adapter_2d"},
+             {"--enable-expert-parallel"},
+             "_ep_swapped"},
+        Case{"qwen3_moe", true, {"adapter_2d", "adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
+        Case{"qwen3_5_moe",
+             true,
+             {"adapter_2d", "adapter_3d"},
+             {"--fully-sharded-loras"},
+             "_fully_sharded"},
+        Case{"qwen3_5_moe",
+             true,
+             {"adapter_3d", "adapter_2d"},
+             {"--fully-sharded-loras"},
+             "_fully_sharded_swapped"},
+        Case{"qwen3_moe",
+             true,
+             {"adapter_2d", "adapter_3d"},
+             {"--fully-sharded-loras", "--enable-expert-parallel"},
+             "_fully_sharded_ep"}),
     [](const auto& info) {
       return std::string(info.param.arch) + (info.param.mixed ? "_mixed" : "_native") +
              info.param.tag;

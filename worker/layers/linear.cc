@@ -126,8 +126,10 @@ LoraBatch LoraBatch::Make(const ModelOptions& o, const std::vector<int32_t>& slo
   return b;
 }
 
-SlotShape SlotShape::For(const ModelOptions& o, const at::Device& device) {
+SlotShape SlotShape::For(const ModelOptions& o, const at::Device& device, Communicator* comm) {
   SlotShape s;
+  s.fully_sharded = o.fully_sharded_loras;
+  s.comm = comm;
   s.num_slots = o.max_loras;
   s.max_rank = o.max_lora_rank;
   s.kernels = o.kernels;
@@ -165,9 +167,21 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
   for (int64_t n : out_sections) m->out_full_ += n;
   m->shard_ = *std::move(shard);
   m->shape_ = shape;
-  const int64_t S = shape.num_slots, R = shape.max_rank;
-  m->la_ = at::zeros({S, m->shard_.in_local, R}, shape.slot_options);
-  m->lb_ = at::zeros({S, R, m->shard_.out_local}, shape.slot_options);
+  const int64_t S = shape.num_slots, R = shape.max_rank, tp = shape.tp_size;
+  m->fs_ = shape.fully_sharded && tp > 1 && mode != TpMode::kReplicated;
+  int64_t a_cols = R, b_cols = m->shard_.out_local;
+  if (m->fs_ && mode == TpMode::kColumn) a_cols = R / tp;
+  if (m->fs_ && mode == TpMode::kRow) {
+    auto cols = ShardSections({m->out_full_}, shape.tp_rank, shape.tp_size);
+    if (!cols.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(m->path(), ": --fully-sharded-loras: ", cols.status().message()));
+    }
+    m->fs_out_ = *cols;
+    b_cols = TotalSize(m->fs_out_);
+  }
+  m->la_ = at::zeros({S, m->shard_.in_local, a_cols}, shape.slot_options);
+  m->lb_ = at::zeros({S, R, b_cols}, shape.slot_options);
   m->rank_.assign(S, 0);
   if (shape.kernels != LoraKernels::kCpuSgmv) m->rank_t_ = at::zeros({S}, shape.rank_options);
   return m;
@@ -179,6 +193,11 @@ absl::StatusOr<at::Tensor> LoraLinear::Forward(const at::Tensor& x, const LoraBa
   y = y.contiguous();
   if (!lb.any) return y;
   const int64_t R = shape_.max_rank;
+  if (fs_) {
+    absl::Status s = AddFullyShardedLora(x, y, lb);
+    if (!s.ok()) return s;
+    return y;
+  }
   if (!lb.kernel_path()) {
     std::vector<SgmvSegment> segs;
     int64_t begin = 0;
@@ -236,14 +255,69 @@ void LoraLinear::WriteDense(const LoraPair& p, const SlotWrite& w) {
   at::Tensor A = GatherRanges(ToFloat(p.a), 1, shard_.a_cols);              // [r, in_local]
   at::Tensor B = GatherRanges(ToFloat(p.b) * p.scaling, 0, shard_.b_rows);  // [out_local, r]
   const int r = p.rank;
+  if (fs_ && mode_ == TpMode::kColumn) {
+    // This rank's R / tp columns of Aᵀ padded to the slot's rank capacity.
+    const int64_t R = shape_.max_rank, Rl = R / shape_.tp_size;
+    at::Tensor at_full = at::zeros({A.size(1), R}, at::kFloat);
+    at_full.narrow(1, 0, r).copy_(A.t());
+    w.dst(la_).copy_(at_full.narrow(1, shape_.tp_rank * Rl, Rl));
+    w.dst(lb_).narrow(0, 0, r).copy_(B.t());
+    rank_[w.slot] = r;
+    return;
+  }
+  if (fs_ && mode_ == TpMode::kRow) B = GatherRanges(ToFloat(p.b) * p.scaling, 0, fs_out_);
   w.dst(la_).narrow(1, 0, r).copy_(A.t());
   w.dst(lb_).narrow(0, 0, r).copy_(B.t());
   rank_[w.slot] = r;
 }
 
 int64_t LoraLinear::DenseBytes(const LoraPair& p, int64_t elem) const {
+  if (fs_) {
+    const int64_t tp = shape_.tp_size;
+    if (mode_ == TpMode::kColumn) return elem * (p.a.numel() / tp + p.b.numel() / tp);
+    return elem * (p.a.numel() / in_full_ * shard_.in_local + p.b.numel() / tp);
+  }
   return elem *
          (p.a.numel() / in_full_ * shard_.in_local + p.b.numel() / out_full_ * shard_.out_local);
+}
+
+absl::Status LoraLinear::AddFullyShardedLora(const at::Tensor& x, at::Tensor& y,
+                                             const LoraBatch& lb) const {
+  // mid [T, R] = x·Aᵀ for every token with a slot: column-parallel ranks each fill their R / tp
+  // columns (A sharded along the rank), row-parallel ranks their partial sums over the input
+  // shard; the all-reduce completes it on every rank. Then each rank expands with its B.
+  const int64_t T = x.size(0), R = shape_.max_rank, tp = shape_.tp_size;
+  const bool column = mode_ == TpMode::kColumn;
+  at::Tensor x32 = x.to(at::kFloat);
+  at::Tensor mid = at::zeros({T, R}, x32.options());
+  std::vector<std::pair<at::Tensor, int32_t>> runs;  // (rows, slot)
+  int64_t begin = 0;
+  for (auto [end, slot] : lb.runs) {
+    at::Tensor rows =
+        at::from_blob(const_cast<int64_t*>(lb.rows.data()) + begin, {end - begin}, at::kLong)
+            .clone();
+    begin = end;
+    if (rank_[slot] == 0) continue;
+    at::Tensor part = at::matmul(x32.index_select(0, rows), la_[slot]);
+    if (column) {
+      mid.narrow(1, shape_.tp_rank * (R / tp), R / tp).index_copy_(0, rows, part);
+    } else {
+      mid.index_copy_(0, rows, part);
+    }
+    runs.push_back({rows, slot});
+  }
+  // Every rank calls the collective (the batch's slots are the same on all of them).
+  if (auto s = shape_.comm->AllReduceSum(mid.data_ptr<float>(), mid.numel()); !s.ok()) return s;
+  for (const auto& [rows, slot] : runs) {
+    at::Tensor d = at::matmul(mid.index_select(0, rows), lb_[slot]).to(y.scalar_type());
+    if (column) {
+      y.index_add_(0, rows, d);
+    } else {
+      at::Tensor cols = GatherRanges(y, 1, fs_out_);  // a view: one range
+      cols.index_add_(0, rows, d);
+    }
+  }
+  return absl::OkStatus();
 }
 
 void LoraLinear::Reset(int slot) {

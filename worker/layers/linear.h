@@ -28,7 +28,14 @@ struct SlotShape {
   LoraKernels kernels = LoraKernels::kCpuSgmv;
   int tp_rank = 0;
   int tp_size = 1;
-  static SlotShape For(const ModelOptions& o, const at::Device& device);
+  // --fully-sharded-loras (vLLM's meaning): column-parallel layers also shard lora_A (along the
+  // rank dim: a rank holds R/tp of its columns, the rank-sized intermediate is all-gathered),
+  // row-parallel ones lora_B (along the output dim: each rank adds its columns of the LoRA
+  // output; the layer's all-reduce completes it). One extra collective per LoRA layer per step.
+  bool fully_sharded = false;
+  Communicator* comm = nullptr;  // for the extra collective
+  static SlotShape For(const ModelOptions& o, const at::Device& device,
+                       Communicator* comm = nullptr);
 };
 
 class LoraLinear final : public LoraModule {
@@ -61,9 +68,16 @@ class LoraLinear final : public LoraModule {
   int64_t in_full_ = 0, out_full_ = 0;
   LoraShard shard_;
   SlotShape shape_;
-  mutable at::Tensor la_, lb_;  // [S, in_local, R], [S, R, out_local]
-  std::vector<int32_t> rank_;   // [S]
-  at::Tensor rank_t_;           // kernel paths: [S] int32 on the device
+  // The CPU path of --fully-sharded-loras: ATen GEMMs per slot run around the collective.
+  absl::Status AddFullyShardedLora(const at::Tensor& x, at::Tensor& y, const LoraBatch& lb) const;
+
+  bool fs_ = false;                 // fully sharded (and tp > 1)
+  std::vector<IndexRange> fs_out_;  // row-parallel FS: this rank's output columns
+  // [S, in_local, R] (fully sharded column-parallel: R / tp), [S, R, out_local] (fully sharded
+  // row-parallel: out_full / tp)
+  mutable at::Tensor la_, lb_;
+  std::vector<int32_t> rank_;  // [S]
+  at::Tensor rank_t_;          // kernel paths: [S] int32 on the device
 };
 
 }  // namespace moelora

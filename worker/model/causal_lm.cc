@@ -227,6 +227,17 @@ absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const Mod
     return bad("num_key_value_heads ", c.info.num_key_value_heads,
                " and num_attention_heads must divide by --tensor-parallel-size ", tp);
   }
+  if (o.fully_sharded_loras) {
+    if (o.max_lora_rank % tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--fully-sharded-loras: --max-lora-rank ", o.max_lora_rank,
+          " must divide by --tensor-parallel-size ", tp, " (each rank holds R / tp of lora_A)"));
+    }
+    if (o.kernels != LoraKernels::kCpuSgmv) {
+      return absl::FailedPreconditionError(
+          "--fully-sharded-loras runs on the CPU path only for now (--device cpu)");
+    }
+  }
   if (o.expert_parallel) {
     if (c.info.num_experts % tp != 0) {
       return bad("num_experts ", c.info.num_experts, " must divide by --tensor-parallel-size ", tp,

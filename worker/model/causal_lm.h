@@ -50,6 +50,9 @@ struct ModelOptions {
   bool mixed_moe_lora_format = false;  // every MoE layer uses the 2D wrapper
   // Expert parallelism: rank r holds experts [r·E/tp, (r+1)·E/tp) whole, and their LoRA only.
   bool expert_parallel = false;
+  // --fully-sharded-loras: dense LoRA layers shard lora_A (column-parallel) / lora_B
+  // (row-parallel) too, with one more collective each (worker/layers/linear.h).
+  bool fully_sharded_loras = false;
 };
 
 // One layer's part of a sequence's state on this rank: a KV cache (attention layers) or a

@@ -170,7 +170,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   m->final_norm_ = P.at("model.norm.weight");
   m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
   m->rope_ = Rotary(c.rope, dev);
-  const SlotShape shape = SlotShape::For(o, dev);
+  const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
                 hkv = c.info.num_key_value_heads, Is = c.shared_expert_intermediate_size;
   const int64_t kd = int64_t{lin.num_key_heads} * lin.key_head_dim,

@@ -126,7 +126,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
   m->final_norm_ = P.at("model.norm.weight");
   m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
   m->rope_ = Rotary(c.rope, dev);
-  const SlotShape shape = SlotShape::For(o, dev);
+  const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     Layer L;
