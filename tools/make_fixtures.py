@@ -306,6 +306,62 @@ def gpt_oss(out):
                 os.remove(os.path.join(dirpath, "README.md"))  # PEFT's generated model card
 
 
+def gpt_oss_lm(out):
+    """gpt_oss_lm/: a tiny GptOssForCausalLM with weights (bf16-release layout: fused, transposed,
+    interleaved gate/up experts with biases), sinks, attention biases, alternating sliding (4)
+    and full layers, YaRN with truncate false; a PEFT 3D adapter on the experts and q/k/v/o;
+    expected logits (eager) for base and the adapter. Sinks, biases and norms are randomised."""
+    root = os.path.join(out, "gpt_oss_lm")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir = os.path.join(root, "model")
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=E,
+                       num_experts_per_tok=2, max_position_embeddings=128, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "original_max_position_embeddings": 4096, "truncate": False},
+                       **EAGER)
+    cfg.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(77)
+    model = GptOssForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(78)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks") or "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.2)
+            elif "experts" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, H, 2 * I)
+    os.makedirs(mdir)
+    cfg.save_pretrained(mdir)
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    load = lambda: GptOssForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    prompts = VARIANT_PROMPTS  # the 12-token one is longer than the window
+    base = load()
+    for p in prompts:
+        assert (logits_of(model, p) - logits_of(base, p)).abs().max().item() < 1e-6
+    torch.manual_seed(79)
+    lc = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                    init_lora_weights=False)
+    pm = get_peft_model(load(), lc)
+    pm.save_pretrained(os.path.join(root, "adapter_3d"))
+    readme = os.path.join(root, "adapter_3d", "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+    peft = peft_load(GptOssForCausalLM, mdir, os.path.join(root, "adapter_3d"))
+    res = {f"prompt.{k}": torch.tensor(p, dtype=torch.int32) for k, p in enumerate(prompts)}
+    for k, p in enumerate(prompts):
+        res[f"logits.base.{k}"] = logits_of(base, p)
+        res[f"logits.adapter_3d.{k}"] = logits_of(peft, p)
+        assert (res[f"logits.adapter_3d.{k}"] - res[f"logits.base.{k}"]).abs().max().item() > 1e-3
+    save_file(res, os.path.join(root, "expected_logits.safetensors"))
+
+
 # Config variants of the Qwen3-MoE fixture (same weights) for settings that change the math:
 # RoPE scaling types and the sliding window. Longer prompts so that the window and the scaled
 # frequencies matter.
@@ -525,7 +581,7 @@ def qwen3_5_moe(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe"], default="all",
+    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe", "gpt_oss_lm"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -536,6 +592,9 @@ def main():
     if args.only == "qwen3_5_moe":
         qwen3_5_moe(args.out)
         return
+    if args.only == "gpt_oss_lm":
+        gpt_oss_lm(args.out)
+        return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
     torch.set_default_dtype(torch.float32)
@@ -544,6 +603,7 @@ def main():
     qwen3_vl_moe(args.out)
     qwen3_5_moe(args.out)
     gpt_oss(args.out)
+    gpt_oss_lm(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
                    "peft": peft.__version__, "numpy": np.__version__,

@@ -168,10 +168,13 @@ absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
       if (IsBenignConfigKey(key)) continue;
       if (std::find(implemented.begin(), implemented.end(), key) != implemented.end()) continue;
       if (key == "quantization_config") {
+        const bool mxfp4 =
+            value.is_object() && value.contains("quant_method") && value["quant_method"] == "mxfp4";
         return absl::FailedPreconditionError(
-            absl::StrCat(file, ": ", where,
-                         "quantization_config: quantized checkpoints are not served; use "
-                         "the bf16 or f32 release"));
+            absl::StrCat(file, ": ", where, "quantization_config: ",
+                         mxfp4 ? "MXFP4 checkpoints (GPT-OSS's release format) are"
+                               : "quantized checkpoints are",
+                         " not served; use the bf16 or f32 weights"));
       }
       return absl::FailedPreconditionError(
           absl::StrCat(file, ": ", where, key, " = ", value.dump(), " is not implemented by the ",
@@ -247,6 +250,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   integer("linear_num_key_heads", &c.linear.num_key_heads);
   integer("linear_num_value_heads", &c.linear.num_value_heads);
   integer("shared_expert_intermediate_size", &c.shared_expert_intermediate_size);
+  num("swiglu_alpha", &c.swiglu_alpha);
+  num("swiglu_limit", &c.swiglu_limit);
+  if (c.num_experts_per_tok == 0) integer("experts_per_token", &c.num_experts_per_tok);
   if (integer("full_attention_interval", &c.full_attention_interval) &&
       c.full_attention_interval < 1) {
     return bad("full_attention_interval must be >= 1");
@@ -260,6 +266,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   // Sliding window: transformers' Qwen3-MoE applies `sliding_window` to every layer when
   // use_sliding_window is true; configs with layer_types name the sliding layers instead.
+  integer("sliding_window", &c.sliding_window_value);
   bool use_sw = t.contains("use_sliding_window") && t["use_sliding_window"].is_boolean() &&
                 t["use_sliding_window"].get<bool>();
   bool any_sliding_type = false;

@@ -34,6 +34,9 @@ struct ModelConfig {
   // without layer_types, as transformers' Qwen3-MoE does).
   int sliding_window = 0;
   std::vector<bool> sliding_layers;
+  // config.json's sliding_window whether or not the config turns the window on (GPT-OSS's
+  // default layer_types use it); 0 when absent or null.
+  int sliding_window_value = 0;
   std::string hidden_act = "silu";
   bool attention_bias = false;
   // Qwen3.5 Gated DeltaNet layers (linear_attention) and the shared expert.
@@ -44,6 +47,7 @@ struct ModelConfig {
   } linear;
   int shared_expert_intermediate_size = 0;
   int full_attention_interval = 4;  // Qwen3.5 without layer_types: every N-th layer is full
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;  // GPT-OSS's clamped SwiGLU
 };
 
 // Keys of a config.json (and of its text_config) that never change the forward pass: ids,

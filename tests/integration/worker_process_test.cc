@@ -127,6 +127,9 @@ INSTANTIATE_TEST_SUITE_P(
         // and conv sections sharded.
         Case{"qwen3_5_moe", false, {"adapter_3d"}},
         Case{"qwen3_5_moe", true, {"adapter_2d", "adapter_3d"}},
+        // GPT-OSS: sinks and biases sharded by head, the down bias added once.
+        Case{"gpt_oss_lm", false, {"adapter_3d"}},
+        Case{"gpt_oss_lm", true, {"adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
         // The upstream mixed 2D/3D test at TP=2 with expert parallelism and
         // with fully sharded LoRAs, in both orders.
         Case{

@@ -13,6 +13,7 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps, NormKin
   at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
   xf = xf * at::rsqrt(var + eps);
   if (kind == NormKind::kZeroCentred) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
+  if (kind == NormKind::kPlainF32Weight) return (w.to(at::kFloat) * xf).to(x.scalar_type());
   return w * xf.to(x.scalar_type());
 }
 
@@ -56,14 +57,16 @@ at::Tensor Rotary::Apply(const at::Tensor& x, const Table& t) const {
 
 Attention::Attention(const AttentionSpec& spec, std::unique_ptr<LoraLinear> q,
                      std::unique_ptr<LoraLinear> k, std::unique_ptr<LoraLinear> v,
-                     std::unique_ptr<LoraLinear> o, at::Tensor q_norm, at::Tensor k_norm)
+                     std::unique_ptr<LoraLinear> o, at::Tensor q_norm, at::Tensor k_norm,
+                     at::Tensor sinks)
     : spec_(spec),
       q_(std::move(q)),
       k_(std::move(k)),
       v_(std::move(v)),
       o_(std::move(o)),
       q_norm_(std::move(q_norm)),
-      k_norm_(std::move(k_norm)) {}
+      k_norm_(std::move(k_norm)),
+      sinks_(std::move(sinks)) {}
 
 absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const ForwardBatch& b, int layer,
                                               const Rotary& rope, const Rotary::Table& table,
@@ -127,7 +130,18 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
       if (W > 0) masked = masked.logical_or(kpos <= qpos - W);
       scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
     }
-    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(h.scalar_type());
+    at::Tensor probs;
+    if (sinks_.defined()) {
+      // The sink joins the denominator as one more column, then is dropped (transformers: the
+      // row max is subtracted first; softmax does that anyway).
+      const int64_t keys = scores.size(2);
+      at::Tensor sink = sinks_.to(scores.scalar_type()).view({hq, 1, 1}).expand({hq, n, 1});
+      probs = at::softmax(at::cat({scores, sink}, -1), -1, scores.scalar_type())
+                  .narrow(-1, 0, keys)
+                  .to(h.scalar_type());
+    } else {
+      probs = at::softmax(scores, -1, at::kFloat).to(h.scalar_type());
+    }
     at::Tensor o = at::matmul(probs, Vv);  // [hq, n, d]
     attn.narrow(0, seq.begin, n).copy_(o.permute({1, 0, 2}).reshape({n, hq * d}));
   }

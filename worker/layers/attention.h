@@ -29,12 +29,15 @@ struct AttentionSpec {
   bool output_gate = false;
 };
 
+// GPT-OSS's attention sinks: a learned logit per head that joins each softmax's denominator
+// (and has no value).
+
 class Attention {
  public:
-  // q_norm / k_norm may be undefined (no q/k norm).
+  // q_norm / k_norm may be undefined (no q/k norm); sinks ([heads] on this rank) too.
   Attention(const AttentionSpec& spec, std::unique_ptr<LoraLinear> q, std::unique_ptr<LoraLinear> k,
             std::unique_ptr<LoraLinear> v, std::unique_ptr<LoraLinear> o, at::Tensor q_norm,
-            at::Tensor k_norm);
+            at::Tensor k_norm, at::Tensor sinks = at::Tensor());
 
   // h [T, H] (normalised); appends the new tokens' K/V to state.layers[layer] of each sequence.
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b, int layer,
@@ -48,7 +51,7 @@ class Attention {
  private:
   AttentionSpec spec_;
   std::unique_ptr<LoraLinear> q_, k_, v_, o_;
-  at::Tensor q_norm_, k_norm_;
+  at::Tensor q_norm_, k_norm_, sinks_;
 };
 
 }  // namespace moelora

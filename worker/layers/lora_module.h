@@ -24,6 +24,8 @@ struct SlotWrite {
   int tp_rank = 0;
   int tp_size = 1;
   SlotDst dst;
+  bool interleaved_gate_up =
+      false;  // the adapter's 3D gate_up B rows are g0, u0, g1, ... (GPT-OSS)
 };
 
 class LoraModule {

@@ -93,7 +93,11 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       at::Tensor A = ToFloat(p.a).view({Et, r, -1});
       at::Tensor B = (ToFloat(p.b) * p.scaling).view({2 * I, r, Et});
       for (int64_t e = 0; e < E; ++e) {
-        at::Tensor Bl = GatherRanges(B.select(2, e0 + e), 0, gu);  // [2 I_p, r]
+        at::Tensor Be = B.select(2, e0 + e);  // [2I, r]
+        if (w.interleaved_gate_up) {
+          Be = at::cat({Be.slice(0, 0, 2 * I, 2), Be.slice(0, 1, 2 * I, 2)}, 0);  // [gate ; up]
+        }
+        at::Tensor Bl = GatherRanges(Be, 0, gu);  // [2 I_p, r]
         w.dst(ea_[kW1])[e].narrow(1, 0, r).copy_(A[e0 + e].t());
         w.dst(eb_[kW1])[e].narrow(0, 0, r).copy_(Bl.t());
         erank_[kW1][slot * E + e] = r;
@@ -245,7 +249,22 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
   } else {
     AddLora(xs, h13, 0, 2 * Ip, nullptr, R, lora_segments(kW1, H, 2 * Ip));
   }
-  at::Tensor act = (at::silu(h13.narrow(1, 0, Ip)) * h13.narrow(1, Ip, Ip)).contiguous();
+  // Each sorted row's (local) expert, for the biases.
+  at::Tensor row_expert;
+  if (w13_bias_.defined() || (w2_bias_.defined() && add_w2_bias_)) {
+    std::vector<int64_t> re(N);
+    for (int64_t i = 0; i < N; ++i) re[i] = ip[order[i]];
+    row_expert = at::from_blob(re.data(), {N}, at::kLong).clone();
+  }
+  if (w13_bias_.defined()) h13.add_(w13_bias_.index_select(0, row_expert));
+  at::Tensor act;
+  if (act_.kind == ExpertActivation::Kind::kClampedSwiGlu) {
+    at::Tensor g = h13.narrow(1, 0, Ip).clamp_max(act_.limit);
+    at::Tensor u = h13.narrow(1, Ip, Ip).clamp(-act_.limit, act_.limit);
+    act = ((u + 1) * (g * at::sigmoid(g * act_.alpha))).contiguous();
+  } else {
+    act = (at::silu(h13.narrow(1, 0, Ip)) * h13.narrow(1, Ip, Ip)).contiguous();
+  }
   at::Tensor ys = at::empty({N, H}, h.options());
   for (size_t r = 0; r < expert_runs.size(); ++r) {
     auto [i, j] = expert_runs[r];
@@ -253,6 +272,9 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     at::mm_out(dst, act.narrow(0, i, j - i), w2_[run_expert[r]].t());
   }
   AddLora(act, ys, 0, H, nullptr, R, lora_segments(kW2, Ip, H));
+  if (w2_bias_.defined() && add_w2_bias_) {
+    ys.add_(w2_bias_.narrow(0, e0_, E).index_select(0, row_expert));
+  }
   ys.mul_(ws.unsqueeze(1));
   at::Tensor out = at::zeros({T, H}, h.options());
   out.index_add_(0, token_t, ys);
@@ -310,8 +332,10 @@ absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const a
 }
 
 MoeBlock::MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk_prob,
-                   std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared)
+                   std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared,
+                   at::Tensor router_bias)
     : router_(std::move(router)),
+      router_bias_(std::move(router_bias)),
       kind_(kind),
       top_k_(top_k),
       norm_topk_prob_(norm_topk_prob),
@@ -320,12 +344,19 @@ MoeBlock::MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk
 
 absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatch& lb) const {
   at::Tensor logits = at::matmul(h, router_.t());
+  if (router_bias_.defined()) logits = logits + router_bias_;
   at::Tensor wts, idx;
   switch (kind_) {
     case RouterKind::kSoftmaxTopK: {
       at::Tensor probs = at::softmax(logits, 1, at::kFloat);
       std::tie(wts, idx) = at::topk(probs, top_k_, -1);
       if (norm_topk_prob_) wts = wts / wts.sum(-1, true);
+      break;
+    }
+    case RouterKind::kTopKSoftmax: {
+      at::Tensor top;
+      std::tie(top, idx) = at::topk(logits, top_k_, -1);
+      wts = at::softmax(top, -1, top.scalar_type()).to(at::kFloat);
       break;
     }
   }

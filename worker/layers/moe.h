@@ -23,6 +23,15 @@
 
 namespace moelora {
 
+// The experts' activation of [gate ; up].
+struct ExpertActivation {
+  enum class Kind {
+    kSwiGlu,        // silu(g) · u
+    kClampedSwiGlu  // GPT-OSS: g ≤ limit, |u| ≤ limit, (u + 1) · g · sigmoid(alpha · g)
+  } kind = Kind::kSwiGlu;
+  double alpha = 1.702, limit = 7.0;
+};
+
 class MoeExperts final : public LoraModule {
  public:
   // `wrapper`: the expert LoRA layout the slots take; `architecture` names the model in errors.
@@ -38,6 +47,15 @@ class MoeExperts final : public LoraModule {
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const at::Tensor& ids,
                                      const at::Tensor& weights, const LoraBatch& lb) const;
   int64_t num_experts() const { return E_total_; }
+  // Optional expert biases (GPT-OSS): w13 [E_local, 2·I_p] ([gate ; up] rows, this rank's part)
+  // and w2 [E_total, H] (added once over the ranks: by rank 0, or by the expert's rank with
+  // expert parallelism). The CPU path only: the fused kernel has neither.
+  void SetBiases(at::Tensor w13_bias, at::Tensor w2_bias, bool add_w2_bias) {
+    w13_bias_ = std::move(w13_bias);
+    w2_bias_ = std::move(w2_bias);
+    add_w2_bias_ = add_w2_bias;
+  }
+  void set_activation(const ExpertActivation& a) { act_ = a; }
   bool expert_parallel() const { return E_total_ != E_; }
 
   bool takes_experts() const override { return true; }
@@ -54,6 +72,9 @@ class MoeExperts final : public LoraModule {
                                           const at::Tensor& weights, const LoraBatch& lb) const;
 
   at::Tensor w13_, w2_;
+  at::Tensor w13_bias_, w2_bias_;
+  bool add_w2_bias_ = false;
+  ExpertActivation act_;
   int64_t E_ = 0, H_ = 0, I_ = 0, Ip_ = 0;  // E_: experts held here
   int64_t e0_ = 0, E_total_ = 0;            // the first one held, and all of them
   AdapterFormat wrapper_;
@@ -68,6 +89,7 @@ class MoeExperts final : public LoraModule {
 
 enum class RouterKind {
   kSoftmaxTopK,  // softmax over all experts (f32), top-k, renormalised when norm_topk_prob
+  kTopKSoftmax,  // GPT-OSS: logits (+ bias), top-k of the logits, softmax over those k
 };
 
 struct SharedExpert {
@@ -78,14 +100,15 @@ struct SharedExpert {
 class MoeBlock {
  public:
   MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk_prob,
-           std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared = nullptr);
+           std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared = nullptr,
+           at::Tensor router_bias = at::Tensor());
   // This rank's part of the block's output (the caller all-reduces).
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
   MoeExperts* experts() { return experts_.get(); }
   SharedExpert* shared() { return shared_.get(); }
 
  private:
-  at::Tensor router_;
+  at::Tensor router_, router_bias_;
   RouterKind kind_;
   int top_k_;
   bool norm_topk_prob_;

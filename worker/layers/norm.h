@@ -8,7 +8,8 @@
 
 namespace moelora {
 
-enum class NormKind { kPlain, kZeroCentred };
+// kPlainF32Weight (GPT-OSS): dtype(w · (x / rms(x))), the weight applied in f32 before the cast.
+enum class NormKind { kPlain, kZeroCentred, kPlainF32Weight };
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps,
                    NormKind kind = NormKind::kPlain);

@@ -154,6 +154,29 @@ NameMapping MapQwen35Moe(const std::string& ckpt, bool lw) {
   return Dense(n, lw);
 }
 
+NameMapping MapGptOss(const std::string& ckpt, bool lw) {
+  const std::string n = StripBaseLayer(ckpt);
+  static const std::regex re(R"(^(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?$)");
+  std::smatch m;
+  if (std::regex_match(n, m, re)) {
+    const bool gate_up = m[2].str() == "gate_up_proj", bias = m[3].matched;
+    if (!gate_up && bias) {
+      // down_proj_bias [E, H]: whole on every rank (added once: rank 0, or the expert's rank).
+      NameMapping d;
+      d.kind = NameMapping::kLoad;
+      d.target.param = m[1].str() + ".w2_bias";
+      return d;
+    }
+    NameMapping e = Expert(m[1].str(), -1, gate_up ? ExpertShard::kW13 : ExpertShard::kW2,
+                           /*transposed=*/!bias, lw);
+    e.target.interleaved = gate_up;
+    e.target.bias = bias;
+    if (bias) e.target.param = m[1].str() + ".w13_bias";
+    return e;
+  }
+  return Dense(n, lw);
+}
+
 NameMapping MapQwen35MoeMain(const std::string& ckpt, bool lw) {
   if (absl::StartsWith(ckpt, "mtp.")) {
     return Skip("MTP head (speculative decoding is not served)");

@@ -37,6 +37,10 @@ struct WeightTarget {
   int expert = -1;    // -1: the source stacks all experts on its dim 0
   ExpertShard shard = ExpertShard::kNone;
   bool transposed = false;  // source is [.., in, out] (x @ W): transpose the last two dims
+  // kW13 only: the source's 2I rows are interleaved g0, u0, g1, u1, ... (GPT-OSS).
+  bool interleaved = false;
+  // kW13 only: the source is the experts' gate_up bias [E, 2I] (param [E, 2I, 1]).
+  bool bias = false;
 };
 
 // What a table says about one checkpoint name.
@@ -56,6 +60,8 @@ NameMapping MapQwen35Moe(const std::string& ckpt_name, bool lora_wrapped);   // 
 // The main model's checkpoint: as MapQwen35Moe, with the MTP head's `mtp.*` skipped.
 NameMapping MapQwen35MoeMain(const std::string& ckpt_name, bool lora_wrapped);
 NameMapping MapStep3(const std::string& ckpt_name, bool lora_wrapped);  // stacked moe.*_proj
+// GPT-OSS bf16 checkpoints: fused, transposed experts with interleaved gate/up and biases.
+NameMapping MapGptOss(const std::string& ckpt_name, bool lora_wrapped);
 
 // Engine names of the two expert parameters of the MoE block at `experts_prefix`
 // (e.g. "model.layers.3.mlp.experts").

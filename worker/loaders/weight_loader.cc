@@ -13,7 +13,9 @@ namespace {
 
 std::string Shape(at::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
 
-bool IsW13(const std::string& p) { return absl::EndsWith(p, "w13_weight"); }
+bool IsW13(const std::string& p) {
+  return absl::EndsWith(p, "w13_weight") || absl::EndsWith(p, "w13_bias");
+}
 bool IsW2(const std::string& p) { return absl::EndsWith(p, "w2_weight"); }
 
 // A view of the checkpoint bytes as an ATen tensor (copied when the mapping is misaligned for
@@ -184,7 +186,7 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
     }
     const ExpertShard sh = m.target.shard;
     const int64_t want_out = sh == ExpertShard::kW2 ? H : (sh == ExpertShard::kW13 ? 2 * I : I);
-    const int64_t want_in = sh == ExpertShard::kW2 ? I : H;
+    const int64_t want_in = m.target.bias ? 1 : sh == ExpertShard::kW2 ? I : H;
     std::vector<int64_t> want;
     if (stacked) want.push_back(E);
     if (m.target.transposed) {
@@ -192,6 +194,7 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
     } else {
       want.push_back(want_out), want.push_back(want_in);
     }
+    if (m.target.bias) src = src.unsqueeze(-1);  // [E, 2I] -> [E, 2I, 1]
     if (src.sizes() != at::IntArrayRef(want)) {
       return absl::InvalidArgumentError(
           absl::StrCat(where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ",
@@ -223,7 +226,11 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
       for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(2 * e + which));
       return absl::OkStatus();
     };
-    if (sh == ExpertShard::kW13) {
+    if (sh == ExpertShard::kW13 && m.target.interleaved) {
+      // Rows g0, u0, g1, u1, ...: the even ones are gate, the odd ones up.
+      MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 0, 2 * I, 2), 0));
+      MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 1, 2 * I, 2), 1));
+    } else if (sh == ExpertShard::kW13) {
       MOELORA_RETURN_IF_ERROR(copy_half(s3.narrow(1, 0, I), 0));
       MOELORA_RETURN_IF_ERROR(copy_half(s3.narrow(1, I, I), 1));
     } else {

@@ -147,6 +147,7 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
   w.slot = slot;
   w.tp_rank = options_.tp_rank;
   w.tp_size = options_.tp_size;
+  w.interleaved_gate_up = a.interleaved_gate_up;
   w.dst = [&](at::Tensor& full) -> at::Tensor {
     if (!kernel_path()) return full[slot];
     auto it = staged.find(&full);

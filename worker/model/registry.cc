@@ -21,6 +21,8 @@ const std::vector<ArchTable>& Tables() {
        &Qwen35MoeConfigKeys()},
       // The MTP head's checkpoint keys are `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
       {"Qwen3_5MoeMTP", AdapterFormat::k3D, &MapQwen35Moe},
+      // GPT-OSS (bf16 checkpoints; 3D-native with interleaved gate/up). CPU path.
+      {"GptOssForCausalLM", AdapterFormat::k3D, &MapGptOss, &CreateGptOss, &GptOssConfigKeys()},
       {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3},
       {"Step3p5ForCausalLM", AdapterFormat::k2D, &MapStep3},
       // The Step3.5 MTP layers follow the backbone's (model.layers.{N+i}.moe.*_proj.weight).

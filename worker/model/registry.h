@@ -40,6 +40,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ct
 // config.json keys each model implements.
 const std::vector<std::string>& Qwen3MoeConfigKeys();
 const std::vector<std::string>& Qwen35MoeConfigKeys();
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx);
+const std::vector<std::string>& GptOssConfigKeys();
 
 }  // namespace moelora
 

@@ -1,0 +1,228 @@
+// GPT-OSS (MODELS.md §6): h += o(attn(norm(h))) with biases, sinks and sliding-window layers
+// from layer_types (YaRN RoPE); h += moe(norm(h)) with a biased top-k-then-softmax router and
+// experts with biases and the clamped SwiGLU of interleaved gate/up. bf16 (or f32) checkpoints;
+// MXFP4 ones are refused (CheckConfigKeys). The CPU path only for now: the fused GPU MoE kernel
+// has no expert biases or clamped activation. Only composes layers (worker/layers/).
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
+#include "worker/layers/attention.h"
+#include "worker/layers/moe.h"
+#include "worker/loaders/weight_loader.h"
+#include "worker/model/model_context.h"
+
+namespace moelora {
+
+namespace {
+
+std::vector<ParamSpec> GptOssSpecs(const ModelConfig& c, bool with_lm_head) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
+                I = c.info.moe_intermediate_size, d = c.info.head_dim,
+                hq = c.info.num_attention_heads, hkv = c.info.num_key_value_heads;
+  std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
+                              {"model.norm.weight", {H}, TpSplit::kReplicated}};
+  if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({a + "q_proj.base_layer.weight", {hq * d, H}, TpSplit::kRows});
+    s.push_back({a + "k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+    s.push_back({a + "v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+    s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
+    if (c.attention_bias) {
+      s.push_back({a + "q_proj.bias", {hq * d}, TpSplit::kRows});
+      s.push_back({a + "k_proj.bias", {hkv * d}, TpSplit::kRows});
+      s.push_back({a + "v_proj.bias", {hkv * d}, TpSplit::kRows});
+      s.push_back({a + "o_proj.bias", {H}, TpSplit::kReplicated});
+    }
+    s.push_back({a + "sinks", {hq}, TpSplit::kRows});
+    s.push_back({p + "mlp.router.weight", {E, H}, TpSplit::kReplicated});
+    s.push_back({p + "mlp.router.bias", {E}, TpSplit::kReplicated});
+    s.push_back({W13Name(p + "mlp.experts", true), {E, 2 * I, H}, TpSplit::kExperts});
+    s.push_back({W2Name(p + "mlp.experts", true), {E, H, I}, TpSplit::kExperts});
+    s.push_back({p + "mlp.experts.w13_bias", {E, 2 * I, 1}, TpSplit::kExperts});
+    s.push_back({p + "mlp.experts.w2_bias", {E, H}, TpSplit::kReplicated});
+  }
+  return s;
+}
+
+class GptOss final : public CausalLM {
+ public:
+  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+
+ private:
+  struct Layer {
+    at::Tensor in_norm, post_norm;
+    std::unique_ptr<Attention> attn;
+    std::unique_ptr<MoeBlock> moe;
+  };
+  at::Tensor embed_, final_norm_, lm_head_;
+  Rotary rope_;
+  std::vector<Layer> layers_;
+};
+
+absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx) {
+  ModelConfig c = ctx.config;
+  const ModelOptions& o = ctx.options;
+  const std::string cfg = ctx.dir + "/config.json";
+  auto refuse = [&](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat(cfg, ": ", parts...));
+  };
+  if (o.kernels != LoraKernels::kCpuSgmv) {
+    return absl::FailedPreconditionError(
+        "GptOssForCausalLM runs on the CPU path only for now (--device cpu): the fused GPU MoE "
+        "kernel has no expert biases or clamped SwiGLU");
+  }
+  if (c.layer_types.empty()) {
+    // transformers' default: even layers sliding, odd layers full.
+    for (int l = 0; l < c.info.num_layers; ++l) {
+      c.layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
+    }
+  }
+  c.sliding_window = c.sliding_window_value;
+  c.sliding_layers.assign(c.info.num_layers, false);
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    if (c.layer_types[l] == "sliding_attention") {
+      if (c.sliding_window <= 0) return refuse("sliding_attention layers need sliding_window");
+      c.sliding_layers[l] = true;
+    } else if (c.layer_types[l] != "full_attention") {
+      return refuse("layer_types[", l, "] \"", c.layer_types[l], "\" is not a GPT-OSS layer");
+    }
+  }
+  if (c.rope.partial_rotary_factor != 1.0) return refuse("partial_rotary_factor is not GPT-OSS's");
+  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
+  if (!has_lm_head && !c.tie_word_embeddings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
+  }
+  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
+  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
+                                                        GptOssSpecs(c, has_lm_head), lopt));
+  auto m = std::unique_ptr<GptOss>(new GptOss());
+  m->config_ = c;
+  m->options_ = o;
+  m->comm_ = ctx.comm;
+  m->native_ = ctx.arch->native_moe_format;
+  m->wrapper_ = o.mixed_moe_lora_format ? AdapterFormat::k2D : m->native_;
+  m->skipped_ = w.skipped;
+  m->num_layers_ = c.info.num_layers;
+  auto& P = w.params;
+  const at::Device dev = m->device();
+  MOELORA_RETURN_IF_ERROR(m->InitCommon());
+  m->embed_ = P.at("model.embed_tokens.weight");
+  m->final_norm_ = P.at("model.norm.weight");
+  m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
+  m->rope_ = Rotary(c.rope, dev);
+  const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
+  const int tp = o.tp_size;
+  const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
+                hkv = c.info.num_key_value_heads, E = c.info.num_experts;
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    Layer L;
+    L.in_norm = P.at(p + "input_layernorm.weight");
+    L.post_norm = P.at(p + "post_attention_layernorm.weight");
+    auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
+      const std::string path = a + name;
+      at::Tensor bias = c.attention_bias ? P.at(path + ".bias") : at::Tensor();
+      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), bias, mode, in, {out},
+                                shape);
+    };
+    MOELORA_ASSIGN_OR_RETURN(auto q, linear("q_proj", TpMode::kColumn, H, hq * d));
+    MOELORA_ASSIGN_OR_RETURN(auto k, linear("k_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto v, linear("v_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto out, linear("o_proj", TpMode::kRow, hq * d, H));
+    AttentionSpec as;
+    as.heads = hq / tp;
+    as.kv_heads = hkv / tp;
+    as.head_dim = d;
+    as.sliding_window = c.sliding_layers[l] ? c.sliding_window : 0;
+    L.attn = std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v),
+                                         std::move(out), at::Tensor(), at::Tensor(),
+                                         P.at(a + "sinks"));
+    const int64_t e0 = o.expert_parallel ? o.tp_rank * (E / tp) : 0;
+    auto experts = std::make_unique<MoeExperts>(
+        p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
+        P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
+        c.info.architecture, shape, e0, o.expert_parallel ? E : 0);
+    // The down bias is added once over the ranks: by rank 0 under plain TP (every rank holds
+    // part of every expert), by the expert's own rank under expert parallelism.
+    experts->SetBiases(P.at(p + "mlp.experts.w13_bias").squeeze(-1),
+                       P.at(p + "mlp.experts.w2_bias"), o.expert_parallel || o.tp_rank == 0);
+    ExpertActivation act;
+    act.kind = ExpertActivation::Kind::kClampedSwiGlu;
+    act.alpha = c.swiglu_alpha;
+    act.limit = c.swiglu_limit;
+    experts->set_activation(act);
+    L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.router.weight"), RouterKind::kTopKSoftmax,
+                                       c.num_experts_per_tok, false, std::move(experts), nullptr,
+                                       P.at(p + "mlp.router.bias"));
+    m->layers_.push_back(std::move(L));
+  }
+  for (Layer& L : m->layers_) {
+    for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
+    m->RegisterLora(L.moe->experts());
+  }
+  return std::unique_ptr<CausalLM>(std::move(m));
+}
+
+absl::StatusOr<at::Tensor> GptOss::Forward(const ForwardBatch& b) {
+  const int64_t T = static_cast<int64_t>(b.tokens.size());
+  if (T == 0 || b.slots.size() != b.tokens.size()) {
+    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
+  }
+  std::vector<int64_t> positions(T);
+  for (const auto& s : b.seqs) {
+    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.state->len + i;
+  }
+  const at::Device dev = device();
+  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  const Rotary::Table table = rope_.Compute(positions, options_.dtype);
+  at::Tensor x = embed_.index_select(0, tok);
+  const double eps = config_.rms_norm_eps;
+  const NormKind nk = NormKind::kPlainF32Weight;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(RmsNorm(x, L.in_norm, eps, nk), b,
+                                                           static_cast<int>(l), rope_, table, lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(a));
+    x = x + a;
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(RmsNorm(x, L.post_norm, eps, nk), lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(mo));
+    x = x + mo;
+  }
+  for (const auto& s : b.seqs) s.state->len += s.count;
+  std::vector<int64_t> rows;
+  for (const auto& s : b.seqs) {
+    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
+  }
+  at::Tensor sel = x.index_select(
+      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
+  sel = RmsNorm(sel, final_norm_, eps, nk);
+  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
+}
+
+}  // namespace
+
+const std::vector<std::string>& GptOssConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+      "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "experts_per_token",
+      "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+      "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias",
+      "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit",
+      // transformers' GptOssConfig carries it; the forward does not read it.
+      "initial_context_length", "hidden_act"};
+  return keys;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx) {
+  return GptOss::Create(ctx);
+}
+
+}  // namespace moelora
