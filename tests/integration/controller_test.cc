@@ -183,40 +183,61 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
 
 // Qwen3.5-MoE (the VL release's layout) through the public API at TP=2: a 2D and a 3D adapter
 // (converted in place) and the base model, concurrently; the first tokens are transformers'.
+// The upstream change's test through the public API with real processes, on Qwen3.5-MoE (the VL
+// release's layout) at TP=2: plain TP, expert parallelism, fully sharded LoRAs; a 2D and a 3D
+// adapter (converted in place) and the base model; the first tokens are transformers'; requests
+// run together (issued in both orders) give each request's tokens alone; equal across the modes.
 TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
-  ControllerProcess c(state_.path(), adapters_.root,
-                      {"--tensor-parallel-size", "2", "--enable-mixed-moe-lora-format"},
-                      "qwen3_5_moe/model_vl");
-  ASSERT_TRUE(c.started()) << c.Log();
-  ASSERT_TRUE(c.WaitServing()) << c.Log();
-  v1::Adapter a2d, a3d;
-  ASSERT_TRUE(c.Load("q2d", "q35_adapter_2d", &a2d).ok()) << c.Log();
-  ASSERT_TRUE(c.Load("q3d", "q35_adapter_3d", &a3d).ok()) << c.Log();
-  EXPECT_EQ(a2d.detected_format(), v1::FORMAT_2D);
-  EXPECT_EQ(a3d.detected_format(), v1::FORMAT_3D);
-  EXPECT_TRUE(a3d.converted_to_2d());
   auto ref = ReadExpected(Data("qwen3_5_moe/expected_logits.safetensors"));
   const std::vector<std::string> names = {"q2d", "q3d", ""};
   const std::vector<std::string> variants = {"adapter_2d", "adapter_3d", "base"};
-  std::vector<std::vector<int32_t>> alone(3), together(3);
-  for (size_t i = 0; i < names.size(); ++i) {
-    v1::GenerateResponse r;
-    ASSERT_TRUE(c.Generate(names[i], ref.prompts[i], 6, &r).ok());
-    alone[i] = Tokens(r);
-    EXPECT_EQ(alone[i][0], Argmax(ref.logits.at(variants[i])[i], ref.prompts[i].size() - 1, 96))
-        << variants[i];
-  }
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < names.size(); ++i) {
-    threads.emplace_back([&, i] {
+  std::vector<std::vector<int32_t>> first_mode;
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{}, std::vector<std::string>{"--enable-expert-parallel"},
+        std::vector<std::string>{"--fully-sharded-loras"}}) {
+    SCOPED_TRACE(extra.empty() ? "plain TP" : extra[0]);
+    TempDir state;
+    std::vector<std::string> flags = {"--tensor-parallel-size", "2",
+                                      "--enable-mixed-moe-lora-format"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    ControllerProcess c(state.path(), adapters_.root, flags, "qwen3_5_moe/model_vl");
+    ASSERT_TRUE(c.started()) << c.Log();
+    ASSERT_TRUE(c.WaitServing()) << c.Log();
+    v1::Adapter a2d, a3d;
+    ASSERT_TRUE(c.Load("q2d", "q35_adapter_2d", &a2d).ok()) << c.Log();
+    ASSERT_TRUE(c.Load("q3d", "q35_adapter_3d", &a3d).ok()) << c.Log();
+    EXPECT_EQ(a2d.detected_format(), v1::FORMAT_2D);
+    EXPECT_EQ(a3d.detected_format(), v1::FORMAT_3D);
+    EXPECT_TRUE(a3d.converted_to_2d());
+    std::vector<std::vector<int32_t>> alone(3);
+    for (size_t i = 0; i < names.size(); ++i) {
       v1::GenerateResponse r;
-      grpc::Status s = c.Generate(names[i], ref.prompts[i], 6, &r);
-      EXPECT_TRUE(s.ok()) << s.error_message();
-      together[i] = Tokens(r);
-    });
+      ASSERT_TRUE(c.Generate(names[i], ref.prompts[i], 6, &r).ok());
+      alone[i] = Tokens(r);
+      EXPECT_EQ(alone[i][0], Argmax(ref.logits.at(variants[i])[i], ref.prompts[i].size() - 1, 96))
+          << variants[i];
+    }
+    for (bool swapped : {false, true}) {
+      std::vector<std::vector<int32_t>> together(3);
+      std::vector<std::thread> threads;
+      for (size_t n = 0; n < names.size(); ++n) {
+        const size_t i = swapped ? names.size() - 1 - n : n;
+        threads.emplace_back([&, i] {
+          v1::GenerateResponse r;
+          grpc::Status s = c.Generate(names[i], ref.prompts[i], 6, &r);
+          EXPECT_TRUE(s.ok()) << s.error_message();
+          together[i] = Tokens(r);
+        });
+      }
+      for (auto& t : threads) t.join();
+      EXPECT_EQ(together, alone) << (swapped ? "swapped" : "in order");
+    }
+    if (first_mode.empty()) {
+      first_mode = alone;
+    } else {
+      EXPECT_EQ(alone, first_mode);
+    }
   }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(together, alone);
 }
 
 TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {

@@ -141,9 +141,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
     as.kv_heads = hkv / tp;
     as.head_dim = d;
     as.sliding_window = c.sliding_layers[l] ? c.sliding_window : 0;
-    L.attn = std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v),
-                                         std::move(out), at::Tensor(), at::Tensor(),
-                                         P.at(a + "sinks"));
+    L.attn =
+        std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
+                                    at::Tensor(), at::Tensor(), P.at(a + "sinks"));
     const int64_t e0 = o.expert_parallel ? o.tp_rank * (E / tp) : 0;
     auto experts = std::make_unique<MoeExperts>(
         p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
@@ -211,8 +211,8 @@ absl::StatusOr<at::Tensor> GptOss::Forward(const ForwardBatch& b) {
 
 const std::vector<std::string>& GptOssConfigKeys() {
   static const std::vector<std::string> keys = {
-      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-      "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "experts_per_token",
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+      "num_local_experts", "num_experts", "num_experts_per_tok", "experts_per_token",
       "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
       "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias",
       "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit",

@@ -9,8 +9,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/testing/status_matchers.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
 
 namespace moelora {
