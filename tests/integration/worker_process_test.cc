@@ -230,9 +230,9 @@ TEST(WorkerProcessTest, StartupFailuresExitNonZeroWithAReason) {
     EXPECT_THAT(g.process(0).Log(), HasSubstr("model directory does not exist"));
   }
   {
-    WorkerGroup g(Data("gpt_oss/model"), 1);  // config only
+    WorkerGroup g(Data("gpt_oss/model"), 1);  // a served architecture, config only: no weights
     EXPECT_EQ(g.process(0).WaitExit(std::chrono::seconds(30)), 1);
-    EXPECT_THAT(g.process(0).Log(), HasSubstr("GptOssForCausalLM"));
+    EXPECT_THAT(g.process(0).Log(), HasSubstr("gpt_oss/model: no *.safetensors weights"));
   }
   {
     WorkerGroup g(Data("qwen3_moe/model"), 1, {"--no-such-flag"});

@@ -124,12 +124,12 @@ TEST(NameTableTest, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_THAT(FindArchTable("LlamaForCausalLM").status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration")));
-  EXPECT_EQ(SupportedArchitectures().size(), 8u);
+  EXPECT_EQ(SupportedArchitectures().size(), 9u);
   // The forward passes served; the rest have name tables only.
-  EXPECT_THAT(
-      ServedArchitectures(),
-      ::testing::ElementsAre("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
-                             "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"));
+  EXPECT_THAT(ServedArchitectures(),
+              ::testing::ElementsAre("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
+                                     "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                                     "GptOssForCausalLM"));
 }
 
 // ---- Landing: a synthetic checkpoint per storage layout, loaded through the real loader ----
