@@ -64,7 +64,20 @@ std::vector<std::string> CausalLM::lora_modules() const {
   return out;
 }
 
-absl::Status CausalLM::InitCommon() {
+absl::Status CausalLM::Adopt(const ModelContext& ctx, const ModelConfig& c,
+                             std::vector<std::string> skipped,
+                             std::map<std::string, at::Tensor>& params) {
+  config_ = c;
+  options_ = ctx.options;
+  comm_ = ctx.comm;
+  native_ = ctx.arch->native_moe_format;
+  wrapper_ = options_.mixed_moe_lora_format ? AdapterFormat::k2D : native_;
+  skipped_ = std::move(skipped);
+  num_layers_ = c.info.num_layers;
+  if (kernel_path()) {
+    const at::Device dev = device();
+    for (auto& [name, t] : params) t = t.to(dev).contiguous();
+  }
   if (options_.kernels == LoraKernels::kCuda) {
     MOELORA_ASSIGN_OR_RETURN(uploader_, PinnedUploader::Create());
   }

@@ -30,6 +30,7 @@ namespace moelora {
 
 class PinnedUploader;  // kernels/device.h
 class LoraModule;      // worker/layers/lora_module.h
+struct ModelContext;   // worker/model/model_context.h
 
 // How LoRA (and, off the CPU path, the whole MoE block) is computed.
 enum class LoraKernels {
@@ -121,8 +122,11 @@ class CausalLM {
   void RegisterLora(LoraModule* m);
   // Sums `t` over the tensor-parallel group (in place; f32 on the wire).
   absl::Status AllReduce(at::Tensor& t);
-  // Fills what every model sets up after loading its weights: the uploader on kCuda.
-  absl::Status InitCommon();
+  // What every factory does once its weights are loaded: the shared fields from `ctx` and `c`
+  // (the config as the architecture completed it), the weights moved to the device on the
+  // kernel paths, the uploader on kCuda.
+  absl::Status Adopt(const ModelContext& ctx, const ModelConfig& c,
+                     std::vector<std::string> skipped, std::map<std::string, at::Tensor>& params);
 
   ModelConfig config_;
   ModelOptions options_;

@@ -10,6 +10,7 @@
 #include "worker/layers/moe.h"
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/model_context.h"
+#include "worker/models/decoder.h"
 
 namespace moelora {
 
@@ -27,10 +28,7 @@ std::vector<ParamSpec> GptOssSpecs(const ModelConfig& c, bool with_lm_head) {
     const std::string a = p + "self_attn.";
     s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
     s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
-    s.push_back({a + "q_proj.base_layer.weight", {hq * d, H}, TpSplit::kRows});
-    s.push_back({a + "k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
-    s.push_back({a + "v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
-    s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
+    AddAttentionSpecs(s, p, c, hq * d, /*qk_norm=*/false, /*lora_wrapped=*/true);
     if (c.attention_bias) {
       s.push_back({a + "q_proj.bias", {hq * d}, TpSplit::kRows});
       s.push_back({a + "k_proj.bias", {hkv * d}, TpSplit::kRows});
@@ -40,8 +38,7 @@ std::vector<ParamSpec> GptOssSpecs(const ModelConfig& c, bool with_lm_head) {
     s.push_back({a + "sinks", {hq}, TpSplit::kRows});
     s.push_back({p + "mlp.router.weight", {E, H}, TpSplit::kReplicated});
     s.push_back({p + "mlp.router.bias", {E}, TpSplit::kReplicated});
-    s.push_back({W13Name(p + "mlp.experts", true), {E, 2 * I, H}, TpSplit::kExperts});
-    s.push_back({W2Name(p + "mlp.experts", true), {E, H, I}, TpSplit::kExperts});
+    AddExpertSpecs(s, p, c, /*lora_wrapped=*/true);
     s.push_back({p + "mlp.experts.w13_bias", {E, 2 * I, 1}, TpSplit::kExperts});
     s.push_back({p + "mlp.experts.w2_bias", {E, H}, TpSplit::kReplicated});
   }
@@ -59,7 +56,7 @@ class GptOss final : public CausalLM {
     std::unique_ptr<Attention> attn;
     std::unique_ptr<MoeBlock> moe;
   };
-  at::Tensor embed_, final_norm_, lm_head_;
+  LmEnds ends_;
   Rotary rope_;
   std::vector<Layer> layers_;
 };
@@ -102,24 +99,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
   MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
                                                         GptOssSpecs(c, has_lm_head), lopt));
   auto m = std::unique_ptr<GptOss>(new GptOss());
-  m->config_ = c;
-  m->options_ = o;
-  m->comm_ = ctx.comm;
-  m->native_ = ctx.arch->native_moe_format;
-  m->wrapper_ = o.mixed_moe_lora_format ? AdapterFormat::k2D : m->native_;
-  m->skipped_ = w.skipped;
-  m->num_layers_ = c.info.num_layers;
   auto& P = w.params;
+  MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const at::Device dev = m->device();
-  MOELORA_RETURN_IF_ERROR(m->InitCommon());
-  m->embed_ = P.at("model.embed_tokens.weight");
-  m->final_norm_ = P.at("model.norm.weight");
-  m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
+  m->ends_ = LmEnds::From(P, has_lm_head);
   m->rope_ = Rotary(c.rope, dev);
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int tp = o.tp_size;
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
-                hkv = c.info.num_key_value_heads, E = c.info.num_experts;
+                hkv = c.info.num_key_value_heads;
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const std::string a = p + "self_attn.";
@@ -144,11 +132,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
     L.attn =
         std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
                                     at::Tensor(), at::Tensor(), P.at(a + "sinks"));
-    const int64_t e0 = o.expert_parallel ? o.tp_rank * (E / tp) : 0;
-    auto experts = std::make_unique<MoeExperts>(
-        p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
-        P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
-        c.info.architecture, shape, e0, o.expert_parallel ? E : 0);
+    auto experts = MakeExperts(p, P, c, o, m->wrapper_, shape);
     // The down bias is added once over the ranks: by rank 0 under plain TP (every rank holds
     // part of every expert), by the expert's own rank under expert parallelism.
     experts->SetBiases(P.at(p + "mlp.experts.w13_bias").squeeze(-1),
@@ -171,19 +155,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
 }
 
 absl::StatusOr<at::Tensor> GptOss::Forward(const ForwardBatch& b) {
-  const int64_t T = static_cast<int64_t>(b.tokens.size());
-  if (T == 0 || b.slots.size() != b.tokens.size()) {
-    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
-  }
-  std::vector<int64_t> positions(T);
-  for (const auto& s : b.seqs) {
-    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.state->len + i;
-  }
   const at::Device dev = device();
-  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  const Rotary::Table table = rope_.Compute(positions, options_.dtype);
-  at::Tensor x = embed_.index_select(0, tok);
+  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
+  at::Tensor x = ends_.embed.index_select(0, in.tokens);
   const double eps = config_.rms_norm_eps;
   const NormKind nk = NormKind::kPlainF32Weight;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -196,15 +172,7 @@ absl::StatusOr<at::Tensor> GptOss::Forward(const ForwardBatch& b) {
     MOELORA_RETURN_IF_ERROR(AllReduce(mo));
     x = x + mo;
   }
-  for (const auto& s : b.seqs) s.state->len += s.count;
-  std::vector<int64_t> rows;
-  for (const auto& s : b.seqs) {
-    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
-  }
-  at::Tensor sel = x.index_select(
-      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
-  sel = RmsNorm(sel, final_norm_, eps, nk);
-  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
+  return ends_.Finish(b, x, eps, nk);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "worker/layers/gated_delta_net.h"
 #include "worker/layers/moe.h"
 #include "worker/model/model_context.h"
+#include "worker/models/decoder.h"
 #include "worker/models/qwen3_moe.h"
 
 namespace moelora {
@@ -20,8 +21,7 @@ bool IsLinear(const ModelConfig& c, int l) { return c.layer_types[l] == "linear_
 
 std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
   const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
-                I = c.info.moe_intermediate_size, d = c.info.head_dim,
-                hq = c.info.num_attention_heads, hkv = c.info.num_key_value_heads,
+                d = c.info.head_dim, hq = c.info.num_attention_heads,
                 Is = c.shared_expert_intermediate_size;
   const int64_t kd = int64_t{c.linear.num_key_heads} * c.linear.key_head_dim,
                 vd = int64_t{c.linear.num_value_heads} * c.linear.value_head_dim,
@@ -46,16 +46,10 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
       s.push_back({a + "norm.weight", {c.linear.value_head_dim}, TpSplit::kReplicated});
       s.push_back({a + "out_proj.base_layer.weight", {H, vd}, TpSplit::kCols});
     } else {
-      s.push_back({p + "self_attn.q_proj.base_layer.weight", {2 * hq * d, H}, TpSplit::kRows});
-      s.push_back({p + "self_attn.k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
-      s.push_back({p + "self_attn.v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
-      s.push_back({p + "self_attn.o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
-      s.push_back({p + "self_attn.q_norm.weight", {d}, TpSplit::kReplicated});
-      s.push_back({p + "self_attn.k_norm.weight", {d}, TpSplit::kReplicated});
+      AddAttentionSpecs(s, p, c, 2 * hq * d, /*qk_norm=*/true, /*lora_wrapped=*/true);
     }
     s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
-    s.push_back({W13Name(p + "mlp.experts", true), {E, 2 * I, H}, TpSplit::kExperts});
-    s.push_back({W2Name(p + "mlp.experts", true), {E, H, I}, TpSplit::kExperts});
+    AddExpertSpecs(s, p, c, /*lora_wrapped=*/true);
     s.push_back({p + "mlp.shared_expert.gate_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
     s.push_back({p + "mlp.shared_expert.up_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
     s.push_back({p + "mlp.shared_expert.down_proj.base_layer.weight", {H, Is}, TpSplit::kCols});
@@ -76,7 +70,7 @@ class Qwen35Moe final : public CausalLM {
     std::unique_ptr<Attention> attn;     // full_attention layers
     std::unique_ptr<MoeBlock> moe;
   };
-  at::Tensor embed_, final_norm_, lm_head_;
+  LmEnds ends_;
   Rotary rope_;
   std::vector<Layer> layers_;
 };
@@ -153,22 +147,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
                                                         Qwen35Specs(c, has_lm_head), lopt));
   auto m = std::unique_ptr<Qwen35Moe>(new Qwen35Moe());
-  m->config_ = c;
-  m->options_ = o;
-  m->comm_ = ctx.comm;
-  m->native_ = ctx.arch->native_moe_format;
-  m->wrapper_ = o.mixed_moe_lora_format ? AdapterFormat::k2D : m->native_;
-  m->skipped_ = w.skipped;
-  m->num_layers_ = c.info.num_layers;
   auto& P = w.params;
+  MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const at::Device dev = m->device();
-  if (m->kernel_path()) {
-    for (auto& [name, t] : P) t = t.to(dev).contiguous();
-  }
-  MOELORA_RETURN_IF_ERROR(m->InitCommon());
-  m->embed_ = P.at("model.embed_tokens.weight");
-  m->final_norm_ = P.at("model.norm.weight");
-  m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
+  m->ends_ = LmEnds::From(P, has_lm_head);
   m->rope_ = Rotary(c.rope, dev);
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
@@ -226,11 +208,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     MOELORA_ASSIGN_OR_RETURN(shared->up, linear(se + "up_proj", TpMode::kColumn, H, {Is}));
     MOELORA_ASSIGN_OR_RETURN(shared->down, linear(se + "down_proj", TpMode::kRow, Is, {H}));
     shared->gate_weight = P.at(p + "mlp.shared_expert_gate.weight");
-    auto experts = std::make_unique<MoeExperts>(
-        p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
-        P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
-        c.info.architecture, shape, o.expert_parallel ? o.tp_rank * (c.info.num_experts / tp) : 0,
-        o.expert_parallel ? c.info.num_experts : 0);
+    auto experts = MakeExperts(p, P, c, o, m->wrapper_, shape);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, /*norm_topk_prob=*/true,
                                        std::move(experts), std::move(shared));
@@ -254,22 +232,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
 }
 
 absl::StatusOr<at::Tensor> Qwen35Moe::Forward(const ForwardBatch& b) {
-  const int64_t T = static_cast<int64_t>(b.tokens.size());
-  if (T == 0 || b.slots.size() != b.tokens.size()) {
-    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
-  }
-  if (options_.kernels == LoraKernels::kCuda) {
-    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
-  }
-  std::vector<int64_t> positions(T);
-  for (const auto& s : b.seqs) {
-    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.state->len + i;
-  }
   const at::Device dev = device();
-  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  const Rotary::Table table = rope_.Compute(positions, options_.dtype);
-  at::Tensor x = embed_.index_select(0, tok);
+  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
+  at::Tensor x = ends_.embed.index_select(0, in.tokens);
   const double eps = config_.rms_norm_eps;
   const NormKind zc = NormKind::kZeroCentred;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -285,15 +252,7 @@ absl::StatusOr<at::Tensor> Qwen35Moe::Forward(const ForwardBatch& b) {
     MOELORA_RETURN_IF_ERROR(AllReduce(mo));
     x = x + mo;
   }
-  for (const auto& s : b.seqs) s.state->len += s.count;
-  std::vector<int64_t> rows;
-  for (const auto& s : b.seqs) {
-    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
-  }
-  at::Tensor sel = x.index_select(
-      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
-  sel = RmsNorm(sel, final_norm_, eps, zc);
-  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
+  return ends_.Finish(b, x, eps, zc);
 }
 
 }  // namespace

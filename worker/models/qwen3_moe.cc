@@ -8,30 +8,23 @@
 #include "worker/layers/attention.h"
 #include "worker/layers/moe.h"
 #include "worker/model/model_context.h"
+#include "worker/models/decoder.h"
 
 namespace moelora {
 
 std::vector<ParamSpec> Qwen3MoeParamSpecs(const ModelConfig& c, bool lw, bool with_lm_head) {
-  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
-                I = c.info.moe_intermediate_size, d = c.info.head_dim,
-                hq = c.info.num_attention_heads, hkv = c.info.num_key_value_heads;
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts;
   std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
                               {"model.norm.weight", {H}, TpSplit::kReplicated}};
   if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
-  const std::string bl = lw ? "base_layer." : "";
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
     s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
-    s.push_back({p + "self_attn.q_proj." + bl + "weight", {hq * d, H}, TpSplit::kRows});
-    s.push_back({p + "self_attn.k_proj." + bl + "weight", {hkv * d, H}, TpSplit::kRows});
-    s.push_back({p + "self_attn.v_proj." + bl + "weight", {hkv * d, H}, TpSplit::kRows});
-    s.push_back({p + "self_attn.o_proj." + bl + "weight", {H, hq * d}, TpSplit::kCols});
-    s.push_back({p + "self_attn.q_norm.weight", {d}, TpSplit::kReplicated});
-    s.push_back({p + "self_attn.k_norm.weight", {d}, TpSplit::kReplicated});
+    AddAttentionSpecs(s, p, c, int64_t{c.info.num_attention_heads} * c.info.head_dim,
+                      /*qk_norm=*/true, lw);
     s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
-    s.push_back({W13Name(p + "mlp.experts", lw), {E, 2 * I, H}, TpSplit::kExperts});
-    s.push_back({W2Name(p + "mlp.experts", lw), {E, H, I}, TpSplit::kExperts});
+    AddExpertSpecs(s, p, c, lw);
   }
   return s;
 }
@@ -64,7 +57,7 @@ class Qwen3Moe final : public CausalLM {
     std::unique_ptr<Attention> attn;
     std::unique_ptr<MoeBlock> moe;
   };
-  at::Tensor embed_, final_norm_, lm_head_;
+  LmEnds ends_;
   Rotary rope_;
   std::vector<Layer> layers_;
 };
@@ -106,25 +99,13 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
       LoadedWeights w,
       LoadWeights(*ctx.checkpoint, *ctx.arch, c, Qwen3MoeParamSpecs(c, true, has_lm_head), lo));
   auto m = std::unique_ptr<Qwen3Moe>(new Qwen3Moe());
-  m->config_ = c;
-  m->options_ = o;
-  m->comm_ = ctx.comm;
-  m->native_ = ctx.arch->native_moe_format;
-  m->wrapper_ = o.mixed_moe_lora_format ? AdapterFormat::k2D : m->native_;
-  m->skipped_ = w.skipped;
-  m->num_layers_ = c.info.num_layers;
+  auto& P = w.params;
+  MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const int tp = o.tp_size;
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
                 hkv = c.info.num_key_value_heads;
-  auto& P = w.params;
   const at::Device dev = m->device();
-  if (m->kernel_path()) {
-    for (auto& [name, t] : P) t = t.to(dev).contiguous();
-  }
-  MOELORA_RETURN_IF_ERROR(m->InitCommon());
-  m->embed_ = P.at("model.embed_tokens.weight");
-  m->final_norm_ = P.at("model.norm.weight");
-  m->lm_head_ = has_lm_head ? P.at("lm_head.weight") : m->embed_;
+  m->ends_ = LmEnds::From(P, has_lm_head);
   m->rope_ = Rotary(c.rope, dev);
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   for (int l = 0; l < c.info.num_layers; ++l) {
@@ -151,11 +132,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     L.attn = std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v),
                                          std::move(out), P.at(p + "self_attn.q_norm.weight"),
                                          P.at(p + "self_attn.k_norm.weight"));
-    auto experts = std::make_unique<MoeExperts>(
-        p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
-        P.at(W2Name(p + "mlp.experts", true)), c.info.moe_intermediate_size, m->wrapper_,
-        c.info.architecture, shape, o.expert_parallel ? o.tp_rank * (c.info.num_experts / tp) : 0,
-        o.expert_parallel ? c.info.num_experts : 0);
+    auto experts = MakeExperts(p, P, c, o, m->wrapper_, shape);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, c.norm_topk_prob, std::move(experts));
     m->layers_.push_back(std::move(L));
@@ -171,23 +148,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
 }
 
 absl::StatusOr<at::Tensor> Qwen3Moe::Forward(const ForwardBatch& b) {
-  const int64_t T = static_cast<int64_t>(b.tokens.size());
-  if (T == 0 || b.slots.size() != b.tokens.size()) {
-    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
-  }
-  // The raw kernel launches use this thread's current device.
-  if (options_.kernels == LoraKernels::kCuda) {
-    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
-  }
-  std::vector<int64_t> positions(T);
-  for (const auto& s : b.seqs) {
-    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = s.state->len + i;
-  }
   const at::Device dev = device();
-  at::Tensor tok = at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  const Rotary::Table table = rope_.Compute(positions, options_.dtype);
-  at::Tensor x = embed_.index_select(0, tok);
+  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
+  at::Tensor x = ends_.embed.index_select(0, in.tokens);
   const double eps = config_.rms_norm_eps;
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
@@ -199,15 +164,7 @@ absl::StatusOr<at::Tensor> Qwen3Moe::Forward(const ForwardBatch& b) {
     MOELORA_RETURN_IF_ERROR(AllReduce(mo));
     x = x + mo;
   }
-  for (const auto& s : b.seqs) s.state->len += s.count;
-  std::vector<int64_t> rows;
-  for (const auto& s : b.seqs) {
-    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
-  }
-  at::Tensor sel = x.index_select(
-      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
-  sel = RmsNorm(sel, final_norm_, eps);
-  return at::matmul(sel, lm_head_.t()).to(at::kFloat).to(at::kCPU).contiguous();
+  return ends_.Finish(b, x, eps, NormKind::kPlain);
 }
 
 }  // namespace

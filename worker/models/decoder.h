@@ -1,0 +1,59 @@
+// What the decoder models (worker/models/*.cc) share around their own layer stacks: the start
+// and end of a forward step, the embedding / final norm / LM head, and the parameter specs and
+// modules of the parts every architecture has (attention projections, routed experts).
+// Internal to worker/models. Includes ATen.
+#ifndef MOELORA_WORKER_MODELS_DECODER_H_
+#define MOELORA_WORKER_MODELS_DECODER_H_
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/layers/moe.h"
+#include "worker/layers/norm.h"
+#include "worker/loaders/weight_loader.h"
+#include "worker/model/causal_lm.h"
+
+namespace moelora {
+
+// The step's inputs: the batch checked, this thread's CUDA device set (the raw kernel launches
+// use it), each token's position (its sequence's length so far + its offset) and the token ids
+// on `device`.
+struct StepInputs {
+  std::vector<int64_t> positions;
+  at::Tensor tokens;
+};
+absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
+                                     const at::Device& device);
+
+// The embedding and the output end of a model.
+struct LmEnds {
+  at::Tensor embed, final_norm, lm_head;
+  // From the loaded parameters; lm_head is the embedding when the checkpoint ties them.
+  static LmEnds From(const std::map<std::string, at::Tensor>& params, bool has_lm_head);
+  // The step's end: every sequence's state advanced by its new tokens; the rows whose logits
+  // are asked for through the final norm and the LM head, f32 on the host.
+  at::Tensor Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind) const;
+};
+
+// Specs of a layer's attention projections (`<layer>self_attn.{q,k,v,o}_proj`, q with
+// `q_rows` rows) and, when `qk_norm`, its q/k norms.
+void AddAttentionSpecs(std::vector<ParamSpec>& s, const std::string& layer_prefix,
+                       const ModelConfig& c, int64_t q_rows, bool qk_norm, bool lora_wrapped);
+// Specs of a layer's routed experts (`<layer>mlp.experts` w13 / w2).
+void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& layer_prefix,
+                    const ModelConfig& c, bool lora_wrapped);
+// The routed experts of a layer as one LoRA module, with this rank's experts under expert
+// parallelism.
+std::unique_ptr<MoeExperts> MakeExperts(const std::string& layer_prefix,
+                                        const std::map<std::string, at::Tensor>& params,
+                                        const ModelConfig& c, const ModelOptions& o,
+                                        AdapterFormat wrapper, const SlotShape& shape);
+
+}  // namespace moelora
+
+#endif  // MOELORA_WORKER_MODELS_DECODER_H_
