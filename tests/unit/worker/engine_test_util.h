@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -135,6 +136,21 @@ inline std::vector<Generation> GenerateBatch(Engine& e, const std::vector<int64_
     }
   }
   return g;
+}
+
+// Same tokens and bit-identical logits, generation by generation.
+inline void ExpectBitIdentical(const std::vector<Generation>& a, const std::vector<Generation>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, b[i].tokens) << "sequence " << i;
+    ASSERT_EQ(a[i].logits.size(), b[i].logits.size());
+    for (size_t t = 0; t < a[i].logits.size(); ++t) {
+      ASSERT_EQ(a[i].logits[t].size(), b[i].logits[t].size());
+      EXPECT_EQ(0, std::memcmp(a[i].logits[t].data(), b[i].logits[t].data(),
+                               a[i].logits[t].size() * sizeof(float)))
+          << "sequence " << i << " token " << t;
+    }
+  }
 }
 
 }  // namespace moelora::testing

@@ -143,14 +143,7 @@ TEST(Qwen35Test, BaseRowsBitIdenticalWithAdaptersLoaded) {
   const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88}, {7, 2, 95}};
   auto a = GenerateBatch(*plain->engine, {0, 0}, prompts, 5);
   auto b = GenerateBatch(*loaded->engine, {0, 0}, prompts, 5);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EXPECT_EQ(a[i].tokens, b[i].tokens);
-    for (size_t t = 0; t < a[i].logits.size(); ++t) {
-      ASSERT_EQ(a[i].logits[t].size(), b[i].logits[t].size());
-      EXPECT_EQ(0, std::memcmp(a[i].logits[t].data(), b[i].logits[t].data(),
-                               a[i].logits[t].size() * sizeof(float)));
-    }
-  }
+  ::moelora::testing::ExpectBitIdentical(a, b);
 }
 
 TEST(Qwen35Test, WithoutMixedModeTheNativeLayoutIsRequired) {
