@@ -28,10 +28,15 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   if (hidden_size <= 0) return false;
   // The shared expert's projections share their last name with the routed experts' (which the
   // expert validation checks): only the full path tells them apart.
-  if (ends("shared_expert.gate_proj") || ends("shared_expert.up_proj")) {
+  if (ends("shared_expert.gate_proj") || ends("shared_expert.up_proj") ||
+      ends("share_expert.gate_proj") || ends("share_expert.up_proj") ||
+      ends("shared_experts.gate_proj") || ends("shared_experts.up_proj")) {
     return set(shared_expert_intermediate_size, hidden_size);
   }
-  if (ends("shared_expert.down_proj")) return set(hidden_size, shared_expert_intermediate_size);
+  if (ends("shared_expert.down_proj") || ends("share_expert.down_proj") ||
+      ends("shared_experts.down_proj")) {
+    return set(hidden_size, shared_expert_intermediate_size);
+  }
   const int key_dim = linear_num_key_heads * linear_key_head_dim;
   const int value_dim = linear_num_value_heads * linear_value_head_dim;
   if (ends("in_proj_qkv")) return set(2 * key_dim + value_dim, hidden_size);
@@ -39,6 +44,8 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   if (ends("in_proj_b") || ends("in_proj_a")) return set(linear_num_value_heads, hidden_size);
   if (ends("out_proj")) return set(hidden_size, value_dim);
   if (q <= 0) return false;
+  // The model checks the attention projections per layer when heads differ between layers.
+  if (per_layer_heads) return false;
   if (ends("q_proj")) return set(attn_output_gate ? 2 * q : q, hidden_size);
   if (ends("k_proj") || ends("v_proj")) return set(kv, hidden_size);
   if (ends("o_proj")) return set(hidden_size, q);
@@ -77,7 +84,8 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
   if (!get_int({"hidden_size"}, &info.hidden_size)) return bad("no hidden_size");
   get_int({"num_hidden_layers"}, &info.num_layers);
   get_int({"num_attention_heads"}, &info.num_attention_heads);
-  if (!get_int({"num_key_value_heads"}, &info.num_key_value_heads)) {
+  // Step3 and Step3.5 call the KV heads attention groups.
+  if (!get_int({"num_key_value_heads", "num_attention_groups"}, &info.num_key_value_heads)) {
     info.num_key_value_heads = info.num_attention_heads;
   }
   if (!get_int({"head_dim"}, &info.head_dim) && info.num_attention_heads > 0) {
@@ -100,7 +108,10 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
   get_int({"linear_num_value_heads"}, &info.linear_num_value_heads);
   get_int({"linear_key_head_dim"}, &info.linear_key_head_dim);
   get_int({"linear_value_head_dim"}, &info.linear_value_head_dim);
-  get_int({"shared_expert_intermediate_size"}, &info.shared_expert_intermediate_size);
+  get_int({"shared_expert_intermediate_size", "share_expert_dim"},
+          &info.shared_expert_intermediate_size);
+  // Step3.5's sliding layers have their own head count (attention_other_setting).
+  info.per_layer_heads = t.contains("attention_other_setting");
   return info;
 }
 

@@ -25,6 +25,8 @@ struct ModelInfo {
   int linear_num_key_heads = 0, linear_num_value_heads = 0;
   int linear_key_head_dim = 0, linear_value_head_dim = 0;
   int shared_expert_intermediate_size = 0;  // 0: no shared expert
+  // Step3.5: the query heads differ between layers (full / sliding): q/o dims are per layer.
+  bool per_layer_heads = false;
 
   // Expected [out, in] of a dense module by its path (`model.layers.3.self_attn.q_proj`, or
   // just its last components); false when the module's dims are not known here.

@@ -578,10 +578,216 @@ def qwen3_5_moe(out):
               os.path.join(root, "adapter_3d", "expected_deltas.safetensors"))
 
 
+# Tiny Step3.5 (Step3p5ForCausalLM, the Step-3.5-Flash hub layout), built through transformers'
+# Step3p7 text classes (MODELS.md §1, §5) from the hub config's legacy keys. One dense layer
+# (0), three MoE layers; full and sliding layers with different head counts, per-layer θ and
+# partial rotary, llama3 scaling on full layers; clamped SwiGLU on one routed-expert layer and
+# on the dense and one shared-expert MLP; one trailing MTP layer the main model must skip.
+S35_LAYERS = 4
+S35 = dict(
+    architectures=["Step3p5ForCausalLM"], model_type="step3p5", vocab_size=VOCAB, hidden_size=H,
+    num_hidden_layers=S35_LAYERS, num_nextn_predict_layers=1, head_dim=8, num_attention_heads=4,
+    num_attention_groups=2,
+    attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 6,
+                             "num_attention_groups": 2, "head_dim": 8},
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention",
+                 "sliding_attention"],
+    sliding_window=4, rope_theta=[500000.0, 10000.0, 10000.0, 500000.0, 10000.0],
+    partial_rotary_factors=[0.5, 1.0, 1.0, 0.5, 1.0],
+    rope_scaling={"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 16,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    yarn_only_types=["full_attention"], use_head_wise_attn_gate=True, att_impl_type="GQA",
+    moe_layers_enum="1,2,3", intermediate_size=16, moe_num_experts=E, moe_top_k=2,
+    moe_intermediate_size=I, share_expert_dim=12, moe_router_activation="sigmoid",
+    use_moe_router_bias=True, need_fp32_gate=True, norm_expert_weight=True,
+    moe_router_scaling_factor=3.0, swiglu_limits=[0.0, 0.0, 0.0, 0.5, 0.0],
+    swiglu_limits_shared=[0.6, 0.0, 0.0, 0.8, 0.0], rms_norm_eps=1e-5,
+    max_position_embeddings=256, tie_word_embeddings=False)
+S35_PROMPTS = VARIANT_PROMPTS  # the 12-token one is longer than the window (4)
+S35_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Step35LM(torch.nn.Module):
+    """Step3p7TextModel + an LM head: the causal LM transformers has no class for (§1)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+        self.config = cfg
+        self.model = Step3p7TextModel(cfg)
+        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, **kw):
+        h = self.model(input_ids=input_ids, **kw).last_hidden_state
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.lm_head(h))
+
+
+def s35_config():
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+    kw = {k: v for k, v in S35.items() if k not in ("architectures", "model_type")}
+    cfg = Step3p7TextConfig(**kw)
+    cfg._attn_implementation = "eager"
+    assert cfg.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"], cfg.mlp_layer_types
+    assert cfg.num_sliding_attention_heads == 6
+    assert cfg.rope_parameters["full_attention"]["rope_type"] == "llama3", cfg.rope_parameters
+    return cfg
+
+
+def s35_to_hub(sd):
+    """transformers' parameter names -> the hub checkpoint's (the reverse of transformers'
+    step3p7 conversion mapping): moe.gate / router_bias, stacked moe.{gate,up,down}_proj,
+    layer-level share_expert."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            p = k[:-len(".mlp.experts.gate_up_proj")]
+            out[p + ".moe.gate_proj.weight"] = v[:, :I].contiguous()
+            out[p + ".moe.up_proj.weight"] = v[:, I:].contiguous()
+        elif k.endswith(".mlp.experts.down_proj"):
+            out[k[:-len(".mlp.experts.down_proj")] + ".moe.down_proj.weight"] = v.contiguous()
+        elif k.endswith(".mlp.gate.weight"):
+            out[k.replace(".mlp.gate.weight", ".moe.gate.weight")] = v.contiguous()
+        elif k.endswith(".mlp.gate.e_score_correction_bias"):
+            out[k.replace(".mlp.gate.e_score_correction_bias", ".moe.router_bias")] = v.contiguous()
+        elif ".mlp.shared_experts." in k:
+            out[k.replace(".mlp.shared_experts.", ".share_expert.")] = v.contiguous()
+        else:
+            out[k] = v.contiguous()
+    return out
+
+
+def s35_merged_2d(model, adapter_dir):
+    """`model` (a Step35LM) with a hub-named 2D adapter merged by hand (W += s·B·A)."""
+    sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    cfg = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, a in sd.items():
+            if not k.endswith(".lora_A.weight"):
+                continue
+            b = sd[k.replace(".lora_A.", ".lora_B.")]
+            module = k[len("base_model.model."):-len(".lora_A.weight")]
+            delta = scaling * (b @ a)
+            if ".moe.experts." in module:
+                head, e, proj = module.rsplit(".", 2)
+                head = head.replace(".moe.experts", ".mlp.experts")
+                e = int(e)
+                if proj == "down_proj":
+                    params[head + ".down_proj"][e] += delta
+                else:
+                    off = 0 if proj == "gate_proj" else I
+                    params[head + ".gate_up_proj"][e, off:off + I] += delta
+            else:
+                params[module.replace(".share_expert.", ".mlp.shared_experts.") + ".weight"] += delta
+    return model
+
+
+def step3p5(out):
+    root = os.path.join(out, "step3p5")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir = os.path.join(root, "model")
+    cfg = s35_config()
+    torch.manual_seed(3535)
+    base = Step35LM(cfg).eval()
+    g = torch.Generator().manual_seed(3536)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)  # zero-centred: 1 + w
+            elif "experts" in name or name.endswith("g_proj.weight") or name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for name, b in base.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    sd = {k: v for k, v in base.state_dict().items() if "inv_freq" not in k}
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in sd, sorted(sd)[:10]
+    hub = s35_to_hub(sd)
+    # The MTP layer (index num_hidden_layers) the main model must skip.
+    hub["model.layers.4.eh_proj.weight"] = torch.randn(H, 2 * H, generator=g)
+    hub["model.layers.4.enorm.weight"] = torch.randn(H, generator=g)
+    hub["model.layers.4.self_attn.q_proj.weight"] = torch.randn(6 * 8, H, generator=g)
+    os.makedirs(mdir)
+    save_file(hub, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(S35, f, indent=2)
+    prompts = S35_PROMPTS
+    want = [logits_of(base, p) for p in prompts]
+    # The cached path agrees with the no-cache forward (decode steps past the window).
+    with torch.no_grad():
+        p = torch.tensor([prompts[0]])
+        o1 = base.model(input_ids=p[:, :7], use_cache=True)
+        o2 = base.model(input_ids=p[:, 7:12], cache=o1.cache, use_cache=True)
+        assert (base.lm_head(o2.last_hidden_state)[0] - want[0][7:]).abs().max() < 1e-5
+
+    def peft_of(seed):
+        torch.manual_seed(seed)
+        lc = LoraConfig(r=4, lora_alpha=8, target_modules=S35_LINEAR,
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                        init_lora_weights=False)
+        m = Step35LM(cfg).eval()
+        m.load_state_dict(base.state_dict())
+        return get_peft_model(m, lc).eval()
+
+    # 3D adapter by PEFT, in transformers' module names (mlp.experts, mlp.shared_experts).
+    pm = peft_of(35)
+    a3 = os.path.join(root, "adapter_3d")
+    pm.save_pretrained(a3)
+    readme = os.path.join(a3, "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+    sd3 = load_file(os.path.join(a3, "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in sd3, sorted(sd3)[:6]
+    assert "base_model.model.model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight" in sd3
+    # 2D adapter in the hub's module names (moe.experts.<e>, share_expert, g_proj, the dense MLP);
+    # its reference is the hand-merged model.
+    g2 = torch.Generator().manual_seed(36)
+    r2, sd2 = 3, {}
+    heads = lambda l: 4 if S35["layer_types"][l] == "full_attention" else 6
+    for layer in range(S35_LAYERS):
+        mods = {"self_attn.q_proj": (heads(layer) * 8, H), "self_attn.g_proj": (heads(layer), H),
+                "self_attn.o_proj": (H, heads(layer) * 8), "self_attn.v_proj": (16, H)}
+        if layer == 0:
+            mods.update({"mlp.gate_proj": (16, H), "mlp.down_proj": (H, 16)})
+        else:
+            mods.update({"share_expert.up_proj": (12, H), "share_expert.down_proj": (H, 12)})
+            for e in range(E):
+                for proj, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                    mods[f"moe.experts.{e}.{proj}"] = (o, i)
+        for mod, (o, i) in mods.items():
+            k = f"base_model.model.model.layers.{layer}.{mod}"
+            sd2[k + ".lora_A.weight"] = torch.randn(r2, i, generator=g2) * 0.3
+            sd2[k + ".lora_B.weight"] = torch.randn(o, r2, generator=g2) * 0.3
+    a2 = os.path.join(root, "adapter_2d")
+    os.makedirs(a2)
+    save_file(sd2, os.path.join(a2, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(a2, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r2, "lora_alpha": 6, "use_rslora": False, "bias": "none",
+                   "target_modules": ["q_proj", "v_proj", "o_proj", "g_proj", "gate_proj", "up_proj",
+                                      "down_proj"],
+                   "base_model_name_or_path": mdir, "task_type": "CAUSAL_LM", "lora_dropout": 0.0,
+                   "modules_to_save": None, "use_dora": False, "fan_in_fan_out": False}, f,
+                  indent=2, sort_keys=True)
+    m2 = Step35LM(cfg).eval()
+    m2.load_state_dict(base.state_dict())
+    variants = {"base": base, "adapter_3d": PeftModel.from_pretrained(
+        (lambda m: (m.load_state_dict(base.state_dict()), m)[1])(Step35LM(cfg).eval()), a3).eval(),
+        "adapter_2d": s35_merged_2d(m2, a2)}
+    res = {f"prompt.{k}": torch.tensor(p, dtype=torch.int32) for k, p in enumerate(prompts)}
+    for name, m in variants.items():
+        for k, p in enumerate(prompts):
+            res[f"logits.{name}.{k}"] = logits_of(m, p)
+    for k in range(len(prompts)):
+        assert (res[f"logits.base.{k}"] - want[k]).abs().max() == 0
+        assert (res[f"logits.adapter_3d.{k}"] - logits_of(pm, prompts[k])).abs().max() < 1e-6
+    for name in ("adapter_3d", "adapter_2d"):
+        assert (res[f"logits.{name}.0"] - res["logits.base.0"]).abs().max().item() > 1e-3, name
+    save_file(res, os.path.join(root, "expected_logits.safetensors"))
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe", "gpt_oss_lm"], default="all",
+    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe", "gpt_oss_lm", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -595,6 +801,9 @@ def main():
     if args.only == "gpt_oss_lm":
         gpt_oss_lm(args.out)
         return
+    if args.only == "step3p5":
+        step3p5(args.out)
+        return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
     torch.set_default_dtype(torch.float32)
@@ -604,6 +813,7 @@ def main():
     qwen3_5_moe(args.out)
     gpt_oss(args.out)
     gpt_oss_lm(args.out)
+    step3p5(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
                    "peft": peft.__version__, "numpy": np.__version__,

@@ -239,6 +239,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
       c.layer_types.push_back(lt.get<std::string>());
       if (c.layer_types.back() == "linear_attention") c.mixed_layer_types = true;
     }
+    // Step3.5 lists the MTP layers' types after the backbone's.
+    int mtp = 0;
+    integer("num_nextn_predict_layers", &mtp);
+    if (mtp > 0 && static_cast<int>(c.layer_types.size()) == c.info.num_layers + mtp) {
+      c.layer_types.resize(c.info.num_layers);
+    }
     if (static_cast<int>(c.layer_types.size()) != c.info.num_layers) {
       return bad("layer_types has ", c.layer_types.size(), " entries for ", c.info.num_layers,
                  " layers");
@@ -253,6 +259,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   num("swiglu_alpha", &c.swiglu_alpha);
   num("swiglu_limit", &c.swiglu_limit);
   if (c.num_experts_per_tok == 0) integer("experts_per_token", &c.num_experts_per_tok);
+  if (c.num_experts_per_tok == 0) integer("moe_top_k", &c.num_experts_per_tok);  // Step3.x
   if (integer("full_attention_interval", &c.full_attention_interval) &&
       c.full_attention_interval < 1) {
     return bad("full_attention_interval must be >= 1");

@@ -146,6 +146,10 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
     attn.narrow(0, seq.begin, n).copy_(o.permute({1, 0, 2}).reshape({n, hq * d}));
   }
   if (spec_.output_gate) attn = attn * at::sigmoid(gate);
+  if (g_) {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor hg, g_->Forward(h, lb));  // [T, hq]
+    attn = (attn.view({T, hq, d}) * at::sigmoid(hg).unsqueeze(-1)).view({T, hq * d});
+  }
   return o_->Forward(attn, lb);
 }
 

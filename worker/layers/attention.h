@@ -1,6 +1,7 @@
 // Causal self-attention with grouped KV heads over each sequence's KV cache: optional q/k norms
-// (before RoPE), an optional sliding window, and an optional per-head output gate (Qwen3.5:
-// q_proj emits [q_h ; gate_h] per head, and the output is attn · sigmoid(gate) before o_proj).
+// (before RoPE), an optional sliding window, and an optional output gate before o_proj: per
+// element (Qwen3.5: q_proj emits [q_h ; gate_h] per head, attn · sigmoid(gate)) or per head
+// (Step3.5: g_proj gives one scalar per head, head h's output · sigmoid(g_h)).
 // Projections are LoraLinear (q/k/v column-parallel, o row-parallel): the caller all-reduces
 // the output.
 #ifndef MOELORA_WORKER_LAYERS_ATTENTION_H_
@@ -47,10 +48,13 @@ class Attention {
   LoraLinear* k() { return k_.get(); }
   LoraLinear* v() { return v_.get(); }
   LoraLinear* o() { return o_.get(); }
+  // Step3.5's head-wise gate: g_proj, column-parallel like q ([heads on this rank] outputs).
+  void set_head_gate(std::unique_ptr<LoraLinear> g) { g_ = std::move(g); }
+  LoraLinear* g() { return g_.get(); }
 
  private:
   AttentionSpec spec_;
-  std::unique_ptr<LoraLinear> q_, k_, v_, o_;
+  std::unique_ptr<LoraLinear> q_, k_, v_, o_, g_;
   at::Tensor q_norm_, k_norm_, sinks_;
 };
 

@@ -262,6 +262,10 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     at::Tensor g = h13.narrow(1, 0, Ip).clamp_max(act_.limit);
     at::Tensor u = h13.narrow(1, Ip, Ip).clamp(-act_.limit, act_.limit);
     act = ((u + 1) * (g * at::sigmoid(g * act_.alpha))).contiguous();
+  } else if (act_.kind == ExpertActivation::Kind::kSwiGluStep) {
+    act = (at::silu(h13.narrow(1, 0, Ip)).clamp_max(act_.limit) *
+           h13.narrow(1, Ip, Ip).clamp(-act_.limit, act_.limit))
+              .contiguous();
   } else {
     act = (at::silu(h13.narrow(1, 0, Ip)) * h13.narrow(1, Ip, Ip)).contiguous();
   }
@@ -333,47 +337,68 @@ absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const a
 
 MoeBlock::MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk_prob,
                    std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared,
-                   at::Tensor router_bias)
+                   at::Tensor router_bias, double routed_scaling)
     : router_(std::move(router)),
       router_bias_(std::move(router_bias)),
       kind_(kind),
       top_k_(top_k),
+      routed_scaling_(routed_scaling),
       norm_topk_prob_(norm_topk_prob),
       experts_(std::move(experts)),
       shared_(std::move(shared)) {}
 
 absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatch& lb) const {
-  at::Tensor logits = at::matmul(h, router_.t());
-  if (router_bias_.defined()) logits = logits + router_bias_;
   at::Tensor wts, idx;
   switch (kind_) {
+    case RouterKind::kSigmoidBiasTopK: {
+      // In f32 (vLLM's need_fp32_gate; transformers computes the logits in the weight dtype,
+      // the same for f32 checkpoints).
+      at::Tensor s = at::sigmoid(at::matmul(h.to(at::kFloat), router_.to(at::kFloat).t()));
+      at::Tensor choice = router_bias_.defined() ? s + router_bias_.to(at::kFloat) : s;
+      idx = std::get<1>(at::topk(choice, top_k_, -1));
+      wts = s.gather(1, idx);
+      if (norm_topk_prob_) wts = wts / wts.sum(-1, true);
+      break;
+    }
     case RouterKind::kSoftmaxTopK: {
+      at::Tensor logits = at::matmul(h, router_.t());
       at::Tensor probs = at::softmax(logits, 1, at::kFloat);
       std::tie(wts, idx) = at::topk(probs, top_k_, -1);
       if (norm_topk_prob_) wts = wts / wts.sum(-1, true);
       break;
     }
     case RouterKind::kTopKSoftmax: {
+      at::Tensor logits = at::matmul(h, router_.t());
+      if (router_bias_.defined()) logits = logits + router_bias_;
       at::Tensor top;
       std::tie(top, idx) = at::topk(logits, top_k_, -1);
       wts = at::softmax(top, -1, top.scalar_type()).to(at::kFloat);
       break;
     }
   }
+  if (routed_scaling_ != 1.0) wts = wts * routed_scaling_;
   // The CPU path scales in the activation dtype (as transformers does); the fused kernel takes
   // f32 weights.
   if (!lb.kernel_path()) wts = wts.to(h.scalar_type());
   MOELORA_ASSIGN_OR_RETURN(at::Tensor out, experts_->Forward(h, idx, wts, lb));
   if (shared_) {
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor g, shared_->gate->Forward(h, lb));
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor u, shared_->up->Forward(h, lb));
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor s, shared_->down->Forward(at::silu(g) * u, lb));
-    if (shared_->gate_weight.defined()) {
-      s = s * at::sigmoid(at::matmul(h, shared_->gate_weight.t()));
-    }
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor s, shared_->Forward(h, lb));
     out = out + s;
   }
   return out;
+}
+
+absl::StatusOr<at::Tensor> SwiGluMlp::Forward(const at::Tensor& h, const LoraBatch& lb) const {
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor g, gate->Forward(h, lb));
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor u, up->Forward(h, lb));
+  at::Tensor a = at::silu(g);
+  if (limit > 0) {
+    a = a.clamp_max(limit);
+    u = u.clamp(-limit, limit);
+  }
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor s, down->Forward(a * u, lb));
+  if (gate_weight.defined()) s = s * at::sigmoid(at::matmul(h, gate_weight.t()));
+  return s;
 }
 
 }  // namespace moelora

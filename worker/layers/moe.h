@@ -1,5 +1,6 @@
 // The MoE block: a router, routed experts with batched multi-LoRA in either wrapper, and an
-// optional shared expert (with an optional sigmoid gate, Qwen3.5).
+// optional shared expert (with an optional sigmoid gate, Qwen3.5); and the SwiGLU MLP of LoRA
+// linears that is a shared expert or a dense layer's MLP.
 //
 // Experts (one LoraModule at `<layer>.mlp.experts`): this rank's shard of w13 [E, 2·I_p, H]
 // ([gate ; up] per expert) and w2 [E, H, I_p]. Expert LoRA goes through one of two wrappers
@@ -26,8 +27,9 @@ namespace moelora {
 // The experts' activation of [gate ; up].
 struct ExpertActivation {
   enum class Kind {
-    kSwiGlu,        // silu(g) · u
-    kClampedSwiGlu  // GPT-OSS: g ≤ limit, |u| ≤ limit, (u + 1) · g · sigmoid(alpha · g)
+    kSwiGlu,         // silu(g) · u
+    kClampedSwiGlu,  // GPT-OSS: g ≤ limit, |u| ≤ limit, (u + 1) · g · sigmoid(alpha · g)
+    kSwiGluStep      // Step3.5: min(silu(g), limit) · clamp(u, -limit, limit)
   } kind = Kind::kSwiGlu;
   double alpha = 1.702, limit = 7.0;
 };
@@ -90,18 +92,31 @@ class MoeExperts final : public LoraModule {
 enum class RouterKind {
   kSoftmaxTopK,  // softmax over all experts (f32), top-k, renormalised when norm_topk_prob
   kTopKSoftmax,  // GPT-OSS: logits (+ bias), top-k of the logits, softmax over those k
+  // Step3.5: s = sigmoid(f32 logits); the top-k of s + bias (the bias only selects); weights
+  // s of those, renormalised when norm_topk_prob.
+  kSigmoidBiasTopK,
 };
 
-struct SharedExpert {
-  std::unique_ptr<LoraLinear> gate, up, down;  // column, column, row
-  at::Tensor gate_weight;                      // [1, H] (sigmoid gate) or undefined
+// down(act(gate(x)) · up(x)) of LoRA linears (column, column, row): a shared expert or a dense
+// layer's MLP. `limit` > 0: Step3.5's clamp, min(silu(g), limit) · clamp(u, ±limit).
+// `gate_weight` [1, H]: Qwen3.5's sigmoid gate on the output. This rank's part (the caller
+// all-reduces).
+struct SwiGluMlp {
+  std::unique_ptr<LoraLinear> gate, up, down;
+  at::Tensor gate_weight;
+  double limit = 0;
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
 };
+using SharedExpert = SwiGluMlp;
 
 class MoeBlock {
  public:
+  // `router_bias`: added to the logits (kTopKSoftmax) or to the scores that select
+  // (kSigmoidBiasTopK). `routed_scaling`: the routed experts' output is multiplied by it
+  // (folded into the routing weights).
   MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk_prob,
            std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared = nullptr,
-           at::Tensor router_bias = at::Tensor());
+           at::Tensor router_bias = at::Tensor(), double routed_scaling = 1.0);
   // This rank's part of the block's output (the caller all-reduces).
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
   MoeExperts* experts() { return experts_.get(); }
@@ -111,6 +126,7 @@ class MoeBlock {
   at::Tensor router_, router_bias_;
   RouterKind kind_;
   int top_k_;
+  double routed_scaling_ = 1.0;
   bool norm_topk_prob_;
   std::unique_ptr<MoeExperts> experts_;
   std::unique_ptr<SharedExpert> shared_;

@@ -41,12 +41,16 @@ std::string TextPrefix(const std::string& name) {
 // Qwen3.5's Gated DeltaNet projections and the shared expert.
 bool IsWrappedDense(const std::string& name) {
   static const char* kWrapped[] = {
-      ".self_attn.q_proj.weight",          ".self_attn.k_proj.weight",
-      ".self_attn.v_proj.weight",          ".self_attn.o_proj.weight",
-      ".linear_attn.in_proj_qkv.weight",   ".linear_attn.in_proj_z.weight",
-      ".linear_attn.in_proj_b.weight",     ".linear_attn.in_proj_a.weight",
-      ".linear_attn.out_proj.weight",      ".mlp.shared_expert.gate_proj.weight",
-      ".mlp.shared_expert.up_proj.weight", ".mlp.shared_expert.down_proj.weight"};
+      ".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
+      ".self_attn.o_proj.weight", ".linear_attn.in_proj_qkv.weight",
+      ".linear_attn.in_proj_z.weight", ".linear_attn.in_proj_b.weight",
+      ".linear_attn.in_proj_a.weight", ".linear_attn.out_proj.weight",
+      ".mlp.shared_expert.gate_proj.weight", ".mlp.shared_expert.up_proj.weight",
+      ".mlp.shared_expert.down_proj.weight",
+      // Step3.5: the head-wise gate, the layer-level shared expert and the dense layers' MLP.
+      ".self_attn.g_proj.weight", ".share_expert.gate_proj.weight", ".share_expert.up_proj.weight",
+      ".share_expert.down_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight",
+      ".mlp.down_proj.weight"};
   for (const char* s : kWrapped) {
     if (absl::EndsWith(name, s)) return true;
   }
@@ -186,6 +190,8 @@ NameMapping MapQwen35MoeMain(const std::string& ckpt, bool lw) {
 
 NameMapping MapStep3(const std::string& ckpt, bool lw) {
   const std::string n = StripBaseLayer(ckpt);
+  // vLLM ignores these too (with a warning): the router's selection bias is moe.router_bias.
+  if (absl::EndsWith(n, ".expert_bias")) return Skip("expert_bias is not read (vLLM neither)");
   NameMapping m;
   if (MatchStackedStep(n, lw, &m)) return m;
   return Dense(n, lw);

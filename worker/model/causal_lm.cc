@@ -48,9 +48,10 @@ SeqState CausalLM::NewState() const {
   return s;
 }
 
-void CausalLM::RegisterLora(LoraModule* m) {
+void CausalLM::RegisterLora(LoraModule* m, const std::vector<std::string>& aliases) {
   lora_order_.push_back(m);
   lora_by_name_[m->path()] = m;
+  for (const std::string& a : aliases) lora_by_name_[a] = m;
 }
 
 LoraModule* CausalLM::FindLora(const std::string& module) const {
@@ -128,7 +129,15 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
       kinds.insert(std::regex_replace(m->path(), layer_re, ""));
     return absl::StrJoin(kinds, ", ");
   };
-  // Resolve and check everything before touching the slot.
+  // Resolve and check everything before touching the slot. Two names of one module (a module's
+  // alias next to its path) would overwrite each other: refused.
+  std::map<const LoraModule*, std::string> named;
+  auto once = [&](const LoraModule* m, const std::string& name) -> absl::Status {
+    auto [it, fresh] = named.emplace(m, name);
+    if (fresh) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": ", it->second, " and ",
+                                                   name, " both name module ", m->path()));
+  };
   std::vector<std::pair<LoraModule*, const LoraPair*>> dense;
   for (const auto& [module, pair] : a.dense) {
     LoraModule* m = FindLora(module);
@@ -139,6 +148,7 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
           " does not have as a LoRA-capable linear; its LoRA-capable modules are ", capable()));
     }
     MOELORA_RETURN_IF_ERROR(m->CheckDense(a, pair));
+    MOELORA_RETURN_IF_ERROR(once(m, module));
     dense.push_back({m, &pair});
   }
   std::vector<std::pair<LoraModule*, const MoeLayerLora*>> experts;
@@ -150,6 +160,7 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
                        config_.info.architecture, " (", config_.info.num_layers, " layers)"));
     }
     MOELORA_RETURN_IF_ERROR(m->CheckExperts(a, ml));
+    MOELORA_RETURN_IF_ERROR(once(m, prefix));
     experts.push_back({m, &ml});
   }
   ResetSlot(slot);

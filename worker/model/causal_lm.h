@@ -118,8 +118,10 @@ class CausalLM {
 
  protected:
   CausalLM() = default;
-  // Registers `m` under its module path (the model keeps ownership elsewhere).
-  void RegisterLora(LoraModule* m);
+  // Registers `m` under its module path, and under `aliases` (other names adapters use for the
+  // same module, e.g. transformers' names next to the hub checkpoint's); the model keeps
+  // ownership elsewhere.
+  void RegisterLora(LoraModule* m, const std::vector<std::string>& aliases = {});
   // Sums `t` over the tensor-parallel group (in place; f32 on the wire).
   absl::Status AllReduce(at::Tensor& t);
   // What every factory does once its weights are loaded: the shared fields from `ctx` and `c`

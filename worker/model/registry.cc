@@ -24,7 +24,9 @@ const std::vector<ArchTable>& Tables() {
       // GPT-OSS (bf16 checkpoints; 3D-native with interleaved gate/up). CPU path.
       {"GptOssForCausalLM", AdapterFormat::k3D, &MapGptOss, &CreateGptOss, &GptOssConfigKeys()},
       {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3},
-      {"Step3p5ForCausalLM", AdapterFormat::k2D, &MapStep3},
+      // Step3.5 (Step-3.5-Flash): the hub layout, its MTP layers skipped.
+      {"Step3p5ForCausalLM", AdapterFormat::k2D, &MapStep3, &CreateStep3p5, &Step3p5ConfigKeys(),
+       /*mtp_layers_follow=*/true},
       // The Step3.5 MTP layers follow the backbone's (model.layers.{N+i}.moe.*_proj.weight).
       {"Step3p5MTP", AdapterFormat::k2D, &MapStep3},
   };

@@ -26,6 +26,9 @@ struct ArchTable {
   ModelFactory factory = nullptr;   // nullptr: weight names only, no forward pass
   // config.json keys (besides the benign ones, model_config.h) that the forward implements.
   const std::vector<std::string>* config_keys = nullptr;
+  // The checkpoint appends the MTP layers to the backbone's (Step3.5: model.layers.{N + i}.*,
+  // N = num_hidden_layers): the main model skips them.
+  bool mtp_layers_follow = false;
   bool has_forward() const { return factory != nullptr; }
 };
 
@@ -42,6 +45,8 @@ const std::vector<std::string>& Qwen3MoeConfigKeys();
 const std::vector<std::string>& Qwen35MoeConfigKeys();
 absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx);
 const std::vector<std::string>& GptOssConfigKeys();
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx);
+const std::vector<std::string>& Step3p5ConfigKeys();
 
 }  // namespace moelora
 

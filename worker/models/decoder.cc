@@ -58,23 +58,23 @@ void AddAttentionSpecs(std::vector<ParamSpec>& s, const std::string& p, const Mo
   }
 }
 
-void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& p, const ModelConfig& c,
+void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& experts, const ModelConfig& c,
                     bool lw) {
   const int64_t H = c.info.hidden_size, E = c.info.num_experts, I = c.info.moe_intermediate_size;
-  s.push_back({W13Name(p + "mlp.experts", lw), {E, 2 * I, H}, TpSplit::kExperts});
-  s.push_back({W2Name(p + "mlp.experts", lw), {E, H, I}, TpSplit::kExperts});
+  s.push_back({W13Name(experts, lw), {E, 2 * I, H}, TpSplit::kExperts});
+  s.push_back({W2Name(experts, lw), {E, H, I}, TpSplit::kExperts});
 }
 
-std::unique_ptr<MoeExperts> MakeExperts(const std::string& p,
+std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                         const std::map<std::string, at::Tensor>& P,
                                         const ModelConfig& c, const ModelOptions& o,
                                         AdapterFormat wrapper, const SlotShape& shape) {
   const int64_t E = c.info.num_experts;
   const bool ep = o.expert_parallel;
-  return std::make_unique<MoeExperts>(p + "mlp.experts", P.at(W13Name(p + "mlp.experts", true)),
-                                      P.at(W2Name(p + "mlp.experts", true)),
-                                      c.info.moe_intermediate_size, wrapper, c.info.architecture,
-                                      shape, ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
+  return std::make_unique<MoeExperts>(experts, P.at(W13Name(experts, true)),
+                                      P.at(W2Name(experts, true)), c.info.moe_intermediate_size,
+                                      wrapper, c.info.architecture, shape,
+                                      ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
 }
 
 }  // namespace moelora

@@ -44,12 +44,13 @@ struct LmEnds {
 // `q_rows` rows) and, when `qk_norm`, its q/k norms.
 void AddAttentionSpecs(std::vector<ParamSpec>& s, const std::string& layer_prefix,
                        const ModelConfig& c, int64_t q_rows, bool qk_norm, bool lora_wrapped);
-// Specs of a layer's routed experts (`<layer>mlp.experts` w13 / w2).
-void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& layer_prefix,
-                    const ModelConfig& c, bool lora_wrapped);
-// The routed experts of a layer as one LoRA module, with this rank's experts under expert
+// Specs of a layer's routed experts (w13 / w2 of the module at `experts`, e.g.
+// `model.layers.3.mlp.experts`).
+void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& experts, const ModelConfig& c,
+                    bool lora_wrapped);
+// The routed experts at `experts` as one LoRA module, with this rank's experts under expert
 // parallelism.
-std::unique_ptr<MoeExperts> MakeExperts(const std::string& layer_prefix,
+std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                         const std::map<std::string, at::Tensor>& params,
                                         const ModelConfig& c, const ModelOptions& o,
                                         AdapterFormat wrapper, const SlotShape& shape);

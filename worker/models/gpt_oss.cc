@@ -38,7 +38,7 @@ std::vector<ParamSpec> GptOssSpecs(const ModelConfig& c, bool with_lm_head) {
     s.push_back({a + "sinks", {hq}, TpSplit::kRows});
     s.push_back({p + "mlp.router.weight", {E, H}, TpSplit::kReplicated});
     s.push_back({p + "mlp.router.bias", {E}, TpSplit::kReplicated});
-    AddExpertSpecs(s, p, c, /*lora_wrapped=*/true);
+    AddExpertSpecs(s, p + "mlp.experts", c, /*lora_wrapped=*/true);
     s.push_back({p + "mlp.experts.w13_bias", {E, 2 * I, 1}, TpSplit::kExperts});
     s.push_back({p + "mlp.experts.w2_bias", {E, H}, TpSplit::kReplicated});
   }
@@ -132,7 +132,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
     L.attn =
         std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
                                     at::Tensor(), at::Tensor(), P.at(a + "sinks"));
-    auto experts = MakeExperts(p, P, c, o, m->wrapper_, shape);
+    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
     // The down bias is added once over the ranks: by rank 0 under plain TP (every rank holds
     // part of every expert), by the expert's own rank under expert parallelism.
     experts->SetBiases(P.at(p + "mlp.experts.w13_bias").squeeze(-1),

@@ -49,7 +49,7 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
       AddAttentionSpecs(s, p, c, 2 * hq * d, /*qk_norm=*/true, /*lora_wrapped=*/true);
     }
     s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
-    AddExpertSpecs(s, p, c, /*lora_wrapped=*/true);
+    AddExpertSpecs(s, p + "mlp.experts", c, /*lora_wrapped=*/true);
     s.push_back({p + "mlp.shared_expert.gate_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
     s.push_back({p + "mlp.shared_expert.up_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
     s.push_back({p + "mlp.shared_expert.down_proj.base_layer.weight", {H, Is}, TpSplit::kCols});
@@ -208,7 +208,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     MOELORA_ASSIGN_OR_RETURN(shared->up, linear(se + "up_proj", TpMode::kColumn, H, {Is}));
     MOELORA_ASSIGN_OR_RETURN(shared->down, linear(se + "down_proj", TpMode::kRow, Is, {H}));
     shared->gate_weight = P.at(p + "mlp.shared_expert_gate.weight");
-    auto experts = MakeExperts(p, P, c, o, m->wrapper_, shape);
+    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, /*norm_topk_prob=*/true,
                                        std::move(experts), std::move(shared));

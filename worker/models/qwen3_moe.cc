@@ -24,7 +24,7 @@ std::vector<ParamSpec> Qwen3MoeParamSpecs(const ModelConfig& c, bool lw, bool wi
     AddAttentionSpecs(s, p, c, int64_t{c.info.num_attention_heads} * c.info.head_dim,
                       /*qk_norm=*/true, lw);
     s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
-    AddExpertSpecs(s, p, c, lw);
+    AddExpertSpecs(s, p + "mlp.experts", c, lw);
   }
   return s;
 }
@@ -132,7 +132,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     L.attn = std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v),
                                          std::move(out), P.at(p + "self_attn.q_norm.weight"),
                                          P.at(p + "self_attn.k_norm.weight"));
-    auto experts = MakeExperts(p, P, c, o, m->wrapper_, shape);
+    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, c.norm_topk_prob, std::move(experts));
     m->layers_.push_back(std::move(L));

@@ -1,0 +1,239 @@
+// Step3.5 against transformers' Step3p7 text classes + PEFT (tests/data/step3p5,
+// tools/make_fixtures.py --only step3p5): full and sliding layers with their own head counts,
+// per-layer θ / partial rotary and llama3 scaling on full layers, zero-centred norms, the
+// head-wise gate, a dense layer, the sigmoid router with its selection bias and scaling factor,
+// clamped SwiGLU in experts, shared expert and dense MLP; the MTP layer skipped. The PEFT 3D
+// adapter (transformers' module names) and a 2D adapter in the hub's names (reference: the
+// hand-merged model).
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/adapter_builder.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/unit/worker/engine_test_util.h"
+
+namespace moelora {
+namespace {
+
+using ::moelora::testing::Data;
+using ::moelora::testing::GenerateBatch;
+using ::moelora::testing::Load;
+using ::moelora::testing::MakeEngine;
+using ::moelora::testing::MaxAbsDiff;
+using ::moelora::testing::PromptLogits;
+using ::moelora::testing::ReadExpected;
+using ::moelora::testing::StatusIs;
+using ::testing::HasSubstr;
+
+namespace fs = std::filesystem;
+
+// A copy of the fixture model with its config.json edited by `edit`.
+class EditedModel {
+ public:
+  template <typename F>
+  explicit EditedModel(F edit)
+      : dir_(fs::temp_directory_path() /
+             ("moelora_step3p5_" + std::to_string(::getpid()) + "_" + std::to_string(++n_))) {
+    fs::create_directories(dir_);
+    fs::copy_file(Data("step3p5/model/model.safetensors"), dir_ / "model.safetensors");
+    std::ifstream in(Data("step3p5/model/config.json"));
+    nlohmann::json j = nlohmann::json::parse(in);
+    edit(j);
+    std::ofstream(dir_ / "config.json") << j.dump();
+  }
+  ~EditedModel() { fs::remove_all(dir_); }
+  std::string path() const { return dir_.string(); }
+
+ private:
+  static inline int n_ = 0;
+  fs::path dir_;
+};
+
+TEST(Step3p5Test, PrefillLogitsMatchTransformersAndPeft) {
+  auto ref = ReadExpected(Data("step3p5/expected_logits.safetensors"));
+  ASSERT_EQ(ref.prompts.size(), 3u);
+  ASSERT_EQ(ref.prompts[0].size(), 12u);  // longer than the 4-token window
+  for (bool mixed : {false, true}) {
+    auto h = MakeEngine("step3p5/model", mixed, 4, 8);
+    ASSERT_NE(h, nullptr);
+    ASSERT_OK(Load(*h->engine, 1, "step3p5/adapter_2d"));
+    std::vector<std::pair<int64_t, const char*>> cases = {{0, "base"}, {1, "adapter_2d"}};
+    if (mixed) {
+      ASSERT_OK(Load(*h->engine, 2, "step3p5/adapter_3d"));
+      cases.push_back({2, "adapter_3d"});
+    } else {
+      // Step3.5 is 2D-native: a 3D adapter needs mixed mode.
+      EXPECT_THAT(Load(*h->engine, 2, "step3p5/adapter_3d"),
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           HasSubstr("--enable-mixed-moe-lora-format")));
+    }
+    for (auto [id, variant] : cases) {
+      float worst = 0;
+      for (size_t k = 0; k < ref.prompts.size(); ++k) {
+        auto got = PromptLogits(*h->engine, id, ref.prompts[k], 1 + k);
+        worst = std::max(worst, MaxAbsDiff(got, ref.logits.at(variant)[k]));
+      }
+      std::printf("[ref] step3p5 %s mixed=%d: max |logit - HF| = %.3g\n", variant, mixed, worst);
+      EXPECT_LE(worst, 1e-4f) << variant << " mixed=" << mixed;
+    }
+  }
+}
+
+// Mixed batches equal each request alone in both orders; decoding past the window equals a
+// prefill of the same tokens (the KV cache and the window mask of single-token steps).
+TEST(Step3p5Test, MixedBatchEqualsAloneInBothOrdersAndDecodePastTheWindow) {
+  auto h = MakeEngine("step3p5/model", true, 4, 8);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 1, "step3p5/adapter_2d"));
+  ASSERT_OK(Load(*h->engine, 2, "step3p5/adapter_3d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}};
+  for (const std::vector<int64_t>& order :
+       {std::vector<int64_t>{1, 2, 0}, std::vector<int64_t>{2, 1, 0}}) {
+    auto batch = GenerateBatch(*h->engine, order, prompts, 8);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto alone = GenerateBatch(*h->engine, {order[i]}, {prompts[i]}, 8, 300);
+      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "adapter " << order[i];
+      for (size_t t = 0; t < alone[0].logits.size(); ++t) {
+        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f)
+            << "adapter " << order[i] << " token " << t;
+      }
+    }
+    std::vector<int32_t> seq = prompts[0];
+    seq.insert(seq.end(), batch[0].tokens.begin(), batch[0].tokens.end() - 1);
+    auto full = PromptLogits(*h->engine, order[0], seq, 900);
+    const size_t V = batch[0].logits[0].size();
+    for (size_t t = 0; t < batch[0].logits.size(); ++t) {
+      const size_t row = prompts[0].size() - 1 + t;
+      std::vector<float> r(full.begin() + row * V, full.begin() + (row + 1) * V);
+      EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 1e-5f) << "step " << t;
+    }
+  }
+}
+
+TEST(Step3p5Test, BaseRowsBitIdenticalWithAdaptersLoaded) {
+  auto plain = MakeEngine("step3p5/model", true, 4, 8);
+  auto loaded = MakeEngine("step3p5/model", true, 4, 8);
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(loaded, nullptr);
+  ASSERT_OK(Load(*loaded->engine, 1, "step3p5/adapter_2d"));
+  ASSERT_OK(Load(*loaded->engine, 2, "step3p5/adapter_3d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13}, {7, 2, 95}};
+  auto a = GenerateBatch(*plain->engine, {0, 0}, prompts, 6);
+  auto b = GenerateBatch(*loaded->engine, {0, 0}, prompts, 6);
+  ::moelora::testing::ExpectBitIdentical(a, b);
+}
+
+TEST(Step3p5Test, TheMtpLayerIsSkippedAndListed) {
+  auto h = MakeEngine("step3p5/model", false, 2, 8);
+  ASSERT_NE(h, nullptr);
+  const auto skipped = h->engine->Info().skipped_tensors;
+  ASSERT_EQ(skipped.size(), 3u);
+  for (const std::string& s : skipped) {
+    EXPECT_THAT(s, HasSubstr("model.layers.4."));
+    EXPECT_THAT(s, HasSubstr("MTP layer"));
+  }
+}
+
+// The GPU code path (the fused MoE call, BGMV, slots in the compute dtype) through the CPU
+// twins, on the model without routed-expert clamps (which the fused kernel lacks), against the
+// CPU path; bf16 against transformers' f32.
+TEST(Step3p5Test, KernelTwinsAndBfloat16StayClose) {
+  EditedModel unclamped([](nlohmann::json& j) { j["swiglu_limits"] = nullptr; });
+  std::vector<std::vector<float>> by_device[2];
+  for (int twins : {0, 1}) {
+    auto comm = MakeLocalCommunicator();
+    EngineOptions o;
+    o.model_dir = unclamped.path();
+    o.enable_mixed_moe_lora_format = true;
+    o.max_lora_rank = 8;
+    o.device = twins ? "cpu-twins" : "cpu";
+    auto e = Engine::Create(o, comm.get());
+    ASSERT_OK(e);
+    ASSERT_OK(Load(**e, 1, "step3p5/adapter_2d"));
+    ASSERT_OK(Load(**e, 2, "step3p5/adapter_3d"));
+    for (int64_t id : {0, 1, 2}) {
+      by_device[twins].push_back(PromptLogits(**e, id, {1, 17, 42, 5, 88, 13, 70}, 10 + id));
+    }
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    const float d = MaxAbsDiff(by_device[0][i], by_device[1][i]);
+    std::printf("[ref] step3p5 cpu-twins vs cpu, adapter %zu: %.3g\n", i, d);
+    EXPECT_LE(d, 1e-4f) << "adapter " << i;
+  }
+  auto ref = ReadExpected(Data("step3p5/expected_logits.safetensors"));
+  auto h = MakeEngine("step3p5/model", true, 4, 8, "bfloat16");
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 2, "step3p5/adapter_3d"));
+  for (auto [id, variant] : {std::pair<int64_t, const char*>{0, "base"}, {2, "adapter_3d"}}) {
+    const float d =
+        MaxAbsDiff(PromptLogits(*h->engine, id, ref.prompts[1]), ref.logits.at(variant)[1]);
+    std::printf("[ref] step3p5 bf16 %s: max |logit - HF f32| = %.3g\n", variant, d);
+    // transformers' own bf16 run of this prompt is 0.032 (base) and 0.19 (adapter_3d) from its
+    // f32 logits (measured with the fixture script's model, 2026-12-01): the clamps and the
+    // scaled sigmoid router amplify bf16 rounding.
+    EXPECT_LE(d, 0.25f) << variant;
+  }
+}
+
+TEST(Step3p5Test, SettingsItDoesNotImplementAreRefusedByName) {
+  auto comm = MakeLocalCommunicator();
+  auto create = [&](const std::string& dir, const std::string& device = "cpu") {
+    EngineOptions o;
+    o.model_dir = dir;
+    o.device = device;
+    return Engine::Create(o, comm.get()).status();
+  };
+  // The routed-expert clamp on the fused kernel path.
+  EXPECT_THAT(create(Data("step3p5/model"), "cpu-twins"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("swiglu_limits[3]")));
+  struct Case {
+    std::function<void(nlohmann::json&)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](nlohmann::json& j) { j.erase("yarn_only_types"); }, "yarn_only_types"},
+      {[](nlohmann::json& j) { j.erase("moe_layers_enum"); }, "moe_layers_enum is required"},
+      {[](nlohmann::json& j) { j["moe_router_activation"] = "softmax"; }, "softmax"},
+      {[](nlohmann::json& j) {
+         j["use_rope_layers"] = {true, false, true, true, true};
+       },
+       "use_rope_layers"},
+      {[](nlohmann::json& j) { j["att_impl_type"] = "MFA"; }, "att_impl_type"},
+      {[](nlohmann::json& j) { j["some_new_knob"] = 3; }, "some_new_knob"},
+  };
+  for (const Case& c : cases) {
+    EditedModel m(c.edit);
+    EXPECT_THAT(create(m.path()),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(c.message)));
+  }
+}
+
+// One module named twice in one adapter (the hub's name and transformers' alias of it) would
+// overwrite itself: refused, and the slot keeps what it had.
+TEST(Step3p5Test, AnAdapterNamingOneModuleTwiceIsRefused) {
+  ::moelora::testing::TempDir tmp;
+  ::moelora::testing::AdapterBuilder b;
+  b.config()["target_modules"] = {"up_proj"};
+  const std::string dir = b.Pair("model.layers.1.share_expert.up_proj", 2, 24, 12)
+                              .Pair("model.layers.1.mlp.shared_experts.up_proj", 2, 24, 12)
+                              .Write(tmp.path() + "/dup");
+  auto h = MakeEngine("step3p5/model", true, 4, 8);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 1, "step3p5/adapter_2d"));
+  const auto before = GenerateBatch(*h->engine, {1}, {{1, 17, 42}}, 3);
+  absl::Status s = h->engine->StageAdapter(3, dir, std::nullopt).status();
+  if (s.ok()) s = h->engine->CommitAdapter(3).status();
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
+                          HasSubstr("both name module model.layers.1.share_expert.up_proj")));
+  ::moelora::testing::ExpectBitIdentical(before, GenerateBatch(*h->engine, {1}, {{1, 17, 42}}, 3));
+}
+
+}  // namespace
+}  // namespace moelora

@@ -1,0 +1,467 @@
+// Step3.5 (Step3p5ForCausalLM, Step-3.5-Flash; MODELS.md §5): per layer, from layer_types,
+// full or sliding-window GQA with its own query-head count (attention_other_setting), θ and
+// partial rotary (llama3 scaling on the yarn_only_types layers), zero-centred q/k norms and a
+// head-wise sigmoid gate (g_proj); then a dense SwiGLU MLP (layers outside moe_layers_enum) or
+// a MoE block: sigmoid router (f32) whose bias only selects, renormalised top-k weights times
+// moe_router_scaling_factor, clamped SwiGLU experts where swiglu_limits is set, and the ungated
+// shared expert (clamped by swiglu_limits_shared, as the dense MLPs are). Every norm is
+// zero-centred. The hub checkpoint's MTP layers (after num_hidden_layers) are skipped.
+//
+// Module paths are the hub's (`moe.experts`, `share_expert.*`, `mlp.*` for dense layers);
+// adapters trained on transformers' Step3p7 classes name the same modules `mlp.experts` and
+// `mlp.shared_experts.*`: both are accepted. Only composes layers (worker/layers/).
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
+#include "nlohmann/json.hpp"
+#include "worker/layers/attention.h"
+#include "worker/layers/moe.h"
+#include "worker/loaders/weight_loader.h"
+#include "worker/model/model_context.h"
+#include "worker/models/decoder.h"
+
+namespace moelora {
+
+namespace {
+
+// What config.json says per layer, beyond ModelConfig.
+struct Step35Layout {
+  std::vector<int64_t> heads, kv_heads;  // query and KV heads, all ranks
+  std::vector<bool> moe;
+  std::vector<RopeSpec> rope;
+  std::vector<double> limit, limit_shared;  // 0: no clamp
+  int64_t dense_inter = 0, share_inter = 0;
+  int top_k = 0;
+  double routed_scaling = 1.0;
+  bool router_bias = true, head_gate = true;
+};
+
+absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConfig& c,
+                                        const std::string& file) {
+  const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
+  const int n = c.info.num_layers;
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", parts...));
+  };
+  auto refuse = [&](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat(file, ": ", parts...));
+  };
+  int mtp = 0;
+  if (t.contains("num_nextn_predict_layers") && t["num_nextn_predict_layers"].is_number_integer()) {
+    mtp = t["num_nextn_predict_layers"].get<int>();
+  }
+  // A per-layer list of numbers (the hub pads it with the MTP layers' entries; null = 0), or one
+  // number for every layer.
+  auto per_layer = [&](const char* key, double fallback, std::vector<double>* out) -> absl::Status {
+    out->assign(n, fallback);
+    if (!t.contains(key) || t[key].is_null()) return absl::OkStatus();
+    const nlohmann::json& v = t[key];
+    if (v.is_number()) {
+      out->assign(n, v.get<double>());
+      return absl::OkStatus();
+    }
+    if (!v.is_array() ||
+        (static_cast<int>(v.size()) != n && static_cast<int>(v.size()) != n + mtp)) {
+      return bad(key, " must be a number or a list of ", n, " (or ", n + mtp,
+                 " with the MTP layers) numbers");
+    }
+    for (int i = 0; i < n; ++i) {
+      if (v[i].is_null()) {
+        (*out)[i] = 0;
+      } else if (v[i].is_number()) {
+        (*out)[i] = v[i].get<double>();
+      } else {
+        return bad(key, "[", i, "] is not a number");
+      }
+    }
+    return absl::OkStatus();
+  };
+  auto flag = [&](const char* key, bool fallback) {
+    return t.contains(key) && t[key].is_boolean() ? t[key].get<bool>() : fallback;
+  };
+
+  Step35Layout L;
+  if (c.hidden_act != "silu") return refuse("hidden_act \"", c.hidden_act, "\" (silu only)");
+  if (t.contains("att_impl_type") && t["att_impl_type"] != "GQA") {
+    return refuse("att_impl_type ", t["att_impl_type"].dump(), " is not implemented (GQA only)");
+  }
+  if (!flag("use_qk_norm", true)) return refuse("use_qk_norm false is not implemented");
+  if (t.contains("use_rope_layers") && t["use_rope_layers"].is_array()) {
+    for (const auto& v : t["use_rope_layers"]) {
+      if (!v.is_boolean() || !v.get<bool>()) {
+        return refuse(
+            "use_rope_layers with a layer without RoPE is not implemented (vLLM honours it, "
+            "transformers ignores it)");
+      }
+    }
+  }
+  // The defaults of layer_types and moe_layers_enum differ between the hub's code and
+  // transformers: both must be given.
+  if (c.layer_types.empty()) {
+    return refuse("layer_types is required (the hub code and transformers default it differently)");
+  }
+  // Heads per layer type.
+  int64_t sw_heads = c.info.num_attention_heads, sw_kv = c.info.num_key_value_heads;
+  if (t.contains("attention_other_setting")) {
+    const nlohmann::json& o = t["attention_other_setting"];
+    if (!o.is_object()) return bad("attention_other_setting must be an object");
+    if (o.contains("attention_type") && o["attention_type"] != "sliding_attention") {
+      return refuse("attention_other_setting.attention_type ", o["attention_type"].dump(),
+                    " is not implemented (sliding_attention only)");
+    }
+    if (o.contains("head_dim") && o["head_dim"] != c.info.head_dim) {
+      return refuse("attention_other_setting.head_dim ", o["head_dim"].dump(),
+                    " differs from head_dim ", c.info.head_dim, ": not implemented");
+    }
+    if (o.contains("num_attention_heads")) {
+      if (!o["num_attention_heads"].is_number_integer()) {
+        return bad("attention_other_setting.num_attention_heads must be an integer");
+      }
+      sw_heads = o["num_attention_heads"].get<int64_t>();
+    }
+    if (o.contains("num_attention_groups")) {
+      if (!o["num_attention_groups"].is_number_integer()) {
+        return bad("attention_other_setting.num_attention_groups must be an integer");
+      }
+      sw_kv = o["num_attention_groups"].get<int64_t>();
+    }
+  }
+  // RoPE per layer: θ and the partial factor from the per-layer lists, llama3 (or whatever
+  // rope_scaling says) on the layer types in yarn_only_types.
+  std::vector<double> theta, partial;
+  MOELORA_RETURN_IF_ERROR(per_layer("rope_theta", 10000.0, &theta));
+  MOELORA_RETURN_IF_ERROR(per_layer("partial_rotary_factors", 1.0, &partial));
+  std::set<std::string> scaled_types;
+  const bool scaling = t.contains("rope_scaling") && t["rope_scaling"].is_object();
+  if (scaling) {
+    if (!t.contains("yarn_only_types") || !t["yarn_only_types"].is_array()) {
+      return refuse(
+          "rope_scaling without yarn_only_types: the hub code scales every layer, transformers "
+          "only the full-attention ones; say which in yarn_only_types");
+    }
+    for (const auto& v : t["yarn_only_types"]) {
+      if (!v.is_string()) return bad("yarn_only_types must be a list of strings");
+      scaled_types.insert(v.get<std::string>());
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    const bool sliding = c.layer_types[i] == "sliding_attention";
+    if (!sliding && c.layer_types[i] != "full_attention") {
+      return refuse("layer_types[", i, "] \"", c.layer_types[i], "\" is not a Step3.5 layer");
+    }
+    L.heads.push_back(sliding ? sw_heads : c.info.num_attention_heads);
+    L.kv_heads.push_back(sliding ? sw_kv : c.info.num_key_value_heads);
+    RopeSpec r = scaling && scaled_types.count(c.layer_types[i]) ? c.rope : RopeSpec();
+    r.head_dim = c.info.head_dim;
+    r.theta = theta[i];
+    r.partial_rotary_factor = partial[i];
+    if (r.rotary_dim() <= 0 || r.rotary_dim() % 2 != 0 || r.rotary_dim() > r.head_dim) {
+      return bad("partial_rotary_factors[", i, "] ", partial[i], " of head_dim ", r.head_dim,
+                 " gives ", r.rotary_dim(), " rotary dims (must be even, positive, <= head_dim)");
+    }
+    L.rope.push_back(r);
+  }
+  // MLP / MoE per layer.
+  if (!t.contains("moe_layers_enum")) {
+    return refuse(
+        "moe_layers_enum is required (the hub code and transformers default it differently)");
+  }
+  std::set<int> moe;
+  const nlohmann::json& me = t["moe_layers_enum"];
+  if (me.is_string()) {
+    for (absl::string_view part : absl::StrSplit(me.get<std::string>(), ',', absl::SkipEmpty())) {
+      int k = 0;
+      if (!absl::SimpleAtoi(part, &k)) return bad("moe_layers_enum: \"", part, "\" is not a layer");
+      moe.insert(k);
+    }
+  } else if (me.is_array()) {
+    for (const auto& v : me) {
+      if (!v.is_number_integer()) return bad("moe_layers_enum must list layer indices");
+      moe.insert(v.get<int>());
+    }
+  } else {
+    return bad("moe_layers_enum must be a comma-separated string or a list");
+  }
+  for (int i = 0; i < n; ++i) L.moe.push_back(moe.count(i) > 0);
+  MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits", 0, &L.limit));
+  MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits_shared", 0, &L.limit_shared));
+  auto get_int = [&](const char* key, int64_t* out) {
+    if (t.contains(key) && t[key].is_number_integer()) *out = t[key].get<int64_t>();
+  };
+  get_int("intermediate_size", &L.dense_inter);
+  L.share_inter = c.info.shared_expert_intermediate_size;
+  L.top_k = c.num_experts_per_tok;  // moe_top_k
+  if (t.contains("moe_router_scaling_factor") && t["moe_router_scaling_factor"].is_number()) {
+    L.routed_scaling = t["moe_router_scaling_factor"].get<double>();
+  }
+  const std::string act =
+      t.contains("moe_router_activation") && t["moe_router_activation"].is_string()
+          ? t["moe_router_activation"].get<std::string>()
+          : "sigmoid";
+  L.router_bias = flag("use_moe_router_bias", true);
+  if (act != "sigmoid") {
+    return refuse("moe_router_activation \"", act, "\" is not implemented (sigmoid only)");
+  }
+  if (!flag("norm_expert_weight", true)) {
+    return refuse(
+        "norm_expert_weight false is not implemented: the hub code and transformers "
+        "renormalise the sigmoid router's top-k weights regardless");
+  }
+  L.head_gate = flag("use_head_wise_attn_gate", true);
+  const bool any_moe = !moe.empty();
+  const bool any_dense = static_cast<int>(moe.size()) < n;
+  if (any_moe && (c.info.num_experts <= 0 || L.top_k <= 0 || L.top_k > c.info.num_experts ||
+                  L.share_inter <= 0 || c.info.moe_intermediate_size <= 0)) {
+    return bad(
+        "MoE layers need moe_num_experts, moe_top_k (<= experts), moe_intermediate_size "
+        "and share_expert_dim");
+  }
+  if (any_dense && L.dense_inter <= 0) return bad("dense layers need intermediate_size");
+  return L;
+}
+
+std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, bool with_lm_head) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
+                d = c.info.head_dim;
+  std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
+                              {"model.norm.weight", {H}, TpSplit::kReplicated}};
+  if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    const int64_t hq = L.heads[l], hkv = L.kv_heads[l];
+    s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({a + "q_proj.base_layer.weight", {hq * d, H}, TpSplit::kRows});
+    s.push_back({a + "k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+    s.push_back({a + "v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+    s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
+    s.push_back({a + "q_norm.weight", {d}, TpSplit::kReplicated});
+    s.push_back({a + "k_norm.weight", {d}, TpSplit::kReplicated});
+    if (L.head_gate) s.push_back({a + "g_proj.base_layer.weight", {hq, H}, TpSplit::kRows});
+    auto mlp = [&](const std::string& m, int64_t inter) {
+      s.push_back({m + "gate_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
+      s.push_back({m + "up_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
+      s.push_back({m + "down_proj.base_layer.weight", {H, inter}, TpSplit::kCols});
+    };
+    if (L.moe[l]) {
+      s.push_back({p + "moe.gate.weight", {E, H}, TpSplit::kReplicated});
+      if (L.router_bias) s.push_back({p + "moe.router_bias", {E}, TpSplit::kReplicated});
+      AddExpertSpecs(s, p + "moe.experts", c, /*lora_wrapped=*/true);
+      mlp(p + "share_expert.", L.share_inter);
+    } else {
+      mlp(p + "mlp.", L.dense_inter);
+    }
+  }
+  return s;
+}
+
+class Step3p5 final : public CausalLM {
+ public:
+  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+
+ private:
+  struct Layer {
+    at::Tensor in_norm, post_norm;
+    std::unique_ptr<Attention> attn;
+    std::unique_ptr<MoeBlock> moe;   // MoE layers
+    std::unique_ptr<SwiGluMlp> mlp;  // dense layers
+    size_t rope = 0;                 // index into rotaries_
+  };
+  LmEnds ends_;
+  std::vector<Rotary> rotaries_;  // one per distinct RoPE of the layers
+  std::vector<Layer> layers_;
+};
+
+bool SameRope(const RopeSpec& a, const RopeSpec& b) {
+  return a.type == b.type && a.theta == b.theta &&
+         a.partial_rotary_factor == b.partial_rotary_factor;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ctx) {
+  const ModelConfig& c = ctx.config;
+  const ModelOptions& o = ctx.options;
+  const std::string cfg = ctx.dir + "/config.json";
+  std::ifstream in(cfg);
+  std::stringstream text;
+  text << in.rdbuf();
+  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text.str(), c, cfg));
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
+  };
+  const int tp = o.tp_size;
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    if (lay.heads[l] % tp != 0 || lay.kv_heads[l] % tp != 0 || lay.heads[l] % lay.kv_heads[l]) {
+      return bad("layer ", l, ": ", lay.heads[l], " query heads and ", lay.kv_heads[l],
+                 " KV heads must divide by --tensor-parallel-size ", tp,
+                 " (and the query heads by the KV heads)");
+    }
+    if (lay.moe[l] && lay.limit[l] > 0 && o.kernels != LoraKernels::kCpuSgmv) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          cfg, ": swiglu_limits[", l, "] = ", lay.limit[l],
+          ": the clamped expert SwiGLU runs on the CPU path only (--device cpu); the fused "
+          "MoE kernel has plain SwiGLU"));
+    }
+  }
+  if ((lay.share_inter > 0 && lay.share_inter % tp != 0) ||
+      (lay.dense_inter > 0 && lay.dense_inter % tp != 0)) {
+    return bad("share_expert_dim ", lay.share_inter, " and intermediate_size ", lay.dense_inter,
+               " must divide by --tensor-parallel-size ", tp);
+  }
+  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
+  if (!has_lm_head && !c.tie_word_embeddings) {
+    return bad("no lm_head.weight and tie_word_embeddings is false");
+  }
+  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
+  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
+                                                        Step35Specs(c, lay, has_lm_head), lopt));
+  auto m = std::unique_ptr<Step3p5>(new Step3p5());
+  auto& P = w.params;
+  MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
+  const at::Device dev = m->device();
+  m->ends_ = LmEnds::From(P, has_lm_head);
+  std::vector<RopeSpec> distinct;
+  const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
+  const int64_t H = c.info.hidden_size, d = c.info.head_dim;
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    const int64_t hq = lay.heads[l], hkv = lay.kv_heads[l];
+    Layer L;
+    L.in_norm = P.at(p + "input_layernorm.weight");
+    L.post_norm = P.at(p + "post_attention_layernorm.weight");
+    auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
+      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in_dim,
+                                {out_dim}, shape);
+    };
+    MOELORA_ASSIGN_OR_RETURN(auto q, linear(a + "q_proj", TpMode::kColumn, H, hq * d));
+    MOELORA_ASSIGN_OR_RETURN(auto k, linear(a + "k_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto v, linear(a + "v_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "o_proj", TpMode::kRow, hq * d, H));
+    AttentionSpec as;
+    as.heads = hq / tp;
+    as.kv_heads = hkv / tp;
+    as.head_dim = d;
+    as.eps = c.rms_norm_eps;
+    as.qk_norm_kind = NormKind::kZeroCentred;
+    as.sliding_window = c.layer_types[l] == "sliding_attention" ? c.sliding_window : 0;
+    L.attn =
+        std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
+                                    P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
+    if (lay.head_gate) {
+      MOELORA_ASSIGN_OR_RETURN(auto g, linear(a + "g_proj", TpMode::kColumn, H, hq));
+      L.attn->set_head_gate(std::move(g));
+    }
+    size_t r = 0;
+    while (r < distinct.size() && !SameRope(distinct[r], lay.rope[l])) ++r;
+    if (r == distinct.size()) {
+      distinct.push_back(lay.rope[l]);
+      m->rotaries_.emplace_back(lay.rope[l], dev);
+    }
+    L.rope = r;
+    auto mlp = [&](const std::string& mp, int64_t inter,
+                   double limit) -> absl::StatusOr<std::unique_ptr<SwiGluMlp>> {
+      auto s = std::make_unique<SwiGluMlp>();
+      MOELORA_ASSIGN_OR_RETURN(s->gate, linear(mp + "gate_proj", TpMode::kColumn, H, inter));
+      MOELORA_ASSIGN_OR_RETURN(s->up, linear(mp + "up_proj", TpMode::kColumn, H, inter));
+      MOELORA_ASSIGN_OR_RETURN(s->down, linear(mp + "down_proj", TpMode::kRow, inter, H));
+      s->limit = limit;
+      return s;
+    };
+    if (lay.moe[l]) {
+      MOELORA_ASSIGN_OR_RETURN(auto shared,
+                               mlp(p + "share_expert.", lay.share_inter, lay.limit_shared[l]));
+      auto experts = MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape);
+      if (lay.limit[l] > 0) {
+        ExpertActivation act;
+        act.kind = ExpertActivation::Kind::kSwiGluStep;
+        act.limit = lay.limit[l];
+        experts->set_activation(act);
+      }
+      L.moe = std::make_unique<MoeBlock>(
+          P.at(p + "moe.gate.weight"), RouterKind::kSigmoidBiasTopK, lay.top_k,
+          /*norm_topk_prob=*/true, std::move(experts), std::move(shared),
+          lay.router_bias ? P.at(p + "moe.router_bias") : at::Tensor(), lay.routed_scaling);
+    } else {
+      MOELORA_ASSIGN_OR_RETURN(L.mlp, mlp(p + "mlp.", lay.dense_inter, lay.limit_shared[l]));
+    }
+    m->layers_.push_back(std::move(L));
+  }
+  for (size_t l = 0; l < m->layers_.size(); ++l) {
+    Layer& L = m->layers_[l];
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
+    if (L.attn->g()) m->RegisterLora(L.attn->g());
+    if (L.mlp) {
+      for (LoraModule* x : {L.mlp->gate.get(), L.mlp->up.get(), L.mlp->down.get()}) {
+        m->RegisterLora(x);
+      }
+      continue;
+    }
+    SwiGluMlp* s = L.moe->shared();
+    for (auto [x, name] : {std::pair<LoraModule*, const char*>{s->gate.get(), "gate_proj"},
+                           {s->up.get(), "up_proj"},
+                           {s->down.get(), "down_proj"}}) {
+      // transformers' Step3p7 and vLLM's module names for the layer-level share_expert.
+      m->RegisterLora(x, {absl::StrCat(p, "mlp.shared_experts.", name),
+                          absl::StrCat(p, "moe.share_expert.", name)});
+    }
+    m->RegisterLora(L.moe->experts(), {p + "mlp.experts"});
+  }
+  return std::unique_ptr<CausalLM>(std::move(m));
+}
+
+absl::StatusOr<at::Tensor> Step3p5::Forward(const ForwardBatch& b) {
+  const at::Device dev = device();
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  std::vector<Rotary::Table> tables;
+  for (const Rotary& r : rotaries_) tables.push_back(r.Compute(in.positions, options_.dtype));
+  at::Tensor x = ends_.embed.index_select(0, in.tokens);
+  const double eps = config_.rms_norm_eps;
+  const NormKind zc = NormKind::kZeroCentred;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor a,
+                             L.attn->Forward(RmsNorm(x, L.in_norm, eps, zc), b, static_cast<int>(l),
+                                             rotaries_[L.rope], tables[L.rope], lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(a));
+    x = x + a;
+    const at::Tensor hn = RmsNorm(x, L.post_norm, eps, zc);
+    absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(hn, lb) : L.mlp->Forward(hn, lb);
+    if (!f.ok()) return f.status();
+    MOELORA_RETURN_IF_ERROR(AllReduce(*f));
+    x = x + *f;
+  }
+  return ends_.Finish(b, x, eps, zc);
+}
+
+}  // namespace
+
+const std::vector<std::string>& Step3p5ConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_attention_groups", "head_dim",
+      "vocab_size", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "rope_theta",
+      "partial_rotary_factors", "rope_scaling", "yarn_only_types", "layer_types", "sliding_window",
+      "attention_other_setting", "use_head_wise_attn_gate", "att_impl_type", "use_qk_norm",
+      "moe_layers_enum", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
+      "share_expert_dim", "moe_router_activation", "use_moe_router_bias", "need_fp32_gate",
+      "norm_expert_weight", "moe_router_scaling_factor", "swiglu_limits", "swiglu_limits_shared",
+      "use_rope_layers", "tie_word_embeddings", "hidden_act",
+      // The MTP layers are skipped; the longest sequence is --max-model-len's business.
+      "num_nextn_predict_layers", "max_seq_len"};
+  return keys;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx) {
+  return Step3p5::Create(ctx);
+}
+
+}  // namespace moelora
