@@ -46,6 +46,8 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   if (q <= 0) return false;
   // The model checks the attention projections per layer when heads differ between layers.
   if (per_layer_heads) return false;
+  if (share_q_dim > 0 && ends("q_proj")) return set(share_q_dim, hidden_size);
+  if (share_q_dim > 0 && ends("wq")) return set(q, share_q_dim);
   if (ends("q_proj")) return set(attn_output_gate ? 2 * q : q, hidden_size);
   if (ends("k_proj") || ends("v_proj")) return set(kv, hidden_size);
   if (ends("o_proj")) return set(hidden_size, q);
@@ -112,6 +114,7 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
           &info.shared_expert_intermediate_size);
   // Step3.5's sliding layers have their own head count (attention_other_setting).
   info.per_layer_heads = t.contains("attention_other_setting");
+  get_int({"share_q_dim"}, &info.share_q_dim);
   return info;
 }
 

@@ -27,6 +27,9 @@ struct ModelInfo {
   int shared_expert_intermediate_size = 0;  // 0: no shared expert
   // Step3.5: the query heads differ between layers (full / sliding): q/o dims are per layer.
   bool per_layer_heads = false;
+  // Step3: q_proj is the shared low-rank query [share_q_dim, H], wq [heads · head_dim,
+  // share_q_dim].
+  int share_q_dim = 0;
 
   // Expected [out, in] of a dense module by its path (`model.layers.3.self_attn.q_proj`, or
   // just its last components); false when the module's dims are not known here.

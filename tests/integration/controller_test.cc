@@ -42,6 +42,7 @@ struct AdapterRoot {
     for (const char* a : {"adapter_2d", "adapter_3d"}) {
       fs::copy(Data(std::string("qwen3_5_moe/") + a), root + "/q35_" + a,
                fs::copy_options::recursive);
+      fs::copy(Data(std::string("step3p5/") + a), root + "/s35_" + a, fs::copy_options::recursive);
     }
     fs::create_directories(root + "/pickle_only");
     fs::copy_file(Data("qwen3_moe/adapter_2d/adapter_config.json"),
@@ -181,14 +182,14 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
   EXPECT_EQ(c.process().Stop(), 0) << c.Log();
 }
 
-// Qwen3.5-MoE (the VL release's layout) through the public API at TP=2: a 2D and a 3D adapter
-// (converted in place) and the base model, concurrently; the first tokens are transformers'.
-// The upstream change's test through the public API with real processes, on Qwen3.5-MoE (the VL
-// release's layout) at TP=2: plain TP, expert parallelism, fully sharded LoRAs; a 2D and a 3D
-// adapter (converted in place) and the base model; the first tokens are transformers'; requests
-// run together (issued in both orders) give each request's tokens alone; equal across the modes.
-TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
-  auto ref = ReadExpected(Data("qwen3_5_moe/expected_logits.safetensors"));
+// The upstream change's test through the public API with real processes, at TP=2: plain TP,
+// expert parallelism, fully sharded LoRAs; a 2D and a 3D adapter (converted in place) and the
+// base model; the first tokens are transformers'; requests run together (issued in both
+// orders) give each request's tokens alone; equal across the modes. `fixture`: the tests/data
+// directory; `model`: its model directory; `prefix`: the adapters' names under the root.
+void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixture,
+                            const std::string& model, const std::string& prefix) {
+  auto ref = ReadExpected(Data(fixture + "/expected_logits.safetensors"));
   const std::vector<std::string> names = {"q2d", "q3d", ""};
   const std::vector<std::string> variants = {"adapter_2d", "adapter_3d", "base"};
   std::vector<std::vector<int32_t>> first_mode;
@@ -200,12 +201,12 @@ TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
     std::vector<std::string> flags = {"--tensor-parallel-size", "2",
                                       "--enable-mixed-moe-lora-format"};
     flags.insert(flags.end(), extra.begin(), extra.end());
-    ControllerProcess c(state.path(), adapters_.root, flags, "qwen3_5_moe/model_vl");
+    ControllerProcess c(state.path(), adapters.root, flags, model);
     ASSERT_TRUE(c.started()) << c.Log();
     ASSERT_TRUE(c.WaitServing()) << c.Log();
     v1::Adapter a2d, a3d;
-    ASSERT_TRUE(c.Load("q2d", "q35_adapter_2d", &a2d).ok()) << c.Log();
-    ASSERT_TRUE(c.Load("q3d", "q35_adapter_3d", &a3d).ok()) << c.Log();
+    ASSERT_TRUE(c.Load("q2d", prefix + "adapter_2d", &a2d).ok()) << c.Log();
+    ASSERT_TRUE(c.Load("q3d", prefix + "adapter_3d", &a3d).ok()) << c.Log();
     EXPECT_EQ(a2d.detected_format(), v1::FORMAT_2D);
     EXPECT_EQ(a3d.detected_format(), v1::FORMAT_3D);
     EXPECT_TRUE(a3d.converted_to_2d());
@@ -238,6 +239,14 @@ TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
       EXPECT_EQ(alone, first_mode);
     }
   }
+}
+
+// On Qwen3.5-MoE (the VL release's layout) and on Step3.5 (the hub layout).
+TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
+  UpstreamMixedTestAtTp2(adapters_, "qwen3_5_moe", "qwen3_5_moe/model_vl", "q35_");
+}
+TEST_F(ControllerTest, Step3p5MixedAdaptersAtTp2) {
+  UpstreamMixedTestAtTp2(adapters_, "step3p5", "step3p5/model", "s35_");
 }
 
 TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {

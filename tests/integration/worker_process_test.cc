@@ -158,7 +158,17 @@ INSTANTIATE_TEST_SUITE_P(
         // Step3.5: full (2 heads per rank) and sliding (3 per rank) layers, the head-wise gate
         // and g_proj LoRA sharded by head, the dense layer's MLP; plain TP, expert
         // parallelism and fully sharded LoRAs, in both orders.
-        Case{"step3p5", false, {"adapter_2d"}}, Case{"step3p5", true, {"adapter_2d", "adapter_3d"}},
+        Case{"step3p5", false, {"adapter_2d"}},
+        // Step3: wq and o_proj sharded by head, the one KV head, q_proj and inter_norm
+        // replicated.
+        Case{"step3", false, {"adapter_2d"}}, Case{"step3", true, {"adapter_2d", "adapter_3d"}},
+        Case{"step3", true, {"adapter_3d", "adapter_2d"}, {"--enable-expert-parallel"}, "_ep"},
+        Case{"step3",
+             true,
+             {"adapter_2d", "adapter_3d"},
+             {"--fully-sharded-loras"},
+             "_fully_sharded"},
+        Case{"step3p5", true, {"adapter_2d", "adapter_3d"}},
         Case{"step3p5", true, {"adapter_2d", "adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
         Case{"step3p5",
              true,

@@ -72,7 +72,12 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
                                               const Rotary& rope, const Rotary::Table& table,
                                               const LoraBatch& lb) {
   const int64_t T = h.size(0), hq = spec_.heads, hkv = spec_.kv_heads, d = spec_.head_dim;
-  MOELORA_ASSIGN_OR_RETURN(at::Tensor qg, q_->Forward(h, lb));
+  at::Tensor qin = h;
+  if (q_down_) {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor lat, q_down_->Forward(h, lb));
+    qin = RmsNorm(lat, latent_norm_, spec_.eps, NormKind::kPlain);
+  }
+  MOELORA_ASSIGN_OR_RETURN(at::Tensor qg, q_->Forward(qin, lb));
   MOELORA_ASSIGN_OR_RETURN(at::Tensor k, k_->Forward(h, lb));
   MOELORA_ASSIGN_OR_RETURN(at::Tensor v, v_->Forward(h, lb));
   at::Tensor q, gate;

@@ -48,14 +48,21 @@ class Attention {
   LoraLinear* k() { return k_.get(); }
   LoraLinear* v() { return v_.get(); }
   LoraLinear* o() { return o_.get(); }
+  // Step3's shared low-rank query: q = q_proj(RmsNorm(q_down(h), latent_norm)), with q_down
+  // replicated (every rank computes the whole latent) and q_proj (`wq`) column-parallel.
+  void set_query_latent(std::unique_ptr<LoraLinear> q_down, at::Tensor latent_norm) {
+    q_down_ = std::move(q_down);
+    latent_norm_ = std::move(latent_norm);
+  }
+  LoraLinear* q_down() { return q_down_.get(); }
   // Step3.5's head-wise gate: g_proj, column-parallel like q ([heads on this rank] outputs).
   void set_head_gate(std::unique_ptr<LoraLinear> g) { g_ = std::move(g); }
   LoraLinear* g() { return g_.get(); }
 
  private:
   AttentionSpec spec_;
-  std::unique_ptr<LoraLinear> q_, k_, v_, o_, g_;
-  at::Tensor q_norm_, k_norm_, sinks_;
+  std::unique_ptr<LoraLinear> q_, k_, v_, o_, g_, q_down_;
+  at::Tensor q_norm_, k_norm_, sinks_, latent_norm_;
 };
 
 }  // namespace moelora

@@ -48,9 +48,9 @@ bool IsWrappedDense(const std::string& name) {
       ".mlp.shared_expert.gate_proj.weight", ".mlp.shared_expert.up_proj.weight",
       ".mlp.shared_expert.down_proj.weight",
       // Step3.5: the head-wise gate, the layer-level shared expert and the dense layers' MLP.
-      ".self_attn.g_proj.weight", ".share_expert.gate_proj.weight", ".share_expert.up_proj.weight",
-      ".share_expert.down_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight",
-      ".mlp.down_proj.weight"};
+      ".self_attn.wq.weight", ".self_attn.g_proj.weight", ".share_expert.gate_proj.weight",
+      ".share_expert.up_proj.weight", ".share_expert.down_proj.weight", ".mlp.gate_proj.weight",
+      ".mlp.up_proj.weight", ".mlp.down_proj.weight"};
   for (const char* s : kWrapped) {
     if (absl::EndsWith(name, s)) return true;
   }

@@ -232,7 +232,8 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 }
 
 // Checks every architecture shares: dims, TP divisibility, slot and rank limits, the device.
-absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const ModelOptions& o) {
+absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const ModelOptions& o,
+                         const ArchTable& arch) {
   const std::string cfg = dir + "/config.json";
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
@@ -248,7 +249,8 @@ absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const Mod
     return bad("inconsistent attention dims (layers, heads, kv heads, even head_dim)");
   }
   const int tp = o.tp_size;
-  if (c.info.num_key_value_heads % tp != 0 || c.info.num_attention_heads % tp != 0) {
+  if ((!arch.kv_replicated && c.info.num_key_value_heads % tp != 0) ||
+      c.info.num_attention_heads % tp != 0) {
     return bad("num_key_value_heads ", c.info.num_key_value_heads,
                " and num_attention_heads must divide by --tensor-parallel-size ", tp);
   }
@@ -335,7 +337,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> LoadCausalLM(const std::string& dir,
   MOELORA_RETURN_IF_ERROR(
       CheckConfigKeys(text, cfg, info.architecture,
                       arch->config_keys ? *arch->config_keys : std::vector<std::string>{}));
-  MOELORA_RETURN_IF_ERROR(CheckShared(dir, c, o));
+  MOELORA_RETURN_IF_ERROR(CheckShared(dir, c, o, *arch));
   MOELORA_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(dir));
   ModelContext ctx;
   ctx.dir = dir;

@@ -23,7 +23,9 @@ const std::vector<ArchTable>& Tables() {
       {"Qwen3_5MoeMTP", AdapterFormat::k3D, &MapQwen35Moe},
       // GPT-OSS (bf16 checkpoints; 3D-native with interleaved gate/up). CPU path.
       {"GptOssForCausalLM", AdapterFormat::k3D, &MapGptOss, &CreateGptOss, &GptOssConfigKeys()},
-      {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3},
+      // Step3 text: MQA with one replicated KV head and the shared low-rank query.
+      {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3, &CreateStep3Text,
+       &Step3TextConfigKeys(), /*mtp_layers_follow=*/false, /*kv_replicated=*/true},
       // Step3.5 (Step-3.5-Flash): the hub layout, its MTP layers skipped.
       {"Step3p5ForCausalLM", AdapterFormat::k2D, &MapStep3, &CreateStep3p5, &Step3p5ConfigKeys(),
        /*mtp_layers_follow=*/true},

@@ -29,6 +29,9 @@ struct ArchTable {
   // The checkpoint appends the MTP layers to the backbone's (Step3.5: model.layers.{N + i}.*,
   // N = num_hidden_layers): the main model skips them.
   bool mtp_layers_follow = false;
+  // KV heads are replicated on every rank instead of sharded (Step3's single KV head): the
+  // shared check that they divide by the TP size does not apply; the model checks its own.
+  bool kv_replicated = false;
   bool has_forward() const { return factory != nullptr; }
 };
 
@@ -47,6 +50,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx);
 const std::vector<std::string>& GptOssConfigKeys();
 absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx);
 const std::vector<std::string>& Step3p5ConfigKeys();
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx);
+const std::vector<std::string>& Step3TextConfigKeys();
 
 }  // namespace moelora
 

@@ -1,8 +1,15 @@
 #include "worker/models/decoder.h"
 
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "nlohmann/json.hpp"
 
 namespace moelora {
 
@@ -75,6 +82,52 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                       P.at(W2Name(experts, true)), c.info.moe_intermediate_size,
                                       wrapper, c.info.architecture, shape,
                                       ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
+}
+
+absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& text, int n,
+                                                const std::string& file, bool required) {
+  const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", parts...));
+  };
+  std::vector<bool> moe(n, false);
+  if (!t.is_object() || !t.contains("moe_layers_enum")) {
+    if (required) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file,
+                       ": moe_layers_enum is required (the hub code and transformers default it "
+                       "differently)"));
+    }
+    for (int i = 1; i < n; ++i) moe[i] = true;
+    return moe;
+  }
+  std::set<int> layers;
+  const nlohmann::json& me = t["moe_layers_enum"];
+  if (me.is_string()) {
+    for (absl::string_view part : absl::StrSplit(me.get<std::string>(), ',', absl::SkipEmpty())) {
+      int k = 0;
+      if (!absl::SimpleAtoi(part, &k)) return bad("moe_layers_enum: \"", part, "\" is not a layer");
+      layers.insert(k);
+    }
+  } else if (me.is_array()) {
+    for (const auto& v : me) {
+      if (!v.is_number_integer()) return bad("moe_layers_enum must list layer indices");
+      layers.insert(v.get<int>());
+    }
+  } else {
+    return bad("moe_layers_enum must be a comma-separated string or a list");
+  }
+  for (int i = 0; i < n; ++i) moe[i] = layers.count(i) > 0;
+  return moe;
+}
+
+absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir) {
+  const std::string path = model_dir + "/config.json";
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 }  // namespace moelora

@@ -55,6 +55,15 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                         const ModelConfig& c, const ModelOptions& o,
                                         AdapterFormat wrapper, const SlotShape& shape);
 
+// Which of `n` layers are MoE by config.json's `moe_layers_enum` (Step3, Step3.5: a
+// comma-separated string or a list of layer indices). Absent: FAILED_PRECONDITION when
+// `required`, else layers 1..n-1 (vLLM's fallback for Step3).
+absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& config_text, int n,
+                                                const std::string& file, bool required);
+
+// config.json's text, read again by factories that need keys ModelConfig does not keep.
+absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir);
+
 }  // namespace moelora
 
 #endif  // MOELORA_WORKER_MODELS_DECODER_H_

@@ -10,13 +10,10 @@
 // Module paths are the hub's (`moe.experts`, `share_expert.*`, `mlp.*` for dense layers);
 // adapters trained on transformers' Step3p7 classes name the same modules `mlp.experts` and
 // `mlp.shared_experts.*`: both are accepted. Only composes layers (worker/layers/).
-#include <fstream>
+#include <algorithm>
 #include <set>
-#include <sstream>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
 #include "nlohmann/json.hpp"
@@ -168,27 +165,8 @@ absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConf
     L.rope.push_back(r);
   }
   // MLP / MoE per layer.
-  if (!t.contains("moe_layers_enum")) {
-    return refuse(
-        "moe_layers_enum is required (the hub code and transformers default it differently)");
-  }
-  std::set<int> moe;
-  const nlohmann::json& me = t["moe_layers_enum"];
-  if (me.is_string()) {
-    for (absl::string_view part : absl::StrSplit(me.get<std::string>(), ',', absl::SkipEmpty())) {
-      int k = 0;
-      if (!absl::SimpleAtoi(part, &k)) return bad("moe_layers_enum: \"", part, "\" is not a layer");
-      moe.insert(k);
-    }
-  } else if (me.is_array()) {
-    for (const auto& v : me) {
-      if (!v.is_number_integer()) return bad("moe_layers_enum must list layer indices");
-      moe.insert(v.get<int>());
-    }
-  } else {
-    return bad("moe_layers_enum must be a comma-separated string or a list");
-  }
-  for (int i = 0; i < n; ++i) L.moe.push_back(moe.count(i) > 0);
+  MOELORA_ASSIGN_OR_RETURN(L.moe, MoeLayersEnum(text, n, file, /*required=*/true));
+  const int num_moe = static_cast<int>(std::count(L.moe.begin(), L.moe.end(), true));
   MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits", 0, &L.limit));
   MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits_shared", 0, &L.limit_shared));
   auto get_int = [&](const char* key, int64_t* out) {
@@ -214,8 +192,8 @@ absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConf
         "renormalise the sigmoid router's top-k weights regardless");
   }
   L.head_gate = flag("use_head_wise_attn_gate", true);
-  const bool any_moe = !moe.empty();
-  const bool any_dense = static_cast<int>(moe.size()) < n;
+  const bool any_moe = num_moe > 0;
+  const bool any_dense = num_moe < n;
   if (any_moe && (c.info.num_experts <= 0 || L.top_k <= 0 || L.top_k > c.info.num_experts ||
                   L.share_inter <= 0 || c.info.moe_intermediate_size <= 0)) {
     return bad(
@@ -289,10 +267,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
   const ModelConfig& c = ctx.config;
   const ModelOptions& o = ctx.options;
   const std::string cfg = ctx.dir + "/config.json";
-  std::ifstream in(cfg);
-  std::stringstream text;
-  text << in.rdbuf();
-  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text.str(), c, cfg));
+  MOELORA_ASSIGN_OR_RETURN(std::string text, ReadConfigText(ctx.dir));
+  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text, c, cfg));
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
   };

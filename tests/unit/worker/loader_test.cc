@@ -126,10 +126,11 @@ TEST(NameTableTest, UnknownArchitectureListsTheSupportedOnes) {
                        HasSubstr("Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration")));
   EXPECT_EQ(SupportedArchitectures().size(), 9u);
   // The forward passes served; the rest have name tables only.
-  EXPECT_THAT(ServedArchitectures(),
-              ::testing::ElementsAre("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
-                                     "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                                     "GptOssForCausalLM"));
+  EXPECT_THAT(
+      ServedArchitectures(),
+      ::testing::ElementsAre("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
+                             "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                             "GptOssForCausalLM", "Step3TextForCausalLM", "Step3p5ForCausalLM"));
 }
 
 // ---- Landing: a synthetic checkpoint per storage layout, loaded through the real loader ----
@@ -365,7 +366,7 @@ TEST_F(BadCheckpointTest, ConfigErrors) {
                        HasSubstr("unknown architecture \"LlamaForCausalLM\"")));
   EXPECT_THAT(Load(Copy("", {}, "\"architectures\"", "\"archs\"")),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no architectures[0]")));
-  EXPECT_THAT(Load(Copy("", {}, "\"Qwen3MoeForCausalLM\"", "\"Step3p5ForCausalLM\"")),
+  EXPECT_THAT(Load(Copy("", {}, "\"Qwen3MoeForCausalLM\"", "\"Step3p5MTP\"")),
               StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("no forward pass yet")));
 }
 

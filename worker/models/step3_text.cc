@@ -1,0 +1,237 @@
+// Step3 text (Step3TextForCausalLM; MODELS.md §4): MQA whose query comes from a shared
+// low-rank latent (q_proj → inter_norm → wq) and whose single KV head is replicated on every
+// rank; neox RoPE over the whole head; then a dense SwiGLU MLP (layers outside
+// moe_layers_enum) or the MoE block: softmax over all experts, top-k, renormalised iff
+// norm_expert_weight, plus the ungated shared expert. Plain RMSNorm everywhere. vLLM's
+// step3_text.py is the anchor (transformers has no class for it; the reference is
+// tools/step3_reference.py). Only composes layers (worker/layers/).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
+#include "nlohmann/json.hpp"
+#include "worker/layers/attention.h"
+#include "worker/layers/moe.h"
+#include "worker/loaders/weight_loader.h"
+#include "worker/model/model_context.h"
+#include "worker/models/decoder.h"
+
+namespace moelora {
+
+namespace {
+
+struct Step3Layout {
+  std::vector<bool> moe;
+  int64_t share_q = 0, dense_inter = 0, share_inter = 0;
+  bool renormalise = false;
+};
+
+std::vector<ParamSpec> Step3Specs(const ModelConfig& c, const Step3Layout& L, bool with_lm_head) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
+                d = c.info.head_dim, hq = c.info.num_attention_heads, Q = L.share_q;
+  std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
+                              {"model.norm.weight", {H}, TpSplit::kReplicated}};
+  if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({a + "q_proj.base_layer.weight", {Q, H}, TpSplit::kReplicated});
+    s.push_back({a + "inter_norm.weight", {Q}, TpSplit::kReplicated});
+    s.push_back({a + "wq.base_layer.weight", {hq * d, Q}, TpSplit::kRows});
+    s.push_back({a + "k_proj.base_layer.weight", {d, H}, TpSplit::kReplicated});
+    s.push_back({a + "v_proj.base_layer.weight", {d, H}, TpSplit::kReplicated});
+    s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
+    auto mlp = [&](const std::string& m, int64_t inter) {
+      s.push_back({m + "gate_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
+      s.push_back({m + "up_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
+      s.push_back({m + "down_proj.base_layer.weight", {H, inter}, TpSplit::kCols});
+    };
+    if (L.moe[l]) {
+      s.push_back({p + "moe.gate.weight", {E, H}, TpSplit::kReplicated});
+      AddExpertSpecs(s, p + "moe.experts", c, /*lora_wrapped=*/true);
+      mlp(p + "share_expert.", L.share_inter);
+    } else {
+      mlp(p + "mlp.", L.dense_inter);
+    }
+  }
+  return s;
+}
+
+class Step3Text final : public CausalLM {
+ public:
+  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+
+ private:
+  struct Layer {
+    at::Tensor in_norm, post_norm;
+    std::unique_ptr<Attention> attn;
+    std::unique_ptr<MoeBlock> moe;   // MoE layers
+    std::unique_ptr<SwiGluMlp> mlp;  // dense layers
+  };
+  LmEnds ends_;
+  Rotary rope_;
+  std::vector<Layer> layers_;
+};
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& ctx) {
+  ModelConfig c = ctx.config;
+  const ModelOptions& o = ctx.options;
+  const std::string cfg = ctx.dir + "/config.json";
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
+  };
+  auto refuse = [&](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat(cfg, ": ", parts...));
+  };
+  MOELORA_ASSIGN_OR_RETURN(std::string text, ReadConfigText(ctx.dir));
+  const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
+  auto get_int = [&](const char* key, int64_t* out) {
+    if (t.contains(key) && t[key].is_number_integer()) *out = t[key].get<int64_t>();
+  };
+  Step3Layout lay;
+  MOELORA_ASSIGN_OR_RETURN(lay.moe,
+                           MoeLayersEnum(text, c.info.num_layers, cfg, /*required=*/false));
+  get_int("share_q_dim", &lay.share_q);
+  get_int("intermediate_size", &lay.dense_inter);
+  lay.share_inter = c.info.shared_expert_intermediate_size;
+  lay.renormalise = t.contains("norm_expert_weight") && t["norm_expert_weight"].is_boolean() &&
+                    t["norm_expert_weight"].get<bool>();
+  // Step3 names it in the singular.
+  if (c.max_position_embeddings == 0) {
+    int64_t m = 0;
+    get_int("max_position_embedding", &m);
+    c.max_position_embeddings = static_cast<int>(m);
+  }
+  if (c.hidden_act != "silu") return refuse("hidden_act \"", c.hidden_act, "\" (silu only)");
+  if (c.info.num_key_value_heads != 1) {
+    return refuse("num_attention_groups ", c.info.num_key_value_heads,
+                  " is not implemented (Step3 has one KV head; vLLM requires 1 too)");
+  }
+  if (c.rope.partial_rotary_factor != 1.0) return refuse("partial rotary is not Step3's");
+  const int tp = o.tp_size;
+  const bool any_moe = std::find(lay.moe.begin(), lay.moe.end(), true) != lay.moe.end();
+  const bool any_dense = std::find(lay.moe.begin(), lay.moe.end(), false) != lay.moe.end();
+  if (lay.share_q <= 0) return bad("share_q_dim must be a positive integer");
+  if (any_moe && (lay.share_inter <= 0 || lay.share_inter % tp != 0)) {
+    return bad("share_expert_dim ", lay.share_inter,
+               " must be positive and divide by --tensor-parallel-size ", tp);
+  }
+  if (any_dense && (lay.dense_inter <= 0 || lay.dense_inter % tp != 0)) {
+    return bad("intermediate_size ", lay.dense_inter,
+               " must be positive and divide by --tensor-parallel-size ", tp);
+  }
+  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
+  if (!has_lm_head && !c.tie_word_embeddings) {
+    return bad("no lm_head.weight and tie_word_embeddings is false");
+  }
+  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
+  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
+                                                        Step3Specs(c, lay, has_lm_head), lopt));
+  auto m = std::unique_ptr<Step3Text>(new Step3Text());
+  auto& P = w.params;
+  MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
+  const at::Device dev = m->device();
+  m->ends_ = LmEnds::From(P, has_lm_head);
+  m->rope_ = Rotary(c.rope, dev);
+  const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
+  const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
+                Q = lay.share_q;
+  for (int l = 0; l < c.info.num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    Layer L;
+    L.in_norm = P.at(p + "input_layernorm.weight");
+    L.post_norm = P.at(p + "post_attention_layernorm.weight");
+    auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
+      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in_dim,
+                                {out_dim}, shape);
+    };
+    MOELORA_ASSIGN_OR_RETURN(auto q_down, linear(a + "q_proj", TpMode::kReplicated, H, Q));
+    MOELORA_ASSIGN_OR_RETURN(auto wq, linear(a + "wq", TpMode::kColumn, Q, hq * d));
+    MOELORA_ASSIGN_OR_RETURN(auto k, linear(a + "k_proj", TpMode::kReplicated, H, d));
+    MOELORA_ASSIGN_OR_RETURN(auto v, linear(a + "v_proj", TpMode::kReplicated, H, d));
+    MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "o_proj", TpMode::kRow, hq * d, H));
+    AttentionSpec as;
+    as.heads = hq / tp;
+    as.kv_heads = 1;  // replicated
+    as.head_dim = d;
+    as.eps = c.rms_norm_eps;  // inter_norm
+    L.attn = std::make_unique<Attention>(as, std::move(wq), std::move(k), std::move(v),
+                                         std::move(out), at::Tensor(), at::Tensor());
+    L.attn->set_query_latent(std::move(q_down), P.at(a + "inter_norm.weight"));
+    auto mlp = [&](const std::string& mp,
+                   int64_t inter) -> absl::StatusOr<std::unique_ptr<SwiGluMlp>> {
+      auto s = std::make_unique<SwiGluMlp>();
+      MOELORA_ASSIGN_OR_RETURN(s->gate, linear(mp + "gate_proj", TpMode::kColumn, H, inter));
+      MOELORA_ASSIGN_OR_RETURN(s->up, linear(mp + "up_proj", TpMode::kColumn, H, inter));
+      MOELORA_ASSIGN_OR_RETURN(s->down, linear(mp + "down_proj", TpMode::kRow, inter, H));
+      return s;
+    };
+    if (lay.moe[l]) {
+      MOELORA_ASSIGN_OR_RETURN(auto shared, mlp(p + "share_expert.", lay.share_inter));
+      L.moe = std::make_unique<MoeBlock>(
+          P.at(p + "moe.gate.weight"), RouterKind::kSoftmaxTopK, c.num_experts_per_tok,
+          lay.renormalise, MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape),
+          std::move(shared));
+    } else {
+      MOELORA_ASSIGN_OR_RETURN(L.mlp, mlp(p + "mlp.", lay.dense_inter));
+    }
+    m->layers_.push_back(std::move(L));
+  }
+  for (size_t l = 0; l < m->layers_.size(); ++l) {
+    Layer& L = m->layers_[l];
+    for (LoraModule* x : {L.attn->q_down(), L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) {
+      m->RegisterLora(x);
+    }
+    SwiGluMlp* s = L.mlp ? L.mlp.get() : L.moe->shared();
+    for (LoraModule* x : {s->gate.get(), s->up.get(), s->down.get()}) m->RegisterLora(x);
+    if (L.moe) m->RegisterLora(L.moe->experts());
+  }
+  return std::unique_ptr<CausalLM>(std::move(m));
+}
+
+absl::StatusOr<at::Tensor> Step3Text::Forward(const ForwardBatch& b) {
+  const at::Device dev = device();
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
+  at::Tensor x = ends_.embed.index_select(0, in.tokens);
+  const double eps = config_.rms_norm_eps;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(RmsNorm(x, L.in_norm, eps), b,
+                                                           static_cast<int>(l), rope_, table, lb));
+    MOELORA_RETURN_IF_ERROR(AllReduce(a));
+    x = x + a;
+    const at::Tensor hn = RmsNorm(x, L.post_norm, eps);
+    absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(hn, lb) : L.mlp->Forward(hn, lb);
+    if (!f.ok()) return f.status();
+    MOELORA_RETURN_IF_ERROR(AllReduce(*f));
+    x = x + *f;
+  }
+  return ends_.Finish(b, x, eps, NormKind::kPlain);
+}
+
+}  // namespace
+
+const std::vector<std::string>& Step3TextConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "intermediate_size", "num_attention_heads", "num_attention_groups", "head_dim",
+      "share_q_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "moe_num_experts",
+      "moe_top_k", "moe_intermediate_size", "share_expert_dim", "norm_expert_weight",
+      "moe_layers_enum", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embedding",
+      "max_position_embeddings", "tie_word_embeddings", "hidden_act",
+      // The longest sequence is --max-model-len's business.
+      "max_seq_len"};
+  return keys;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx) {
+  return Step3Text::Create(ctx);
+}
+
+}  // namespace moelora
