@@ -281,11 +281,13 @@ void PrefillChunkedVsTokenByToken(const std::string& model, int len) {
 // hold it (SlotBytes), for rank 0 (the model is loaded with rank 0's options; nothing runs).
 void ExpertMemory(const std::string& model, const std::string& a2d, const std::string& a3d) {
   auto comm = MakeLocalCommunicator();
-  for (bool ep : {false, true}) {
+  for (int mode = 0; mode < 3; ++mode) {
+    const bool ep = mode == 1, fs = mode == 2;
     ModelOptions o;
     o.tp_rank = 0;
     o.tp_size = 2;
     o.expert_parallel = ep;
+    o.fully_sharded_loras = fs;
     o.mixed_moe_lora_format = true;
     auto m = LoadCausalLM(model, o, comm.get());
     Check(m.status(), "load");
@@ -314,8 +316,13 @@ void ExpertMemory(const std::string& model, const std::string& a2d, const std::s
     }
     std::printf(
         "expert memory per rank, TP=2 %-18s base experts %8.1f MB   expert LoRA: 2D %6.2f MB, 3D "
-        "(converted) %6.2f MB\n",
-        ep ? "expert-parallel:" : "plain TP:", expert_bytes / 1e6, lora[0] / 1e6, lora[1] / 1e6);
+        "(converted) %6.2f MB   slots allocated (--max-loras %d, rank %d): experts %7.1f MB, "
+        "dense %6.1f MB\n",
+        ep   ? "expert-parallel:"
+        : fs ? "fully sharded:"
+             : "plain TP:",
+        expert_bytes / 1e6, lora[0] / 1e6, lora[1] / 1e6, o.max_loras, o.max_lora_rank,
+        (*m)->AllocatedSlotBytes(true) / 1e6, (*m)->AllocatedSlotBytes(false) / 1e6);
   }
 }
 

@@ -58,6 +58,7 @@ class LoraLinear final : public LoraModule {
   absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const override;
   void WriteDense(const LoraPair& pair, const SlotWrite& w) override;
   int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const override;
+  int64_t AllocatedSlotBytes() const override { return la_.nbytes() + lb_.nbytes(); }
   void Reset(int slot) override;
   void SyncRanks(int slot) override;
 

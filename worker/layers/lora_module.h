@@ -51,6 +51,9 @@ class LoraModule {
   virtual int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const;
   virtual int64_t ExpertBytes(const MoeLayerLora& layer, int64_t elem_bytes) const;
 
+  // Bytes of the slot tensors this rank allocated for the module (every slot).
+  virtual int64_t AllocatedSlotBytes() const = 0;
+
   virtual void Reset(int slot) = 0;
   // Kernel paths: copy the host ranks of `slot` into the device rank tensors the kernels read.
   virtual void SyncRanks(int slot) = 0;

@@ -32,17 +32,21 @@ MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t 
       shape_(shape) {
   const int64_t S = shape.num_slots, R = shape.max_rank, E = E_, H = H_, Ip = Ip_;
   const auto& f = shape.slot_options;
+  // --fully-sharded-loras (plain TP only: under expert parallelism a rank's experts are whole):
+  // gate/up keep R / tp columns of lora_A, down H / tp columns of lora_B.
+  fs_ = shape.fully_sharded && shape.tp_size > 1 && E_total_ == E_;
+  const int64_t Ra = fs_ ? R / shape.tp_size : R, Hb = fs_ ? H / shape.tp_size : H;
   if (wrapper_ == AdapterFormat::k2D) {
     for (int k : {kW1, kW3}) {
-      ea_[k] = at::zeros({S, E, H, R}, f);
+      ea_[k] = at::zeros({S, E, H, Ra}, f);
       eb_[k] = at::zeros({S, E, R, Ip}, f);
     }
   } else {
-    ea_[kW1] = at::zeros({S, E, H, R}, f);
+    ea_[kW1] = at::zeros({S, E, H, Ra}, f);
     eb_[kW1] = at::zeros({S, E, R, 2 * Ip}, f);
   }
   ea_[kW2] = at::zeros({S, E, Ip, R}, f);
-  eb_[kW2] = at::zeros({S, E, R, H}, f);
+  eb_[kW2] = at::zeros({S, E, R, Hb}, f);
   const bool kernels = shape.kernels != LoraKernels::kCpuSgmv;
   for (int k = 0; k < 3; ++k) {
     erank_[k].assign(S * E, 0);
@@ -73,8 +77,24 @@ absl::Status MoeExperts::CheckExperts(const LoraAdapter& a, const MoeLayerLora& 
 }
 
 void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
-  const int64_t E = E_, I = I_, Et = E_total_, e0 = e0_;
+  const int64_t E = E_, I = I_, Et = E_total_, e0 = e0_, R = shape_.max_rank;
   const int slot = w.slot;
+  // Aᵀ [in, r] of a gate/up projection into its slot [in, R (or R / tp, fully sharded)].
+  auto write_gate_up_a = [&](at::Tensor dst, const at::Tensor& At) {
+    if (!fs_) {
+      dst.narrow(1, 0, At.size(1)).copy_(At);
+      return;
+    }
+    at::Tensor padded = at::zeros({At.size(0), R}, At.options());
+    padded.narrow(1, 0, At.size(1)).copy_(At);
+    const int64_t n = R / shape_.tp_size;
+    dst.copy_(padded.narrow(1, shape_.tp_rank * n, n));
+  };
+  // Bᵀ [r, H] of down into its slot [R, H (or H / tp, fully sharded)].
+  auto write_down_b = [&](at::Tensor dst, const at::Tensor& Bt) {
+    const int64_t n = dst.size(1);
+    dst.narrow(0, 0, Bt.size(0)).copy_(fs_ ? Bt.narrow(1, shape_.tp_rank * n, n) : Bt);
+  };
   // Every expert projection of a rank: gate/up keep A whole and their rows of B (column-
   // parallel over I, each of gate and up on its own); down keeps its columns of A (row-parallel).
   // With expert parallelism a rank holds whole experts: nothing is sliced.
@@ -98,7 +118,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
           Be = at::cat({Be.slice(0, 0, 2 * I, 2), Be.slice(0, 1, 2 * I, 2)}, 0);  // [gate ; up]
         }
         at::Tensor Bl = GatherRanges(Be, 0, gu);  // [2 I_p, r]
-        w.dst(ea_[kW1])[e].narrow(1, 0, r).copy_(A[e0 + e].t());
+        write_gate_up_a(w.dst(ea_[kW1])[e], A[e0 + e].t());
         w.dst(eb_[kW1])[e].narrow(0, 0, r).copy_(Bl.t());
         erank_[kW1][slot * E + e] = r;
       }
@@ -110,7 +130,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       at::Tensor B = (ToFloat(p.b) * p.scaling).view({-1, r, Et});
       for (int64_t e = 0; e < E; ++e) {
         w.dst(ea_[kW2])[e].narrow(1, 0, r).copy_(GatherRanges(A[e0 + e], 1, dn).t());
-        w.dst(eb_[kW2])[e].narrow(0, 0, r).copy_(B.select(2, e0 + e).t());
+        write_down_b(w.dst(eb_[kW2])[e], B.select(2, e0 + e).t());
         erank_[kW2][slot * E + e] = r;
       }
     }
@@ -129,8 +149,13 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       } else {
         B = GatherRanges(B, 0, k == kW1 ? gate_rows : up_rows);
       }
-      w.dst(ea_[k])[e].narrow(1, 0, r).copy_(A.t());
-      w.dst(eb_[k])[e].narrow(0, 0, r).copy_(B.t());
+      if (k == kW2) {
+        w.dst(ea_[k])[e].narrow(1, 0, r).copy_(A.t());
+        write_down_b(w.dst(eb_[k])[e], B.t());
+      } else {
+        write_gate_up_a(w.dst(ea_[k])[e], A.t());
+        w.dst(eb_[k])[e].narrow(0, 0, r).copy_(B.t());
+      }
       erank_[k][slot * E + e] = r;
     }
   }
@@ -142,6 +167,7 @@ int64_t MoeExperts::ExpertBytes(const MoeLayerLora& ml, int64_t elem) const {
   auto pair = [&](const LoraPair& p, bool row) {
     // Expert parallelism: this rank's experts' share of everything.
     if (expert_parallel()) return elem * (p.a.numel() + p.b.numel()) / E_total_ * E_;
+    if (fs_) return elem * (p.a.numel() + p.b.numel()) / tp;  // both halves sharded
     return elem * (row ? p.a.numel() / tp + p.b.numel() : p.a.numel() + p.b.numel() / tp);
   };
   int64_t total = 0;
@@ -243,7 +269,28 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     at::Tensor dst = h13.narrow(0, i, j - i);
     at::mm_out(dst, xs.narrow(0, i, j - i), w13_[run_expert[r]].t());
   }
-  if (wrapper_ == AdapterFormat::k2D) {
+  // Fully sharded: (begin, end, slot, expert) of every LoRA segment, for ATen GEMMs around the
+  // collectives (the same list on every rank: routing and slots are replicated).
+  std::vector<FsSegment> fs_segs;
+  if (fs_ && lb.any) {
+    for (int64_t i = 0; i < N;) {
+      const int64_t e = ip[order[i]];
+      const int32_t slot = slots[token[i]];
+      int64_t j = i;
+      while (j < N && ip[order[j]] == e && slots[token[j]] == slot) ++j;
+      if (slot >= 0) fs_segs.push_back({i, j, slot, e});
+      i = j;
+    }
+  }
+  // (lb.any is the same on every rank: they all skip the collectives together.)
+  if (fs_ && lb.any) {
+    if (wrapper_ == AdapterFormat::k2D) {
+      MOELORA_RETURN_IF_ERROR(AddFullyShardedLora(kW1, xs, h13, 0, false, fs_segs));
+      MOELORA_RETURN_IF_ERROR(AddFullyShardedLora(kW3, xs, h13, Ip, false, fs_segs));
+    } else {
+      MOELORA_RETURN_IF_ERROR(AddFullyShardedLora(kW1, xs, h13, 0, false, fs_segs));
+    }
+  } else if (wrapper_ == AdapterFormat::k2D) {
     AddLora(xs, h13, 0, Ip, nullptr, R, lora_segments(kW1, H, Ip));
     AddLora(xs, h13, Ip, Ip, nullptr, R, lora_segments(kW3, H, Ip));
   } else {
@@ -275,7 +322,12 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     at::Tensor dst = ys.narrow(0, i, j - i);
     at::mm_out(dst, act.narrow(0, i, j - i), w2_[run_expert[r]].t());
   }
-  AddLora(act, ys, 0, H, nullptr, R, lora_segments(kW2, Ip, H));
+  if (fs_ && lb.any) {
+    MOELORA_RETURN_IF_ERROR(
+        AddFullyShardedLora(kW2, act, ys, shape_.tp_rank * (H / shape_.tp_size), true, fs_segs));
+  } else {
+    AddLora(act, ys, 0, H, nullptr, R, lora_segments(kW2, Ip, H));
+  }
   if (w2_bias_.defined() && add_w2_bias_) {
     ys.add_(w2_bias_.narrow(0, e0_, E).index_select(0, row_expert));
   }
@@ -283,6 +335,40 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
   at::Tensor out = at::zeros({T, H}, h.options());
   out.index_add_(0, token_t, ys);
   return out;
+}
+
+absl::Status MoeExperts::AddFullyShardedLora(int k, const at::Tensor& in, at::Tensor& out,
+                                             int64_t col, bool row_parallel,
+                                             const std::vector<FsSegment>& segs) const {
+  // mid [N, R] = in·A per segment: gate/up ranks fill their R / tp columns, down ranks their
+  // partial sums over the I shard; the all-reduce completes it on every rank; then each rank
+  // expands with its B (gate/up: its I rows; down: its H columns, which the block's all-reduce
+  // joins). Every rank calls the collective, with or without segments.
+  const int64_t N = in.size(0), R = shape_.max_rank, tp = shape_.tp_size, E = E_;
+  at::Tensor mid = at::zeros({N, R}, in.options().dtype(at::kFloat));
+  std::vector<const FsSegment*> live;
+  for (const FsSegment& g : segs) {
+    if (erank_[k][g.slot * E + g.expert] == 0) continue;
+    at::Tensor part =
+        at::matmul(in.narrow(0, g.begin, g.end - g.begin).to(at::kFloat), ea_[k][g.slot][g.expert]);
+    if (row_parallel) {
+      mid.narrow(0, g.begin, g.end - g.begin).copy_(part);
+    } else {
+      mid.narrow(0, g.begin, g.end - g.begin)
+          .narrow(1, shape_.tp_rank * (R / tp), R / tp)
+          .copy_(part);
+    }
+    live.push_back(&g);
+  }
+  MOELORA_RETURN_IF_ERROR(shape_.comm->AllReduceSum(mid.data_ptr<float>(), mid.numel()));
+  for (const FsSegment* g : live) {
+    at::Tensor b = eb_[k][g->slot][g->expert];  // [R, width]
+    at::Tensor d = at::matmul(mid.narrow(0, g->begin, g->end - g->begin), b);
+    out.narrow(0, g->begin, g->end - g->begin)
+        .narrow(1, col, b.size(1))
+        .add_(d.to(out.scalar_type()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const at::Tensor& idx,

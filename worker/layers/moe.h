@@ -64,6 +64,11 @@ class MoeExperts final : public LoraModule {
   absl::Status CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const override;
   void WriteExperts(const MoeLayerLora& layer, const SlotWrite& w) override;
   int64_t ExpertBytes(const MoeLayerLora& layer, int64_t elem_bytes) const override;
+  int64_t AllocatedSlotBytes() const override {
+    int64_t n = 0;
+    for (int k = 0; k < 3; ++k) n += ea_[k].defined() ? ea_[k].nbytes() + eb_[k].nbytes() : 0;
+    return n;
+  }
   void Reset(int slot) override;
   void SyncRanks(int slot) override;
 
@@ -72,6 +77,15 @@ class MoeExperts final : public LoraModule {
                                         const at::Tensor& weights, const LoraBatch& lb) const;
   absl::StatusOr<at::Tensor> FusedForward(const at::Tensor& h, const at::Tensor& ids,
                                           const at::Tensor& weights, const LoraBatch& lb) const;
+  // --fully-sharded-loras on the CPU path: one (expert, slot) run of the sorted assignments.
+  struct FsSegment {
+    int64_t begin, end;
+    int32_t slot;
+    int64_t expert;
+  };
+  // Adds projection k's LoRA of `in` (sorted rows) to out[:, col : col + its B width].
+  absl::Status AddFullyShardedLora(int k, const at::Tensor& in, at::Tensor& out, int64_t col,
+                                   bool row_parallel, const std::vector<FsSegment>& segs) const;
 
   at::Tensor w13_, w2_;
   at::Tensor w13_bias_, w2_bias_;
@@ -82,8 +96,10 @@ class MoeExperts final : public LoraModule {
   AdapterFormat wrapper_;
   std::string architecture_;
   SlotShape shape_;
+  bool fs_ = false;  // fully sharded (plain TP, tp > 1)
   // 2D: [kW1], [kW3]: a_t [S, E, H, R], b_t [S, E, R, I_p]; 3D: [kW1] holds w13 with b_t
-  // [S, E, R, 2 I_p]. [kW2]: a_t [S, E, I_p, R], b_t [S, E, R, H]. rank [S * E].
+  // [S, E, R, 2 I_p]. [kW2]: a_t [S, E, I_p, R], b_t [S, E, R, H]. rank [S * E]. Fully
+  // sharded: gate/up a_t [S, E, H, R / tp], down b_t [S, E, R, H / tp].
   mutable at::Tensor ea_[3], eb_[3];
   std::vector<int32_t> erank_[3];
   at::Tensor erank_t_[3];  // kernel paths

@@ -107,6 +107,14 @@ int64_t CausalLM::SlotBytes(const LoraAdapter& a) const {
   return total;
 }
 
+int64_t CausalLM::AllocatedSlotBytes(bool experts) const {
+  int64_t n = 0;
+  for (const LoraModule* m : lora_order_) {
+    if (m->takes_experts() == experts) n += m->AllocatedSlotBytes();
+  }
+  return n;
+}
+
 void CausalLM::ResetSlot(int slot) {
   for (LoraModule* m : lora_order_) m->Reset(slot);
 }
@@ -263,6 +271,11 @@ absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const Mod
     if (o.kernels != LoraKernels::kCpuSgmv) {
       return absl::FailedPreconditionError(
           "--fully-sharded-loras runs on the CPU path only for now (--device cpu)");
+    }
+    if (c.info.hidden_size % tp != 0) {
+      return bad("hidden_size ", c.info.hidden_size, " must divide by --tensor-parallel-size ", tp,
+                 " with --fully-sharded-loras (each rank holds H / tp columns of the experts' "
+                 "down lora_B)");
     }
   }
   if (o.expert_parallel) {

@@ -104,6 +104,9 @@ class CausalLM {
   void ResetSlot(int slot);
   // Bytes of LoRA weights a slot holds on this rank for `adapter` (for reporting).
   int64_t SlotBytes(const LoraAdapter& adapter) const;
+  // Bytes of every slot tensor this rank allocated: of the experts modules (`experts`) or of
+  // the rest.
+  int64_t AllocatedSlotBytes(bool experts) const;
 
   const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }

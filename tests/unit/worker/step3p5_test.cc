@@ -18,6 +18,7 @@
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "worker/model/causal_lm.h"
 
 namespace moelora {
 namespace {
@@ -233,6 +234,38 @@ TEST(Step3p5Test, AnAdapterNamingOneModuleTwiceIsRefused) {
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
                           HasSubstr("both name module model.layers.1.share_expert.up_proj")));
   ::moelora::testing::ExpectBitIdentical(before, GenerateBatch(*h->engine, {1}, {{1, 17, 42}}, 3));
+}
+
+// --fully-sharded-loras shards the experts' LoRA too: at TP=2 a rank allocates half of gate/up
+// lora_A (R / tp of its columns) and half of down lora_B (H / tp of its columns). Rank 0 of 2,
+// loaded alone (no forward step runs).
+TEST(Step3p5Test, FullyShardedLorasHalveTheExpertSlotMemory) {
+  auto comm = MakeLocalCommunicator();
+  int64_t bytes[2] = {0, 0}, dense[2] = {0, 0};
+  for (int fs : {0, 1}) {
+    ModelOptions o;
+    o.tp_rank = 0;
+    o.tp_size = 2;
+    o.max_loras = 4;
+    o.max_lora_rank = 8;
+    o.mixed_moe_lora_format = true;
+    o.fully_sharded_loras = fs == 1;
+    auto m = LoadCausalLM(Data("step3p5/model"), o, comm.get());
+    ASSERT_OK(m);
+    bytes[fs] = (*m)->AllocatedSlotBytes(/*experts=*/true);
+    dense[fs] = (*m)->AllocatedSlotBytes(/*experts=*/false);
+  }
+  // 3 MoE layers, S = 4 slots, E = 4, H = 24, R = 8, I_p = 10 / 2; f32. 2D wrapper: w1 and w3
+  // take A [H, R] and B [R, I_p], w2 A [I_p, R] and B [R, H].
+  const int64_t S = 4, E = 4, H = 24, R = 8, Ip = 5, per = 3 * S * E * 4;
+  EXPECT_EQ(bytes[0], per * (2 * (H * R + R * Ip) + Ip * R + R * H));
+  EXPECT_EQ(bytes[1], per * (2 * (H * R / 2 + R * Ip) + Ip * R + R * H / 2));
+  EXPECT_LT(dense[1], dense[0]);
+  std::printf(
+      "[fs] step3p5 TP=2 rank 0 slot memory: experts %lld -> %lld bytes, dense %lld -> "
+      "%lld bytes\n",
+      static_cast<long long>(bytes[0]), static_cast<long long>(bytes[1]),
+      static_cast<long long>(dense[0]), static_cast<long long>(dense[1]));
 }
 
 }  // namespace
