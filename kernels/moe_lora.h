@@ -8,6 +8,7 @@
 //   h13[p.out_col + c] += Σ_j p.b_t[s, e, j, c] · Σ_h p.a_t[s, e, h, j] · x[t, h]
 //                                                          for each gate/up projection p, s >= 0
 //   act = dtype(silu(h13[c]) · h13[I + c])                 [I], rounded to the compute dtype
+//         (swiglu_limit L > 0, Step3.5: dtype(min(silu(g), L) · clamp(u, -L, L)))
 //   y   = w2[e] · act  (+ down LoRA the same way, from act) f32 [H]
 //   out[t] = dtype(Σ_k w · y)                              the routing weight scales base + LoRA
 // The LoRA intermediate (A·x, rank-sized) is f32, as are h13, y and the sum over k (FORMATS.md
@@ -62,6 +63,7 @@ struct MoeLoraParams {
   int64_t top_k = 0;        // K
   int64_t num_slots = 0;    // S (>= 1 when any LoRA projection is given)
   int64_t max_rank = 0;     // R_max
+  float swiglu_limit = 0;   // > 0: Step3.5's clamped SwiGLU (see above); 0: plain SwiGLU
   // CUDA only: device scratch of MoeLoraWorkspaceBytes() bytes.
   void* workspace = nullptr;
 

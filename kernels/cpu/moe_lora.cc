@@ -2,6 +2,7 @@
 // pipeline (device sort, grouped GEMMs, LoRA shrink/expand, combine) is tested against.
 #include "kernels/moe_lora.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -140,7 +141,12 @@ absl::Status MoeLoraCpu(const MoeLoraParams& p) {
       }
       for (int64_t c = 0; c < I; ++c) {
         const float g = h13[c];
-        act[c] = RoundTo(d, g / (1.0f + std::exp(-g)) * h13[I + c]);
+        float a = g / (1.0f + std::exp(-g)), u = h13[I + c];
+        if (p.swiglu_limit > 0) {
+          a = std::min(a, p.swiglu_limit);
+          u = std::min(std::max(u, -p.swiglu_limit), p.swiglu_limit);
+        }
+        act[c] = RoundTo(d, a * u);
       }
       for (int64_t h = 0; h < H; ++h) {
         float acc = 0.0f;

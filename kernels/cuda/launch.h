@@ -49,6 +49,7 @@ struct MoeArgs {
   void* out = nullptr;
   int64_t num_tokens = 0, hidden = 0, inter = 0, num_experts = 0, top_k = 0, num_slots = 0,
           max_rank = 0;
+  float swiglu_limit = 0;  // MoeLoraParams::swiglu_limit
   void* workspace = nullptr;
 };
 cudaError_t LaunchMoeLora(const MoeArgs& a, cudaStream_t stream);

@@ -5,7 +5,7 @@
 //   2. GroupedGemm: h13 = x[token] · w13[e]ᵀ per tile (f32 out), on tensor cores (WMMA) for
 //      f16/bf16 when the dims allow, else a SIMT kernel.
 //   3. LoRA shrink/expand on gate/up per sorted row (lora_kernels.cuh), added into h13.
-//   4. ActKernel: act = dtype(silu(gate) · up).
+//   4. ActKernel: act = dtype(silu(gate) · up) (clamped when swiglu_limit > 0).
 //   5. GroupedGemm: y = act · w2[e]ᵀ (f32), then the down LoRA, added into y.
 //   6. CombineKernel: out[t] = dtype(Σ_k w[t, k] · y[row(t, k)]), in k order (deterministic).
 // Kernels whose grid depends on the routing (the GEMM tiles) are launched with the worst-case
@@ -236,13 +236,18 @@ cudaError_t LaunchGroupedGemm(const T* in, int64_t in_stride, const int32_t* gat
 
 template <typename T>
 __global__ void ActKernel(const float* __restrict__ h13, T* __restrict__ act, int64_t rows,
-                          int64_t inter) {
+                          int64_t inter, float limit) {
   const int64_t total = rows * inter;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / inter, c = idx % inter;
     const float g = h13[r * 2 * inter + c], u = h13[r * 2 * inter + inter + c];
-    act[idx] = FromF<T>(g / (1.0f + __expf(-g)) * u);
+    float a = g / (1.0f + __expf(-g)), v = u;
+    if (limit > 0.0f) {
+      a = fminf(a, limit);
+      v = fminf(fmaxf(v, -limit), limit);
+    }
+    act[idx] = FromF<T>(a * v);
   }
 }
 
@@ -315,7 +320,7 @@ cudaError_t Run(const MoeArgs& a, cudaStream_t stream) {
   {
     const int64_t total = N * I;
     const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65536));
-    ActKernel<T><<<blocks, 256, 0, stream>>>(h13, act, N, I);
+    ActKernel<T><<<blocks, 256, 0, stream>>>(h13, act, N, I, a.swiglu_limit);
     MOELORA_CUDA_TRY(cudaGetLastError());
   }
   MOELORA_CUDA_TRY(LaunchGroupedGemm<T>(act, I, nullptr, 1, static_cast<const T*>(a.w2), tiles,

@@ -84,6 +84,7 @@ absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
   a.top_k = p.top_k;
   a.num_slots = p.num_slots;
   a.max_rank = p.max_rank;
+  a.swiglu_limit = p.swiglu_limit;
   a.workspace = p.workspace;
   return CudaStatus(cuda_internal::LaunchMoeLora(a, static_cast<cudaStream_t>(stream)),
                     "moe_lora launch");

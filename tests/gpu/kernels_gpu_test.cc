@@ -181,6 +181,22 @@ TEST_P(MoeLoraGpu, MatchesCpuTwin) {
   }
 }
 
+// Step3.5's clamped SwiGLU on the device equals the CPU twin's, and the limit matters.
+TEST_P(MoeLoraGpu, ClampedSwiGluMatchesCpuTwin) {
+  SKIP_WITHOUT_DEVICE();
+  const DType d = GetParam();
+  MoeProblem p =
+      MoeProblem::Make({.t = 37, .h = 128, .i = 48, .e = 16, .k = 4, .s = 4, .r = 16}, d, 23);
+  const std::vector<uint8_t> plain = RunOnDevice(p, 2);
+  p.swiglu_limit = 0.05f;
+  const std::vector<uint8_t> got = RunOnDevice(p, 2);
+  ASSERT_THAT(MoeLoraCpu(p.Params(2)), IsOk());
+  DTensor g = p.out;
+  g.bytes = got;
+  EXPECT_LT(testing::RelErr(g.floats(), p.out.floats()), Tolerance(d));
+  EXPECT_NE(got, plain);
+}
+
 TEST_P(MoeLoraGpu, BaseTokensBitIdenticalWithAdaptersLoaded) {
   SKIP_WITHOUT_DEVICE();
   const DType d = GetParam();

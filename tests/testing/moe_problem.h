@@ -21,6 +21,7 @@ struct MoeDims {
 struct MoeProblem {
   MoeDims d;
   DType dtype = DType::kF32;
+  float swiglu_limit = 0;  // MoeLoraParams::swiglu_limit
   DTensor x, w13, w2, out;
   std::vector<int32_t> topk_ids, slots;
   std::vector<float> topk_weights;
@@ -76,6 +77,7 @@ struct MoeProblem {
   MoeLoraParams Params(int wrapper) {
     MoeLoraParams q;
     q.dtype = dtype;
+    q.swiglu_limit = swiglu_limit;
     q.x = x.bytes.data();
     q.topk_ids = topk_ids.data();
     q.topk_weights = topk_weights.data();

@@ -394,6 +394,13 @@ absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const a
   p.top_k = K;
   p.num_slots = shape_.num_slots;
   p.max_rank = shape_.max_rank;
+  if (act_.kind == ExpertActivation::Kind::kClampedSwiGlu || w13_bias_.defined()) {
+    return absl::InternalError(
+        absl::StrCat(path(), ": the fused MoE kernel has no GPT-OSS activation or expert biases"));
+  }
+  if (act_.kind == ExpertActivation::Kind::kSwiGluStep) {
+    p.swiglu_limit = static_cast<float>(act_.limit);
+  }
   if (lb.any) {
     p.slot_of_token = lb.slots_t.data_ptr<int32_t>();
     auto proj = [&](int k, int64_t col, int64_t dim) {

@@ -279,12 +279,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
                  " KV heads must divide by --tensor-parallel-size ", tp,
                  " (and the query heads by the KV heads)");
     }
-    if (lay.moe[l] && lay.limit[l] > 0 && o.kernels != LoraKernels::kCpuSgmv) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          cfg, ": swiglu_limits[", l, "] = ", lay.limit[l],
-          ": the clamped expert SwiGLU runs on the CPU path only (--device cpu); the fused "
-          "MoE kernel has plain SwiGLU"));
-    }
   }
   if ((lay.share_inter > 0 && lay.share_inter % tp != 0) ||
       (lay.dense_inter > 0 && lay.dense_inter % tp != 0)) {

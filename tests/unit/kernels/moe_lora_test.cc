@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "tests/testing/moe_problem.h"
@@ -165,6 +167,43 @@ TEST(MoeLoraWorkspace, GrowsWithTokensAndIsAligned) {
   EXPECT_EQ(big % 256, 0u);
   // h13 (f32, 2I) + y (f32, H) + act (bf16, I) dominate: 256·8 rows.
   EXPECT_GE(big, 256u * 8 * (2 * 768 * 4 + 2048 * 4 + 768 * 2));
+}
+
+// Step3.5's clamped SwiGLU: a limit above every activation changes nothing (bit-exact), a small
+// one changes the output, and a token's result is the clamp of its own h13 (one token, one
+// expert, no LoRA: act = min(silu(g), L) · clamp(u, ±L) computed here from w13 directly).
+TEST(MoeLoraCpu, ClampedSwiGlu) {
+  MoeDims d{.t = 5, .h = 16, .i = 8, .e = 3, .k = 2, .s = 2, .r = 4};
+  MoeProblem p = MoeProblem::Make(d, DType::kF32, 17);
+  ASSERT_THAT(MoeLoraCpu(p.Params(2)), IsOk());
+  const std::vector<float> plain = p.out.floats();
+  p.swiglu_limit = 1e30f;
+  ASSERT_THAT(MoeLoraCpu(p.Params(2)), IsOk());
+  EXPECT_EQ(p.out.floats(), plain);
+  p.swiglu_limit = 0.05f;
+  ASSERT_THAT(MoeLoraCpu(p.Params(2)), IsOk());
+  EXPECT_GT(testing::RelErr(p.out.floats(), plain), 1e-3);
+
+  MoeDims one{.t = 1, .h = 16, .i = 8, .e = 1, .k = 1, .s = 1, .r = 1};
+  MoeProblem q = MoeProblem::Make(one, DType::kF32, 18);
+  q.topk_ids = {0};
+  q.topk_weights = {1.0f};
+  q.swiglu_limit = 0.05f;
+  ASSERT_THAT(MoeLoraCpu(q.Params(0)), IsOk());
+  std::vector<double> act(one.i);
+  for (int64_t c = 0; c < one.i; ++c) {
+    double g = 0, u = 0;
+    for (int64_t h = 0; h < one.h; ++h) {
+      g += static_cast<double>(q.w13.at(c * one.h + h)) * q.x.at(h);
+      u += static_cast<double>(q.w13.at((one.i + c) * one.h + h)) * q.x.at(h);
+    }
+    act[c] = std::min(g / (1 + std::exp(-g)), 0.05) * std::clamp(u, -0.05, 0.05);
+  }
+  for (int64_t h = 0; h < one.h; ++h) {
+    double y = 0;
+    for (int64_t c = 0; c < one.i; ++c) y += q.w2.at(h * one.i + c) * act[c];
+    EXPECT_NEAR(q.out.at(h), y, 1e-5) << "h " << h;
+  }
 }
 
 }  // namespace
