@@ -161,7 +161,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"step3p5", false, {"adapter_2d"}},
         // Step3: wq and o_proj sharded by head, the one KV head, q_proj and inter_norm
         // replicated.
-        Case{"step3", false, {"adapter_2d"}}, Case{"step3", true, {"adapter_2d", "adapter_3d"}},
+        Case{"step3", false, {"adapter_2d"}},
+        // The kernel path (the fused MoE call through the CPU twins) with expert parallelism:
+        // other ranks' assignments masked to weight 0.
+        Case{"step3p5",
+             true,
+             {"adapter_2d", "adapter_3d"},
+             {"--enable-expert-parallel", "--device", "cpu-twins"},
+             "_ep_kernel_twins"},
+        Case{"step3", true, {"adapter_2d", "adapter_3d"}},
         Case{"step3", true, {"adapter_3d", "adapter_2d"}, {"--enable-expert-parallel"}, "_ep"},
         Case{"step3",
              true,

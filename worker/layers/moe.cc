@@ -375,8 +375,18 @@ absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const a
                                                     const at::Tensor& wts_in,
                                                     const LoraBatch& lb) const {
   const int64_t T = h.size(0), K = idx.size(1), H = H_;
-  at::Tensor ids = idx.to(at::kInt).contiguous();
-  at::Tensor wts = wts_in.to(at::kFloat).contiguous();
+  at::Tensor ids = idx.to(at::kInt);
+  at::Tensor wts = wts_in.to(at::kFloat);
+  if (expert_parallel()) {
+    // The kernel takes local expert ids: an assignment to another rank's expert points at local
+    // expert 0 with weight 0, so it adds nothing here (the all-reduce brings it from its rank).
+    ids = ids - static_cast<int32_t>(e0_);
+    at::Tensor elsewhere = ids.lt(0).logical_or(ids.ge(E_));
+    ids = ids.masked_fill(elsewhere, 0);
+    wts = wts.masked_fill(elsewhere, 0.0);
+  }
+  ids = ids.contiguous();
+  wts = wts.contiguous();
   at::Tensor x = h.contiguous();
   at::Tensor out = at::empty({T, H}, h.options());
   MoeLoraParams p;

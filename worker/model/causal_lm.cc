@@ -283,11 +283,6 @@ absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const Mod
       return bad("num_experts ", c.info.num_experts, " must divide by --tensor-parallel-size ", tp,
                  " with --enable-expert-parallel");
     }
-    if (o.kernels != LoraKernels::kCpuSgmv) {
-      return absl::FailedPreconditionError(
-          "--enable-expert-parallel runs on the CPU path only for now (--device cpu); the fused "
-          "GPU MoE kernel takes every expert");
-    }
   } else if (c.info.moe_intermediate_size % tp != 0) {
     return bad("moe_intermediate_size ", c.info.moe_intermediate_size,
                " must divide by --tensor-parallel-size ", tp);

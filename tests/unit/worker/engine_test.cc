@@ -375,12 +375,12 @@ TEST(EngineTest, DeviceFlagIsCheckedAndCudaFailsCleanlyWithoutOne) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("--max-loras 2560"), HasSubstr("--max-loras <= 2559"))));
   o.max_loras = 4;
-  // Expert parallelism runs on the CPU path only: refused on the kernel paths, naming the flag.
-  o.enable_expert_parallel = true;
+  // Fully sharded LoRAs run on the CPU path only: refused on the kernel paths, naming the flag.
+  o.fully_sharded_loras = true;
   EXPECT_THAT(Engine::Create(o, comm.get()).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("--enable-expert-parallel runs on the CPU path only")));
-  o.enable_expert_parallel = false;
+                       HasSubstr("--fully-sharded-loras runs on the CPU path only")));
+  o.fully_sharded_loras = false;
   if (!at::hasCUDA()) {
     o.device = "cuda";
     EXPECT_THAT(Engine::Create(o, comm.get()).status(),
