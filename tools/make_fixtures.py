@@ -360,6 +360,22 @@ def gpt_oss_lm(out):
         res[f"logits.adapter_3d.{k}"] = logits_of(peft, p)
         assert (res[f"logits.adapter_3d.{k}"] - res[f"logits.base.{k}"]).abs().max().item() > 1e-3
     save_file(res, os.path.join(root, "expected_logits.safetensors"))
+    gpt_oss_lm_2d(out)
+
+
+def gpt_oss_lm_2d(out):
+    """gpt_oss_lm/adapter_2d: the PEFT 3D adapter rewritten per expert by FORMATS.md §7.4 in
+    this script's numpy (de-interleaving gate/up). The conversion is exact, so its expected
+    logits are PEFT's for the 3D adapter (PEFT cannot load per-expert LoRA for GPT-OSS)."""
+    root = os.path.join(out, "gpt_oss_lm")
+    dst = os.path.join(root, "adapter_2d")
+    shutil.rmtree(dst, ignore_errors=True)
+    convert_3d_to_2d_python(os.path.join(root, "adapter_3d"), dst, "model", interleaved=True)
+    path = os.path.join(root, "expected_logits.safetensors")
+    res = load_file(path)
+    for k in range(len(VARIANT_PROMPTS)):
+        res[f"logits.adapter_2d.{k}"] = res[f"logits.adapter_3d.{k}"].clone()
+    save_file(res, path)
 
 
 # Config variants of the Qwen3-MoE fixture (same weights) for settings that change the math:
@@ -787,7 +803,7 @@ def step3p5(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe", "gpt_oss_lm", "step3p5"], default="all",
+    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe", "gpt_oss_lm", "gpt_oss_lm_2d", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -800,6 +816,9 @@ def main():
         return
     if args.only == "gpt_oss_lm":
         gpt_oss_lm(args.out)
+        return
+    if args.only == "gpt_oss_lm_2d":
+        gpt_oss_lm_2d(args.out)
         return
     if args.only == "step3p5":
         step3p5(args.out)

@@ -130,6 +130,12 @@ INSTANTIATE_TEST_SUITE_P(
         // GPT-OSS: sinks and biases sharded by head, the down bias added once.
         Case{"gpt_oss_lm", false, {"adapter_3d"}},
         Case{"gpt_oss_lm", true, {"adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
+        Case{"gpt_oss_lm", true, {"adapter_2d", "adapter_3d"}},
+        Case{"gpt_oss_lm",
+             true,
+             {"adapter_3d", "adapter_2d"},
+             {"--fully-sharded-loras"},
+             "_fully_sharded_swapped"},
         // The upstream mixed 2D/3D test at TP=2 with expert parallelism and
         // with fully sharded LoRAs, in both orders.
         Case{

@@ -18,6 +18,7 @@ namespace {
 
 using ::moelora::testing::Data;
 using ::moelora::testing::GenerateBatch;
+using ::moelora::testing::Generation;
 using ::moelora::testing::Load;
 using ::moelora::testing::MakeEngine;
 using ::moelora::testing::MaxAbsDiff;
@@ -33,7 +34,18 @@ TEST(GptOssTest, PrefillLogitsMatchTransformersAndPeft) {
     auto h = MakeEngine("gpt_oss_lm/model", mixed, 4, 8);
     ASSERT_NE(h, nullptr);
     ASSERT_OK(Load(*h->engine, 1, "gpt_oss_lm/adapter_3d"));
-    for (auto [id, variant] : {std::pair<int64_t, const char*>{0, "base"}, {1, "adapter_3d"}}) {
+    std::vector<std::pair<int64_t, const char*>> cases = {{0, "base"}, {1, "adapter_3d"}};
+    if (mixed) {
+      // The per-expert twin of the 3D adapter (tools/make_fixtures.py, interleaved gate/up
+      // split by FORMATS.md §7.4): PEFT's 3D logits.
+      ASSERT_OK(Load(*h->engine, 2, "gpt_oss_lm/adapter_2d"));
+      cases.push_back({2, "adapter_2d"});
+    } else {
+      EXPECT_THAT(Load(*h->engine, 2, "gpt_oss_lm/adapter_2d"),
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           HasSubstr("--enable-mixed-moe-lora-format")));
+    }
+    for (auto [id, variant] : cases) {
       float worst = 0;
       for (size_t k = 0; k < ref.prompts.size(); ++k) {
         auto got = PromptLogits(*h->engine, id, ref.prompts[k], 1 + k);
@@ -51,15 +63,21 @@ TEST(GptOssTest, MixedBatchEqualsAloneAndDecodePastTheWindow) {
   auto h = MakeEngine("gpt_oss_lm/model", true, 4, 8);
   ASSERT_NE(h, nullptr);
   ASSERT_OK(Load(*h->engine, 1, "gpt_oss_lm/adapter_3d"));
-  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}};
-  auto batch = GenerateBatch(*h->engine, {1, 0}, prompts, 8);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto alone = GenerateBatch(*h->engine, {i == 0 ? 1 : 0}, {prompts[i]}, 8, 300);
-    EXPECT_EQ(alone[0].tokens, batch[i].tokens);
-    for (size_t t = 0; t < alone[0].logits.size(); ++t) {
-      EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f);
+  ASSERT_OK(Load(*h->engine, 2, "gpt_oss_lm/adapter_2d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}};
+  std::vector<Generation> batch;
+  for (const std::vector<int64_t>& order :
+       {std::vector<int64_t>{1, 2, 0}, std::vector<int64_t>{2, 1, 0}}) {
+    batch = GenerateBatch(*h->engine, order, prompts, 8);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto alone = GenerateBatch(*h->engine, {order[i]}, {prompts[i]}, 8, 300);
+      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "adapter " << order[i];
+      for (size_t t = 0; t < alone[0].logits.size(); ++t) {
+        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f);
+      }
     }
   }
+  batch = GenerateBatch(*h->engine, {1, 0}, {prompts[0], prompts[1]}, 8);
   // Decoding past the window agrees with a prefill of the same tokens (the KV cache and the
   // window mask of single-token steps against the prefill's).
   std::vector<int32_t> seq = prompts[0];
@@ -71,6 +89,18 @@ TEST(GptOssTest, MixedBatchEqualsAloneAndDecodePastTheWindow) {
     std::vector<float> r(full.begin() + row * V, full.begin() + (row + 1) * V);
     EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 1e-5f) << "step " << t;
   }
+}
+
+TEST(GptOssTest, BaseRowsBitIdenticalWithAdaptersLoaded) {
+  auto plain = MakeEngine("gpt_oss_lm/model", true, 4, 8);
+  auto loaded = MakeEngine("gpt_oss_lm/model", true, 4, 8);
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(loaded, nullptr);
+  ASSERT_OK(Load(*loaded->engine, 1, "gpt_oss_lm/adapter_3d"));
+  ASSERT_OK(Load(*loaded->engine, 2, "gpt_oss_lm/adapter_2d"));
+  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13}, {7, 2, 95}};
+  ::moelora::testing::ExpectBitIdentical(GenerateBatch(*plain->engine, {0, 0}, prompts, 6),
+                                         GenerateBatch(*loaded->engine, {0, 0}, prompts, 6));
 }
 
 TEST(GptOssTest, TheKernelPathAndMxfp4AreRefusedByName) {
