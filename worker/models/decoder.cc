@@ -29,6 +29,22 @@ absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& 
   return in;
 }
 
+absl::StatusOr<ModelWeights> LoadModelWeights(
+    const ModelContext& ctx, const ModelConfig& c,
+    const std::function<std::vector<ParamSpec>(bool has_lm_head)>& specs) {
+  ModelWeights mw;
+  mw.has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
+  if (!mw.has_lm_head && !c.tie_word_embeddings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
+  }
+  const ModelOptions& o = ctx.options;
+  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
+  MOELORA_ASSIGN_OR_RETURN(mw.weights,
+                           LoadWeights(*ctx.checkpoint, *ctx.arch, c, specs(mw.has_lm_head), lo));
+  return mw;
+}
+
 LmEnds LmEnds::From(const std::map<std::string, at::Tensor>& P, bool has_lm_head) {
   LmEnds e;
   e.embed = P.at("model.embed_tokens.weight");
@@ -70,6 +86,29 @@ void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& experts, const
   const int64_t H = c.info.hidden_size, E = c.info.num_experts, I = c.info.moe_intermediate_size;
   s.push_back({W13Name(experts, lw), {E, 2 * I, H}, TpSplit::kExperts});
   s.push_back({W2Name(experts, lw), {E, H, I}, TpSplit::kExperts});
+}
+
+void AddSwiGluSpecs(std::vector<ParamSpec>& s, const std::string& m, int64_t H, int64_t inter) {
+  s.push_back({m + "gate_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
+  s.push_back({m + "up_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
+  s.push_back({m + "down_proj.base_layer.weight", {H, inter}, TpSplit::kCols});
+}
+
+absl::StatusOr<std::unique_ptr<SwiGluMlp>> MakeSwiGluMlp(const std::map<std::string, at::Tensor>& P,
+                                                         const std::string& m, int64_t H,
+                                                         int64_t inter, const SlotShape& shape,
+                                                         double limit) {
+  auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
+    const std::string path = m + name;
+    return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
+                              {out}, shape);
+  };
+  auto s = std::make_unique<SwiGluMlp>();
+  MOELORA_ASSIGN_OR_RETURN(s->gate, linear("gate_proj", TpMode::kColumn, H, inter));
+  MOELORA_ASSIGN_OR_RETURN(s->up, linear("up_proj", TpMode::kColumn, H, inter));
+  MOELORA_ASSIGN_OR_RETURN(s->down, linear("down_proj", TpMode::kRow, inter, H));
+  s->limit = limit;
+  return s;
 }
 
 std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 #include "worker/layers/norm.h"
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/causal_lm.h"
+#include "worker/model/model_context.h"
 
 namespace moelora {
 
@@ -29,6 +31,16 @@ struct StepInputs {
 };
 absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
                                      const at::Device& device);
+
+// A factory's checkpoint load: INVALID_ARGUMENT unless lm_head.weight is there or tied to the
+// embedding; then this rank's shard of `specs(has_lm_head)`.
+struct ModelWeights {
+  LoadedWeights weights;
+  bool has_lm_head = false;
+};
+absl::StatusOr<ModelWeights> LoadModelWeights(
+    const ModelContext& ctx, const ModelConfig& c,
+    const std::function<std::vector<ParamSpec>(bool has_lm_head)>& specs);
 
 // The embedding and the output end of a model.
 struct LmEnds {
@@ -48,6 +60,14 @@ void AddAttentionSpecs(std::vector<ParamSpec>& s, const std::string& layer_prefi
 // `model.layers.3.mlp.experts`).
 void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& experts, const ModelConfig& c,
                     bool lora_wrapped);
+// Specs of a SwiGLU MLP of LoRA linears at `mlp` (`<mlp>{gate,up,down}_proj`, e.g.
+// `model.layers.0.mlp.`): gate/up column-parallel, down row-parallel.
+void AddSwiGluSpecs(std::vector<ParamSpec>& s, const std::string& mlp, int64_t hidden,
+                    int64_t inter);
+// The MLP itself (`limit` > 0: Step3.5's clamp).
+absl::StatusOr<std::unique_ptr<SwiGluMlp>> MakeSwiGluMlp(
+    const std::map<std::string, at::Tensor>& params, const std::string& mlp, int64_t hidden,
+    int64_t inter, const SlotShape& shape, double limit = 0);
 // The routed experts at `experts` as one LoRA module, with this rank's experts under expert
 // parallelism.
 std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,

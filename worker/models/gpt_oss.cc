@@ -90,14 +90,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
     }
   }
   if (c.rope.partial_rotary_factor != 1.0) return refuse("partial_rotary_factor is not GPT-OSS's");
-  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
-  if (!has_lm_head && !c.tie_word_embeddings) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
-  }
-  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
-  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
-                                                        GptOssSpecs(c, has_lm_head), lopt));
+  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw,
+                           LoadModelWeights(ctx, c, [&](bool lm) { return GptOssSpecs(c, lm); }));
+  LoadedWeights& w = mw.weights;
+  const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<GptOss>(new GptOss());
   auto& P = w.params;
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));

@@ -50,9 +50,7 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
     }
     s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
     AddExpertSpecs(s, p + "mlp.experts", c, /*lora_wrapped=*/true);
-    s.push_back({p + "mlp.shared_expert.gate_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
-    s.push_back({p + "mlp.shared_expert.up_proj.base_layer.weight", {Is, H}, TpSplit::kRows});
-    s.push_back({p + "mlp.shared_expert.down_proj.base_layer.weight", {H, Is}, TpSplit::kCols});
+    AddSwiGluSpecs(s, p + "mlp.shared_expert.", H, Is);
     s.push_back({p + "mlp.shared_expert_gate.weight", {1, H}, TpSplit::kReplicated});
   }
   return s;
@@ -139,13 +137,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     return bad("shared_expert_intermediate_size ", c.shared_expert_intermediate_size,
                " must be positive and divide by --tensor-parallel-size ", tp);
   }
-  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
-  if (!has_lm_head && !c.tie_word_embeddings) {
-    return bad("no lm_head.weight and tie_word_embeddings is false");
-  }
-  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
-  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
-                                                        Qwen35Specs(c, has_lm_head), lopt));
+  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw,
+                           LoadModelWeights(ctx, c, [&](bool lm) { return Qwen35Specs(c, lm); }));
+  LoadedWeights& w = mw.weights;
+  const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Qwen35Moe>(new Qwen35Moe());
   auto& P = w.params;
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
@@ -202,11 +197,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
           std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
                                       P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
     }
-    auto shared = std::make_unique<SharedExpert>();
-    const std::string se = p + "mlp.shared_expert.";
-    MOELORA_ASSIGN_OR_RETURN(shared->gate, linear(se + "gate_proj", TpMode::kColumn, H, {Is}));
-    MOELORA_ASSIGN_OR_RETURN(shared->up, linear(se + "up_proj", TpMode::kColumn, H, {Is}));
-    MOELORA_ASSIGN_OR_RETURN(shared->down, linear(se + "down_proj", TpMode::kRow, Is, {H}));
+    MOELORA_ASSIGN_OR_RETURN(auto shared, MakeSwiGluMlp(P, p + "mlp.shared_expert.", H, Is, shape));
     shared->gate_weight = P.at(p + "mlp.shared_expert_gate.weight");
     auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,

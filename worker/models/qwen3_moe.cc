@@ -89,15 +89,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     return refuse("partial_rotary_factor ", c.rope.partial_rotary_factor,
                   " is not implemented for ", c.info.architecture, " (whole-head RoPE only)");
   }
-  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
-  if (!has_lm_head && !c.tie_word_embeddings) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
-  }
-  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
-  MOELORA_ASSIGN_OR_RETURN(
-      LoadedWeights w,
-      LoadWeights(*ctx.checkpoint, *ctx.arch, c, Qwen3MoeParamSpecs(c, true, has_lm_head), lo));
+  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) {
+                             return Qwen3MoeParamSpecs(c, true, lm);
+                           }));
+  LoadedWeights& w = mw.weights;
+  const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Qwen3Moe>(new Qwen3Moe());
   auto& P = w.params;
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));

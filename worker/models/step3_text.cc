@@ -44,17 +44,12 @@ std::vector<ParamSpec> Step3Specs(const ModelConfig& c, const Step3Layout& L, bo
     s.push_back({a + "k_proj.base_layer.weight", {d, H}, TpSplit::kReplicated});
     s.push_back({a + "v_proj.base_layer.weight", {d, H}, TpSplit::kReplicated});
     s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
-    auto mlp = [&](const std::string& m, int64_t inter) {
-      s.push_back({m + "gate_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
-      s.push_back({m + "up_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
-      s.push_back({m + "down_proj.base_layer.weight", {H, inter}, TpSplit::kCols});
-    };
     if (L.moe[l]) {
       s.push_back({p + "moe.gate.weight", {E, H}, TpSplit::kReplicated});
       AddExpertSpecs(s, p + "moe.experts", c, /*lora_wrapped=*/true);
-      mlp(p + "share_expert.", L.share_inter);
+      AddSwiGluSpecs(s, p + "share_expert.", H, L.share_inter);
     } else {
-      mlp(p + "mlp.", L.dense_inter);
+      AddSwiGluSpecs(s, p + "mlp.", H, L.dense_inter);
     }
   }
   return s;
@@ -124,13 +119,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
     return bad("intermediate_size ", lay.dense_inter,
                " must be positive and divide by --tensor-parallel-size ", tp);
   }
-  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
-  if (!has_lm_head && !c.tie_word_embeddings) {
-    return bad("no lm_head.weight and tie_word_embeddings is false");
-  }
-  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
-  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
-                                                        Step3Specs(c, lay, has_lm_head), lopt));
+  MOELORA_ASSIGN_OR_RETURN(
+      ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) { return Step3Specs(c, lay, lm); }));
+  LoadedWeights& w = mw.weights;
+  const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Step3Text>(new Step3Text());
   auto& P = w.params;
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
@@ -163,22 +155,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
     L.attn = std::make_unique<Attention>(as, std::move(wq), std::move(k), std::move(v),
                                          std::move(out), at::Tensor(), at::Tensor());
     L.attn->set_query_latent(std::move(q_down), P.at(a + "inter_norm.weight"));
-    auto mlp = [&](const std::string& mp,
-                   int64_t inter) -> absl::StatusOr<std::unique_ptr<SwiGluMlp>> {
-      auto s = std::make_unique<SwiGluMlp>();
-      MOELORA_ASSIGN_OR_RETURN(s->gate, linear(mp + "gate_proj", TpMode::kColumn, H, inter));
-      MOELORA_ASSIGN_OR_RETURN(s->up, linear(mp + "up_proj", TpMode::kColumn, H, inter));
-      MOELORA_ASSIGN_OR_RETURN(s->down, linear(mp + "down_proj", TpMode::kRow, inter, H));
-      return s;
-    };
     if (lay.moe[l]) {
-      MOELORA_ASSIGN_OR_RETURN(auto shared, mlp(p + "share_expert.", lay.share_inter));
+      MOELORA_ASSIGN_OR_RETURN(auto shared,
+                               MakeSwiGluMlp(P, p + "share_expert.", H, lay.share_inter, shape));
       L.moe = std::make_unique<MoeBlock>(
           P.at(p + "moe.gate.weight"), RouterKind::kSoftmaxTopK, c.num_experts_per_tok,
           lay.renormalise, MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape),
           std::move(shared));
     } else {
-      MOELORA_ASSIGN_OR_RETURN(L.mlp, mlp(p + "mlp.", lay.dense_inter));
+      MOELORA_ASSIGN_OR_RETURN(L.mlp, MakeSwiGluMlp(P, p + "mlp.", H, lay.dense_inter, shape));
     }
     m->layers_.push_back(std::move(L));
   }

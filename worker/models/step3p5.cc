@@ -223,18 +223,13 @@ std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, 
     s.push_back({a + "q_norm.weight", {d}, TpSplit::kReplicated});
     s.push_back({a + "k_norm.weight", {d}, TpSplit::kReplicated});
     if (L.head_gate) s.push_back({a + "g_proj.base_layer.weight", {hq, H}, TpSplit::kRows});
-    auto mlp = [&](const std::string& m, int64_t inter) {
-      s.push_back({m + "gate_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
-      s.push_back({m + "up_proj.base_layer.weight", {inter, H}, TpSplit::kRows});
-      s.push_back({m + "down_proj.base_layer.weight", {H, inter}, TpSplit::kCols});
-    };
     if (L.moe[l]) {
       s.push_back({p + "moe.gate.weight", {E, H}, TpSplit::kReplicated});
       if (L.router_bias) s.push_back({p + "moe.router_bias", {E}, TpSplit::kReplicated});
       AddExpertSpecs(s, p + "moe.experts", c, /*lora_wrapped=*/true);
-      mlp(p + "share_expert.", L.share_inter);
+      AddSwiGluSpecs(s, p + "share_expert.", H, L.share_inter);
     } else {
-      mlp(p + "mlp.", L.dense_inter);
+      AddSwiGluSpecs(s, p + "mlp.", H, L.dense_inter);
     }
   }
   return s;
@@ -285,13 +280,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     return bad("share_expert_dim ", lay.share_inter, " and intermediate_size ", lay.dense_inter,
                " must divide by --tensor-parallel-size ", tp);
   }
-  const bool has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
-  if (!has_lm_head && !c.tie_word_embeddings) {
-    return bad("no lm_head.weight and tie_word_embeddings is false");
-  }
-  LoadOptions lopt{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
-  MOELORA_ASSIGN_OR_RETURN(LoadedWeights w, LoadWeights(*ctx.checkpoint, *ctx.arch, c,
-                                                        Step35Specs(c, lay, has_lm_head), lopt));
+  MOELORA_ASSIGN_OR_RETURN(
+      ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) { return Step35Specs(c, lay, lm); }));
+  LoadedWeights& w = mw.weights;
+  const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Step3p5>(new Step3p5());
   auto& P = w.params;
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
@@ -336,18 +328,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
       m->rotaries_.emplace_back(lay.rope[l], dev);
     }
     L.rope = r;
-    auto mlp = [&](const std::string& mp, int64_t inter,
-                   double limit) -> absl::StatusOr<std::unique_ptr<SwiGluMlp>> {
-      auto s = std::make_unique<SwiGluMlp>();
-      MOELORA_ASSIGN_OR_RETURN(s->gate, linear(mp + "gate_proj", TpMode::kColumn, H, inter));
-      MOELORA_ASSIGN_OR_RETURN(s->up, linear(mp + "up_proj", TpMode::kColumn, H, inter));
-      MOELORA_ASSIGN_OR_RETURN(s->down, linear(mp + "down_proj", TpMode::kRow, inter, H));
-      s->limit = limit;
-      return s;
-    };
     if (lay.moe[l]) {
-      MOELORA_ASSIGN_OR_RETURN(auto shared,
-                               mlp(p + "share_expert.", lay.share_inter, lay.limit_shared[l]));
+      MOELORA_ASSIGN_OR_RETURN(
+          auto shared,
+          MakeSwiGluMlp(P, p + "share_expert.", H, lay.share_inter, shape, lay.limit_shared[l]));
       auto experts = MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape);
       if (lay.limit[l] > 0) {
         ExpertActivation act;
@@ -360,7 +344,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
           /*norm_topk_prob=*/true, std::move(experts), std::move(shared),
           lay.router_bias ? P.at(p + "moe.router_bias") : at::Tensor(), lay.routed_scaling);
     } else {
-      MOELORA_ASSIGN_OR_RETURN(L.mlp, mlp(p + "mlp.", lay.dense_inter, lay.limit_shared[l]));
+      MOELORA_ASSIGN_OR_RETURN(
+          L.mlp, MakeSwiGluMlp(P, p + "mlp.", H, lay.dense_inter, shape, lay.limit_shared[l]));
     }
     m->layers_.push_back(std::move(L));
   }

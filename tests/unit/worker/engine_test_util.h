@@ -2,7 +2,9 @@
 #ifndef MOELORA_TESTS_UNIT_WORKER_ENGINE_TEST_UTIL_H_
 #define MOELORA_TESTS_UNIT_WORKER_ENGINE_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -149,6 +151,70 @@ inline void ExpectBitIdentical(const std::vector<Generation>& a, const std::vect
       EXPECT_EQ(0, std::memcmp(a[i].logits[t].data(), b[i].logits[t].data(),
                                a[i].logits[t].size() * sizeof(float)))
           << "sequence " << i << " token " << t;
+    }
+  }
+}
+
+// Greedy generations of `prompts` together (adapter ids in each of `orders`) equal each run
+// alone: the same tokens, logits within 1e-5. Then the first sequence's decode steps equal a
+// prefill of the same tokens (the KV cache and masks of single-token steps). The engine must
+// have the orders' adapters loaded.
+inline void ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
+    Engine& e, const std::vector<std::vector<int64_t>>& orders,
+    const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+  for (const std::vector<int64_t>& order : orders) {
+    auto batch = GenerateBatch(e, order, prompts, max_tokens);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto alone = GenerateBatch(e, {order[i]}, {prompts[i]}, max_tokens, 300);
+      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "adapter " << order[i];
+      for (size_t t = 0; t < alone[0].logits.size() && t < batch[i].logits.size(); ++t) {
+        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f)
+            << "adapter " << order[i] << " token " << t;
+      }
+    }
+    if (batch[0].tokens.empty()) continue;
+    std::vector<int32_t> seq = prompts[0];
+    seq.insert(seq.end(), batch[0].tokens.begin(), batch[0].tokens.end() - 1);
+    auto full = PromptLogits(e, order[0], seq, 900);
+    const size_t V = batch[0].logits[0].size();
+    ASSERT_EQ(full.size(), seq.size() * V);
+    for (size_t t = 0; t < batch[0].logits.size(); ++t) {
+      const size_t row = prompts[0].size() - 1 + t;
+      std::vector<float> r(full.begin() + row * V, full.begin() + (row + 1) * V);
+      EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 1e-5f) << "step " << t;
+    }
+  }
+}
+
+// `fixture`/model's prompt logits for base, `native` (the adapter in the model's own MoE
+// layout) and `other` (the other layout) against `fixture`/expected_logits.safetensors, within
+// `tol`: without mixed mode `other` is refused naming the flag, with it both load.
+inline void ExpectReferenceLogitsInBothModes(const std::string& fixture, const std::string& native,
+                                             const std::string& other, float tol) {
+  auto ref = ReadExpected(Data(fixture + "/expected_logits.safetensors"));
+  ASSERT_FALSE(ref.prompts.empty());
+  for (bool mixed : {false, true}) {
+    auto h = MakeEngine(fixture + "/model", mixed, 4, 8);
+    ASSERT_NE(h, nullptr);
+    ASSERT_TRUE(Load(*h->engine, 1, fixture + "/" + native).ok());
+    std::vector<std::pair<int64_t, std::string>> cases = {{0, "base"}, {1, native}};
+    const absl::Status s = Load(*h->engine, 2, fixture + "/" + other);
+    if (mixed) {
+      ASSERT_TRUE(s.ok()) << s;
+      cases.push_back({2, other});
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+      EXPECT_NE(s.message().find("--enable-mixed-moe-lora-format"), std::string::npos) << s;
+    }
+    for (const auto& [id, variant] : cases) {
+      float worst = 0;
+      for (size_t k = 0; k < ref.prompts.size(); ++k) {
+        auto got = PromptLogits(*h->engine, id, ref.prompts[k], 1 + k);
+        worst = std::max(worst, MaxAbsDiff(got, ref.logits.at(variant)[k]));
+      }
+      std::printf("[ref] %s %s mixed=%d: max |logit - reference| = %.3g\n", fixture.c_str(),
+                  variant.c_str(), mixed, worst);
+      EXPECT_LE(worst, tol) << variant << " mixed=" << mixed;
     }
   }
 }

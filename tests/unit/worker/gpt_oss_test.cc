@@ -28,67 +28,20 @@ using ::moelora::testing::StatusIs;
 using ::testing::HasSubstr;
 
 TEST(GptOssTest, PrefillLogitsMatchTransformersAndPeft) {
-  auto ref = ReadExpected(Data("gpt_oss_lm/expected_logits.safetensors"));
-  ASSERT_EQ(ref.prompts.size(), 3u);
-  for (bool mixed : {false, true}) {
-    auto h = MakeEngine("gpt_oss_lm/model", mixed, 4, 8);
-    ASSERT_NE(h, nullptr);
-    ASSERT_OK(Load(*h->engine, 1, "gpt_oss_lm/adapter_3d"));
-    std::vector<std::pair<int64_t, const char*>> cases = {{0, "base"}, {1, "adapter_3d"}};
-    if (mixed) {
-      // The per-expert twin of the 3D adapter (tools/make_fixtures.py, interleaved gate/up
-      // split by FORMATS.md §7.4): PEFT's 3D logits.
-      ASSERT_OK(Load(*h->engine, 2, "gpt_oss_lm/adapter_2d"));
-      cases.push_back({2, "adapter_2d"});
-    } else {
-      EXPECT_THAT(Load(*h->engine, 2, "gpt_oss_lm/adapter_2d"),
-                  StatusIs(absl::StatusCode::kFailedPrecondition,
-                           HasSubstr("--enable-mixed-moe-lora-format")));
-    }
-    for (auto [id, variant] : cases) {
-      float worst = 0;
-      for (size_t k = 0; k < ref.prompts.size(); ++k) {
-        auto got = PromptLogits(*h->engine, id, ref.prompts[k], 1 + k);
-        worst = std::max(worst, MaxAbsDiff(got, ref.logits.at(variant)[k]));
-      }
-      std::printf("[ref] gpt_oss %s mixed=%d: max |logit - HF| = %.3g\n", variant, mixed, worst);
-      EXPECT_LE(worst, 1e-4f) << variant << " mixed=" << mixed;
-    }
-  }
+  // 3D-native; the 2D twin (its reference is PEFT's 3D logits) needs mixed mode.
+  ::moelora::testing::ExpectReferenceLogitsInBothModes("gpt_oss_lm", "adapter_3d", "adapter_2d",
+                                                       1e-4f);
 }
 
-// Decode steps over the window: greedy tokens of a prompt longer than the 4-token window, one
-// at a time, equal the prefill logits' argmax chain of transformers at each position.
+// Mixed batches [3D, 2D, base] equal each request alone in both orders; decode steps past the
+// 4-token window equal a prefill of the same tokens.
 TEST(GptOssTest, MixedBatchEqualsAloneAndDecodePastTheWindow) {
   auto h = MakeEngine("gpt_oss_lm/model", true, 4, 8);
   ASSERT_NE(h, nullptr);
   ASSERT_OK(Load(*h->engine, 1, "gpt_oss_lm/adapter_3d"));
   ASSERT_OK(Load(*h->engine, 2, "gpt_oss_lm/adapter_2d"));
-  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}};
-  std::vector<Generation> batch;
-  for (const std::vector<int64_t>& order :
-       {std::vector<int64_t>{1, 2, 0}, std::vector<int64_t>{2, 1, 0}}) {
-    batch = GenerateBatch(*h->engine, order, prompts, 8);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      auto alone = GenerateBatch(*h->engine, {order[i]}, {prompts[i]}, 8, 300);
-      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "adapter " << order[i];
-      for (size_t t = 0; t < alone[0].logits.size(); ++t) {
-        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f);
-      }
-    }
-  }
-  batch = GenerateBatch(*h->engine, {1, 0}, {prompts[0], prompts[1]}, 8);
-  // Decoding past the window agrees with a prefill of the same tokens (the KV cache and the
-  // window mask of single-token steps against the prefill's).
-  std::vector<int32_t> seq = prompts[0];
-  seq.insert(seq.end(), batch[0].tokens.begin(), batch[0].tokens.end() - 1);
-  auto full = PromptLogits(*h->engine, 1, seq, 900);
-  const size_t V = batch[0].logits[0].size();
-  for (size_t t = 0; t < batch[0].logits.size(); ++t) {
-    const size_t row = prompts[0].size() - 1 + t;
-    std::vector<float> r(full.begin() + row * V, full.begin() + (row + 1) * V);
-    EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 1e-5f) << "step " << t;
-  }
+  ::moelora::testing::ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
+      *h->engine, {{1, 2, 0}, {2, 1, 0}}, {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}}, 8);
 }
 
 TEST(GptOssTest, BaseRowsBitIdenticalWithAdaptersLoaded) {

@@ -22,32 +22,7 @@ using ::moelora::testing::StatusIs;
 using ::testing::HasSubstr;
 
 TEST(Step3Test, PrefillLogitsMatchTheReference) {
-  auto ref = ReadExpected(Data("step3/expected_logits.safetensors"));
-  ASSERT_EQ(ref.prompts.size(), 3u);
-  for (bool mixed : {false, true}) {
-    auto h = MakeEngine("step3/model", mixed, 4, 8);
-    ASSERT_NE(h, nullptr);
-    ASSERT_OK(Load(*h->engine, 1, "step3/adapter_2d"));
-    std::vector<std::pair<int64_t, const char*>> cases = {{0, "base"}, {1, "adapter_2d"}};
-    if (mixed) {
-      ASSERT_OK(Load(*h->engine, 2, "step3/adapter_3d"));
-      cases.push_back({2, "adapter_3d"});
-    } else {
-      EXPECT_THAT(Load(*h->engine, 2, "step3/adapter_3d"),
-                  StatusIs(absl::StatusCode::kFailedPrecondition,
-                           HasSubstr("--enable-mixed-moe-lora-format")));
-    }
-    for (auto [id, variant] : cases) {
-      float worst = 0;
-      for (size_t k = 0; k < ref.prompts.size(); ++k) {
-        auto got = PromptLogits(*h->engine, id, ref.prompts[k], 1 + k);
-        worst = std::max(worst, MaxAbsDiff(got, ref.logits.at(variant)[k]));
-      }
-      std::printf("[ref] step3 %s mixed=%d: max |logit - reference| = %.3g\n", variant, mixed,
-                  worst);
-      EXPECT_LE(worst, 1e-4f) << variant << " mixed=" << mixed;
-    }
-  }
+  ::moelora::testing::ExpectReferenceLogitsInBothModes("step3", "adapter_2d", "adapter_3d", 1e-4f);
 }
 
 // Mixed batches equal each request alone in both orders; decode steps equal a prefill of the
@@ -59,27 +34,8 @@ TEST(Step3Test, MixedBatchesDecodeAndBaseRows) {
   ASSERT_NE(plain, nullptr);
   ASSERT_OK(Load(*h->engine, 1, "step3/adapter_2d"));
   ASSERT_OK(Load(*h->engine, 2, "step3/adapter_3d"));
-  const std::vector<std::vector<int32_t>> prompts = {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}};
-  for (const std::vector<int64_t>& order :
-       {std::vector<int64_t>{1, 2, 0}, std::vector<int64_t>{2, 1, 0}}) {
-    auto batch = GenerateBatch(*h->engine, order, prompts, 6);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      auto alone = GenerateBatch(*h->engine, {order[i]}, {prompts[i]}, 6, 300);
-      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "adapter " << order[i];
-      for (size_t t = 0; t < alone[0].logits.size(); ++t) {
-        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f);
-      }
-    }
-    std::vector<int32_t> seq = prompts[0];
-    seq.insert(seq.end(), batch[0].tokens.begin(), batch[0].tokens.end() - 1);
-    auto full = PromptLogits(*h->engine, order[0], seq, 900);
-    const size_t V = batch[0].logits[0].size();
-    for (size_t t = 0; t < batch[0].logits.size(); ++t) {
-      const size_t row = prompts[0].size() - 1 + t;
-      std::vector<float> r(full.begin() + row * V, full.begin() + (row + 1) * V);
-      EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 1e-5f) << "step " << t;
-    }
-  }
+  ::moelora::testing::ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
+      *h->engine, {{1, 2, 0}, {2, 1, 0}}, {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}}, 6);
   const std::vector<std::vector<int32_t>> base_prompts = {{1, 17, 42, 5}, {7, 2, 95}};
   ::moelora::testing::ExpectBitIdentical(GenerateBatch(*plain->engine, {0, 0}, base_prompts, 5),
                                          GenerateBatch(*h->engine, {0, 0}, base_prompts, 5));
