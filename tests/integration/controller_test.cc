@@ -9,6 +9,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/controller_process.h"
@@ -185,8 +186,8 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
 // The upstream change's test through the public API with real processes, at TP=2: plain TP,
 // expert parallelism, fully sharded LoRAs; a 2D and a 3D adapter (converted in place) and the
 // base model; the first tokens are transformers'; requests run together (issued in both
-// orders) give each request's tokens alone; equal across the modes. `fixture`: the tests/data
-// directory; `model`: its model directory; `prefix`: the adapters' names under the root.
+// orders) give each request's tokens alone; equal across the modes and to TP=1. `fixture`: the
+// tests/data directory; `model`: its model directory; `prefix`: the adapters' names under the root.
 void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixture,
                             const std::string& model, const std::string& prefix) {
   auto ref = ReadExpected(Data(fixture + "/expected_logits.safetensors"));
@@ -194,12 +195,13 @@ void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixt
   const std::vector<std::string> variants = {"adapter_2d", "adapter_3d", "base"};
   std::vector<std::vector<int32_t>> first_mode;
   for (const std::vector<std::string>& extra :
-       {std::vector<std::string>{}, std::vector<std::string>{"--enable-expert-parallel"},
-        std::vector<std::string>{"--fully-sharded-loras"}}) {
-    SCOPED_TRACE(extra.empty() ? "plain TP" : extra[0]);
+       {std::vector<std::string>{"--tensor-parallel-size", "1"},
+        std::vector<std::string>{"--tensor-parallel-size", "2"},
+        std::vector<std::string>{"--tensor-parallel-size", "2", "--enable-expert-parallel"},
+        std::vector<std::string>{"--tensor-parallel-size", "2", "--fully-sharded-loras"}}) {
+    SCOPED_TRACE(absl::StrJoin(extra, " "));
     TempDir state;
-    std::vector<std::string> flags = {"--tensor-parallel-size", "2",
-                                      "--enable-mixed-moe-lora-format"};
+    std::vector<std::string> flags = {"--enable-mixed-moe-lora-format"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     ControllerProcess c(state.path(), adapters.root, flags, model);
     ASSERT_TRUE(c.started()) << c.Log();
