@@ -22,6 +22,7 @@
 #include "controller/registry.h"
 #include "controller/service.h"
 #include "controller/worker_group.h"
+#include "grpc/health/v1/health.pb.h"
 #include "prometheus/exposer.h"
 
 ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
@@ -177,6 +178,9 @@ int main(int argc, char** argv) {
 
   moelora::ControllerService service(&controller, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
+  // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
+  // reflection can describe the built-in health service to grpcurl.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;

@@ -16,6 +16,7 @@
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/port_file.h"
+#include "grpc/health/v1/health.pb.h"
 #include "kernels/device.h"
 #include "prometheus/exposer.h"
 #include "worker/comm/communicator.h"
@@ -131,6 +132,9 @@ int main(int argc, char** argv) {
   moelora::WorkerService service(&metrics, absl::GetFlag(FLAGS_device));
   service.set_step_delay(std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)));
   grpc::EnableDefaultHealthCheckService(true);
+  // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
+  // reflection can describe the built-in health service to grpcurl.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpcurl without proto files
   grpc::ServerBuilder builder;
   int port = 0;

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "health_client.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "moelora/v1/controller.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/http_get.h"
