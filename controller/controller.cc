@@ -23,6 +23,11 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // Why a request must leave: its deadline passed or its client cancelled (deadline first: gRPC also
 // marks a call cancelled when its deadline passes). OK when it may stay.
+// Stop strings per request, and their length: the RPC thread scans each new token's text for
+// them, so the bounds keep that scan short.
+constexpr int kMaxStopStrings = 16;
+constexpr size_t kMaxStopBytes = 256;
+
 absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
   if (now > r.deadline)
     return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
@@ -406,16 +411,49 @@ std::vector<v1::Adapter> Controller::ListAdapters() const {
   return out;
 }
 
-absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::GenerateRequest& req,
+absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::GenerateRequest& request,
                                                                Clock::time_point deadline) {
   if (!serving()) return absl::UnavailableError("not serving: the worker group is not ready");
   const v1::WorkerInfoResponse info = group_->info();
-  if (req.prompt_token_ids().empty()) {
-    if (!req.prompt().empty()) {
-      return absl::InvalidArgumentError(
-          "this model directory has no tokenizer: send prompt_token_ids instead of prompt");
+  v1::GenerateRequest req = request;
+  double tokenize_seconds = 0;
+  if (!req.prompt().empty()) {
+    if (!req.prompt_token_ids().empty()) {
+      return absl::InvalidArgumentError("set prompt or prompt_token_ids, not both");
     }
-    return absl::InvalidArgumentError("empty prompt");
+    if (options_.tokenizer == nullptr) {
+      return absl::InvalidArgumentError(
+          "this model directory has no tokenizer.json: send prompt_token_ids instead of prompt");
+    }
+    // Tokenized here, in the RPC thread: the scheduler and the workers never wait on it.
+    const auto t0 = Clock::now();
+    auto ids = options_.tokenizer->Encode(req.prompt());
+    tokenize_seconds = Seconds(Clock::now() - t0);
+    metrics_->tokenize_seconds.Observe(tokenize_seconds);
+    if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
+    if (ids->empty()) return absl::InvalidArgumentError("prompt encodes to no tokens");
+    if (static_cast<int64_t>(ids->size()) >= info.max_model_len()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt is ", ids->size(), " tokens; max_model_len ", info.max_model_len(),
+                       " leaves no room to generate"));
+    }
+    req.clear_prompt();
+    req.mutable_prompt_token_ids()->Add(ids->begin(), ids->end());
+  }
+  if (req.prompt_token_ids().empty()) return absl::InvalidArgumentError("empty prompt");
+  if (req.stop_size() > 0) {
+    if (options_.tokenizer == nullptr) {
+      return absl::InvalidArgumentError("stop strings need a tokenizer: this model directory has no tokenizer.json");
+    }
+    if (req.stop_size() > kMaxStopStrings) {
+      return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStopStrings, " stop strings, not ", req.stop_size()));
+    }
+    for (int i = 0; i < req.stop_size(); ++i) {
+      if (req.stop(i).empty() || req.stop(i).size() > kMaxStopBytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("stop[", i, "] must be 1..", kMaxStopBytes, " bytes, not ", req.stop(i).size()));
+      }
+    }
   }
   for (int i = 0; i < req.prompt_token_ids_size(); ++i) {
     const int32_t t = req.prompt_token_ids(i);
@@ -440,12 +478,21 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::Generat
           absl::StrCat("stop token ", t, " is outside the vocabulary"));
     }
   }
+  if (!req.ignore_eos()) {
+    for (int32_t id : options_.eos_token_ids) {
+      if (id >= 0 && id < info.vocab_size() &&
+          std::find(req.stop_token_ids().begin(), req.stop_token_ids().end(), id) == req.stop_token_ids().end()) {
+        req.add_stop_token_ids(id);
+      }
+    }
+  }
   auto r = std::make_shared<GenRequest>();
-  r->req = req;
-  r->adapter = req.adapter();
+  r->req = std::move(req);
+  r->tokenize_seconds = tokenize_seconds;
+  r->adapter = r->req.adapter();
   r->arrival = Clock::now();
   r->deadline = deadline;
-  r->seed = req.seed();
+  r->seed = r->req.seed();
   if (r->seed == 0)
     r->seed = std::random_device{}() | (static_cast<uint64_t>(std::random_device{}()) << 32);
   std::lock_guard<std::mutex> lock(mu_);
@@ -557,7 +604,7 @@ void Controller::Loop() {
       const auto now = Clock::now();
       for (auto it = running_.begin(); it != running_.end();) {
         const absl::Status s = Expiry(*it->second, now, "generating");
-        if (!s.ok()) {
+        if (!s.ok() || it->second->stop_string) {
           step.add_remove(it->first);
           ended.push_back({it->second, s});
           it = running_.erase(it);
@@ -617,7 +664,7 @@ void Controller::Loop() {
       std::lock_guard<std::mutex> lock(mu_);
       --releasing_;
     }
-    for (auto& [r, s] : ended) Finish(r, s, "");
+    for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
     // The head of the queue needs a slot: swap it in between steps (waits while all slots are
     // busy; nothing behind it is admitted meanwhile, so it cannot starve).
     if (!swap.empty()) TrySwapIn(swap);

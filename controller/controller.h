@@ -29,6 +29,7 @@
 #include "controller/worker_group.h"
 #include "lora/model_info.h"
 #include "moelora/v1/controller.pb.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moelora {
 
@@ -40,6 +41,10 @@ struct ControllerOptions {
   bool mixed = false;
   int max_num_seqs = 256;
   ModelInfo model;  // from --model's config.json: dims for adapter validation
+  // The model's tokenizer (null: none; text prompts and stop strings are then refused).
+  std::shared_ptr<const tok::Tokenizer> tokenizer;
+  // Added to every request's stop tokens unless it sets ignore_eos.
+  std::vector<int32_t> eos_token_ids;
 };
 
 // One Generate call in flight. The scheduler fills the results; the RPC thread waits on `cv`.
@@ -52,6 +57,10 @@ struct GenRequest {
   std::chrono::steady_clock::time_point arrival, last_token;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   std::atomic<bool> cancelled{false};
+  // Set by the RPC thread when the text reached a stop string: the scheduler then ends the
+  // sequence (finish_reason "stop"); tokens generated after it are dropped.
+  std::atomic<bool> stop_string{false};
+  double tokenize_seconds = 0;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -88,6 +97,9 @@ class Controller {
   void RecordRequest(const GenRequest& r, absl::StatusCode code);
 
   bool serving() const { return group_->serving() && ready_.load(); }
+  const tok::Tokenizer* tokenizer() const { return options_.tokenizer.get(); }
+  // Wakes the scheduler (a request's stop string was reached).
+  void Wake() { cv_.notify_all(); }
   int in_flight() const;
 
  private:

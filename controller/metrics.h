@@ -35,6 +35,8 @@ class ControllerMetrics {
   prometheus::Counter& generated_tokens;
   prometheus::Gauge& serving;
   prometheus::Counter& worker_restarts;
+  prometheus::Histogram& tokenize_seconds;
+  prometheus::Counter& stop_strings;
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
 };

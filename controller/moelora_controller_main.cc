@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/flags.h"
 #include "common/logging.h"
@@ -26,6 +28,9 @@
 #include "prometheus/exposer.h"
 
 ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
+ABSL_FLAG(std::string, tokenizer, "",
+          "Directory with tokenizer.json (and tokenizer_config.json, generation_config.json); "
+          "default --model. Without one, text prompts and stop strings are refused");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address the public gRPC server binds to");
 ABSL_FLAG(int, port, 50051, "Public gRPC port (0: any free port; see --port-file)");
 ABSL_FLAG(int, metrics_port, 9400, "Prometheus /metrics port (0: any free port; -1: off)");
@@ -172,6 +177,26 @@ int main(int argc, char** argv) {
   co.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
   co.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   co.model = *info;
+  // The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present
+  // and cannot be loaded is an error, not a silent fallback.
+  const std::string tok_dir =
+      absl::GetFlag(FLAGS_tokenizer).empty() ? model : absl::GetFlag(FLAGS_tokenizer);
+  if (std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json") ||
+      !absl::GetFlag(FLAGS_tokenizer).empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto tok = moelora::tok::Tokenizer::Load(tok_dir);
+    if (!tok.ok()) return fail(absl::StrCat("--tokenizer ", tok_dir, ": ", tok.status().ToString()));
+    co.tokenizer = std::move(*tok);
+    co.eos_token_ids = co.tokenizer->eos_token_ids();
+    LOG(INFO) << "tokenizer " << co.tokenizer->source() << ": " << co.tokenizer->vocab_size()
+              << " ids, EOS " << absl::StrJoin(co.eos_token_ids, ",") << ", loaded in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s";
+  } else {
+    auto eos = moelora::tok::ReadGenerationEosIds(model);
+    if (!eos.ok()) return fail(eos.status().ToString());
+    co.eos_token_ids = *eos;
+    LOG(INFO) << "no tokenizer.json in " << tok_dir << ": token-id requests only";
+  }
   moelora::Controller controller(co, registry->get(), &group, &metrics);
   group.SetOnReady([&] { return controller.OnGroupReady(); });
   group.SetOnDown([&](const std::string& why) { controller.OnGroupDown(why); });

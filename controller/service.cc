@@ -1,6 +1,10 @@
 #include "controller/service.h"
 
+#include <limits>
+#include <optional>
+
 #include "absl/strings/ascii.h"
+#include "tokenizer/text_stream.h"
 #include "proto/grpc_status.h"
 
 namespace moelora {
@@ -53,18 +57,42 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
     return ToGrpc(submitted.status());
   }
   std::shared_ptr<GenRequest> r = *submitted;
-  size_t sent = 0;
+  const tok::Tokenizer* tokenizer = controller_->tokenizer();
+  std::optional<tok::TextStream> text;
+  if (tokenizer != nullptr) {
+    text.emplace(tokenizer, std::vector<std::string>(req.stop().begin(), req.stop().end()),
+                 /*skip_special=*/true);
+  }
+  std::string all_text;  // the unary response's text
+  size_t seen = 0;                                   // tokens taken from r->tokens
+  size_t kept = std::numeric_limits<size_t>::max();  // set when a stop string ends the text
   std::unique_lock<std::mutex> lock(r->mu);
   while (true) {
-    if (on_tokens && r->tokens.size() > sent) {
-      // Copy, then write without the lock: a slow client must not stall the scheduler.
-      std::vector<int32_t> t(r->tokens.begin() + sent, r->tokens.end());
+    const size_t avail = std::min(r->tokens.size(), kept);
+    if (avail > seen) {
+      // Copy, then detokenize and write without the lock: a slow client must not stall the
+      // scheduler.
+      std::vector<int32_t> t(r->tokens.begin() + seen, r->tokens.begin() + avail);
       std::vector<float> lp;
-      if (r->logprobs.size() >= r->tokens.size())
-        lp.assign(r->logprobs.begin() + sent, r->logprobs.end());
-      sent = r->tokens.size();
+      if (r->logprobs.size() >= avail) lp.assign(r->logprobs.begin() + seen, r->logprobs.begin() + avail);
       lock.unlock();
-      const bool ok = on_tokens(t, lp);
+      std::string delta;
+      if (text) {
+        for (size_t i = 0; i < t.size(); ++i) {
+          if (text->Add(t[i])) {
+            kept = seen + i + 1;
+            t.resize(i + 1);
+            if (lp.size() > t.size()) lp.resize(t.size());
+            r->stop_string = true;
+            controller_->Wake();
+            break;
+          }
+        }
+        delta = text->TakeDelta();
+        all_text += delta;
+      }
+      seen += t.size();
+      const bool ok = !on_tokens || on_tokens(t, lp, delta);
       lock.lock();
       if (!ok) r->cancelled = true;  // the client is gone
       continue;
@@ -73,16 +101,26 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
     r->cv.wait_for(lock, std::chrono::milliseconds(50));
     if (ctx->IsCancelled()) r->cancelled = true;
   }
+  const size_t n = std::min(r->tokens.size(), kept);
+  std::vector<int32_t> tokens(r->tokens.begin(), r->tokens.begin() + n);
+  std::vector<float> logprobs(r->logprobs.begin(), r->logprobs.begin() + std::min(r->logprobs.size(), n));
   lock.unlock();
   controller_->RecordRequest(*r, r->status.code());
   if (!r->status.ok()) return ToGrpc(r->status);
-  if (!on_tokens) {
-    final_chunk->mutable_token_ids()->Add(r->tokens.begin(), r->tokens.end());
-    final_chunk->mutable_logprobs()->Add(r->logprobs.begin(), r->logprobs.end());
+  if (text) {
+    const std::string rest = text->Finish();
+    all_text += rest;
+    final_chunk->set_text(on_tokens ? rest : all_text);
   }
-  final_chunk->set_finish_reason(r->finish_reason);
+  if (!on_tokens) {
+    final_chunk->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+    final_chunk->mutable_logprobs()->Add(logprobs.begin(), logprobs.end());
+  }
+  const bool stopped = kept != std::numeric_limits<size_t>::max();
+  if (stopped) metrics_->stop_strings.Increment();
+  final_chunk->set_finish_reason(stopped ? "stop" : r->finish_reason);
   final_chunk->mutable_usage()->set_prompt_tokens(r->req.prompt_token_ids_size());
-  final_chunk->mutable_usage()->set_completion_tokens(static_cast<int>(r->tokens.size()));
+  final_chunk->mutable_usage()->set_completion_tokens(static_cast<int>(tokens.size()));
   final_chunk->mutable_timings()->set_queue_seconds(r->queue_seconds);
   final_chunk->mutable_timings()->set_time_to_first_token_seconds(r->ttft_seconds);
   final_chunk->mutable_timings()->set_total_seconds(r->total_seconds);
@@ -99,12 +137,14 @@ grpc::Status ControllerService::GenerateStream(grpc::ServerContext* ctx,
                                                grpc::ServerWriter<v1::GenerateResponse>* writer) {
   v1::GenerateResponse last;
   grpc::Status s =
-      Run(ctx, *req, &last, [&](const std::vector<int32_t>& tokens, const std::vector<float>& lp) {
-        v1::GenerateResponse chunk;
-        chunk.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-        chunk.mutable_logprobs()->Add(lp.begin(), lp.end());
-        return writer->Write(chunk);
-      });
+      Run(ctx, *req, &last,
+          [&](const std::vector<int32_t>& tokens, const std::vector<float>& lp, const std::string& text) {
+            v1::GenerateResponse chunk;
+            chunk.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+            chunk.mutable_logprobs()->Add(lp.begin(), lp.end());
+            chunk.set_text(text);
+            return writer->Write(chunk);
+          });
   if (s.ok()) writer->Write(last);
   return s;
 }

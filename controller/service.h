@@ -27,9 +27,11 @@ class ControllerService final : public v1::Controller::Service {
                               grpc::ServerWriter<v1::GenerateResponse>*) override;
 
  private:
-  using TokenSink = std::function<bool(const std::vector<int32_t>&, const std::vector<float>&)>;
+  using TokenSink = std::function<bool(const std::vector<int32_t>&, const std::vector<float>&,
+                                       const std::string& text)>;
   // Submits and waits, calling `on_tokens` (without any lock held) whenever tokens arrive
-  // (stream); it returns false when the client is gone.
+  // (stream) with their text delta; it returns false when the client is gone. With a tokenizer,
+  // detokenizes incrementally here (the RPC thread) and ends the request at a stop string.
   grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                    v1::GenerateResponse* final_chunk, const TokenSink& on_tokens);
   Controller* controller_;

@@ -13,6 +13,8 @@ PACKAGES=(
   # through Debian's alternatives and makes CPU matmuls about 10x faster.
   libopenblas0-openmp
   libgtest-dev libgmock-dev libbenchmark-dev libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
+  # the tokenizer: PCRE2 for the pre-tokenizer regexes, ICU for NFC
+  libpcre2-dev libicu-dev
   clang libclang-rt-14-dev clang-format
   # deploy checks: promtool and a live Prometheus; python3-venv for the pip-installed checkers
   prometheus python3-venv

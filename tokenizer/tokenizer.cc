@@ -714,16 +714,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
   auto add_eos = [&](int32_t id) {
     if (std::find(t->eos_ids_.begin(), t->eos_ids_.end(), id) == t->eos_ids_.end()) t->eos_ids_.push_back(id);
   };
+  MOELORA_ASSIGN_OR_RETURN(const std::vector<int32_t> gen_eos, ReadGenerationEosIds(dir.string()));
+  for (int32_t id : gen_eos) add_eos(id);
   const fs::path gen = dir / "generation_config.json";
   if (fs::exists(gen, ec)) {
     MOELORA_ASSIGN_OR_RETURN(json g, ReadJson(gen));
-    const json& e = g.value("eos_token_id", json());
-    if (e.is_number_integer()) add_eos(e.get<int32_t>());
-    if (e.is_array()) {
-      for (const json& x : e) {
-        if (x.is_number_integer()) add_eos(x.get<int32_t>());
-      }
-    }
     if (g.value("bos_token_id", json()).is_number_integer()) t->bos_id_ = g["bos_token_id"].get<int32_t>();
   }
   const fs::path tc = dir / "tokenizer_config.json";
@@ -744,6 +739,25 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
     if (!t->IsKnown(id)) return absl::InvalidArgumentError(absl::StrCat(dir.string(), ": EOS id ", id, " is not in the tokenizer's vocabulary"));
   }
   return t;
+}
+
+absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(const std::string& model_dir) {
+  std::vector<int32_t> ids;
+  std::error_code ec;
+  const fs::path gen = fs::path(model_dir) / "generation_config.json";
+  if (!fs::exists(gen, ec)) return ids;
+  MOELORA_ASSIGN_OR_RETURN(json g, ReadJson(gen));
+  const json& e = g.is_object() ? g.value("eos_token_id", json()) : json();
+  auto add = [&](const json& x) {
+    if (!x.is_number_integer()) return;
+    const int32_t id = x.get<int32_t>();
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  };
+  add(e);
+  if (e.is_array()) {
+    for (const json& x : e) add(x);
+  }
+  return ids;
 }
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {

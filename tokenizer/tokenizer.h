@@ -75,6 +75,10 @@ class Tokenizer {
   std::string source_;
 };
 
+// generation_config.json's eos_token_id (an int or a list) in `model_dir`; empty when the file or
+// the key is absent. INVALID_ARGUMENT naming the file for malformed JSON.
+absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(const std::string& model_dir);
+
 }  // namespace moelora::tok
 
 #endif  // MOELORA_TOKENIZER_TOKENIZER_H_

@@ -51,13 +51,16 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (Qwen3_5Mo
 
 # Distinct sizes so that a swapped or transposed tensor can never pass a shape check by accident.
 H, I, E, LAYERS, VOCAB = 24, 10, 4, 2, 96
+# The run command's model (qwen3_moe) has a real byte-level BPE tokenizer (tools/make_tokenizers.py
+# tiny), which needs the 256 byte tokens plus merges and special tokens.
+QWEN3_MOE_VOCAB = 384
 # The reference forward: plain eager attention and the eager per-expert loop.
 EAGER = dict(attn_implementation="eager", experts_implementation="eager")
 PROMPTS = [[1, 17, 42, 5, 88], [3, 9, 27, 81, 50, 11, 60], [7, 2, 95]]
 
 
-def text_kwargs():
-    return dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=32, moe_intermediate_size=I,
+def text_kwargs(vocab=VOCAB):
+    return dict(vocab_size=vocab, hidden_size=H, intermediate_size=32, moe_intermediate_size=I,
                 num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 num_experts=E, num_experts_per_tok=2, max_position_embeddings=128,
                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6)
@@ -188,7 +191,7 @@ def peft_load(model_cls, model_dir, adapter_dir):
 def qwen3_moe(out):
     root = os.path.join(out, "qwen3_moe")
     mdir = os.path.join(root, "model")
-    cfg = Qwen3MoeConfig(tie_word_embeddings=False, **text_kwargs(), **EAGER)
+    cfg = Qwen3MoeConfig(tie_word_embeddings=False, **text_kwargs(QWEN3_MOE_VOCAB), **EAGER)
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(1234)
     base = Qwen3MoeForCausalLM(cfg).eval()
@@ -234,7 +237,7 @@ def qwen3_vl_moe(out):
     root = os.path.join(out, "qwen3_vl_moe")
     src = os.path.join(out, "qwen3_moe")
     mdir = os.path.join(root, "model")
-    tc = text_kwargs()
+    tc = text_kwargs(QWEN3_MOE_VOCAB)
     tc["rope_scaling"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
     vc = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=H, patch_size=2,
               spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
@@ -403,7 +406,7 @@ def qwen3_moe_variants(out):
     for name, extra in QWEN3_VARIANTS.items():
         vdir = os.path.join(out, "qwen3_moe", "variants", name)
         shutil.rmtree(vdir, ignore_errors=True)
-        kw = text_kwargs()
+        kw = text_kwargs(QWEN3_MOE_VOCAB)
         kw.update(extra)
         cfg = Qwen3MoeConfig(tie_word_embeddings=False, **kw, **EAGER)
         cfg.architectures = ["Qwen3MoeForCausalLM"]
@@ -803,13 +806,20 @@ def step3p5(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["all", "variants", "qwen3_5_moe", "gpt_oss_lm", "gpt_oss_lm_2d", "step3p5"], default="all",
+    ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_5_moe", "gpt_oss_lm", "gpt_oss_lm_2d", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
     torch.set_default_dtype(torch.float32)
     if args.only == "variants":
         qwen3_moe_variants(args.out)
+        return
+    if args.only == "qwen3_moe":  # then: tools/make_tokenizers.py tiny --models .../qwen3_moe/model
+        for sub in ("qwen3_moe", "qwen3_vl_moe"):
+            shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
+        qwen3_moe(args.out)
+        qwen3_moe_variants(args.out)
+        qwen3_vl_moe(args.out)  # the same text weights
         return
     if args.only == "qwen3_5_moe":
         qwen3_5_moe(args.out)

@@ -130,7 +130,8 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
     ASSERT_EQ(r.logprobs_size(), 8);
     for (float lp : r.logprobs()) EXPECT_LE(lp, 0.0f);
     const auto& logits = ref.logits.at(variants[i])[i];
-    EXPECT_EQ(alone.back()[0], Argmax(logits, kPrompts[i].size() - 1, 96)) << names[i];
+    EXPECT_EQ(alone.back()[0], Argmax(logits, kPrompts[i].size() - 1, logits.size() / kPrompts[i].size()))
+        << names[i];
   }
   EXPECT_EQ(alone[2], base_before[2]);  // base unchanged by the loaded adapters
   EXPECT_NE(alone[0], base_before[0]);  // the adapters do change their outputs
@@ -217,7 +218,8 @@ void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixt
       v1::GenerateResponse r;
       ASSERT_TRUE(c.Generate(names[i], ref.prompts[i], 6, &r).ok());
       alone[i] = Tokens(r);
-      EXPECT_EQ(alone[i][0], Argmax(ref.logits.at(variants[i])[i], ref.prompts[i].size() - 1, 96))
+      const auto& logits = ref.logits.at(variants[i])[i];
+      EXPECT_EQ(alone[i][0], Argmax(logits, ref.prompts[i].size() - 1, logits.size() / ref.prompts[i].size()))
           << variants[i];
     }
     for (bool swapped : {false, true}) {
@@ -296,7 +298,7 @@ TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(c.Generate("", kPrompts[0], 0, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(c.Generate("", {}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(c.Generate("", {1, 96}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(c.Generate("", {1, 384}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(c.Generate("", {-1}, 4, &r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   ASSERT_TRUE(c.Generate("good", kPrompts[0], 4, &r).ok());
   const std::string m = c.Metrics();

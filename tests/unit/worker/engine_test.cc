@@ -446,9 +446,9 @@ TEST(EngineTest, InvalidJoinerFailsTheStepAndChangesNothing) {
   NewSequence a{.id = 1, .prompt = {1, 17, 42}, .max_tokens = 4};
   auto first = h->engine->Step({a}, {});
   ASSERT_OK(first);
-  NewSequence bad_token{.id = 2, .prompt = {1, 96}};
+  NewSequence bad_token{.id = 2, .prompt = {1, 384}};
   EXPECT_THAT(h->engine->Step({bad_token}, {}).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside [0, 96)")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside [0, 384)")));
   NewSequence dup{.id = 1, .prompt = {1}};
   EXPECT_THAT(h->engine->Step({dup}, {}).status(), StatusIs(absl::StatusCode::kAlreadyExists));
   NewSequence unknown{.id = 3, .adapter_id = 42, .prompt = {1}};

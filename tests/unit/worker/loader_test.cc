@@ -396,13 +396,13 @@ TEST_F(BadCheckpointTest, ConfigKeysThatChangeTheMathAreImplementedOrRefused) {
        absl::StatusCode::kFailedPrecondition, "attention_bias"},
       {"\"use_sliding_window\": false", "\"use_sliding_window\": true",
        absl::StatusCode::kInvalidArgument, "sliding_window is not a positive integer"},
-      {"\"vocab_size\": 96", "\"vocab_size\": 96, \"query_pre_attn_scalar\": 144",
+      {"\"vocab_size\": 384", "\"vocab_size\": 384, \"query_pre_attn_scalar\": 144",
        absl::StatusCode::kFailedPrecondition, "query_pre_attn_scalar = 144 is not implemented"},
-      {"\"vocab_size\": 96",
-       "\"vocab_size\": 96, \"quantization_config\": {\"quant_method\": \"fp8\"}",
+      {"\"vocab_size\": 384",
+       "\"vocab_size\": 384, \"quantization_config\": {\"quant_method\": \"fp8\"}",
        absl::StatusCode::kFailedPrecondition, "quantized checkpoints are not served"},
-      {"\"vocab_size\": 96",
-       "\"vocab_size\": 96, \"layer_types\": [\"full_attention\", \"linear_attention\"]",
+      {"\"vocab_size\": 384",
+       "\"vocab_size\": 384, \"layer_types\": [\"full_attention\", \"linear_attention\"]",
        absl::StatusCode::kFailedPrecondition, "layer_types[1] \"linear_attention\""},
   };
   for (const Case& c : cases) {
@@ -419,8 +419,8 @@ TEST_F(BadCheckpointTest, ConfigKeysThatChangeTheMathAreImplementedOrRefused) {
     EXPECT_OK(Load(Copy("", {}, rope, to)));
   }
   // (Later duplicate keys win, as in Python's json.)
-  EXPECT_OK(Load(Copy("", {}, "\"vocab_size\": 96",
-                      "\"vocab_size\": 96, \"use_sliding_window\": true, \"sliding_window\": 4")));
+  EXPECT_OK(Load(Copy("", {}, "\"vocab_size\": 384",
+                      "\"vocab_size\": 384, \"use_sliding_window\": true, \"sliding_window\": 4")));
   EXPECT_OK(Load(Copy("", {}, "\"rope_parameters\"", "\"rope_scaling\"")));
 }
 
