@@ -24,8 +24,9 @@ Try (grpcurl needs no proto files: reflection is on):
   grpcurl -plaintext localhost:$PORT describe moelora.v1.Controller
   grpcurl -plaintext localhost:$PORT grpc.health.v1.Health/Check
   grpcurl -plaintext localhost:$PORT moelora.v1.Controller/ListAdapters
-  grpcurl -plaintext -d '{"adapter": "a3d", "prompt_token_ids": [1, 17, 42, 5], "max_tokens": 8}' localhost:$PORT moelora.v1.Controller/Generate
-  grpcurl -plaintext -d '{"adapter": "a2d", "prompt_token_ids": [1, 17, 42, 5], "max_tokens": 8, "return_logprobs": true}' localhost:$PORT moelora.v1.Controller/GenerateStream
+  grpcurl -plaintext -d '{"adapter": "a3d", "prompt": "The quick brown fox", "max_tokens": 8}' localhost:$PORT moelora.v1.Controller/Generate
+  grpcurl -plaintext -d '{"adapter": "a2d", "prompt": "Hello, world", "max_tokens": 12, "stop": ["\n"]}' localhost:$PORT moelora.v1.Controller/GenerateStream
+  grpcurl -plaintext -d '{"prompt_token_ids": [1, 17, 42, 5], "max_tokens": 4, "return_logprobs": true}' localhost:$PORT moelora.v1.Controller/Generate
   grpcurl -plaintext -d '{"name": "shared", "path": "qwen3_moe/adapter_2d_shared_a"}' localhost:$PORT moelora.v1.Controller/LoadAdapter
   curl -s localhost:$METRICS/metrics | grep moelora_adapter_load_seconds
 (without grpcurl: python3 tools/reflection_client.py localhost:$PORT list, after pip install grpcio grpcio-reflection)

@@ -36,7 +36,9 @@ class ControllerProcess {
     std::filesystem::remove(pf);
     std::vector<std::string> argv = {ControllerBin(),
                                      "--model",
-                                     std::string(MOELORA_TEST_DATA_DIR) + "/" + model,
+                                     model.rfind('/', 0) == 0
+                                         ? model
+                                         : std::string(MOELORA_TEST_DATA_DIR) + "/" + model,
                                      "--adapter-root",
                                      adapter_root,
                                      "--state-dir",
@@ -128,6 +130,20 @@ class ControllerProcess {
     req.set_max_tokens(max_tokens);
     req.set_return_logprobs(logprobs);
     return stub_->Generate(&ctx, req, out);
+  }
+  grpc::Status Generate(const v1::GenerateRequest& req, v1::GenerateResponse* out) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return stub_->Generate(&ctx, req, out);
+  }
+  // GenerateStream's chunks (the last one carries finish_reason and usage).
+  grpc::Status Stream(const v1::GenerateRequest& req, std::vector<v1::GenerateResponse>* chunks) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = stub_->GenerateStream(&ctx, req);
+    v1::GenerateResponse chunk;
+    while (reader->Read(&chunk)) chunks->push_back(chunk);
+    return reader->Finish();
   }
 
  private:

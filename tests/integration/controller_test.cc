@@ -17,6 +17,9 @@
 #include "tests/testing/adapter_builder.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "nlohmann/json.hpp"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace moelora {
 namespace {
@@ -564,6 +567,152 @@ TEST_F(ControllerTest, ConnectModeDrivesRunningWorkers) {
   ASSERT_TRUE(c.Generate("a3d", kPrompts[0], 5, &r).ok());
   EXPECT_EQ(r.token_ids_size(), 5);
   EXPECT_THAT(c.Metrics(), HasSubstr("moelora_worker_up{rank=\"1\"} 1"));
+}
+
+namespace text_api {
+
+v1::GenerateRequest TextRequest(const std::string& adapter, const std::string& prompt, int max_tokens) {
+  v1::GenerateRequest req;
+  req.set_adapter(adapter);
+  req.set_prompt(prompt);
+  req.set_max_tokens(max_tokens);
+  return req;
+}
+
+std::string Joined(const std::vector<v1::GenerateResponse>& chunks, std::vector<int32_t>* tokens) {
+  std::string text;
+  for (const auto& c : chunks) {
+    EXPECT_TRUE(tok::IsValidUtf8(c.text())) << "a chunk's text is not valid UTF-8";
+    text += c.text();
+    tokens->insert(tokens->end(), c.token_ids().begin(), c.token_ids().end());
+  }
+  return text;
+}
+
+}  // namespace text_api
+
+// Text in, text out on the run command's model (its tokenizer.json is a byte-level BPE trained
+// by tools/make_tokenizers.py): the prompt is the tokenizer's ids, the text is the tokenizer's
+// decode of the generated ids, a stream's text deltas add up to the unary text, stop strings end
+// generation and are cut, EOS from generation_config.json stops it, and bad text requests get
+// INVALID_ARGUMENT and change nothing.
+TEST_F(ControllerTest, TextPromptsStreamsStopStringsAndEos) {
+  using namespace text_api;
+  auto tokenizer = tok::Tokenizer::Load(Data("qwen3_moe/model"));
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  ControllerProcess c(state_.path(), adapters_.root, {"--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(c.started()) << c.Log();
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
+  const std::string prompt = "The quick brown fox, \xe4\xb8\x96\xe7\x95\x8c!";
+  const std::vector<int32_t> prompt_ids = *(*tokenizer)->Encode(prompt);
+  for (const std::string adapter : {"", "a3d"}) {
+    SCOPED_TRACE(adapter);
+    v1::GenerateResponse by_text, by_ids;
+    ASSERT_TRUE(c.Generate(TextRequest(adapter, prompt, 12), &by_text).ok()) << c.Log();
+    ASSERT_TRUE(c.Generate(adapter, prompt_ids, 12, &by_ids).ok());
+    const std::vector<int32_t> tokens = Tokens(by_text);
+    EXPECT_EQ(tokens, Tokens(by_ids));
+    EXPECT_EQ(by_text.usage().prompt_tokens(), static_cast<int>(prompt_ids.size()));
+    EXPECT_EQ(by_text.usage().completion_tokens(), 12);
+    EXPECT_EQ(by_text.text(), (*tokenizer)->Decode(tokens, /*skip_special=*/true));
+    EXPECT_EQ(by_ids.text(), by_text.text());
+    ASSERT_FALSE(by_text.text().empty());
+
+    std::vector<v1::GenerateResponse> chunks;
+    ASSERT_TRUE(c.Stream(TextRequest(adapter, prompt, 12), &chunks).ok());
+    std::vector<int32_t> streamed;
+    EXPECT_EQ(Joined(chunks, &streamed), by_text.text());
+    EXPECT_EQ(streamed, tokens);
+    EXPECT_EQ(chunks.back().finish_reason(), "length");
+
+    // A stop string from the middle of the text: the text ends before its first occurrence.
+    const std::string& text = by_text.text();
+    size_t mid = text.size() / 2;
+    while (mid > 0 && (static_cast<unsigned char>(text[mid]) & 0xC0) == 0x80) --mid;
+    size_t end = mid + 1;
+    while (end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) ++end;
+    const std::string stop = text.substr(mid, end - mid);
+    v1::GenerateRequest sreq = TextRequest(adapter, prompt, 12);
+    sreq.add_stop(stop);
+    sreq.add_stop("a stop string that never appears");
+    v1::GenerateResponse stopped;
+    ASSERT_TRUE(c.Generate(sreq, &stopped).ok());
+    EXPECT_EQ(stopped.text(), text.substr(0, text.find(stop))) << "stop " << nlohmann::json(stop).dump();
+    EXPECT_EQ(stopped.finish_reason(), "stop");
+    const std::vector<int32_t> st = Tokens(stopped);
+    ASSERT_LE(st.size(), tokens.size());
+    EXPECT_EQ(st, std::vector<int32_t>(tokens.begin(), tokens.begin() + st.size()));
+    EXPECT_EQ(stopped.usage().completion_tokens(), static_cast<int>(st.size()));
+    // The text of the kept tokens reaches the stop string; one token fewer does not.
+    EXPECT_NE((*tokenizer)->Decode(st, true).find(stop), std::string::npos);
+    EXPECT_EQ((*tokenizer)->Decode(std::vector<int32_t>(st.begin(), st.end() - 1), true).find(stop),
+              std::string::npos);
+    chunks.clear();
+    ASSERT_TRUE(c.Stream(sreq, &chunks).ok());
+    std::vector<int32_t> streamed_stop;
+    EXPECT_EQ(Joined(chunks, &streamed_stop), stopped.text());
+    EXPECT_EQ(streamed_stop, st);
+    EXPECT_EQ(chunks.back().finish_reason(), "stop");
+  }
+
+  // Bad text requests: INVALID_ARGUMENT with the reason; the server keeps serving.
+  v1::GenerateResponse r;
+  v1::GenerateRequest both = TextRequest("", "hi", 4);
+  both.add_prompt_token_ids(1);
+  EXPECT_THAT(c.Generate(both, &r).error_message(), HasSubstr("not both"));
+  std::string long_prompt;
+  for (int i = 0; i < 400; ++i) long_prompt += "word ";
+  grpc::Status s = c.Generate(TextRequest("", long_prompt, 4), &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("max_model_len"));
+  v1::GenerateRequest long_stop = TextRequest("", "hi", 4);
+  long_stop.add_stop(std::string(300, 'x'));
+  EXPECT_THAT(c.Generate(long_stop, &r).error_message(), HasSubstr("stop[0] must be 1..256 bytes"));
+  v1::GenerateRequest many = TextRequest("", "hi", 4);
+  for (int i = 0; i < 17; ++i) many.add_stop("s" + std::to_string(i));
+  EXPECT_THAT(c.Generate(many, &r).error_message(), HasSubstr("at most 16 stop strings"));
+  EXPECT_TRUE(c.Generate(TextRequest("", "hi", 4), &r).ok());
+  EXPECT_THAT(c.Metrics(), HasSubstr("moelora_tokenize_seconds_count"));
+  EXPECT_THAT(c.Metrics(), HasSubstr("moelora_stop_string_matches_total 4"));
+  EXPECT_EQ(c.process().Stop(), 0) << c.Log();
+}
+
+// EOS ids from generation_config.json end generation (finish_reason "stop", the EOS token
+// included); ignore_eos generates on.
+TEST_F(ControllerTest, EosFromGenerationConfigStopsUnlessIgnored) {
+  TempDir model;
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"}) {
+    fs::copy_file(Data(std::string("qwen3_moe/model/") + f), model.path() + "/" + f);
+  }
+  std::vector<int32_t> free_run;
+  {
+    ControllerProcess c(state_.path(), adapters_.root, {}, model.path());
+    ASSERT_TRUE(c.WaitServing()) << c.Log();
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate("", {1, 17, 42, 5}, 10, &r).ok());
+    free_run = Tokens(r);
+    EXPECT_EQ(c.process().Stop(), 0);
+  }
+  ASSERT_EQ(free_run.size(), 10u);
+  const int32_t eos = free_run[4];
+  const size_t first = std::find(free_run.begin(), free_run.end(), eos) - free_run.begin();
+  std::ofstream(model.path() + "/generation_config.json") << "{\"eos_token_id\": [" << eos << "]}";
+  TempDir state2;
+  ControllerProcess c(state2.path(), adapters_.root, {}, model.path());
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  v1::GenerateResponse r;
+  ASSERT_TRUE(c.Generate("", {1, 17, 42, 5}, 10, &r).ok());
+  EXPECT_EQ(Tokens(r), std::vector<int32_t>(free_run.begin(), free_run.begin() + first + 1));
+  EXPECT_EQ(r.finish_reason(), "stop");
+  v1::GenerateRequest req;
+  for (int32_t t : {1, 17, 42, 5}) req.add_prompt_token_ids(t);
+  req.set_max_tokens(10);
+  req.set_ignore_eos(true);
+  ASSERT_TRUE(c.Generate(req, &r).ok());
+  EXPECT_EQ(Tokens(r), free_run);
+  EXPECT_EQ(r.finish_reason(), "length");
+  EXPECT_EQ(c.process().Stop(), 0) << c.Log();
 }
 
 }  // namespace

