@@ -430,7 +430,8 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::Generat
     auto ids = options_.tokenizer->Encode(req.prompt());
     tokenize_seconds = Seconds(Clock::now() - t0);
     metrics_->tokenize_seconds.Observe(tokenize_seconds);
-    if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
+    if (!ids.ok())
+      return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
     if (ids->empty()) return absl::InvalidArgumentError("prompt encodes to no tokens");
     if (static_cast<int64_t>(ids->size()) >= info.max_model_len()) {
       return absl::InvalidArgumentError(
@@ -443,15 +444,17 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::Generat
   if (req.prompt_token_ids().empty()) return absl::InvalidArgumentError("empty prompt");
   if (req.stop_size() > 0) {
     if (options_.tokenizer == nullptr) {
-      return absl::InvalidArgumentError("stop strings need a tokenizer: this model directory has no tokenizer.json");
+      return absl::InvalidArgumentError(
+          "stop strings need a tokenizer: this model directory has no tokenizer.json");
     }
     if (req.stop_size() > kMaxStopStrings) {
-      return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStopStrings, " stop strings, not ", req.stop_size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("at most ", kMaxStopStrings, " stop strings, not ", req.stop_size()));
     }
     for (int i = 0; i < req.stop_size(); ++i) {
       if (req.stop(i).empty() || req.stop(i).size() > kMaxStopBytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("stop[", i, "] must be 1..", kMaxStopBytes, " bytes, not ", req.stop(i).size()));
+        return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] must be 1..", kMaxStopBytes,
+                                                       " bytes, not ", req.stop(i).size()));
       }
     }
   }
@@ -481,7 +484,8 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::Generat
   if (!req.ignore_eos()) {
     for (int32_t id : options_.eos_token_ids) {
       if (id >= 0 && id < info.vocab_size() &&
-          std::find(req.stop_token_ids().begin(), req.stop_token_ids().end(), id) == req.stop_token_ids().end()) {
+          std::find(req.stop_token_ids().begin(), req.stop_token_ids().end(), id) ==
+              req.stop_token_ids().end()) {
         req.add_stop_token_ids(id);
       }
     }

@@ -77,13 +77,14 @@ ControllerMetrics::ControllerMetrics()
                           .Help("Times the local worker group was restarted after a rank died")
                           .Register(*registry_)
                           .Add({})),
-      tokenize_seconds(prometheus::BuildHistogram()
-                           .Name("moelora_tokenize_seconds")
-                           .Help("Encoding a text prompt (in the RPC thread, before admission)")
-                           .Register(*registry_)
-                           .Add({}, prometheus::Histogram::BucketBoundaries{
-                                        1e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01,
-                                        0.025, 0.05, 0.1, 0.25, 1})),
+      tokenize_seconds(
+          prometheus::BuildHistogram()
+              .Name("moelora_tokenize_seconds")
+              .Help("Encoding a text prompt (in the RPC thread, before admission)")
+              .Register(*registry_)
+              .Add({}, prometheus::Histogram::BucketBoundaries{1e-5, 1e-4, 2.5e-4, 5e-4, 0.001,
+                                                               0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                               0.1, 0.25, 1})),
       stop_strings(prometheus::BuildCounter()
                        .Name("moelora_stop_string_matches_total")
                        .Help("Requests ended by a stop string")

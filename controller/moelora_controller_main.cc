@@ -185,12 +185,14 @@ int main(int argc, char** argv) {
       !absl::GetFlag(FLAGS_tokenizer).empty()) {
     const auto t0 = std::chrono::steady_clock::now();
     auto tok = moelora::tok::Tokenizer::Load(tok_dir);
-    if (!tok.ok()) return fail(absl::StrCat("--tokenizer ", tok_dir, ": ", tok.status().ToString()));
+    if (!tok.ok())
+      return fail(absl::StrCat("--tokenizer ", tok_dir, ": ", tok.status().ToString()));
     co.tokenizer = std::move(*tok);
     co.eos_token_ids = co.tokenizer->eos_token_ids();
     LOG(INFO) << "tokenizer " << co.tokenizer->source() << ": " << co.tokenizer->vocab_size()
               << " ids, EOS " << absl::StrJoin(co.eos_token_ids, ",") << ", loaded in "
-              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s";
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+              << " s";
   } else {
     auto eos = moelora::tok::ReadGenerationEosIds(model);
     if (!eos.ok()) return fail(eos.status().ToString());

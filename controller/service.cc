@@ -4,8 +4,8 @@
 #include <optional>
 
 #include "absl/strings/ascii.h"
-#include "tokenizer/text_stream.h"
 #include "proto/grpc_status.h"
+#include "tokenizer/text_stream.h"
 
 namespace moelora {
 
@@ -63,7 +63,7 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
     text.emplace(tokenizer, std::vector<std::string>(req.stop().begin(), req.stop().end()),
                  /*skip_special=*/true);
   }
-  std::string all_text;  // the unary response's text
+  std::string all_text;                              // the unary response's text
   size_t seen = 0;                                   // tokens taken from r->tokens
   size_t kept = std::numeric_limits<size_t>::max();  // set when a stop string ends the text
   std::unique_lock<std::mutex> lock(r->mu);
@@ -74,7 +74,8 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
       // scheduler.
       std::vector<int32_t> t(r->tokens.begin() + seen, r->tokens.begin() + avail);
       std::vector<float> lp;
-      if (r->logprobs.size() >= avail) lp.assign(r->logprobs.begin() + seen, r->logprobs.begin() + avail);
+      if (r->logprobs.size() >= avail)
+        lp.assign(r->logprobs.begin() + seen, r->logprobs.begin() + avail);
       lock.unlock();
       std::string delta;
       if (text) {
@@ -103,7 +104,8 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
   }
   const size_t n = std::min(r->tokens.size(), kept);
   std::vector<int32_t> tokens(r->tokens.begin(), r->tokens.begin() + n);
-  std::vector<float> logprobs(r->logprobs.begin(), r->logprobs.begin() + std::min(r->logprobs.size(), n));
+  std::vector<float> logprobs(r->logprobs.begin(),
+                              r->logprobs.begin() + std::min(r->logprobs.size(), n));
   lock.unlock();
   controller_->RecordRequest(*r, r->status.code());
   if (!r->status.ok()) return ToGrpc(r->status);
@@ -136,15 +138,15 @@ grpc::Status ControllerService::GenerateStream(grpc::ServerContext* ctx,
                                                const v1::GenerateRequest* req,
                                                grpc::ServerWriter<v1::GenerateResponse>* writer) {
   v1::GenerateResponse last;
-  grpc::Status s =
-      Run(ctx, *req, &last,
-          [&](const std::vector<int32_t>& tokens, const std::vector<float>& lp, const std::string& text) {
-            v1::GenerateResponse chunk;
-            chunk.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-            chunk.mutable_logprobs()->Add(lp.begin(), lp.end());
-            chunk.set_text(text);
-            return writer->Write(chunk);
-          });
+  grpc::Status s = Run(ctx, *req, &last,
+                       [&](const std::vector<int32_t>& tokens, const std::vector<float>& lp,
+                           const std::string& text) {
+                         v1::GenerateResponse chunk;
+                         chunk.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+                         chunk.mutable_logprobs()->Add(lp.begin(), lp.end());
+                         chunk.set_text(text);
+                         return writer->Write(chunk);
+                       });
   if (s.ok()) writer->Write(last);
   return s;
 }

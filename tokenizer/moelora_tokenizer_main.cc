@@ -16,8 +16,9 @@
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
-ABSL_FLAG(bool, add_special_tokens, true,
-          "encode: apply the post-processor's template (e.g. a BOS), as Hugging Face does by default");
+ABSL_FLAG(
+    bool, add_special_tokens, true,
+    "encode: apply the post-processor's template (e.g. a BOS), as Hugging Face does by default");
 ABSL_FLAG(bool, skip_special_tokens, false, "decode: leave out special tokens");
 
 namespace {
@@ -70,8 +71,10 @@ int main(int argc, char** argv) {
       if (!j.is_array()) return Fail(n, "decode expects a JSON array of token ids");
       std::vector<int32_t> ids;
       for (size_t i = 0; i < j.size(); ++i) {
-        if (!j[i].is_number_integer() || !(*tok)->IsKnown(j[i].get<int64_t>() > INT32_MAX ? -1 : j[i].get<int32_t>())) {
-          return Fail(n, absl::StrCat("element ", i, " (", j[i].dump(), ") is not a token id of this tokenizer (0 .. ",
+        if (!j[i].is_number_integer() ||
+            !(*tok)->IsKnown(j[i].get<int64_t>() > INT32_MAX ? -1 : j[i].get<int32_t>())) {
+          return Fail(n, absl::StrCat("element ", i, " (", j[i].dump(),
+                                      ") is not a token id of this tokenizer (0 .. ",
                                       (*tok)->vocab_size() - 1, ")"));
         }
         ids.push_back(j[i].get<int32_t>());

@@ -6,7 +6,8 @@
 
 namespace moelora::tok {
 
-TextStream::TextStream(const Tokenizer* tokenizer, std::vector<std::string> stop_strings, bool skip_special)
+TextStream::TextStream(const Tokenizer* tokenizer, std::vector<std::string> stop_strings,
+                       bool skip_special)
     : tok_(tokenizer), skip_special_(skip_special) {
   for (std::string& s : stop_strings) {
     if (s.empty()) continue;

@@ -67,7 +67,9 @@ const ByteLevelAlphabet& Alphabet() {
 }
 
 // Unicode White_Space (Rust's char::is_whitespace, Oniguruma's \s).
-bool IsWhiteSpace(char32_t c) { return u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_WHITE_SPACE); }
+bool IsWhiteSpace(char32_t c) {
+  return u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_WHITE_SPACE);
+}
 // Rust's char::is_alphanumeric (Alphabetic or Numeric), or '_': tokenizers' "word character".
 bool IsWordChar(char32_t c) {
   const UChar32 u = static_cast<UChar32>(c);
@@ -151,8 +153,8 @@ class Regex {
     if (code == nullptr) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof(msg));
-      return absl::InvalidArgumentError(absl::StrCat("regex ", onig, ": ", reinterpret_cast<char*>(msg),
-                                                     " at offset ", off));
+      return absl::InvalidArgumentError(
+          absl::StrCat("regex ", onig, ": ", reinterpret_cast<char*>(msg), " at offset ", off));
     }
     pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if unavailable
     return std::unique_ptr<Regex>(new Regex(code));
@@ -161,7 +163,8 @@ class Regex {
 
   // Appends the pieces of `s` to *out: matches and the text between them ("Isolated"), or the
   // text between matches only ("Removed").
-  absl::Status Split(std::string_view s, bool keep_matches, std::vector<std::string_view>* out) const {
+  absl::Status Split(std::string_view s, bool keep_matches,
+                     std::vector<std::string_view>* out) const {
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
     size_t pos = 0, last = 0;
@@ -269,7 +272,8 @@ absl::StatusOr<json> ReadJson(const fs::path& p) {
   std::stringstream ss;
   ss << in.rdbuf();
   json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(p.string(), ": not valid JSON"));
+  if (j.is_discarded())
+    return absl::InvalidArgumentError(absl::StrCat(p.string(), ": not valid JSON"));
   return j;
 }
 
@@ -312,7 +316,8 @@ absl::Status Tokenizer::Impl::ParseNormalizer(const json& n) {
   if (n.is_null()) return absl::OkStatus();
   const std::string type = n.value("type", "");
   if (type == "Sequence") {
-    for (const json& x : n.value("normalizers", json::array())) MOELORA_RETURN_IF_ERROR(ParseNormalizer(x));
+    for (const json& x : n.value("normalizers", json::array()))
+      MOELORA_RETURN_IF_ERROR(ParseNormalizer(x));
     return absl::OkStatus();
   }
   UErrorCode err = U_ZERO_ERROR;
@@ -322,9 +327,11 @@ absl::Status Tokenizer::Impl::ParseNormalizer(const json& n) {
   if (type == "NFKC") nz = icu::Normalizer2::getNFKCInstance(err);
   if (type == "NFKD") nz = icu::Normalizer2::getNFKDInstance(err);
   if (nz == nullptr) {
-    return absl::UnimplementedError(absl::StrCat("normalizer \"", type, "\" is not implemented (NFC, NFD, NFKC, NFKD and Sequence are)"));
+    return absl::UnimplementedError(absl::StrCat(
+        "normalizer \"", type, "\" is not implemented (NFC, NFD, NFKC, NFKD and Sequence are)"));
   }
-  if (U_FAILURE(err)) return absl::InternalError(absl::StrCat("ICU ", type, ": ", u_errorName(err)));
+  if (U_FAILURE(err))
+    return absl::InternalError(absl::StrCat("ICU ", type, ": ", u_errorName(err)));
   normalizers.push_back(nz);
   return absl::OkStatus();
 }
@@ -333,7 +340,8 @@ absl::Status Tokenizer::Impl::ParsePreTokenizer(const json& p) {
   if (p.is_null()) return absl::OkStatus();
   const std::string type = p.value("type", "");
   if (type == "Sequence") {
-    for (const json& x : p.value("pretokenizers", json::array())) MOELORA_RETURN_IF_ERROR(ParsePreTokenizer(x));
+    for (const json& x : p.value("pretokenizers", json::array()))
+      MOELORA_RETURN_IF_ERROR(ParsePreTokenizer(x));
     return absl::OkStatus();
   }
   PreTokenizerStep step;
@@ -341,10 +349,12 @@ absl::Status Tokenizer::Impl::ParsePreTokenizer(const json& p) {
     step.kind = PreTokenizerStep::kSplit;
     const std::string behavior = p.value("behavior", "");
     if (behavior != "Isolated" && behavior != "Removed") {
-      return absl::UnimplementedError(absl::StrCat("pre-tokenizer Split with behavior \"", behavior,
-                                                   "\" is not implemented (Isolated and Removed are)"));
+      return absl::UnimplementedError(
+          absl::StrCat("pre-tokenizer Split with behavior \"", behavior,
+                       "\" is not implemented (Isolated and Removed are)"));
     }
-    if (p.value("invert", false)) return absl::UnimplementedError("pre-tokenizer Split with invert: true is not implemented");
+    if (p.value("invert", false))
+      return absl::UnimplementedError("pre-tokenizer Split with invert: true is not implemented");
     step.keep_matches = behavior == "Isolated";
     const json& pat = p.value("pattern", json::object());
     if (pat.contains("Regex")) {
@@ -352,7 +362,8 @@ absl::Status Tokenizer::Impl::ParsePreTokenizer(const json& p) {
     } else if (pat.contains("String")) {
       MOELORA_ASSIGN_OR_RETURN(step.regex, Regex::Compile(pat["String"].get<std::string>(), true));
     } else {
-      return absl::InvalidArgumentError("pre-tokenizer Split has no pattern.Regex or pattern.String");
+      return absl::InvalidArgumentError(
+          "pre-tokenizer Split has no pattern.Regex or pattern.String");
     }
   } else if (type == "ByteLevel") {
     step.kind = PreTokenizerStep::kByteLevel;
@@ -362,7 +373,8 @@ absl::Status Tokenizer::Impl::ParsePreTokenizer(const json& p) {
     }
     byte_level = true;
   } else {
-    return absl::UnimplementedError(absl::StrCat("pre-tokenizer \"", type, "\" is not implemented (Split, ByteLevel and Sequence are)"));
+    return absl::UnimplementedError(absl::StrCat(
+        "pre-tokenizer \"", type, "\" is not implemented (Split, ByteLevel and Sequence are)"));
   }
   pre.push_back(std::move(step));
   return absl::OkStatus();
@@ -370,22 +382,32 @@ absl::Status Tokenizer::Impl::ParsePreTokenizer(const json& p) {
 
 absl::Status Tokenizer::Impl::ParseModel(const json& m) {
   const std::string type = m.value("type", "");
-  if (type != "BPE") return absl::UnimplementedError(absl::StrCat("model \"", type, "\" is not implemented (BPE is)"));
-  if (!m.value("dropout", json()).is_null()) return absl::UnimplementedError("BPE dropout is not implemented");
+  if (type != "BPE")
+    return absl::UnimplementedError(
+        absl::StrCat("model \"", type, "\" is not implemented (BPE is)"));
+  if (!m.value("dropout", json()).is_null())
+    return absl::UnimplementedError("BPE dropout is not implemented");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     const json& v = m.value(key, json());
-    if (!v.is_null() && !v.get<std::string>().empty()) return absl::UnimplementedError(absl::StrCat("BPE ", key, " is not implemented"));
+    if (!v.is_null() && !v.get<std::string>().empty())
+      return absl::UnimplementedError(absl::StrCat("BPE ", key, " is not implemented"));
   }
-  if (m.value("byte_fallback", false)) return absl::UnimplementedError("BPE byte_fallback is not implemented");
+  if (m.value("byte_fallback", false))
+    return absl::UnimplementedError("BPE byte_fallback is not implemented");
   fuse_unk = m.value("fuse_unk", false);
   ignore_merges = m.value("ignore_merges", false);
   const json& v = m.value("vocab", json::object());
-  if (!v.is_object() || v.empty()) return absl::InvalidArgumentError("model.vocab is missing or empty");
+  if (!v.is_object() || v.empty())
+    return absl::InvalidArgumentError("model.vocab is missing or empty");
   vocab.reserve(v.size());
   for (auto it = v.begin(); it != v.end(); ++it) {
-    if (!it.value().is_number_integer()) return absl::InvalidArgumentError(absl::StrCat("model.vocab[\"", it.key(), "\"] is not an integer"));
+    if (!it.value().is_number_integer())
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.vocab[\"", it.key(), "\"] is not an integer"));
     const int64_t id = it.value().get<int64_t>();
-    if (id < 0 || id > INT32_MAX - 1) return absl::InvalidArgumentError(absl::StrCat("model.vocab[\"", it.key(), "\"] = ", id, " is out of range"));
+    if (id < 0 || id > INT32_MAX - 1)
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.vocab[\"", it.key(), "\"] = ", id, " is out of range"));
     vocab[it.key()] = static_cast<int32_t>(id);
   }
   const json& mm = m.value("merges", json::array());
@@ -396,27 +418,35 @@ absl::Status Tokenizer::Impl::ParseModel(const json& m) {
     if (x.is_string()) {  // "a b" (tokenizers < 0.20)
       const std::string s = x.get<std::string>();
       const size_t sp = s.find(' ', 1);
-      if (sp == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("model.merges[", rank, "] = \"", s, "\" is not \"a b\""));
+      if (sp == std::string::npos)
+        return absl::InvalidArgumentError(
+            absl::StrCat("model.merges[", rank, "] = \"", s, "\" is not \"a b\""));
       a = s.substr(0, sp);
       b = s.substr(sp + 1);
     } else if (x.is_array() && x.size() == 2 && x[0].is_string() && x[1].is_string()) {
       a = x[0].get<std::string>();
       b = x[1].get<std::string>();
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("model.merges[", rank, "] is neither \"a b\" nor [a, b]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.merges[", rank, "] is neither \"a b\" nor [a, b]"));
     }
     auto ia = vocab.find(a), ib = vocab.find(b), iab = vocab.find(a + b);
     if (ia == vocab.end() || ib == vocab.end() || iab == vocab.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("model.merges[", rank, "] (\"", a, "\", \"", b, "\"): a part or the merged token is not in the vocabulary"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.merges[", rank, "] (\"", a, "\", \"", b,
+                       "\"): a part or the merged token is not in the vocabulary"));
     }
-    const uint64_t key = (static_cast<uint64_t>(ia->second) << 32) | static_cast<uint32_t>(ib->second);
+    const uint64_t key =
+        (static_cast<uint64_t>(ia->second) << 32) | static_cast<uint32_t>(ib->second);
     merges.try_emplace(key, rank, iab->second);  // a repeated pair keeps its first rank
     ++rank;
   }
   const json& unk = m.value("unk_token", json());
   if (!unk.is_null()) {
     auto it = vocab.find(unk.get<std::string>());
-    if (it == vocab.end()) return absl::InvalidArgumentError(absl::StrCat("model.unk_token \"", unk.get<std::string>(), "\" is not in the vocabulary"));
+    if (it == vocab.end())
+      return absl::InvalidArgumentError(absl::StrCat("model.unk_token \"", unk.get<std::string>(),
+                                                     "\" is not in the vocabulary"));
     unk_id = it->second;
   }
   return absl::OkStatus();
@@ -427,30 +457,39 @@ absl::Status Tokenizer::Impl::ParsePostProcessor(const json& p) {
   const std::string type = p.value("type", "");
   if (type == "ByteLevel") return absl::OkStatus();  // offsets only
   if (type == "Sequence") {
-    for (const json& x : p.value("processors", json::array())) MOELORA_RETURN_IF_ERROR(ParsePostProcessor(x));
+    for (const json& x : p.value("processors", json::array()))
+      MOELORA_RETURN_IF_ERROR(ParsePostProcessor(x));
     return absl::OkStatus();
   }
   if (type == "TemplateProcessing") {
-    if (!prefix_ids.empty() || !suffix_ids.empty()) return absl::UnimplementedError("more than one TemplateProcessing post-processor");
+    if (!prefix_ids.empty() || !suffix_ids.empty())
+      return absl::UnimplementedError("more than one TemplateProcessing post-processor");
     const json& specials = p.value("special_tokens", json::object());
     bool seen_sequence = false;
     for (const json& item : p.value("single", json::array())) {
       if (item.contains("Sequence")) {
-        if (seen_sequence) return absl::InvalidArgumentError("post_processor.single names the sequence twice");
+        if (seen_sequence)
+          return absl::InvalidArgumentError("post_processor.single names the sequence twice");
         seen_sequence = true;
       } else if (item.contains("SpecialToken")) {
         const std::string name = item["SpecialToken"].value("id", "");
-        if (!specials.contains(name)) return absl::InvalidArgumentError(absl::StrCat("post_processor.single names special token \"", name, "\" that special_tokens lacks"));
+        if (!specials.contains(name))
+          return absl::InvalidArgumentError(
+              absl::StrCat("post_processor.single names special token \"", name,
+                           "\" that special_tokens lacks"));
         for (const json& id : specials[name].value("ids", json::array())) {
           (seen_sequence ? suffix_ids : prefix_ids).push_back(id.get<int32_t>());
         }
       } else {
-        return absl::InvalidArgumentError("post_processor.single: an item is neither Sequence nor SpecialToken");
+        return absl::InvalidArgumentError(
+            "post_processor.single: an item is neither Sequence nor SpecialToken");
       }
     }
     return absl::OkStatus();
   }
-  return absl::UnimplementedError(absl::StrCat("post-processor \"", type, "\" is not implemented (ByteLevel, TemplateProcessing and Sequence are)"));
+  return absl::UnimplementedError(
+      absl::StrCat("post-processor \"", type,
+                   "\" is not implemented (ByteLevel, TemplateProcessing and Sequence are)"));
 }
 
 absl::Status Tokenizer::Impl::ParseDecoder(const json& d) {
@@ -460,13 +499,15 @@ absl::Status Tokenizer::Impl::ParseDecoder(const json& d) {
     const json& ds = d.value("decoders", json::array());
     if (ds.size() == 1) return ParseDecoder(ds[0]);
   }
-  return absl::UnimplementedError(absl::StrCat("decoder \"", type, "\" is not implemented (ByteLevel is)"));
+  return absl::UnimplementedError(
+      absl::StrCat("decoder \"", type, "\" is not implemented (ByteLevel is)"));
 }
 
 absl::StatusOr<std::string> Tokenizer::Impl::Normalize(std::string_view s) const {
   std::string cur(s);
   for (const icu::Normalizer2* nz : normalizers) {
-    if (std::all_of(cur.begin(), cur.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
+    if (std::all_of(cur.begin(), cur.end(),
+                    [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
       return cur;  // ASCII is invariant under every Unicode normalization form
     }
     UErrorCode err = U_ZERO_ERROR;
@@ -475,13 +516,15 @@ absl::StatusOr<std::string> Tokenizer::Impl::Normalize(std::string_view s) const
     std::string out;
     icu::StringByteSink<std::string> sink(&out);
     nz->normalizeUTF8(0, cur, sink, nullptr, err);
-    if (U_FAILURE(err)) return absl::InternalError(absl::StrCat("ICU normalization: ", u_errorName(err)));
+    if (U_FAILURE(err))
+      return absl::InternalError(absl::StrCat("ICU normalization: ", u_errorName(err)));
     cur = std::move(out);
   }
   return cur;
 }
 
-void Tokenizer::Impl::SplitAdded(std::string_view s, const Trie& trie, std::vector<Piece>* out) const {
+void Tokenizer::Impl::SplitAdded(std::string_view s, const Trie& trie,
+                                 std::vector<Piece>* out) const {
   if (trie.empty()) {
     out->push_back({std::string(s)});
     return;
@@ -524,7 +567,8 @@ void Tokenizer::Impl::SplitAdded(std::string_view s, const Trie& trie, std::vect
         stop += cl;
       }
     }
-    if (start > start_offset) out->push_back({std::string(s.substr(start_offset, start - start_offset))});
+    if (start > start_offset)
+      out->push_back({std::string(s.substr(start_offset, start - start_offset))});
     out->push_back({"", a.id});
     start_offset = i = stop;
   }
@@ -553,7 +597,8 @@ void Tokenizer::Impl::Bpe(std::string_view word, std::vector<int32_t>* out) cons
     for (unsigned char b : word) {
       const int32_t id = byte_id[b];
       if (id < 0) {
-        if (unk_id && !(fuse_unk && !sym.empty() && sym.back().id == *unk_id)) sym.push_back({*unk_id, 0, 0, true});
+        if (unk_id && !(fuse_unk && !sym.empty() && sym.back().id == *unk_id))
+          sym.push_back({*unk_id, 0, 0, true});
         continue;
       }
       sym.push_back({id, 0, 0, true});
@@ -572,7 +617,8 @@ void Tokenizer::Impl::Bpe(std::string_view word, std::vector<int32_t>* out) cons
       auto it = vocab.find(std::string(word.substr(i, len)));
       i += len;
       if (it == vocab.end()) {
-        if (unk_id && !(fuse_unk && !sym.empty() && sym.back().id == *unk_id)) sym.push_back({*unk_id, 0, 0, true});
+        if (unk_id && !(fuse_unk && !sym.empty() && sym.back().id == *unk_id))
+          sym.push_back({*unk_id, 0, 0, true});
         continue;
       }
       sym.push_back({it->second, 0, 0, true});
@@ -612,10 +658,12 @@ void Tokenizer::Impl::Bpe(std::string_view word, std::vector<int32_t>* out) cons
     cur.next = sym[right].next;
     if (cur.next >= 0) sym[cur.next].prev = top.pos;
     if (cur.prev >= 0) {
-      if (const auto* pm = lookup(sym[cur.prev].id, cur.id)) queue.push({pm->first, cur.prev, pm->second});
+      if (const auto* pm = lookup(sym[cur.prev].id, cur.id))
+        queue.push({pm->first, cur.prev, pm->second});
     }
     if (cur.next >= 0) {
-      if (const auto* nm = lookup(cur.id, sym[cur.next].id)) queue.push({nm->first, top.pos, nm->second});
+      if (const auto* nm = lookup(cur.id, sym[cur.next].id))
+        queue.push({nm->first, top.pos, nm->second});
     }
   }
   for (const Symbol& s : sym) {
@@ -635,7 +683,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
   } else {
     dir = file.parent_path();
   }
-  if (!fs::exists(file, ec)) return absl::NotFoundError(absl::StrCat(file.string(), " does not exist"));
+  if (!fs::exists(file, ec))
+    return absl::NotFoundError(absl::StrCat(file.string(), " does not exist"));
   MOELORA_ASSIGN_OR_RETURN(json j, ReadJson(file));
   std::unique_ptr<Tokenizer> t(new Tokenizer());
   t->source_ = file.string();
@@ -645,7 +694,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
   if (!j.is_object()) return in_file(absl::InvalidArgumentError("not a JSON object"));
   for (const char* key : {"truncation", "padding"}) {
     if (j.contains(key) && !j[key].is_null()) {
-      return in_file(absl::UnimplementedError(absl::StrCat("\"", key, "\" is set; only null is implemented (a server encodes one prompt at a time)")));
+      return in_file(absl::UnimplementedError(absl::StrCat(
+          "\"", key,
+          "\" is set; only null is implemented (a server encodes one prompt at a time)")));
     }
   }
   try {
@@ -658,11 +709,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
     int32_t max_id = -1;
     for (const auto& [tok, id] : im.vocab) max_id = std::max(max_id, id);
     for (const json& a : j.value("added_tokens", json::array())) {
-      AddedToken at{a.at("id").get<int32_t>(), a.at("content").get<std::string>(), a.value("special", false),
-                    a.value("normalized", !a.value("special", false)), a.value("lstrip", false),
-                    a.value("rstrip", false), a.value("single_word", false)};
-      if (at.content.empty() || at.id < 0) return in_file(absl::InvalidArgumentError(absl::StrCat("added token ", at.id, " is empty or has a negative id")));
-      if (!IsValidUtf8(at.content)) return in_file(absl::InvalidArgumentError(absl::StrCat("added token ", at.id, " is not valid UTF-8")));
+      AddedToken at{a.at("id").get<int32_t>(),    a.at("content").get<std::string>(),
+                    a.value("special", false),    a.value("normalized", !a.value("special", false)),
+                    a.value("lstrip", false),     a.value("rstrip", false),
+                    a.value("single_word", false)};
+      if (at.content.empty() || at.id < 0)
+        return in_file(absl::InvalidArgumentError(
+            absl::StrCat("added token ", at.id, " is empty or has a negative id")));
+      if (!IsValidUtf8(at.content))
+        return in_file(
+            absl::InvalidArgumentError(absl::StrCat("added token ", at.id, " is not valid UTF-8")));
       max_id = std::max(max_id, at.id);
       im.added.push_back(std::move(at));
     }
@@ -701,10 +757,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
       im.id_flags[a.id] = a.special ? 3 : 1;
     }
     for (int32_t id : im.prefix_ids) {
-      if (id < 0 || id > max_id) return in_file(absl::InvalidArgumentError(absl::StrCat("post_processor names id ", id, " outside the vocabulary")));
+      if (id < 0 || id > max_id)
+        return in_file(absl::InvalidArgumentError(
+            absl::StrCat("post_processor names id ", id, " outside the vocabulary")));
     }
     for (int32_t id : im.suffix_ids) {
-      if (id < 0 || id > max_id) return in_file(absl::InvalidArgumentError(absl::StrCat("post_processor names id ", id, " outside the vocabulary")));
+      if (id < 0 || id > max_id)
+        return in_file(absl::InvalidArgumentError(
+            absl::StrCat("post_processor names id ", id, " outside the vocabulary")));
     }
   } catch (const json::exception& e) {
     return in_file(absl::InvalidArgumentError(e.what()));
@@ -712,14 +772,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
 
   // BOS/EOS from the model directory (both files optional).
   auto add_eos = [&](int32_t id) {
-    if (std::find(t->eos_ids_.begin(), t->eos_ids_.end(), id) == t->eos_ids_.end()) t->eos_ids_.push_back(id);
+    if (std::find(t->eos_ids_.begin(), t->eos_ids_.end(), id) == t->eos_ids_.end())
+      t->eos_ids_.push_back(id);
   };
   MOELORA_ASSIGN_OR_RETURN(const std::vector<int32_t> gen_eos, ReadGenerationEosIds(dir.string()));
   for (int32_t id : gen_eos) add_eos(id);
   const fs::path gen = dir / "generation_config.json";
   if (fs::exists(gen, ec)) {
     MOELORA_ASSIGN_OR_RETURN(json g, ReadJson(gen));
-    if (g.value("bos_token_id", json()).is_number_integer()) t->bos_id_ = g["bos_token_id"].get<int32_t>();
+    if (g.value("bos_token_id", json()).is_number_integer())
+      t->bos_id_ = g["bos_token_id"].get<int32_t>();
   }
   const fs::path tc = dir / "tokenizer_config.json";
   if (fs::exists(tc, ec)) {
@@ -736,7 +798,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
     if (!t->bos_id_) t->bos_id_ = token_of("bos_token");
   }
   for (int32_t id : t->eos_ids_) {
-    if (!t->IsKnown(id)) return absl::InvalidArgumentError(absl::StrCat(dir.string(), ": EOS id ", id, " is not in the tokenizer's vocabulary"));
+    if (!t->IsKnown(id))
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir.string(), ": EOS id ", id, " is not in the tokenizer's vocabulary"));
   }
   return t;
 }
@@ -760,10 +824,12 @@ absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(const std::string& mod
   return ids;
 }
 
-absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {
+absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
+                                                       bool add_special_tokens) const {
   size_t bad = 0;
   if (!IsValidUtf8(text, &bad)) {
-    return absl::InvalidArgumentError(absl::StrCat("text is not valid UTF-8 (byte offset ", bad, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("text is not valid UTF-8 (byte offset ", bad, ")"));
   }
   const Impl& im = *impl_;
   std::vector<int32_t> ids;
@@ -795,7 +861,8 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text, bo
         }
         if (step.regex == nullptr) continue;
         next.clear();
-        for (std::string_view s : cur) MOELORA_RETURN_IF_ERROR(step.regex->Split(s, step.keep_matches, &next));
+        for (std::string_view s : cur)
+          MOELORA_RETURN_IF_ERROR(step.regex->Split(s, step.keep_matches, &next));
         cur.swap(next);
       }
       for (std::string_view word : cur) im.Bpe(word, &ids);

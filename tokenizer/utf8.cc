@@ -101,7 +101,9 @@ char32_t DecodeCodePoint(std::string_view s, size_t i, size_t* len) {
     *len = 1;
     return c;
   }
-  auto cont = [&](size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[i + k]) & 0x3F); };
+  auto cont = [&](size_t k) {
+    return static_cast<char32_t>(static_cast<unsigned char>(s[i + k]) & 0x3F);
+  };
   if (c < 0xE0) {
     *len = 2;
     return (static_cast<char32_t>(c & 0x1F) << 6) | cont(1);

@@ -34,25 +34,24 @@ class ControllerProcess {
     const std::string pf = state_dir + "/port.json";
     std::filesystem::create_directories(state_dir);
     std::filesystem::remove(pf);
-    std::vector<std::string> argv = {ControllerBin(),
-                                     "--model",
-                                     model.rfind('/', 0) == 0
-                                         ? model
-                                         : std::string(MOELORA_TEST_DATA_DIR) + "/" + model,
-                                     "--adapter-root",
-                                     adapter_root,
-                                     "--state-dir",
-                                     state_dir,
-                                     "--port",
-                                     "0",
-                                     "--metrics-port",
-                                     "0",
-                                     "--port-file",
-                                     pf,
-                                     "--worker-bin",
-                                     WorkerBin(),
-                                     "--drain-timeout-s",
-                                     "20"};
+    std::vector<std::string> argv = {
+        ControllerBin(),
+        "--model",
+        model.rfind('/', 0) == 0 ? model : std::string(MOELORA_TEST_DATA_DIR) + "/" + model,
+        "--adapter-root",
+        adapter_root,
+        "--state-dir",
+        state_dir,
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--port-file",
+        pf,
+        "--worker-bin",
+        WorkerBin(),
+        "--drain-timeout-s",
+        "20"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     proc_ = std::make_unique<ChildProcess>(argv, state_dir + "/controller.log");
     const std::string text = WaitForFile(pf, std::chrono::seconds(30), proc_.get());

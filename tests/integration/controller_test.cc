@@ -12,12 +12,12 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/integration/controller_process.h"
 #include "tests/integration/worker_group.h"
 #include "tests/testing/adapter_builder.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
-#include "nlohmann/json.hpp"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
@@ -133,7 +133,8 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
     ASSERT_EQ(r.logprobs_size(), 8);
     for (float lp : r.logprobs()) EXPECT_LE(lp, 0.0f);
     const auto& logits = ref.logits.at(variants[i])[i];
-    EXPECT_EQ(alone.back()[0], Argmax(logits, kPrompts[i].size() - 1, logits.size() / kPrompts[i].size()))
+    EXPECT_EQ(alone.back()[0],
+              Argmax(logits, kPrompts[i].size() - 1, logits.size() / kPrompts[i].size()))
         << names[i];
   }
   EXPECT_EQ(alone[2], base_before[2]);  // base unchanged by the loaded adapters
@@ -222,7 +223,8 @@ void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixt
       ASSERT_TRUE(c.Generate(names[i], ref.prompts[i], 6, &r).ok());
       alone[i] = Tokens(r);
       const auto& logits = ref.logits.at(variants[i])[i];
-      EXPECT_EQ(alone[i][0], Argmax(logits, ref.prompts[i].size() - 1, logits.size() / ref.prompts[i].size()))
+      EXPECT_EQ(alone[i][0],
+                Argmax(logits, ref.prompts[i].size() - 1, logits.size() / ref.prompts[i].size()))
           << variants[i];
     }
     for (bool swapped : {false, true}) {
@@ -571,7 +573,8 @@ TEST_F(ControllerTest, ConnectModeDrivesRunningWorkers) {
 
 namespace text_api {
 
-v1::GenerateRequest TextRequest(const std::string& adapter, const std::string& prompt, int max_tokens) {
+v1::GenerateRequest TextRequest(const std::string& adapter, const std::string& prompt,
+                                int max_tokens) {
   v1::GenerateRequest req;
   req.set_adapter(adapter);
   req.set_prompt(prompt);
@@ -638,7 +641,8 @@ TEST_F(ControllerTest, TextPromptsStreamsStopStringsAndEos) {
     sreq.add_stop("a stop string that never appears");
     v1::GenerateResponse stopped;
     ASSERT_TRUE(c.Generate(sreq, &stopped).ok());
-    EXPECT_EQ(stopped.text(), text.substr(0, text.find(stop))) << "stop " << nlohmann::json(stop).dump();
+    EXPECT_EQ(stopped.text(), text.substr(0, text.find(stop)))
+        << "stop " << nlohmann::json(stop).dump();
     EXPECT_EQ(stopped.finish_reason(), "stop");
     const std::vector<int32_t> st = Tokens(stopped);
     ASSERT_LE(st.size(), tokens.size());

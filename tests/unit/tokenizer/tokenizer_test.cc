@@ -46,8 +46,8 @@ std::string Nfc(const Tokenizer& t, const std::string& s) {
 }
 
 // Compares every row's ids and decoded text; returns the number of rows checked.
-int CheckCorpus(const Tokenizer& t, const std::vector<nlohmann::json>& rows, const std::string& ids_key,
-                const std::string& decoded_key) {
+int CheckCorpus(const Tokenizer& t, const std::vector<nlohmann::json>& rows,
+                const std::string& ids_key, const std::string& decoded_key) {
   int mismatched = 0, checked = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     const std::string text = rows[i]["text"].get<std::string>();
@@ -57,9 +57,10 @@ int CheckCorpus(const Tokenizer& t, const std::vector<nlohmann::json>& rows, con
     if (!got.ok()) continue;
     ++checked;
     if (*got != want && ++mismatched <= 5) {
-      ADD_FAILURE() << ids_key << " row " << i << ": ids differ for " << nlohmann::json(text).dump().substr(0, 200)
-                    << "\n  got  " << nlohmann::json(*got).dump().substr(0, 300)
-                    << "\n  want " << nlohmann::json(want).dump().substr(0, 300);
+      ADD_FAILURE() << ids_key << " row " << i << ": ids differ for "
+                    << nlohmann::json(text).dump().substr(0, 200) << "\n  got  "
+                    << nlohmann::json(*got).dump().substr(0, 300) << "\n  want "
+                    << nlohmann::json(want).dump().substr(0, 300);
     }
     const std::string decoded = t.Decode(want);
     EXPECT_EQ(decoded, rows[i][decoded_key].get<std::string>()) << ids_key << " row " << i;
@@ -68,7 +69,8 @@ int CheckCorpus(const Tokenizer& t, const std::vector<nlohmann::json>& rows, con
       EXPECT_EQ(Nfc(t, decoded), decoded) << "row " << i << ": the round trip is not NFC-stable";
     }
   }
-  EXPECT_EQ(mismatched, 0) << ids_key << ": " << mismatched << " of " << checked << " strings differ";
+  EXPECT_EQ(mismatched, 0) << ids_key << ": " << mismatched << " of " << checked
+                           << " strings differ";
   return checked;
 }
 
@@ -82,20 +84,23 @@ TEST(TokenizerTest, TinyMatchesHuggingFaceOnCorpus) {
 
 TEST(TokenizerTest, RealVocabulariesMatchHuggingFace) {
   const char* dir = std::getenv("MOELORA_TOKENIZER_CORPUS");
-  if (dir == nullptr) GTEST_SKIP() << "MOELORA_TOKENIZER_CORPUS is not set (tokenizer_corpus_test.sh sets it)";
+  if (dir == nullptr)
+    GTEST_SKIP() << "MOELORA_TOKENIZER_CORPUS is not set (tokenizer_corpus_test.sh sets it)";
   const auto rows = ReadLines(absl::StrCat(dir, "/corpus.jsonl"));
   ASSERT_GE(rows.size(), 2000u);
   for (const std::string name : {"qwen3", "qwen3_5"}) {
     auto t = LoadOrDie(absl::StrCat(dir, "/", name));
     ASSERT_NE(t, nullptr);
-    EXPECT_EQ(CheckCorpus(*t, rows, name, name + "_decoded"), static_cast<int>(rows.size())) << name;
+    EXPECT_EQ(CheckCorpus(*t, rows, name, name + "_decoded"), static_cast<int>(rows.size()))
+        << name;
   }
 }
 
 TEST(TokenizerTest, ModelDirectoryGivesEosFromGenerationAndTokenizerConfig) {
   const fs::path d = fs::path(testing::TempDir()) / "tok_model_dir";
   fs::create_directories(d);
-  fs::copy_file(kData + "/tokenizer/tiny_tokenizer.json", d / "tokenizer.json", fs::copy_options::overwrite_existing);
+  fs::copy_file(kData + "/tokenizer/tiny_tokenizer.json", d / "tokenizer.json",
+                fs::copy_options::overwrite_existing);
   std::ofstream(d / "generation_config.json") << R"({"eos_token_id": [0, 2], "bos_token_id": 1})";
   std::ofstream(d / "tokenizer_config.json") << R"({"eos_token": {"content": "<|im_start|>"}})";
   auto t = LoadOrDie(d.string());
@@ -161,9 +166,15 @@ TEST(Utf8Test, LossyDecodingReplacesMaximalSubpartsAsPythonDoes) {
   // Expected strings: Python's bytes.decode("utf-8", "replace"), which follows the same
   // Unicode recommendation as Rust's from_utf8_lossy.
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"a\x80" "b", "a\xEF\xBF\xBD" "b"},
+      {"a\x80"
+       "b",
+       "a\xEF\xBF\xBD"
+       "b"},
       {"\xE2\x82", "\xEF\xBF\xBD"},
-      {"\xE2\x82" "a", "\xEF\xBF\xBD" "a"},
+      {"\xE2\x82"
+       "a",
+       "\xEF\xBF\xBD"
+       "a"},
       {"\xF0\x9F\x98\x80", "\xF0\x9F\x98\x80"},
       {"\xF0\x9F\x98", "\xEF\xBF\xBD"},
       {"\xED\xA0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},  // a surrogate
@@ -223,7 +234,8 @@ TEST(TextStreamTest, StopStringsEndTheTextAndAreNeverStreamed) {
   for (size_t i = 0; i < ids->size(); ++i) {
     const bool stop = s.Add((*ids)[i]);
     all += s.TakeDelta();
-    EXPECT_EQ(all.find("x. "), std::string::npos) << "a prefix of the stop string was streamed: " << all;
+    EXPECT_EQ(all.find("x. "), std::string::npos)
+        << "a prefix of the stop string was streamed: " << all;
     if (stop) {
       stopped_at = i;
       break;
