@@ -19,7 +19,7 @@
     python3 -m venv /tmp/tokvenv && /tmp/tokvenv/bin/pip install -r tools/requirements-tokenizer.txt
     /tmp/tokvenv/bin/python tools/make_tokenizers.py real --out build/tokenizer_corpus
     /tmp/tokvenv/bin/python tools/make_tokenizers.py tiny --out tests/data \\
-        --models tests/data/qwen3_moe/model tests/data/qwen3_5_moe/model_vl
+        --models tests/data/qwen3_moe/model tests/data/qwen3_vl_moe/model
 """
 import argparse
 import base64
