@@ -47,9 +47,13 @@ std::string Reason(absl::StatusCode c) {
 
 }  // namespace
 
-Controller::Controller(ControllerOptions options, Registry* registry, WorkerGroup* group,
+Controller::Controller(ControllerOptions options, Registry* registry, WorkerGroupInterface* group,
                        ControllerMetrics* metrics)
-    : options_(std::move(options)), registry_(registry), group_(group), metrics_(metrics) {
+    : options_(std::move(options)),
+      registry_(registry),
+      group_(group),
+      metrics_(metrics),
+      slots_(options_.max_loras) {
   for (const AdapterRecord& r : registry_->List()) {
     Entry e;
     e.record = r;
@@ -123,7 +127,8 @@ v1::Adapter Controller::ToProto(const Entry& e) const {
   return a;
 }
 
-absl::Status Controller::StageAndCommit(const AdapterRecord& r) {
+absl::Status Controller::StageAndCommit(const AdapterRecord& r, bool* clean) {
+  *clean = true;
   v1::StageAdapterRequest req;
   req.set_adapter_id(r.id);
   req.set_name(r.name);
@@ -131,14 +136,20 @@ absl::Status Controller::StageAndCommit(const AdapterRecord& r) {
   req.set_format(static_cast<v1::AdapterFormat>(r.requested_format));
   const auto t0 = Clock::now();
   auto staged = group_->StageAll(req);
-  if (!staged.ok()) return staged.status();
+  if (!staged.ok()) return staged.status();  // StageAll aborted it on the ranks that staged it
   const std::string fmt = FormatLabel(r.detected_format);
   metrics_->ObserveLoad(fmt, r.converted_to_2d, "stage", Seconds(Clock::now() - t0));
   const auto t1 = Clock::now();
   if (absl::Status s = group_->CommitAll(r.id); !s.ok()) {
-    // Some ranks may have committed: undo everywhere.
-    group_->AbortAll(r.id).IgnoreError();
-    group_->UnloadAll(r.id).IgnoreError();
+    // Some ranks may have committed: undo everywhere. If that fails too, a rank may still hold
+    // the slot: the caller counts it leaked until Reconcile() sees the workers again.
+    const absl::Status aborted = group_->AbortAll(r.id);
+    const absl::Status unloaded = group_->UnloadAll(r.id);
+    if (!unloaded.ok()) {
+      *clean = false;
+      LOG(WARNING) << "rolling back adapter " << r.name << " failed (abort: " << aborted
+                   << ", unload: " << unloaded << "); its slot counts as taken until reconciled";
+    }
     return s;
   }
   metrics_->ObserveLoad(fmt, r.converted_to_2d, "commit", Seconds(Clock::now() - t1));
@@ -150,7 +161,8 @@ absl::Status Controller::OnGroupReady() {
   std::vector<std::string> order;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    resident_ = 0;
+    slots_.Reset();  // a group that just became ready holds no adapter
+    reconcile_ = false;
     std::vector<std::pair<int64_t, std::string>> ids;
     for (auto& [name, e] : adapters_) {
       e.resident = false;
@@ -170,10 +182,10 @@ absl::Status Controller::OnGroupReady() {
         continue;
       }
       rec = it->second.record;
-      load = resident_ + releasing_ < options_.max_loras;
-      if (load) ++resident_;
+      load = slots_.TryReserve();
     }
-    absl::Status s = load ? StageAndCommit(rec) : absl::OkStatus();
+    bool clean = true;
+    absl::Status s = load ? StageAndCommit(rec, &clean) : absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     auto it = adapters_.find(name);
     if (it == adapters_.end()) continue;
@@ -182,7 +194,12 @@ absl::Status Controller::OnGroupReady() {
       it->second.resident = load;
     } else {
       LOG(WARNING) << "re-loading adapter " << name << " failed: " << s;
-      --resident_;
+      if (clean) {
+        slots_.Unreserve();
+      } else {
+        slots_.Leak();
+        reconcile_ = true;
+      }
       it->second.state = v1::ADAPTER_STATE_FAILED;
     }
   }
@@ -202,7 +219,7 @@ void Controller::OnGroupDown(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [name, e] : adapters_) e.resident = false;
-    resident_ = 0;
+    slots_.Reset();
   }
   FailAll(absl::UnavailableError(absl::StrCat("worker group went down: ", why)));
 }
@@ -329,24 +346,40 @@ absl::StatusOr<v1::Adapter> Controller::LoadAdapter(const v1::LoadAdapterRequest
     e.state = v1::ADAPTER_STATE_LOADING;
     e.last_used = Clock::now();
     adapters_[rec.name] = e;
-    reserve = resident_ + releasing_ < options_.max_loras;
-    if (reserve) ++resident_;
+    reserve = slots_.TryReserve();
     UpdateAdapterGauges();
   }
   if (reserve) {
-    if (absl::Status s = StageAndCommit(rec); !s.ok()) {
+    bool clean = true;
+    if (absl::Status s = StageAndCommit(rec, &clean); !s.ok()) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        --resident_;
+        if (clean) {
+          slots_.Unreserve();
+        } else {
+          slots_.Leak();
+          reconcile_ = true;
+        }
         adapters_.erase(rec.name);
         UpdateAdapterGauges();
       }
-      registry_->Remove(rec.name).IgnoreError();
+      // The registry must not bring it back after a restart; if it cannot forget it, say so
+      // (a restart would then try to load it again, and mark it FAILED if that fails again).
+      if (absl::Status r = registry_->Remove(rec.name); !r.ok()) {
+        LOG(ERROR) << "adapter " << rec.name << " failed to load and the registry kept it: " << r;
+        return fail(absl::Status(
+            s.code(), absl::StrCat(s.message(), " (and removing it from the registry failed: ",
+                                   r.message(), ")")));
+      }
+      cv_.notify_all();
       return fail(s);
     }
   }
   rec.load_seconds = Seconds(Clock::now() - t0);
-  registry_->Update(rec).IgnoreError();
+  if (absl::Status s = registry_->Update(rec); !s.ok()) {
+    // Only load_seconds changed since the insert: the record stays valid.
+    LOG(WARNING) << "adapter " << rec.name << ": recording its load time failed: " << s;
+  }
   metrics_->ObserveLoad(fmt, rec.converted_to_2d, "total", rec.load_seconds);
   std::lock_guard<std::mutex> lock(mu_);
   Entry& e = adapters_[rec.name];
@@ -361,6 +394,25 @@ absl::StatusOr<v1::Adapter> Controller::LoadAdapter(const v1::LoadAdapterRequest
 absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
   std::shared_ptr<std::mutex> name_lock = NameLock(name);
   std::lock_guard<std::mutex> serialize(*name_lock);
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) {
+      return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+    }
+    first = it->second.state != v1::ADAPTER_STATE_UNLOADING;
+  }
+  // Forget it on disk first (an fsync: outside mu_, so the scheduler never waits on it). If the
+  // registry cannot, the unload fails and nothing changes; otherwise a restart would bring the
+  // adapter back.
+  if (first) {
+    if (absl::Status s = registry_->Remove(name); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("unloading adapter \"", name,
+                                       "\": the registry could not remove it: ", s.message()));
+    }
+  }
   v1::Adapter out;
   int64_t id = 0;
   bool now = false, resident = false;
@@ -371,29 +423,66 @@ absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
       return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
     }
     Entry& e = it->second;
-    if (e.state != v1::ADAPTER_STATE_UNLOADING) {
-      e.state = v1::ADAPTER_STATE_UNLOADING;
-      registry_->Remove(name).IgnoreError();
-    }
+    e.state = v1::ADAPTER_STATE_UNLOADING;
     out = ToProto(e);
     id = e.record.id;
     resident = e.resident;
     now = e.active == 0;
     if (now) {
-      if (resident) --resident_, ++releasing_;
+      if (resident) slots_.BeginRelease();
       adapters_.erase(it);
     }
     UpdateAdapterGauges();
   }
   // In-flight requests keep it until they finish; the scheduler unloads it then. The slot counts
   // as taken until the workers have really freed it.
-  if (now && resident) {
-    group_->UnloadAll(id).IgnoreError();
-    std::lock_guard<std::mutex> lock(mu_);
-    --releasing_;
-  }
+  if (now && resident) ReleaseSlot(id);
   cv_.notify_all();
   return out;
+}
+
+void Controller::ReleaseSlot(int64_t id) {
+  const absl::Status s = group_->UnloadAll(id);
+  if (!s.ok()) {
+    LOG(WARNING) << "unloading adapter id " << id << " from the workers failed: " << s
+                 << "; its slot counts as taken until reconciled";
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  slots_.EndRelease(s.ok());
+  if (!s.ok()) reconcile_ = true;
+}
+
+void Controller::Reconcile() {
+  auto committed = group_->CommittedAdapterIds();
+  if (!committed.ok()) {
+    LOG(WARNING) << "reconciling slots: the workers' Info failed: " << committed.status();
+    return;
+  }
+  std::vector<int64_t> orphans;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::set<int64_t> held;
+    for (const auto& [name, e] : adapters_) {
+      // A load in progress holds a reservation for its slot.
+      if (e.resident || e.state == v1::ADAPTER_STATE_LOADING) held.insert(e.record.id);
+    }
+    for (int64_t id : *committed) {
+      if (!held.count(id)) orphans.push_back(id);
+    }
+  }
+  int still = 0;
+  for (int64_t id : orphans) {
+    if (absl::Status s = group_->UnloadAll(id); !s.ok()) {
+      LOG(WARNING) << "reconciling slots: adapter id " << id << " is still on a worker: " << s;
+      ++still;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  slots_.Reconcile(still);
+  if (still == 0) reconcile_ = false;
+  LOG(INFO) << "reconciled slots with the workers: " << committed->size() << " committed, "
+            << orphans.size() << " not held by the controller, " << still << " still taken";
+  cv_.notify_all();
 }
 
 absl::StatusOr<v1::Adapter> Controller::GetAdapter(const std::string& name) const {
@@ -521,42 +610,59 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::Generat
 }
 
 bool Controller::TrySwapIn(const std::string& name) {
-  AdapterRecord rec, victim;
-  bool has_victim = false;
+  AdapterRecord rec;
+  int64_t victim = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = adapters_.find(name);
     if (it == adapters_.end()) return true;  // gone: its requests were failed
     if (it->second.resident) return true;
-    if (resident_ + releasing_ < options_.max_loras) {
-      ++resident_;
-    } else {
+    if (!slots_.TryReserve()) {
       // A victim must not be used by a running sequence (queued requests for it are fine: they
       // swap it back in when their turn comes).
       std::set<std::string> in_use;
       for (const auto& [id, r] : running_) in_use.insert(r->adapter);
-      Entry* best = nullptr;
+      std::vector<Entry*> entries;
+      std::vector<SlotPool::Candidate> candidates;
       for (auto& [n, e] : adapters_) {
-        if (!e.resident || e.record.pinned || in_use.count(n)) continue;
-        if (!best || e.last_used < best->last_used) best = &e;
+        entries.push_back(&e);
+        candidates.push_back({e.resident, e.record.pinned, in_use.count(n) > 0, e.last_used});
       }
+      const std::optional<size_t> best = SlotPool::PickVictim(candidates);
       if (!best) return false;  // every slot is busy: wait for running requests to finish
-      best->resident = false;
-      victim = best->record;
-      has_victim = true;
+      entries[*best]->resident = false;
+      victim = entries[*best]->record.id;
+      slots_.BeginRelease();
     }
     rec = it->second.record;
   }
-  if (has_victim) group_->UnloadAll(victim.id).IgnoreError();
-  absl::Status s = StageAndCommit(rec);
+  if (victim != 0) {
+    ReleaseSlot(victim);
+    std::lock_guard<std::mutex> lock(mu_);
+    // The victim's slot, unless its unload failed (then it is leaked until reconciled) or a
+    // concurrent load took it first: try again on a later pass.
+    if (!slots_.TryReserve()) return false;
+  }
+  bool clean = true;
+  absl::Status s = StageAndCommit(rec, &clean);
   std::vector<std::shared_ptr<GenRequest>> failed;
+  bool orphaned = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = adapters_.find(name);
     if (s.ok() && it != adapters_.end()) {
       it->second.resident = true;
+    } else if (s.ok()) {
+      // Unloaded while it was being swapped in: the workers hold it; give the slot back.
+      slots_.BeginRelease();
+      orphaned = true;
     } else {
-      --resident_;
+      if (clean) {
+        slots_.Unreserve();
+      } else {
+        slots_.Leak();
+        reconcile_ = true;
+      }
       if (it != adapters_.end()) it->second.state = v1::ADAPTER_STATE_FAILED;
       for (auto p = pending_.begin(); p != pending_.end();) {
         if ((*p)->adapter == name) {
@@ -569,6 +675,7 @@ bool Controller::TrySwapIn(const std::string& name) {
     }
     UpdateAdapterGauges();
   }
+  if (orphaned) ReleaseSlot(rec.id);
   for (auto& r : failed) {
     Finish(r,
            absl::Status(s.code(),
@@ -579,7 +686,15 @@ bool Controller::TrySwapIn(const std::string& name) {
 }
 
 void Controller::Loop() {
+  Clock::time_point last_reconcile{};
   while (!stop_) {
+    // After a failed unload or rollback, count the workers' slots again (at most once a second
+    // while the workers keep failing).
+    if (reconcile_ && group_->serving() &&
+        Clock::now() - last_reconcile >= std::chrono::seconds(1)) {
+      last_reconcile = Clock::now();
+      Reconcile();
+    }
     std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;
     std::vector<std::shared_ptr<GenRequest>> admitted;
     std::vector<int64_t> unload_ids;
@@ -595,8 +710,7 @@ void Controller::Loop() {
         if (it->second.state == v1::ADAPTER_STATE_UNLOADING && it->second.active == 0) {
           if (it->second.resident) {
             unload_ids.push_back(it->second.record.id);
-            --resident_;
-            ++releasing_;
+            slots_.BeginRelease();
           }
           it = adapters_.erase(it);
           UpdateAdapterGauges();
@@ -663,11 +777,7 @@ void Controller::Loop() {
         running_[r->seq_id] = r;
       }
     }
-    for (int64_t id : unload_ids) {
-      group_->UnloadAll(id).IgnoreError();
-      std::lock_guard<std::mutex> lock(mu_);
-      --releasing_;
-    }
+    for (int64_t id : unload_ids) ReleaseSlot(id);
     for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
     // The head of the queue needs a slot: swap it in between steps (waits while all slots are
     // busy; nothing behind it is admitted meanwhile, so it cannot starve).
@@ -678,8 +788,7 @@ void Controller::Loop() {
       nseq = static_cast<int>(running_.size());
     }
     if (nseq == 0 && step.remove().empty()) continue;
-    static std::atomic<int64_t> step_no{0};
-    step.set_step(++step_no);
+    step.set_step(++step_no_);
     absl::StatusOr<v1::StepResponse> resp = group_->StepAll(step);
     if (!resp.ok()) {
       const absl::StatusCode c = resp.status().code();

@@ -26,7 +26,8 @@
 #include "absl/status/statusor.h"
 #include "controller/metrics.h"
 #include "controller/registry.h"
-#include "controller/worker_group.h"
+#include "controller/slot_pool.h"
+#include "controller/worker_group_interface.h"
 #include "lora/model_info.h"
 #include "moelora/v1/controller.pb.h"
 #include "tokenizer/tokenizer.h"
@@ -74,7 +75,7 @@ struct GenRequest {
 
 class Controller {
  public:
-  Controller(ControllerOptions options, Registry* registry, WorkerGroup* group,
+  Controller(ControllerOptions options, Registry* registry, WorkerGroupInterface* group,
              ControllerMetrics* metrics);
   ~Controller();
 
@@ -111,7 +112,13 @@ class Controller {
     std::chrono::steady_clock::time_point last_used;
   };
   v1::Adapter ToProto(const Entry& e) const;
-  absl::Status StageAndCommit(const AdapterRecord& r);
+  // On failure *clean says whether every rank is back to not holding it (else its slot leaked).
+  absl::Status StageAndCommit(const AdapterRecord& r, bool* clean);
+  // Counts the workers' committed adapters again and retries unloading the ones the controller
+  // does not hold (scheduler thread, mu_ NOT held). Runs after any failed unload or rollback.
+  void Reconcile();
+  // Sends a released slot's unload to the workers and ends the release (mu_ NOT held).
+  void ReleaseSlot(int64_t id);
   std::shared_ptr<std::mutex> NameLock(const std::string& name);
   void Loop();
   void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason);
@@ -121,13 +128,14 @@ class Controller {
 
   ControllerOptions options_;
   Registry* registry_;
-  WorkerGroup* group_;
+  WorkerGroupInterface* group_;
   ControllerMetrics* metrics_;
 
   mutable std::mutex mu_;  // adapters_, resident_, queue state
   std::map<std::string, Entry> adapters_;
-  int resident_ = 0;   // adapters in worker slots (or reserved for a load in progress)
-  int releasing_ = 0;  // slots whose unload has not reached the workers yet (still taken)
+  SlotPool slots_;                      // worker slots: held, releasing, leaked, free
+  std::atomic<bool> reconcile_{false};  // a failed unload or rollback: Reconcile() next loop
+  int64_t step_no_ = 0;                 // scheduler thread only
   std::map<std::string, std::shared_ptr<std::mutex>> name_locks_;
   std::deque<std::shared_ptr<GenRequest>> pending_;
   std::map<int64_t, std::shared_ptr<GenRequest>> running_;

@@ -64,6 +64,8 @@ ABSL_FLAG(std::string, device, "cpu",
           "(the GPU code path on the CPU; slow, for debugging)");
 ABSL_FLAG(std::string, dtype, "float32", "Worker compute dtype: float32 | bfloat16");
 ABSL_FLAG(int, drain_timeout_s, 30, "On SIGTERM: seconds in-flight requests may still take");
+ABSL_FLAG(int, dist_timeout_s, 120,
+          "Local mode: the spawned workers' --dist-timeout-s (rendezvous and each collective)");
 ABSL_FLAG(int, step_timeout_s, 60, "A step that takes longer fails its requests (UNAVAILABLE)");
 ABSL_FLAG(std::string, worker_args, "",
           "Extra flags for spawned workers, space-separated (e.g. \"--cpu-threads 1\")");
@@ -152,6 +154,8 @@ int main(int argc, char** argv) {
   }
   go.run_dir = std::filesystem::absolute(state_dir + "/run").string();
   go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
+  if (go.dist_timeout_s < 1) return fail("--dist-timeout-s must be >= 1");
   go.worker_flags = {"--max-loras",     std::to_string(absl::GetFlag(FLAGS_max_loras)),
                      "--max-lora-rank", std::to_string(absl::GetFlag(FLAGS_max_lora_rank)),
                      "--max-num-seqs",  std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),

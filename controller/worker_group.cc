@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -110,7 +111,7 @@ void WorkerGroup::SpawnAll() {
                                      "--port-file",
                                      dir + "/port." + r,
                                      "--dist-timeout-s",
-                                     "30"};
+                                     std::to_string(options_.dist_timeout_s)};
     args.insert(args.end(), options_.worker_flags.begin(), options_.worker_flags.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -334,7 +335,7 @@ template <typename Req, typename Resp>
 absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
         grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
-    const Req& req, std::chrono::milliseconds timeout, bool fail_fast) {
+    const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok) {
   if (!serving_) return absl::UnavailableError("worker group is not ready");
   std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
   {
@@ -379,6 +380,8 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
   while (cq.Next(&tag, &ok)) {
   }
   for (int r = 0; r < n; ++r) {
+    if (not_found_ok && status[r].error_code() == grpc::StatusCode::NOT_FOUND)
+      status[r] = grpc::Status::OK;
     if (!status[r].ok() && status[r].error_code() != grpc::StatusCode::CANCELLED) {
       absl::Status s = FromGrpc(status[r]);
       return absl::Status(s.code(), absl::StrCat("worker rank ", r, ": ", s.message()));
@@ -417,8 +420,22 @@ absl::Status WorkerGroup::AbortAll(int64_t id) {
 absl::Status WorkerGroup::UnloadAll(int64_t id) {
   v1::WorkerUnloadAdapterRequest req;
   req.set_adapter_id(id);
-  return CallAll(&v1::Worker::Stub::PrepareAsyncUnloadAdapter, req, options_.load_timeout, false)
+  // A rank that does not have it (NOT_FOUND) has freed it too.
+  return CallAll(&v1::Worker::Stub::PrepareAsyncUnloadAdapter, req, options_.load_timeout, false,
+                 /*not_found_ok=*/true)
       .status();
+}
+
+absl::StatusOr<std::vector<int64_t>> WorkerGroup::CommittedAdapterIds() {
+  auto infos = CallAll(&v1::Worker::Stub::PrepareAsyncInfo, v1::WorkerInfoRequest(),
+                       options_.step_timeout, false);
+  if (!infos.ok()) return infos.status();
+  std::vector<int64_t> ids;
+  for (const v1::WorkerInfoResponse& i : *infos)
+    ids.insert(ids.end(), i.committed_adapter_ids().begin(), i.committed_adapter_ids().end());
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
 }
 
 absl::StatusOr<v1::StepResponse> WorkerGroup::StepAll(const v1::StepRequest& req) {

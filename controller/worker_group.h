@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "controller/worker_group_interface.h"
 #include "moelora/v1/worker.grpc.pb.h"
 
 namespace moelora {
@@ -39,12 +40,13 @@ struct WorkerGroupOptions {
   std::chrono::milliseconds step_timeout{60000};
   std::chrono::milliseconds load_timeout{300000};
   std::chrono::milliseconds health_period{200};
+  int dist_timeout_s = 120;  // local mode: the workers' --dist-timeout-s (rendezvous, collectives)
 };
 
-class WorkerGroup {
+class WorkerGroup final : public WorkerGroupInterface {
  public:
   explicit WorkerGroup(WorkerGroupOptions options);
-  ~WorkerGroup();
+  ~WorkerGroup() override;
 
   // Called (on the monitor thread) each time the group becomes ready, before it serves.
   // A non-OK result keeps the group out of service and is retried on the next poll.
@@ -54,9 +56,9 @@ class WorkerGroup {
   void Start();
   void Stop();  // stops the monitor and (local mode) terminates the workers
 
-  bool serving() const { return serving_.load(); }
+  bool serving() const override { return serving_.load(); }
   // Rank 0's Info from the last time the group became ready (empty before).
-  v1::WorkerInfoResponse info() const;
+  v1::WorkerInfoResponse info() const override;
   int size() const { return options_.tp; }
   std::vector<bool> RanksUp() const;
   int restarts() const { return restarts_.load(); }
@@ -67,12 +69,15 @@ class WorkerGroup {
 
   // All-rank RPCs. UNAVAILABLE when the group is not ready. Stage rolls back (Abort) on the ranks
   // that succeeded when any fails.
-  absl::StatusOr<v1::StageAdapterResponse> StageAll(const v1::StageAdapterRequest& req);
-  absl::Status CommitAll(int64_t adapter_id);
-  absl::Status AbortAll(int64_t adapter_id);
-  absl::Status UnloadAll(int64_t adapter_id);
+  absl::StatusOr<v1::StageAdapterResponse> StageAll(const v1::StageAdapterRequest& req) override;
+  absl::Status CommitAll(int64_t adapter_id) override;
+  absl::Status AbortAll(int64_t adapter_id) override;
+  // OK when every rank freed it (a rank that never had it counts as freed).
+  absl::Status UnloadAll(int64_t adapter_id) override;
+  // The adapters committed on any rank (their Info), ascending.
+  absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override;
   // Returns as soon as any rank fails (the others are cancelled) or when all have answered.
-  absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req);
+  absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override;
 
  private:
   struct Rank;
@@ -85,7 +90,7 @@ class WorkerGroup {
   absl::StatusOr<std::vector<Resp>> CallAll(
       std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
           grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
-      const Req& req, std::chrono::milliseconds timeout, bool fail_fast);
+      const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok = false);
 
   WorkerGroupOptions options_;
   mutable std::mutex mu_;  // ranks_, info_, hooks

@@ -382,6 +382,7 @@ EngineInfo Engine::Info() const {
     for (const auto& [id, a] : m.adapters) {
       i.committed_adapters += a.committed;
       i.staged_adapters += !a.committed;
+      if (a.committed) i.committed_adapter_ids.push_back(id);
     }
   }
   std::lock_guard<std::mutex> step_lock(m.step_mu);

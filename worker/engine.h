@@ -90,6 +90,7 @@ struct EngineInfo {
   int running = 0;
   int committed_adapters = 0;
   int staged_adapters = 0;
+  std::vector<int64_t> committed_adapter_ids;  // ascending
 };
 
 class Engine {

@@ -1,5 +1,6 @@
 #include "worker/service.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <thread>
 
@@ -170,6 +171,9 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_device(device_);
   for (const auto& s : i.skipped_tensors) resp->add_skipped_tensors(s);
   resp->set_communicator(comm_ ? comm_->backend() : "");
+  std::vector<int64_t> ids = i.committed_adapter_ids;
+  std::sort(ids.begin(), ids.end());
+  resp->mutable_committed_adapter_ids()->Add(ids.begin(), ids.end());
   return grpc::Status::OK;
 }
 

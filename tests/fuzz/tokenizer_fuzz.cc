@@ -54,7 +54,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (hit) break;
         }
         cut += st.Finish();
-        if (whole.compare(0, cut.size(), cut) != 0 || cut.find(stop) != std::string::npos) std::abort();
+        if (whole.compare(0, cut.size(), cut) != 0 || cut.find(stop) != std::string::npos)
+          std::abort();
       }
     }
   }

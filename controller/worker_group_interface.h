@@ -1,0 +1,37 @@
+// What the controller needs of its worker group: the all-rank RPCs and the group's state.
+// WorkerGroup (worker_group.h) implements it over the generated stubs; unit tests implement it
+// with a fake (tests/unit/controller/fake_worker_group.h).
+//
+// Thread-safety: implementations must allow calls from any thread.
+#ifndef MOELORA_CONTROLLER_WORKER_GROUP_INTERFACE_H_
+#define MOELORA_CONTROLLER_WORKER_GROUP_INTERFACE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moelora/v1/worker.pb.h"
+
+namespace moelora {
+
+class WorkerGroupInterface {
+ public:
+  virtual ~WorkerGroupInterface() = default;
+
+  virtual bool serving() const = 0;
+  // Rank 0's Info from the last time the group became ready.
+  virtual v1::WorkerInfoResponse info() const = 0;
+  // Stages on every rank; rolls back (Abort) the ranks that staged it when any fails.
+  virtual absl::StatusOr<v1::StageAdapterResponse> StageAll(const v1::StageAdapterRequest& req) = 0;
+  virtual absl::Status CommitAll(int64_t adapter_id) = 0;
+  virtual absl::Status AbortAll(int64_t adapter_id) = 0;
+  // OK when every rank freed it (a rank that never had it counts as freed).
+  virtual absl::Status UnloadAll(int64_t adapter_id) = 0;
+  // The adapters committed on any rank, ascending.
+  virtual absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() = 0;
+  virtual absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) = 0;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_WORKER_GROUP_INTERFACE_H_

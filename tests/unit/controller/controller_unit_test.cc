@@ -1,0 +1,263 @@
+// The controller's adapter manager and scheduler against a fake worker group, in milliseconds:
+// slot accounting that never drifts from the workers, strict FIFO admission, LRU swaps that
+// never evict a pinned adapter, unloads while queued and running, step failures, a group
+// restart, deadlines and cancellation. Plus SlotPool on its own.
+#include <chrono>
+#include <thread>
+
+#include "controller/controller.h"
+#include "controller/slot_pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "lora/model_info.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/unit/controller/fake_worker_group.h"
+
+namespace moelora {
+namespace {
+
+using ::moelora::testing::FakeWorkerGroup;
+using ::moelora::testing::TempDir;
+using ::testing::ElementsAre;
+using ::testing::UnorderedElementsAre;
+using Clock = std::chrono::steady_clock;
+
+TEST(SlotPoolTest, ASlotIsFreeOnlyWhenNoWorkerMayHoldIt) {
+  SlotPool p(2);
+  EXPECT_TRUE(p.TryReserve());
+  EXPECT_TRUE(p.TryReserve());
+  EXPECT_FALSE(p.TryReserve());
+  p.BeginRelease();  // unload sent, no answer yet: still taken
+  EXPECT_EQ(p.free(), 0);
+  p.EndRelease(/*freed=*/false);  // a rank failed: leaked
+  EXPECT_EQ(p.leaked(), 1);
+  EXPECT_FALSE(p.TryReserve());
+  p.Reconcile(0);  // the workers hold nothing the controller does not know
+  EXPECT_EQ(p.free(), 1);
+  EXPECT_TRUE(p.TryReserve());
+  p.Leak();  // a rollback that failed
+  EXPECT_EQ(p.held(), 1);
+  EXPECT_EQ(p.leaked(), 1);
+  p.Reconcile(5);  // never more than the capacity
+  EXPECT_EQ(p.leaked(), 2);
+  p.Reset();
+  EXPECT_EQ(p.free(), 2);
+  p.TryReserve();
+  p.Unreserve();
+  EXPECT_EQ(p.free(), 2);
+}
+
+TEST(SlotPoolTest, VictimIsTheLeastRecentlyUsedUnpinnedIdleResident) {
+  const auto t0 = Clock::now();
+  auto at = [&](int s) { return t0 + std::chrono::seconds(s); };
+  using C = SlotPool::Candidate;
+  EXPECT_EQ(SlotPool::PickVictim({C{true, false, false, at(5)}, C{true, false, false, at(1)}}), 1u);
+  EXPECT_EQ(SlotPool::PickVictim({C{true, false, false, at(5)}, C{true, true, false, at(1)}}), 0u);
+  EXPECT_EQ(SlotPool::PickVictim({C{true, false, true, at(1)}, C{true, false, false, at(9)}}), 1u);
+  EXPECT_EQ(SlotPool::PickVictim({C{false, false, false, at(1)}, C{true, false, false, at(9)}}),
+            1u);
+  EXPECT_EQ(SlotPool::PickVictim({C{true, true, false, at(1)}, C{true, false, true, at(2)}}),
+            std::nullopt);
+  EXPECT_EQ(SlotPool::PickVictim({}), std::nullopt);
+}
+
+// Polls `cond` for up to 5 s.
+template <typename F>
+bool WaitUntil(F cond) {
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (Clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return cond();
+}
+
+struct Harness {
+  TempDir dir;
+  std::unique_ptr<Registry> registry;
+  ControllerMetrics metrics;
+  FakeWorkerGroup group;
+  std::unique_ptr<Controller> c;
+
+  explicit Harness(int max_loras, int max_num_seqs = 64) : group(max_loras) {
+    auto r = Registry::Open(dir.path());
+    EXPECT_TRUE(r.ok()) << r.status();
+    registry = std::move(*r);
+    ControllerOptions o;
+    o.adapter_root = MOELORA_TEST_DATA_DIR;
+    o.max_loras = max_loras;
+    o.max_cpu_loras = 8;
+    o.max_lora_rank = 16;
+    o.mixed = true;
+    o.max_num_seqs = max_num_seqs;
+    auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
+    EXPECT_TRUE(info.ok()) << info.status();
+    o.model = *info;
+    c = std::make_unique<Controller>(o, registry.get(), &group, &metrics);
+    EXPECT_TRUE(c->OnGroupReady().ok());
+    c->Start();
+  }
+  ~Harness() { c->Stop(); }
+
+  int64_t Load(const std::string& name, const std::string& path, bool pinned = false) {
+    v1::LoadAdapterRequest req;
+    req.set_name(name);
+    req.set_path("qwen3_moe/" + path);
+    req.set_pinned(pinned);
+    auto a = c->LoadAdapter(req);
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? a->id() : 0;
+  }
+  std::shared_ptr<GenRequest> Submit(const std::string& adapter, int max_tokens,
+                                     Clock::time_point deadline = Clock::time_point::max()) {
+    v1::GenerateRequest req;
+    req.set_adapter(adapter);
+    req.add_prompt_token_ids(1);
+    req.add_prompt_token_ids(2);
+    req.set_max_tokens(max_tokens);
+    auto r = c->Submit(req, deadline);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : nullptr;
+  }
+  // The request's final status (DEADLINE_EXCEEDED here if it does not end within 10 s).
+  static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
+    std::unique_lock<std::mutex> lock(r->mu);
+    if (!r->cv.wait_for(lock, std::chrono::seconds(10), [&] { return r->done; })) {
+      return absl::DeadlineExceededError("the test waited 10 s");
+    }
+    return r->status;
+  }
+};
+
+// Bug: a failed unload on the workers used to free the slot in the controller's count, so the
+// next load was staged into a slot a worker still held and got RESOURCE_EXHAUSTED.
+TEST(ControllerUnitTest, FailedUnloadKeepsTheSlotTakenUntilTheWorkersFreeIt) {
+  Harness h(/*max_loras=*/1);
+  const int64_t a = h.Load("a", "adapter_2d");
+  EXPECT_THAT(h.group.committed(), ElementsAre(a));
+  h.group.FailNextUnloads(2);  // the unload, and the first reconcile's retry
+  ASSERT_TRUE(h.c->UnloadAdapter("a").ok());
+  EXPECT_THAT(h.group.committed(), ElementsAre(a)) << "the fake's unload should have failed";
+  const int64_t b = h.Load("b", "adapter_3d");  // registered; no slot is free yet
+  auto r = h.Submit("b", 3);
+  ASSERT_NE(r, nullptr);
+  EXPECT_OK(Harness::Wait(r));  // swapped in once a reconcile freed a's slot
+  EXPECT_EQ(r->tokens.size(), 3u);
+  EXPECT_THAT(h.group.committed(), ElementsAre(b));
+}
+
+// A rollback (commit failed on a rank, then its unload failed too) leaks the slot until the
+// controller has seen the workers free it.
+TEST(ControllerUnitTest, FailedRollbackIsReconciledBeforeTheSlotIsReused) {
+  Harness h(1);
+  h.group.FailNextCommits(1);
+  h.group.FailNextUnloads(1);
+  v1::LoadAdapterRequest req;
+  req.set_name("a");
+  req.set_path("qwen3_moe/adapter_2d");
+  EXPECT_EQ(h.c->LoadAdapter(req).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(h.group.committed().size(), 1u) << "the fake left the orphan committed";
+  EXPECT_TRUE(h.c->ListAdapters().empty());
+  const int64_t b = h.Load("b", "adapter_3d");
+  auto r = h.Submit("b", 2);
+  EXPECT_OK(Harness::Wait(r));
+  EXPECT_THAT(h.group.committed(), ElementsAre(b));
+}
+
+TEST(ControllerUnitTest, AdmissionIsStrictFifoWhenTheHeadNeedsASwap) {
+  Harness h(1);
+  const int64_t a = h.Load("a", "adapter_2d");
+  const int64_t b = h.Load("b", "adapter_3d");  // not resident: the one slot holds a
+  auto rb = h.Submit("b", 2);
+  auto r0 = h.Submit("", 2);
+  auto ra = h.Submit("a", 2);
+  for (auto& r : {rb, r0, ra}) EXPECT_OK(Harness::Wait(r));
+  // b first (a swap), the base request only after it, then a (swapped back once b finished).
+  EXPECT_THAT(h.group.admitted_adapters(), ElementsAre(b, 0, a));
+}
+
+TEST(ControllerUnitTest, LruSwapNeverEvictsAPinnedAdapter) {
+  Harness h(2);
+  const int64_t p = h.Load("p", "adapter_2d", /*pinned=*/true);  // the least recently used
+  const int64_t a = h.Load("a", "adapter_3d");
+  const int64_t b = h.Load("b", "adapter_2d_shared_a");
+  EXPECT_THAT(h.group.committed(), UnorderedElementsAre(p, a));
+  EXPECT_OK(Harness::Wait(h.Submit("b", 2)));
+  EXPECT_THAT(h.group.committed(), UnorderedElementsAre(p, b));
+  EXPECT_OK(Harness::Wait(h.Submit("a", 2)));
+  EXPECT_THAT(h.group.committed(), UnorderedElementsAre(p, a));
+  EXPECT_OK(Harness::Wait(h.Submit("p", 2)));  // resident: no swap
+  EXPECT_THAT(h.group.committed(), UnorderedElementsAre(p, a));
+}
+
+TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewOnes) {
+  Harness h(1, /*max_num_seqs=*/1);
+  h.group.set_step_delay(std::chrono::milliseconds(2));
+  h.Load("a", "adapter_2d");
+  auto running = h.Submit("a", 40);
+  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  auto queued = h.Submit("a", 3);  // the batch holds one sequence: this one waits
+  auto u = h.c->UnloadAdapter("a");
+  ASSERT_TRUE(u.ok());
+  EXPECT_EQ(u->state(), v1::ADAPTER_STATE_UNLOADING);
+  v1::GenerateRequest req;
+  req.set_adapter("a");
+  req.add_prompt_token_ids(1);
+  req.set_max_tokens(2);
+  EXPECT_EQ(h.c->Submit(req, Clock::time_point::max()).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_OK(Harness::Wait(running));
+  EXPECT_OK(Harness::Wait(queued));
+  EXPECT_EQ(running->tokens.size(), 40u);
+  EXPECT_EQ(queued->tokens.size(), 3u);
+  EXPECT_TRUE(WaitUntil([&] { return h.group.committed().empty(); }))
+      << "the deferred unload did not reach the workers";
+  EXPECT_TRUE(h.c->ListAdapters().empty());
+  // The slot is free again: a new adapter is resident at once.
+  const int64_t b = h.Load("b", "adapter_3d");
+  EXPECT_THAT(h.group.committed(), ElementsAre(b));
+}
+
+TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {
+  Harness h(1);
+  h.group.FailNextSteps(1);
+  auto r = h.Submit("", 4);
+  EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
+  auto next = h.Submit("", 4);
+  EXPECT_OK(Harness::Wait(next));
+  EXPECT_EQ(next->tokens.size(), 4u);
+}
+
+TEST(ControllerUnitTest, GroupRestartReloadsTheAdaptersIntoTheNewWorkers) {
+  Harness h(2);
+  h.group.set_step_delay(std::chrono::milliseconds(2));
+  const int64_t a = h.Load("a", "adapter_2d");
+  const int64_t b = h.Load("b", "adapter_3d");
+  auto r = h.Submit("a", 50);
+  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  h.c->OnGroupDown("test: a rank died");
+  EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
+  h.group.Restart();
+  EXPECT_TRUE(h.group.committed().empty());
+  ASSERT_TRUE(h.c->OnGroupReady().ok());
+  EXPECT_THAT(h.group.committed(), UnorderedElementsAre(a, b));
+  EXPECT_OK(Harness::Wait(h.Submit("b", 2)));
+}
+
+TEST(ControllerUnitTest, DeadlinesAndCancellationEndRequestsAndFreeTheirSequences) {
+  Harness h(1);
+  auto late = h.Submit("", 4, Clock::now() - std::chrono::milliseconds(1));
+  EXPECT_EQ(Harness::Wait(late).code(), absl::StatusCode::kDeadlineExceeded);
+  h.group.set_step_delay(std::chrono::milliseconds(2));
+  auto r = h.Submit("", 60);
+  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  r->cancelled = true;
+  EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(r->tokens.size(), 60u);
+  EXPECT_TRUE(WaitUntil([&] { return h.group.running() == 0; }))
+      << "the cancelled sequence was not removed from the workers";
+}
+
+}  // namespace
+}  // namespace moelora
