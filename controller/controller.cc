@@ -8,6 +8,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "controller/path_policy.h"
@@ -104,6 +105,41 @@ void Controller::UpdateAdapterGauges() {
   metrics_->adapters.Add({{"state", "unloading"}}).Set(n[v1::ADAPTER_STATE_UNLOADING]);
   metrics_->adapters.Add({{"state", "failed"}}).Set(n[v1::ADAPTER_STATE_FAILED]);
   metrics_->adapters.Add({{"state", "resident"}}).Set(resident);
+  for (auto it = resident_series_.begin(); it != resident_series_.end();) {
+    if (adapters_.count(*it)) {
+      ++it;
+      continue;
+    }
+    metrics_->adapter_resident.Remove(
+        &metrics_->adapter_resident.Add({{"adapter", *it}, {"tier", "slot"}}));
+    it = resident_series_.erase(it);
+  }
+  for (const auto& [name, e] : adapters_) {
+    metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "slot"}}).Set(e.resident ? 1 : 0);
+    resident_series_.insert(name);
+  }
+  UpdateLoraInfo();
+}
+
+void Controller::UpdateLoraInfo() {
+  std::set<std::string> running, waiting;
+  for (const auto& [id, r] : running_) {
+    if (!r->adapter.empty()) running.insert(r->adapter);
+  }
+  for (const auto& r : pending_) {
+    if (!r->adapter.empty()) waiting.insert(r->adapter);
+  }
+  const std::string run = absl::StrJoin(running, ","), wait = absl::StrJoin(waiting, ",");
+  const std::string key = absl::StrCat(run, "|", wait);
+  if (lora_info_ != nullptr && key == lora_info_key_) return;
+  if (lora_info_ != nullptr) metrics_->lora_requests_info.Remove(lora_info_);
+  lora_info_ =
+      &metrics_->lora_requests_info.Add({{"running_lora_adapters", run},
+                                         {"waiting_lora_adapters", wait},
+                                         {"max_lora", std::to_string(options_.max_loras)}});
+  lora_info_->Set(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  lora_info_key_ = key;
 }
 
 v1::Adapter Controller::ToProto(const Entry& e) const {
@@ -605,6 +641,7 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(const v1::Generat
   r->seq_id = next_seq_++;
   pending_.push_back(r);
   metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+  UpdateLoraInfo();
   cv_.notify_all();
   return r;
 }
@@ -776,12 +813,15 @@ void Controller::Loop() {
         s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
         running_[r->seq_id] = r;
       }
+      UpdateLoraInfo();
     }
     for (int64_t id : unload_ids) ReleaseSlot(id);
     for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
     // The head of the queue needs a slot: swap it in between steps (waits while all slots are
     // busy; nothing behind it is admitted meanwhile, so it cannot starve).
-    if (!swap.empty()) TrySwapIn(swap);
+    // Not while this step still has to remove sequences from the workers: a victim's slot can
+    // only be freed once no worker sequence uses it (the swap happens on the next pass).
+    if (!swap.empty() && step.remove().empty()) TrySwapIn(swap);
     int nseq;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -849,6 +889,7 @@ void Controller::Loop() {
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
     std::lock_guard<std::mutex> lock(mu_);
     metrics_->running.Set(static_cast<double>(running_.size()));
+    UpdateLoraInfo();
   }
 }
 

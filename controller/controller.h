@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -125,6 +126,7 @@ class Controller {
   void FailAll(const absl::Status& s);
   bool TrySwapIn(const std::string& name);  // scheduler thread, mu_ NOT held
   void UpdateAdapterGauges();               // mu_ held
+  void UpdateLoraInfo();                    // mu_ held: the lora_requests_info series
 
   ControllerOptions options_;
   Registry* registry_;
@@ -133,9 +135,12 @@ class Controller {
 
   mutable std::mutex mu_;  // adapters_, resident_, queue state
   std::map<std::string, Entry> adapters_;
-  SlotPool slots_;                      // worker slots: held, releasing, leaked, free
-  std::atomic<bool> reconcile_{false};  // a failed unload or rollback: Reconcile() next loop
-  int64_t step_no_ = 0;                 // scheduler thread only
+  SlotPool slots_;                          // worker slots: held, releasing, leaked, free
+  std::atomic<bool> reconcile_{false};      // a failed unload or rollback: Reconcile() next loop
+  int64_t step_no_ = 0;                     // scheduler thread only
+  std::set<std::string> resident_series_;   // mu_: adapters with a moelora_adapter_resident series
+  prometheus::Gauge* lora_info_ = nullptr;  // mu_: the current lora_requests_info series
+  std::string lora_info_key_;               // mu_: its labels
   std::map<std::string, std::shared_ptr<std::mutex>> name_locks_;
   std::deque<std::shared_ptr<GenRequest>> pending_;
   std::map<int64_t, std::shared_ptr<GenRequest>> running_;

@@ -89,7 +89,18 @@ ControllerMetrics::ControllerMetrics()
                        .Name("moelora_stop_string_matches_total")
                        .Help("Requests ended by a stop string")
                        .Register(*registry_)
-                       .Add({})) {}
+                       .Add({})),
+      adapter_resident(prometheus::BuildGauge()
+                           .Name("moelora_adapter_resident")
+                           .Help("1 while the adapter is in the tier: slot = a worker LoRA slot")
+                           .Register(*registry_)),
+      lora_requests_info(
+          prometheus::BuildGauge()
+              .Name("moelora_lora_requests_info")
+              .Help("Adapters of running and waiting requests (comma-separated) and max_lora, as "
+                    "vLLM's vllm:lora_requests_info; the value is when it last changed (Unix "
+                    "seconds). For the Gateway API inference extension's --lora-info-metric")
+              .Register(*registry_)) {}
 
 void ControllerMetrics::ObserveLoad(const std::string& format, bool converted,
                                     const std::string& phase, double s) {

@@ -37,6 +37,8 @@ class ControllerMetrics {
   prometheus::Counter& worker_restarts;
   prometheus::Histogram& tokenize_seconds;
   prometheus::Counter& stop_strings;
+  prometheus::Family<prometheus::Gauge>& adapter_resident;    // {adapter, tier}
+  prometheus::Family<prometheus::Gauge>& lora_requests_info;  // vLLM's, for LoRA-affinity routing
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
 };

@@ -45,8 +45,12 @@ echo "$OUT"
 OUT="$("$GRPCURL" -plaintext "127.0.0.1:$PORT" grpc.health.v1.Health/Check)"
 echo "$OUT"
 grep -q '"status": "SERVING"' <<<"$OUT"
-"$GRPCURL" -plaintext "127.0.0.1:$PORT" describe grpc.health.v1.Health | grep -q "rpc Check"
-"$GRPCURL" -plaintext "127.0.0.1:$PORT" list | grep -qx "grpc.health.v1.Health"
+# Captured first: `grpcurl | grep -q` under pipefail fails when grep exits before grpcurl has
+# written everything (SIGPIPE).
+OUT="$("$GRPCURL" -plaintext "127.0.0.1:$PORT" describe grpc.health.v1.Health)"
+grep -q "rpc Check" <<<"$OUT"
+OUT="$("$GRPCURL" -plaintext "127.0.0.1:$PORT" list)"
+grep -qx "grpc.health.v1.Health" <<<"$OUT"
 WFILE="$(find "$TMP/state" -name port.0 | head -1)"
 if [ -n "$WFILE" ]; then
   WPORT="$("$VENV/bin/python" -c "import json,sys; print(json.load(open(sys.argv[1]))['port'])" "$WFILE")"

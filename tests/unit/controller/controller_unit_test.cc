@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lora/model_info.h"
+#include "prometheus/text_serializer.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/controller/fake_worker_group.h"
@@ -20,6 +21,7 @@ namespace {
 using ::moelora::testing::FakeWorkerGroup;
 using ::moelora::testing::TempDir;
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
 using Clock = std::chrono::steady_clock;
 
@@ -257,6 +259,45 @@ TEST(ControllerUnitTest, DeadlinesAndCancellationEndRequestsAndFreeTheirSequence
   EXPECT_LT(r->tokens.size(), 60u);
   EXPECT_TRUE(WaitUntil([&] { return h.group.running() == 0; }))
       << "the cancelled sequence was not removed from the workers";
+}
+
+std::string Scrape(ControllerMetrics& m) {
+  return prometheus::TextSerializer().Serialize(m.registry()->Collect());
+}
+
+// The residency gauge and the lora_requests_info series that the Gateway API inference
+// extension reads (--lora-info-metric) for LoRA-affinity routing.
+TEST(ControllerUnitTest, ResidencyAndLoraRequestsInfoFollowTheBatch) {
+  Harness h(1);
+  h.group.set_step_delay(std::chrono::milliseconds(2));
+  h.Load("a", "adapter_2d");
+  h.Load("b", "adapter_3d");
+  std::string text = Scrape(h.metrics);
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="a",tier="slot"} 1)"));
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="b",tier="slot"} 0)"));
+  EXPECT_THAT(
+      text,
+      HasSubstr(
+          R"(moelora_lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""})"));
+  auto ra = h.Submit("a", 60);
+  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  auto rb = h.Submit("b", 2);  // waits: a's sequence holds the only slot
+  ASSERT_TRUE(WaitUntil([&] {
+    return Scrape(h.metrics).find(R"(running_lora_adapters="a",waiting_lora_adapters="b")") !=
+           std::string::npos;
+  })) << Scrape(h.metrics);
+  text = Scrape(h.metrics);
+  EXPECT_EQ(text.find(R"(running_lora_adapters="",waiting_lora_adapters="")"), std::string::npos)
+      << "the old series must be removed, not left beside the new one";
+  ra->cancelled = true;
+  EXPECT_EQ(Harness::Wait(ra).code(), absl::StatusCode::kCancelled);
+  EXPECT_OK(Harness::Wait(rb));
+  // The swap waited for the cancelled sequence to leave the workers before unloading a.
+  EXPECT_EQ(h.group.unload_refusals(), 0);
+  EXPECT_THAT(Scrape(h.metrics),
+              HasSubstr(R"(moelora_adapter_resident{adapter="b",tier="slot"} 1)"));
+  ASSERT_TRUE(h.c->UnloadAdapter("a").ok());
+  EXPECT_EQ(Scrape(h.metrics).find(R"(adapter="a")"), std::string::npos);
 }
 
 }  // namespace

@@ -66,8 +66,10 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     if (fail_unload_ > 0 && fail_unload_--)
       return absl::UnavailableError("fake: unload failed on one rank");
     for (const auto& [seq, s] : running_) {
-      if (s.adapter_id == id)
+      if (s.adapter_id == id) {
+        ++unload_refusals_;
         return absl::FailedPreconditionError("fake: a running sequence uses it");
+      }
     }
     committed_.erase(id);
     return absl::OkStatus();
@@ -159,6 +161,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     std::lock_guard<std::mutex> l(mu_);
     return unload_calls_;
   }
+  // Unloads refused because a running sequence still used the adapter (a controller bug).
+  int unload_refusals() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return unload_refusals_;
+  }
 
  private:
   struct Seq {
@@ -174,7 +181,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::map<int64_t, Seq> running_;
   std::vector<int64_t> admitted_, admitted_adapters_;
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
-  int stage_calls_ = 0, unload_calls_ = 0;
+  int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0;
 };
 
 }  // namespace moelora::testing
