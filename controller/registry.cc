@@ -85,9 +85,35 @@ absl::StatusOr<std::unique_ptr<Registry>> Registry::Open(const std::string& stat
   if (sqlite3_exec(r->db_, schema, nullptr, nullptr, &err) != SQLITE_OK) {
     std::string msg = err ? err : "unknown";
     sqlite3_free(err);
-    return absl::InternalError(absl::StrCat(r->path_, ": ", msg));
+    return r->Corrupt(msg);
   }
+  // A file that opens but is damaged: refuse it now, not at the first request.
+  std::string check;
+  sqlite3_exec(
+      r->db_, "PRAGMA quick_check;",
+      [](void* out, int, char** v, char**) {
+        *static_cast<std::string*>(out) += v[0] ? v[0] : "";
+        return 0;
+      },
+      &check, nullptr);
+  if (check != "ok") return r->Corrupt(check.empty() ? sqlite3_errmsg(r->db_) : check);
   return r;
+}
+
+absl::Status Registry::Corrupt(const std::string& why) const {
+  return absl::DataLossError(absl::StrCat(
+      "the adapter registry ", path_, " cannot be used (", why,
+      "); it is kept as it is for inspection: move it away to start with an empty registry"));
+}
+
+absl::Status Registry::Error() const {
+  const int rc = sqlite3_extended_errcode(db_) & 0xff;
+  const std::string msg = absl::StrCat(path_, ": ", sqlite3_errmsg(db_));
+  if (rc == SQLITE_FULL) {
+    return absl::ResourceExhaustedError(absl::StrCat(msg, " (the disk under --state-dir is full)"));
+  }
+  if (rc == SQLITE_CORRUPT || rc == SQLITE_NOTADB) return Corrupt(sqlite3_errmsg(db_));
+  return absl::InternalError(msg);
 }
 
 Registry::~Registry() { sqlite3_close(db_); }
@@ -98,7 +124,7 @@ absl::StatusOr<int64_t> Registry::Insert(const AdapterRecord& a) {
          "INSERT INTO adapters (name, path, resolved_path, requested_format, detected_format,"
          " converted_to_2d, rank, max_rank, alpha, scaling, target_modules, num_experts, bytes,"
          " load_seconds, pinned) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
-  if (!s.ok()) return absl::InternalError(absl::StrCat(path_, ": ", sqlite3_errmsg(db_)));
+  if (!s.ok()) return Error();
   const std::string tm = nlohmann::json(a.target_modules).dump();
   sqlite3_bind_text(s.get(), 1, a.name.c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_text(s.get(), 2, a.path.c_str(), -1, SQLITE_TRANSIENT);
@@ -119,7 +145,7 @@ absl::StatusOr<int64_t> Registry::Insert(const AdapterRecord& a) {
   if (rc == SQLITE_CONSTRAINT) {
     return absl::AlreadyExistsError(absl::StrCat("adapter \"", a.name, "\" is already registered"));
   }
-  if (rc != SQLITE_DONE) return absl::InternalError(absl::StrCat(path_, ": ", sqlite3_errmsg(db_)));
+  if (rc != SQLITE_DONE) return Error();
   return sqlite3_last_insert_rowid(db_);
 }
 
@@ -129,7 +155,7 @@ absl::Status Registry::Update(const AdapterRecord& a) {
          "UPDATE adapters SET path=?, resolved_path=?, requested_format=?, detected_format=?,"
          " converted_to_2d=?, rank=?, max_rank=?, alpha=?, scaling=?, target_modules=?,"
          " num_experts=?, bytes=?, load_seconds=?, pinned=? WHERE name=?");
-  if (!s.ok()) return absl::InternalError(absl::StrCat(path_, ": ", sqlite3_errmsg(db_)));
+  if (!s.ok()) return Error();
   const std::string tm = nlohmann::json(a.target_modules).dump();
   sqlite3_bind_text(s.get(), 1, a.path.c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_text(s.get(), 2, a.resolved_path.c_str(), -1, SQLITE_TRANSIENT);
@@ -147,7 +173,7 @@ absl::Status Registry::Update(const AdapterRecord& a) {
   sqlite3_bind_int(s.get(), 14, a.pinned);
   sqlite3_bind_text(s.get(), 15, a.name.c_str(), -1, SQLITE_TRANSIENT);
   if (sqlite3_step(s.get()) != SQLITE_DONE) {
-    return absl::InternalError(absl::StrCat(path_, ": ", sqlite3_errmsg(db_)));
+    return Error();
   }
   if (sqlite3_changes(db_) == 0) {
     return absl::NotFoundError(absl::StrCat("adapter \"", a.name, "\" is not registered"));
@@ -158,10 +184,10 @@ absl::Status Registry::Update(const AdapterRecord& a) {
 absl::Status Registry::Remove(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt s(db_, "DELETE FROM adapters WHERE name = ?");
-  if (!s.ok()) return absl::InternalError(absl::StrCat(path_, ": ", sqlite3_errmsg(db_)));
+  if (!s.ok()) return Error();
   sqlite3_bind_text(s.get(), 1, name.c_str(), -1, SQLITE_TRANSIENT);
   if (sqlite3_step(s.get()) != SQLITE_DONE) {
-    return absl::InternalError(absl::StrCat(path_, ": ", sqlite3_errmsg(db_)));
+    return Error();
   }
   if (sqlite3_changes(db_) == 0) {
     return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not registered"));

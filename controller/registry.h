@@ -38,7 +38,8 @@ struct AdapterRecord {
 
 class Registry {
  public:
-  // Opens (creating) `state_dir`/registry.sqlite3. INTERNAL naming the file on failure.
+  // Opens (creating) `state_dir`/registry.sqlite3. DATA_LOSS naming the file when it is not a
+  // registry or is damaged (the file is left as it is); INTERNAL naming it on other failures.
   static absl::StatusOr<std::unique_ptr<Registry>> Open(const std::string& state_dir);
   ~Registry();
 
@@ -52,6 +53,10 @@ class Registry {
 
  private:
   Registry() = default;
+  // The last SQLite error as a Status naming the file (RESOURCE_EXHAUSTED for a full disk,
+  // DATA_LOSS for a damaged file).
+  absl::Status Error() const;
+  absl::Status Corrupt(const std::string& why) const;
   mutable std::mutex mu_;
   sqlite3* db_ = nullptr;
   std::string path_;

@@ -719,5 +719,43 @@ TEST_F(ControllerTest, EosFromGenerationConfigStopsUnlessIgnored) {
   EXPECT_EQ(c.process().Stop(), 0) << c.Log();
 }
 
+// SIGKILL of the controller in the middle of a LoadAdapter, then a restart on the same state
+// directory: the adapter is either loaded (READY, and it generates) or cleanly absent; never
+// half-registered. Several kill delays cover the phases (validate, registry insert, stage,
+// commit).
+TEST_F(ControllerTest, SigkillDuringLoadAdapterLeavesItLoadedOrAbsent) {
+  int loaded = 0, absent = 0;
+  for (int delay_ms : {0, 5, 20}) {
+    SCOPED_TRACE(delay_ms);
+    TempDir state;
+    {
+      ControllerProcess c(state.path(), adapters_.root, {"--enable-mixed-moe-lora-format"});
+      ASSERT_TRUE(c.WaitServing()) << c.Log();
+      std::thread load([&] { c.Load("a3d", "adapter_3d").IgnoreError(); });
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      c.process().Signal(SIGKILL);
+      load.join();
+      c.process().WaitExit(std::chrono::seconds(10));
+    }
+    ControllerProcess c(state.path(), adapters_.root, {"--enable-mixed-moe-lora-format"});
+    ASSERT_TRUE(c.WaitServing()) << c.Log();
+    const std::vector<v1::Adapter> list = c.List();
+    ASSERT_LE(list.size(), 1u);
+    if (list.empty()) {
+      ++absent;
+    } else {
+      ++loaded;
+      EXPECT_EQ(list[0].name(), "a3d");
+      EXPECT_EQ(list[0].state(), v1::ADAPTER_STATE_READY);
+      v1::GenerateResponse r;
+      EXPECT_TRUE(c.Generate("a3d", {1, 17, 42}, 2, &r).ok());
+    }
+    // Either way the name can be loaded (again) and used.
+    EXPECT_TRUE(c.Load("a3d", "adapter_3d").ok());
+    EXPECT_EQ(c.process().Stop(), 0) << c.Log();
+  }
+  std::printf("[sigkill] after restart: %d loaded, %d absent\n", loaded, absent);
+}
+
 }  // namespace
 }  // namespace moelora

@@ -3,6 +3,8 @@
 // never evict a pinned adapter, unloads while queued and running, step failures, a group
 // restart, deadlines and cancellation. Plus SlotPool on its own.
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "controller/controller.h"
@@ -82,8 +84,9 @@ struct Harness {
   FakeWorkerGroup group;
   std::unique_ptr<Controller> c;
 
-  explicit Harness(int max_loras, int max_num_seqs = 64) : group(max_loras) {
-    auto r = Registry::Open(dir.path());
+  explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "")
+      : group(max_loras) {
+    auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
     registry = std::move(*r);
     ControllerOptions o;
@@ -259,6 +262,56 @@ TEST(ControllerUnitTest, DeadlinesAndCancellationEndRequestsAndFreeTheirSequence
   EXPECT_LT(r->tokens.size(), 60u);
   EXPECT_TRUE(WaitUntil([&] { return h.group.running() == 0; }))
       << "the cancelled sequence was not removed from the workers";
+}
+
+// A small tmpfs (root only; the test skips elsewhere), unmounted at the end.
+struct SmallTmpfs {
+  TempDir dir;
+  bool mounted = false;
+  SmallTmpfs() {
+    mounted =
+        std::system(
+            ("mount -t tmpfs -o size=512k moelora-test " + dir.path() + " 2>/dev/null").c_str()) ==
+        0;
+  }
+  ~SmallTmpfs() {
+    if (mounted) std::system(("umount " + dir.path()).c_str());
+  }
+  // Fills the file system (a file of zeros until ENOSPC).
+  void Fill() {
+    std::FILE* f = std::fopen((dir.path() + "/fill").c_str(), "wb");
+    std::vector<char> zeros(4096, 0);
+    while (f != nullptr && std::fwrite(zeros.data(), 1, zeros.size(), f) == zeros.size() &&
+           std::fflush(f) == 0) {
+    }
+    if (f != nullptr) std::fclose(f);
+  }
+};
+
+// A full disk under --state-dir: LoadAdapter fails with RESOURCE_EXHAUSTED saying so, and
+// nothing is half-registered (not in the list, not on the workers, not in the registry).
+TEST(ControllerUnitTest, FullDiskUnderTheStateDirFailsTheLoadAndRegistersNothing) {
+  SmallTmpfs fs;
+  if (!fs.mounted) GTEST_SKIP() << "cannot mount a tmpfs here (needs root)";
+  {
+    Harness h(2, 64, fs.dir.path() + "/state");
+    h.Load("a", "adapter_2d");
+    fs.Fill();
+    v1::LoadAdapterRequest req;
+    req.set_name("b");
+    req.set_path("qwen3_moe/adapter_3d");
+    const absl::Status s = h.c->LoadAdapter(req).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("disk under --state-dir is full"));
+    ASSERT_EQ(h.c->ListAdapters().size(), 1u);
+    EXPECT_EQ(h.c->ListAdapters()[0].name(), "a");
+    EXPECT_EQ(h.group.committed().size(), 1u);
+  }
+  std::remove((fs.dir.path() + "/fill").c_str());
+  auto reg = Registry::Open(fs.dir.path() + "/state");
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  ASSERT_EQ((*reg)->List().size(), 1u);
+  EXPECT_EQ((*reg)->List()[0].name, "a");
 }
 
 std::string Scrape(ControllerMetrics& m) {

@@ -117,4 +117,21 @@ TEST(PathPolicyTest, OnlyInsideTheRootAfterResolvingSymlinks) {
 }
 
 }  // namespace
+// A damaged registry file: DATA_LOSS naming the file, and the file is left as it was.
+TEST(RegistryTest, CorruptedFileIsRefusedNamingItAndKept) {
+  TempDir t;
+  std::filesystem::create_directories(t.path() + "/state");
+  const std::string file = t.path() + "/state/registry.sqlite3";
+  const std::string garbage(8192, 'x');
+  std::ofstream(file, std::ios::binary) << garbage;
+  auto reg = Registry::Open(t.path() + "/state");
+  ASSERT_FALSE(reg.ok());
+  EXPECT_EQ(reg.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(reg.status().message()), ::testing::HasSubstr(file));
+  EXPECT_THAT(std::string(reg.status().message()), ::testing::HasSubstr("kept"));
+  std::ifstream in(file, std::ios::binary);
+  std::string after((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(after, garbage);
+}
+
 }  // namespace moelora
