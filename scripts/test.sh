@@ -64,4 +64,4 @@ echo "== bench (figures only)"
 "$B/bench/decode_step" --steps 5 --repeat 2 --prefill 128
 "$B/bench/serving" --clients 8 --requests 10 --loads 6
 # The tokenizer corpus exists when the tokenizer_corpus test could pip-install its generator.
-if [ -s "$B/tokenizer_corpus/corpus.jsonl" ]; then "$B/bench/tokenizer_encode" "$B/tokenizer_corpus" --repeat 2; fi
+if [ -s "$B/tokenizer_corpus/corpus.jsonl" ]; then "$B/bench/tokenizer_encode" "$B/tokenizer_corpus" --repeat 5; fi

@@ -18,6 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/utf8.h"
@@ -287,6 +288,9 @@ struct Tokenizer::Impl {
   bool byte_level = false;  // the ByteLevel pre-tokenizer maps bytes to the alphabet
   // BPE.
   absl::flat_hash_map<std::string, int32_t> vocab;
+  // Byte-level vocabularies: the raw bytes each token stands for -> its id (for ignore_merges,
+  // so that a word is looked up without mapping it to the byte alphabet first).
+  absl::flat_hash_map<std::string, int32_t> bytes_vocab;
   absl::flat_hash_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a,b) -> (rank, new id)
   std::array<int32_t, 256> byte_id{};                                 // byte -> its token (-1)
   std::optional<int32_t> unk_id;
@@ -586,10 +590,8 @@ void Tokenizer::Impl::Bpe(std::string_view word, std::vector<int32_t>* out) cons
   sym.reserve(word.size());
   if (byte_level) {
     if (ignore_merges) {
-      std::string mapped;
-      for (unsigned char b : word) mapped += Alphabet().byte_to_char[b];
-      auto it = vocab.find(mapped);
-      if (it != vocab.end()) {
+      auto it = bytes_vocab.find(absl::string_view(word.data(), word.size()));
+      if (it != bytes_vocab.end()) {
         out->push_back(it->second);
         return;
       }
@@ -751,6 +753,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
     for (const auto& [tok, id] : im.vocab) {
       im.id_bytes[id] = decoded(tok);
       im.id_flags[id] = 1;
+      bool in_alphabet = true;  // else no byte-level word can map to it
+      for (size_t i = 0; i < tok.size() && in_alphabet;) {
+        size_t len;
+        in_alphabet = ab.char_to_byte.count(DecodeCodePoint(tok, i, &len)) > 0;
+        i += len;
+      }
+      if (im.byte_level && in_alphabet) im.bytes_vocab.emplace(im.id_bytes[id], id);
     }
     for (const AddedToken& a : im.added) {
       im.id_bytes[a.id] = decoded(a.content);
