@@ -813,7 +813,7 @@ void Controller::Loop() {
         s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
         running_[r->seq_id] = r;
       }
-      UpdateLoraInfo();
+      if (!admitted.empty() || !ended.empty()) UpdateLoraInfo();  // the batch changed
     }
     for (int64_t id : unload_ids) ReleaseSlot(id);
     for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
@@ -889,7 +889,7 @@ void Controller::Loop() {
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
     std::lock_guard<std::mutex> lock(mu_);
     metrics_->running.Set(static_cast<double>(running_.size()));
-    UpdateLoraInfo();
+    if (!finished.empty()) UpdateLoraInfo();
   }
 }
 

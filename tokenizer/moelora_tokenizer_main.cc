@@ -71,13 +71,13 @@ int main(int argc, char** argv) {
       if (!j.is_array()) return Fail(n, "decode expects a JSON array of token ids");
       std::vector<int32_t> ids;
       for (size_t i = 0; i < j.size(); ++i) {
-        if (!j[i].is_number_integer() ||
-            !(*tok)->IsKnown(j[i].get<int64_t>() > INT32_MAX ? -1 : j[i].get<int32_t>())) {
+        const int64_t id = j[i].is_number_integer() ? j[i].get<int64_t>() : -1;
+        if (id < 0 || id >= (*tok)->vocab_size() || !(*tok)->IsKnown(static_cast<int32_t>(id))) {
           return Fail(n, absl::StrCat("element ", i, " (", j[i].dump(),
                                       ") is not a token id of this tokenizer (0 .. ",
                                       (*tok)->vocab_size() - 1, ")"));
         }
-        ids.push_back(j[i].get<int32_t>());
+        ids.push_back(static_cast<int32_t>(id));
       }
       std::cout << nlohmann::json((*tok)->Decode(ids, skip_special)).dump() << "\n";
     }

@@ -278,6 +278,34 @@ absl::StatusOr<json> ReadJson(const fs::path& p) {
   return j;
 }
 
+// generation_config.json's EOS ids (an int or a list, deduplicated) and BOS id; empty when the
+// file or a key is absent.
+struct GenerationIds {
+  std::vector<int32_t> eos;
+  std::optional<int32_t> bos;
+};
+absl::StatusOr<GenerationIds> ReadGenerationConfig(const std::string& model_dir) {
+  GenerationIds out;
+  std::error_code ec;
+  const fs::path gen = fs::path(model_dir) / "generation_config.json";
+  if (!fs::exists(gen, ec)) return out;
+  MOELORA_ASSIGN_OR_RETURN(json g, ReadJson(gen));
+  if (!g.is_object()) return out;
+  const json& e = g.value("eos_token_id", json());
+  auto add = [&](const json& x) {
+    if (!x.is_number_integer()) return;
+    const int32_t id = x.get<int32_t>();
+    if (std::find(out.eos.begin(), out.eos.end(), id) == out.eos.end()) out.eos.push_back(id);
+  };
+  add(e);
+  if (e.is_array()) {
+    for (const json& x : e) add(x);
+  }
+  const json& b = g.value("bos_token_id", json());
+  if (b.is_number_integer()) out.bos = b.get<int32_t>();
+  return out;
+}
+
 }  // namespace
 
 struct Tokenizer::Impl {
@@ -784,14 +812,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
     if (std::find(t->eos_ids_.begin(), t->eos_ids_.end(), id) == t->eos_ids_.end())
       t->eos_ids_.push_back(id);
   };
-  MOELORA_ASSIGN_OR_RETURN(const std::vector<int32_t> gen_eos, ReadGenerationEosIds(dir.string()));
-  for (int32_t id : gen_eos) add_eos(id);
-  const fs::path gen = dir / "generation_config.json";
-  if (fs::exists(gen, ec)) {
-    MOELORA_ASSIGN_OR_RETURN(json g, ReadJson(gen));
-    if (g.value("bos_token_id", json()).is_number_integer())
-      t->bos_id_ = g["bos_token_id"].get<int32_t>();
-  }
+  MOELORA_ASSIGN_OR_RETURN(const GenerationIds gen, ReadGenerationConfig(dir.string()));
+  for (int32_t id : gen.eos) add_eos(id);
+  t->bos_id_ = gen.bos;
   const fs::path tc = dir / "tokenizer_config.json";
   if (fs::exists(tc, ec)) {
     MOELORA_ASSIGN_OR_RETURN(json c, ReadJson(tc));
@@ -815,22 +838,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
 }
 
 absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(const std::string& model_dir) {
-  std::vector<int32_t> ids;
-  std::error_code ec;
-  const fs::path gen = fs::path(model_dir) / "generation_config.json";
-  if (!fs::exists(gen, ec)) return ids;
-  MOELORA_ASSIGN_OR_RETURN(json g, ReadJson(gen));
-  const json& e = g.is_object() ? g.value("eos_token_id", json()) : json();
-  auto add = [&](const json& x) {
-    if (!x.is_number_integer()) return;
-    const int32_t id = x.get<int32_t>();
-    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
-  };
-  add(e);
-  if (e.is_array()) {
-    for (const json& x : e) add(x);
-  }
-  return ids;
+  MOELORA_ASSIGN_OR_RETURN(GenerationIds g, ReadGenerationConfig(model_dir));
+  return g.eos;
 }
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
