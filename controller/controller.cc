@@ -110,12 +110,16 @@ void Controller::UpdateAdapterGauges() {
       ++it;
       continue;
     }
-    metrics_->adapter_resident.Remove(
-        &metrics_->adapter_resident.Add({{"adapter", *it}, {"tier", "slot"}}));
+    for (const char* tier : {"slot", "host"}) {
+      metrics_->adapter_resident.Remove(
+          &metrics_->adapter_resident.Add({{"adapter", *it}, {"tier", tier}}));
+    }
     it = resident_series_.erase(it);
   }
   for (const auto& [name, e] : adapters_) {
     metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "slot"}}).Set(e.resident ? 1 : 0);
+    metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "host"}})
+        .Set(e.host_cached ? 1 : 0);
     resident_series_.insert(name);
   }
   UpdateLoraInfo();
@@ -174,13 +178,14 @@ absl::Status Controller::StageAndCommit(const AdapterRecord& r, bool* clean) {
   auto staged = group_->StageAll(req);
   if (!staged.ok()) return staged.status();  // StageAll aborted it on the ranks that staged it
   const std::string fmt = FormatLabel(r.detected_format);
-  metrics_->ObserveLoad(fmt, r.converted_to_2d, "stage", Seconds(Clock::now() - t0));
+  metrics_->ObserveLoad(fmt, r.converted_to_2d, staged->from_host_cache() ? "swap_in" : "stage",
+                        Seconds(Clock::now() - t0));
   const auto t1 = Clock::now();
   if (absl::Status s = group_->CommitAll(r.id); !s.ok()) {
     // Some ranks may have committed: undo everywhere. If that fails too, a rank may still hold
     // the slot: the caller counts it leaked until Reconcile() sees the workers again.
     const absl::Status aborted = group_->AbortAll(r.id);
-    const absl::Status unloaded = group_->UnloadAll(r.id);
+    const absl::Status unloaded = group_->UnloadAll(r.id, false).status();
     if (!unloaded.ok()) {
       *clean = false;
       LOG(WARNING) << "rolling back adapter " << r.name << " failed (abort: " << aborted
@@ -202,6 +207,7 @@ absl::Status Controller::OnGroupReady() {
     std::vector<std::pair<int64_t, std::string>> ids;
     for (auto& [name, e] : adapters_) {
       e.resident = false;
+      e.host_cached = false;  // fresh workers: empty host caches
       ids.push_back({e.record.id, name});
     }
     std::sort(ids.begin(), ids.end());
@@ -451,7 +457,7 @@ absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
   }
   v1::Adapter out;
   int64_t id = 0;
-  bool now = false, resident = false;
+  bool now = false, resident = false, host_cached = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = adapters_.find(name);
@@ -463,6 +469,7 @@ absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
     out = ToProto(e);
     id = e.record.id;
     resident = e.resident;
+    host_cached = e.host_cached;
     now = e.active == 0;
     if (now) {
       if (resident) slots_.BeginRelease();
@@ -472,20 +479,36 @@ absl::StatusOr<v1::Adapter> Controller::UnloadAdapter(const std::string& name) {
   }
   // In-flight requests keep it until they finish; the scheduler unloads it then. The slot counts
   // as taken until the workers have really freed it.
-  if (now && resident) ReleaseSlot(id);
+  if (now && resident) ReleaseSlot(id, false);
+  if (now && host_cached) ForgetHostCached(id);
   cv_.notify_all();
   return out;
 }
 
-void Controller::ReleaseSlot(int64_t id) {
-  const absl::Status s = group_->UnloadAll(id);
-  if (!s.ok()) {
-    LOG(WARNING) << "unloading adapter id " << id << " from the workers failed: " << s
+void Controller::ForgetHostCached(int64_t id) {
+  // Not a slot: a failure costs host memory until the workers' LRU evicts it, nothing else.
+  if (auto s = group_->UnloadAll(id, false); !s.ok()) {
+    LOG(WARNING) << "dropping adapter id " << id
+                 << " from the workers' host caches failed: " << s.status();
+  }
+}
+
+void Controller::ReleaseSlot(int64_t id, bool keep_in_host_cache) {
+  const absl::StatusOr<std::vector<int64_t>> cached = group_->UnloadAll(id, keep_in_host_cache);
+  if (!cached.ok()) {
+    LOG(WARNING) << "unloading adapter id " << id << " from the workers failed: " << cached.status()
                  << "; its slot counts as taken until reconciled";
   }
   std::lock_guard<std::mutex> lock(mu_);
-  slots_.EndRelease(s.ok());
-  if (!s.ok()) reconcile_ = true;
+  slots_.EndRelease(cached.ok());
+  if (!cached.ok()) reconcile_ = true;
+  if (cached.ok()) SetHostCached(*cached);
+  UpdateAdapterGauges();
+}
+
+void Controller::SetHostCached(const std::vector<int64_t>& ids) {
+  const std::set<int64_t> in(ids.begin(), ids.end());
+  for (auto& [name, e] : adapters_) e.host_cached = !e.resident && in.count(e.record.id) > 0;
 }
 
 void Controller::Reconcile() {
@@ -508,7 +531,7 @@ void Controller::Reconcile() {
   }
   int still = 0;
   for (int64_t id : orphans) {
-    if (absl::Status s = group_->UnloadAll(id); !s.ok()) {
+    if (absl::Status s = group_->UnloadAll(id, false).status(); !s.ok()) {
       LOG(WARNING) << "reconciling slots: adapter id " << id << " is still on a worker: " << s;
       ++still;
     }
@@ -674,7 +697,7 @@ bool Controller::TrySwapIn(const std::string& name) {
     rec = it->second.record;
   }
   if (victim != 0) {
-    ReleaseSlot(victim);
+    ReleaseSlot(victim, /*keep_in_host_cache=*/true);
     std::lock_guard<std::mutex> lock(mu_);
     // The victim's slot, unless its unload failed (then it is leaked until reconciled) or a
     // concurrent load took it first: try again on a later pass.
@@ -689,6 +712,7 @@ bool Controller::TrySwapIn(const std::string& name) {
     auto it = adapters_.find(name);
     if (s.ok() && it != adapters_.end()) {
       it->second.resident = true;
+      it->second.host_cached = false;
     } else if (s.ok()) {
       // Unloaded while it was being swapped in: the workers hold it; give the slot back.
       slots_.BeginRelease();
@@ -712,7 +736,7 @@ bool Controller::TrySwapIn(const std::string& name) {
     }
     UpdateAdapterGauges();
   }
-  if (orphaned) ReleaseSlot(rec.id);
+  if (orphaned) ReleaseSlot(rec.id, false);
   for (auto& r : failed) {
     Finish(r,
            absl::Status(s.code(),
@@ -734,7 +758,7 @@ void Controller::Loop() {
     }
     std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;
     std::vector<std::shared_ptr<GenRequest>> admitted;
-    std::vector<int64_t> unload_ids;
+    std::vector<int64_t> unload_ids, forget_ids;
     std::string swap;
     v1::StepRequest step;
     {
@@ -748,6 +772,8 @@ void Controller::Loop() {
           if (it->second.resident) {
             unload_ids.push_back(it->second.record.id);
             slots_.BeginRelease();
+          } else if (it->second.host_cached) {
+            forget_ids.push_back(it->second.record.id);
           }
           it = adapters_.erase(it);
           UpdateAdapterGauges();
@@ -815,7 +841,8 @@ void Controller::Loop() {
       }
       if (!admitted.empty() || !ended.empty()) UpdateLoraInfo();  // the batch changed
     }
-    for (int64_t id : unload_ids) ReleaseSlot(id);
+    for (int64_t id : unload_ids) ReleaseSlot(id, false);
+    for (int64_t id : forget_ids) ForgetHostCached(id);
     for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
     // The head of the queue needs a slot: swap it in between steps (waits while all slots are
     // busy; nothing behind it is admitted meanwhile, so it cannot starve).

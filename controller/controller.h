@@ -109,7 +109,8 @@ class Controller {
     AdapterRecord record;
     v1::AdapterState state = v1::ADAPTER_STATE_LOADING;
     bool resident = false;
-    int active = 0;  // queued or running requests
+    bool host_cached = false;  // in the workers' host cache (rank 0's word), while not resident
+    int active = 0;            // queued or running requests
     std::chrono::steady_clock::time_point last_used;
   };
   v1::Adapter ToProto(const Entry& e) const;
@@ -118,8 +119,14 @@ class Controller {
   // Counts the workers' committed adapters again and retries unloading the ones the controller
   // does not hold (scheduler thread, mu_ NOT held). Runs after any failed unload or rollback.
   void Reconcile();
-  // Sends a released slot's unload to the workers and ends the release (mu_ NOT held).
-  void ReleaseSlot(int64_t id);
+  // Sends a released slot's unload to the workers and ends the release (mu_ NOT held);
+  // `keep_in_host_cache` for a swap-out.
+  void ReleaseSlot(int64_t id, bool keep_in_host_cache);
+  // The host tier from rank 0's host cache (mu_ held).
+  void SetHostCached(const std::vector<int64_t>& ids);
+  // An unloaded adapter that was not in a slot: drop it from the workers' host caches (mu_ NOT
+  // held).
+  void ForgetHostCached(int64_t id);
   std::shared_ptr<std::mutex> NameLock(const std::string& name);
   void Loop();
   void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason);

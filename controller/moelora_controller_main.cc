@@ -55,8 +55,8 @@ ABSL_FLAG(bool, fully_sharded_loras, false,
 ABSL_FLAG(int, max_loras, 4, "Adapters resident in worker LoRA slots at once");
 ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank accepted");
 ABSL_FLAG(int, max_cpu_loras, 8,
-          "Adapters registered at once (>= --max-loras; extra ones are "
-          "swapped into slots on demand)");
+          "Adapters registered at once (>= --max-loras; extra ones are swapped into slots on "
+          "demand, from the workers' host cache of as many)");
 ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
 ABSL_FLAG(std::string, device, "cpu",
@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
   go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   if (go.dist_timeout_s < 1) return fail("--dist-timeout-s must be >= 1");
   go.worker_flags = {"--max-loras",     std::to_string(absl::GetFlag(FLAGS_max_loras)),
+                     "--max-cpu-loras", std::to_string(absl::GetFlag(FLAGS_max_cpu_loras)),
                      "--max-lora-rank", std::to_string(absl::GetFlag(FLAGS_max_lora_rank)),
                      "--max-num-seqs",  std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
                      "--max-model-len", std::to_string(absl::GetFlag(FLAGS_max_model_len)),

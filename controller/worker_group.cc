@@ -417,13 +417,16 @@ absl::Status WorkerGroup::AbortAll(int64_t id) {
       .status();
 }
 
-absl::Status WorkerGroup::UnloadAll(int64_t id) {
+absl::StatusOr<std::vector<int64_t>> WorkerGroup::UnloadAll(int64_t id, bool keep_in_host_cache) {
   v1::WorkerUnloadAdapterRequest req;
   req.set_adapter_id(id);
+  req.set_keep_in_host_cache(keep_in_host_cache);
   // A rank that does not have it (NOT_FOUND) has freed it too.
-  return CallAll(&v1::Worker::Stub::PrepareAsyncUnloadAdapter, req, options_.load_timeout, false,
-                 /*not_found_ok=*/true)
-      .status();
+  auto r = CallAll(&v1::Worker::Stub::PrepareAsyncUnloadAdapter, req, options_.load_timeout, false,
+                   /*not_found_ok=*/true);
+  if (!r.ok()) return r.status();
+  const auto& ids = (*r)[0].host_cache_adapter_ids();
+  return std::vector<int64_t>(ids.begin(), ids.end());
 }
 
 absl::StatusOr<std::vector<int64_t>> WorkerGroup::CommittedAdapterIds() {

@@ -73,7 +73,8 @@ class WorkerGroup final : public WorkerGroupInterface {
   absl::Status CommitAll(int64_t adapter_id) override;
   absl::Status AbortAll(int64_t adapter_id) override;
   // OK when every rank freed it (a rank that never had it counts as freed).
-  absl::Status UnloadAll(int64_t adapter_id) override;
+  absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t adapter_id,
+                                                 bool keep_in_host_cache) override;
   // The adapters committed on any rank (their Info), ascending.
   absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override;
   // Returns as soon as any rank fails (the others are cancelled) or when all have answered.

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs every Debian package moelora's build and tests need. Idempotent; run as root.
+#   install_deps.sh          build + tests (CI, developers)
+#   install_deps.sh build    only what compiles the shipped binaries (the Docker build stage)
 # (CUDA and NCCL are not Debian packages: they come with the toolkit in /usr/local/cuda, which
 # the build uses when present.)
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+MODE="${1:-all}"
 PACKAGES=(
   build-essential cmake ninja-build ccache git pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
@@ -12,15 +15,22 @@ PACKAGES=(
   # libtorch links the reference BLAS by default; OpenBLAS (OpenMP, like libtorch) replaces it
   # through Debian's alternatives and makes CPU matmuls about 10x faster.
   libopenblas0-openmp
-  libgtest-dev libgmock-dev libbenchmark-dev libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
+  libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
   # the tokenizer: PCRE2 for the pre-tokenizer regexes, ICU for NFC
   libpcre2-dev libicu-dev
-  clang libclang-rt-14-dev clang-format
-  # deploy checks: promtool and a live Prometheus; python3-venv for the pip-installed checkers
-  prometheus python3-venv
-  # the README's metrics example
-  curl
 )
+if [ "$MODE" != "build" ]; then
+  PACKAGES+=(
+    libgtest-dev libgmock-dev libbenchmark-dev
+    clang libclang-rt-14-dev clang-format
+    # deploy checks: promtool and a live Prometheus; python3-venv for the pip-installed checkers
+    prometheus python3-venv
+    # the README's metrics example
+    curl
+    # the Docker image test: a Docker engine, and debootstrap for its Debian base image
+    docker.io debootstrap
+  )
+fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,32 +7,36 @@
 #      (default 30), seeded from tests/data;
 #   3. ThreadSanitizer: the controller (which has no libtorch) and its unit and integration tests,
 #      driving release-build workers; then ASan+UBSan: every unit and integration test;
-#   4. short runs of the benchmarks (figures only, never pass/fail).
-# MOELORA_SKIP_FUZZ=1 skips step 2, MOELORA_SKIP_SANITIZERS=1 step 3; MOELORA_BUILD_DIR moves the
-# build trees.
+#   4. the Docker image: deploy/docker/Dockerfile built with a real engine (dockerd started here
+#      when none runs; the Debian base image from debootstrap) and run single-node and multi-node
+#      (tests/deploy/docker_test.sh);
+#   5. short runs of the benchmarks (figures only, never pass/fail).
+# MOELORA_SKIP_FUZZ=1 skips step 2, MOELORA_SKIP_SANITIZERS=1 step 3, MOELORA_SKIP_DOCKER=1 step 4;
+# MOELORA_BUILD_DIR moves the build trees. Each step prints the seconds since the start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
+phase() { echo "== $* [at ${SECONDS}s]"; }
 bash scripts/install_deps.sh
 JOBS="${JOBS:-$(nproc)}"
 B="${MOELORA_BUILD_DIR:-build}"
 export CCACHE_DIR="${CCACHE_DIR:-$PWD/.cache/ccache}"
 
-echo "== configure + build ($B)"
+phase "configure + build ($B)"
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release
 cmake --build "$B" -j"$JOBS"
-echo "== Python packages for the reflection and deploy tests (pip into .cache/pyvenv)"
+phase "Python packages for the reflection and deploy tests (pip into .cache/pyvenv)"
 if ! { python3 -m venv .cache/pyvenv && .cache/pyvenv/bin/pip install -q grpcio grpcio-reflection \
       protobuf kubernetes-validate pyyaml; }; then
   echo "pip unavailable: the reflection and deploy tests will report themselves skipped"
 fi
-echo "== tests: unit + integration + gpu"
+phase "tests: unit + integration + gpu"
 (cd "$B" && ctest --output-on-failure -j"$JOBS" -L 'unit|integration|gpu')
-echo "== format check"
+phase "format check"
 cmake --build "$B" --target check-format || { echo "format check failed (run: cmake --build $B --target format)"; exit 1; }
 
 if [ "${MOELORA_SKIP_FUZZ:-0}" != "1" ]; then
-  echo "== fuzz (clang, ASan+UBSan, libFuzzer)"
+  phase "fuzz (clang, ASan+UBSan, libFuzzer)"
   CC=clang CXX=clang++ cmake -S . -B "$B-fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
     -DMOELORA_BUILD_FUZZERS=ON -DMOELORA_FUZZ_SECONDS="${MOELORA_FUZZ_SECONDS:-30}"
   cmake --build "$B-fuzz" -j"$JOBS" --target safetensors_fuzz adapter_fuzz tokenizer_fuzz
@@ -41,14 +45,14 @@ fi
 
 if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   WORKER_BIN="$(cd "$B" && pwd)/worker/moelora-worker"
-  echo "== ThreadSanitizer: controller (unit + integration; workers from the release build)"
+  phase "ThreadSanitizer: controller (unit + integration; workers from the release build)"
   cmake -S . -B "$B-tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
     -DMOELORA_SANITIZE_THREAD=ON
   cmake --build "$B-tsan" -j"$JOBS" --target moelora-controller controller_unit_test controller_test
   (cd "$B-tsan" && MOELORA_WORKER_BIN="$WORKER_BIN" \
     TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$ROOT/tests/tsan.supp" \
     ctest --output-on-failure -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|ControllerTest)\.')
-  echo "== ASan+UBSan: unit + integration"
+  phase "ASan+UBSan: unit + integration"
   # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
   cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=None "-DCMAKE_CXX_FLAGS=-O1 -g1" -DMOELORA_ENABLE_CUDA=OFF \
     -DMOELORA_SANITIZE=ON
@@ -59,9 +63,16 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
     ctest --output-on-failure -L 'unit|integration')
 fi
 
-echo "== bench (figures only)"
+if [ "${MOELORA_SKIP_DOCKER:-0}" != "1" ]; then
+  phase "Docker image: build and run (tests/deploy/docker_test.sh)"
+  rc=0; bash tests/deploy/docker_test.sh || rc=$?
+  if [ "$rc" -eq 77 ]; then echo "docker test skipped (no engine here)"; elif [ "$rc" -ne 0 ]; then exit "$rc"; fi
+fi
+
+phase "bench (figures only)"
 "$B/bench/adapter_load" --layers 8 --repeat 2
 "$B/bench/decode_step" --steps 5 --repeat 2 --prefill 128
 "$B/bench/serving" --clients 8 --requests 10 --loads 6
 # The tokenizer corpus exists when the tokenizer_corpus test could pip-install its generator.
 if [ -s "$B/tokenizer_corpus/corpus.jsonl" ]; then "$B/bench/tokenizer_encode" "$B/tokenizer_corpus" --repeat 5; fi
+phase "done"

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <list>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -14,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "glog/logging.h"
 #include "kernels/device.h"
 #include "lora/adapter.h"
 #include "worker/model/causal_lm.h"
@@ -74,9 +77,39 @@ struct Engine::Impl {
     bool committed = false;
     StageResult result;
   };
-  mutable std::mutex adapters_mu;  // guards adapters and free_slots
+  mutable std::mutex adapters_mu;  // guards adapters, free_slots and the host cache
   std::map<int64_t, AdapterEntry> adapters;
   std::set<int> free_slots;
+
+  // Swapped-out adapters (most recently used first), as their slots held them.
+  struct Cached {
+    int64_t id = 0;
+    std::string path;
+    StageResult result;
+    CausalLM::SlotImage image;
+  };
+  std::list<Cached> host_cache;
+  int64_t host_cache_bytes = 0;
+
+  // Under adapters_mu.
+  HostCacheStats CacheStats() const {
+    HostCacheStats st;
+    st.adapters = static_cast<int>(host_cache.size());
+    st.bytes = host_cache_bytes;
+    for (const Cached& c : host_cache) st.adapter_ids.push_back(c.id);
+    return st;
+  }
+  // Under adapters_mu: removes and returns the entry for `id` (any path), if any.
+  std::optional<Cached> TakeCached(int64_t id) {
+    for (auto it = host_cache.begin(); it != host_cache.end(); ++it) {
+      if (it->id != id) continue;
+      Cached c = std::move(*it);
+      host_cache_bytes -= c.image.bytes;
+      host_cache.erase(it);
+      return c;
+    }
+    return std::nullopt;
+  }
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -86,6 +119,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   MOELORA_RETURN_IF_ERROR(ValidateDType(o.dtype));
   if (o.max_num_seqs < 1) return absl::InvalidArgumentError("--max-num-seqs must be >= 1");
   if (o.num_threads < 0) return absl::InvalidArgumentError("--num-threads must be >= 0");
+  if (o.max_cpu_loras < 0) return absl::InvalidArgumentError("--max-cpu-loras must be >= 0");
   {
     // libgomp may report one thread under a CPU quota; set the pool size explicitly.
     const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -150,6 +184,29 @@ absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& 
     m.adapters.erase(id);
     m.free_slots.insert(slot);
   };
+  // The host cache first: a swap-in copies the slot's saved image back, reading no file.
+  std::optional<Impl::Cached> cached;
+  {
+    std::lock_guard<std::mutex> lock(m.adapters_mu);
+    cached = m.TakeCached(id);
+  }
+  if (cached && cached->path == path) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = GuardTorch(absl::StrCat("swap in adapter ", path, " from the host cache"),
+                                [&] { return m.model->RestoreSlot(slot, cached->image); });
+    if (s.ok()) {
+      StageResult r = cached->result;
+      r.from_host_cache = true;
+      r.phase_seconds = {{"swap_in", Since(t0)}};
+      std::lock_guard<std::mutex> lock(m.adapters_mu);
+      m.adapters[id].result = r;
+      return r;
+    }
+    // Read it from disk instead.
+    LOG(WARNING) << "adapter id " << id << ": restoring from the host cache failed (" << s
+                 << "); reading " << path;
+    ResetSlot(*m.model, slot).IgnoreError();
+  }
   AdapterReadOptions ro;
   ro.model = m.model->config().info;
   ro.max_rank = m.options.max_lora_rank;
@@ -209,17 +266,22 @@ absl::Status Engine::AbortAdapter(int64_t id) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::UnloadAdapter(int64_t id) {
+absl::StatusOr<HostCacheStats> Engine::UnloadAdapter(int64_t id, bool keep_in_host_cache) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   int slot = -1;
+  Impl::Cached saved;
   {
     std::lock_guard<std::mutex> lock(m.adapters_mu);
     auto it = m.adapters.find(id);
     if (it == m.adapters.end() || !it->second.committed) {
+      if (!keep_in_host_cache) m.TakeCached(id);  // an unload by the user forgets it entirely
       return absl::NotFoundError(absl::StrCat("adapter id ", id, " is not loaded"));
     }
     slot = it->second.slot;
+    saved.id = id;
+    saved.path = it->second.path;
+    saved.result = it->second.result;
   }
   for (const auto& s : m.running) {
     if (s.slot == slot) {
@@ -227,11 +289,33 @@ absl::Status Engine::UnloadAdapter(int64_t id) {
           "adapter id ", id, " is used by running sequence ", s.spec.id, "; unload it when done"));
     }
   }
+  // Step is excluded (step_mu) and the slot is committed, so nothing writes it meanwhile.
+  bool keep = keep_in_host_cache && m.options.max_cpu_loras > 0;
+  if (keep) {
+    absl::Status s = GuardTorch(absl::StrCat("keep adapter id ", id, " in the host cache"), [&] {
+      saved.image = m.model->SaveSlot(slot);
+      return absl::OkStatus();
+    });
+    if (!s.ok()) {
+      // Not cached: the next swap-in reads the file again.
+      LOG(WARNING) << s;
+      keep = false;
+    }
+  }
   MOELORA_RETURN_IF_ERROR(ResetSlot(*m.model, slot));
   std::lock_guard<std::mutex> lock(m.adapters_mu);
   m.adapters.erase(id);
   m.free_slots.insert(slot);
-  return absl::OkStatus();
+  m.TakeCached(id);
+  if (keep) {
+    m.host_cache_bytes += saved.image.bytes;
+    m.host_cache.push_front(std::move(saved));
+    while (static_cast<int>(m.host_cache.size()) > m.options.max_cpu_loras) {
+      m.host_cache_bytes -= m.host_cache.back().image.bytes;
+      m.host_cache.pop_back();
+    }
+  }
+  return m.CacheStats();
 }
 
 absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
@@ -384,6 +468,7 @@ EngineInfo Engine::Info() const {
       i.staged_adapters += !a.committed;
       if (a.committed) i.committed_adapter_ids.push_back(id);
     }
+    i.host_cache = m.CacheStats();
   }
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());

@@ -33,6 +33,9 @@ struct EngineOptions {
   // through the CUDA kernels' CPU twins: slow; for tests and debugging).
   std::string device = "cpu";
   int max_loras = 4;
+  // Adapters swapped out of their slots kept in host memory (LRU), ready to be copied back
+  // without reading a file; 0: none.
+  int max_cpu_loras = 8;
   int max_lora_rank = 16;
   bool enable_mixed_moe_lora_format = false;
   bool enable_expert_parallel = false;  // whole experts per rank (ModelOptions)
@@ -77,7 +80,15 @@ struct StageResult {
   bool converted_to_2d = false;
   int64_t bytes = 0;
   int rank = 0;
-  std::map<std::string, double> phase_seconds;  // read, validate, convert, copy
+  // read, validate, convert, copy; or swap_in alone when the slot came from the host cache
+  std::map<std::string, double> phase_seconds;
+  bool from_host_cache = false;
+};
+
+struct HostCacheStats {
+  int adapters = 0;
+  int64_t bytes = 0;
+  std::vector<int64_t> adapter_ids;  // most recently used first
 };
 
 struct EngineInfo {
@@ -91,6 +102,7 @@ struct EngineInfo {
   int committed_adapters = 0;
   int staged_adapters = 0;
   std::vector<int64_t> committed_adapter_ids;  // ascending
+  HostCacheStats host_cache;
 };
 
 class Engine {
@@ -102,7 +114,8 @@ class Engine {
 
   // Phase 1. Errors change nothing: NOT_FOUND / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (rank or
   // no free slot) / FAILED_PRECONDITION (layout vs wrapper, see MoeModel::SetSlot).
-  // ALREADY_EXISTS when the id is staged or committed with a different path.
+  // ALREADY_EXISTS when the id is staged or committed with a different path. An adapter in the
+  // host cache under the same (id, path) is copied from there (no file is read) and leaves it.
   absl::StatusOr<StageResult> StageAdapter(int64_t id, const std::string& path,
                                            std::optional<AdapterFormat> expected);
   // Phase 2: returns the slot. NOT_FOUND when the id was not staged.
@@ -110,7 +123,10 @@ class Engine {
   // Drops a staged adapter; a no-op when unknown.
   absl::Status AbortAdapter(int64_t id);
   // NOT_FOUND when not committed; FAILED_PRECONDITION while a running sequence uses it.
-  absl::Status UnloadAdapter(int64_t id);
+  // `keep_in_host_cache` (a swap-out): the slot's contents go to the host cache first, evicting
+  // the least recently used beyond max_cpu_loras; otherwise the id also leaves the host cache.
+  // Returns the host cache after the call.
+  absl::StatusOr<HostCacheStats> UnloadAdapter(int64_t id, bool keep_in_host_cache = false);
 
   // Removes `remove`, adds `add` (all or nothing: an invalid joiner fails the step before any
   // state changes), runs one forward pass and samples one token per sequence. Finished sequences

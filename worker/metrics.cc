@@ -13,7 +13,8 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
                        .Name("moelora_adapter_load_seconds")
                        .Help(
                            "Adapter load time on this worker by phase (read, validate, "
-                           "convert, copy) and in total (phase=\"total\")")
+                           "convert, copy) and in total (phase=\"total\"); a swap-in from the "
+                           "host cache: phase=\"swap_in\"")
                        .Labels(rl)
                        .Register(*registry_);
   load_failures_ = &prometheus::BuildCounter()
@@ -23,9 +24,17 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
                         .Register(*registry_);
   adapters_ = &prometheus::BuildGauge()
                    .Name("moelora_adapters")
-                   .Help("Adapters held by this worker, by state (staged, loaded)")
+                   .Help("Adapters held by this worker, by state (staged, loaded, host_cached)")
                    .Labels(rl)
                    .Register(*registry_);
+  host_cache_bytes_ = &prometheus::BuildGauge()
+                           .Name("moelora_adapter_host_cache_bytes")
+                           .Help(
+                               "Bytes of swapped-out adapters kept in host memory "
+                               "(--max-cpu-loras), converted and TP-sliced")
+                           .Labels(rl)
+                           .Register(*registry_)
+                           .Add({});
   step_seconds_ = &prometheus::BuildHistogram()
                        .Name("moelora_step_seconds")
                        .Help("Wall time of one continuous-batching step (forward + sampling)")
@@ -66,7 +75,8 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
 }
 
 void WorkerMetrics::AdapterStaged(const std::string& format, bool converted,
-                                  const std::map<std::string, double>& phase_seconds) {
+                                  const std::map<std::string, double>& phase_seconds,
+                                  bool from_host_cache) {
   double total = 0;
   const std::string conv = converted ? "true" : "false";
   for (const auto& [phase, s] : phase_seconds) {
@@ -75,6 +85,7 @@ void WorkerMetrics::AdapterStaged(const std::string& format, bool converted,
         .Observe(s);
     total += s;
   }
+  if (from_host_cache) return;
   load_seconds_
       ->Add({{"format", format}, {"converted", conv}, {"phase", "total"}}, SecondsBuckets())
       .Observe(total);
@@ -87,6 +98,11 @@ void WorkerMetrics::AdapterLoadFailed(const std::string& reason) {
 void WorkerMetrics::SetAdapters(int staged, int loaded) {
   adapters_->Add({{"state", "staged"}}).Set(staged);
   adapters_->Add({{"state", "loaded"}}).Set(loaded);
+}
+
+void WorkerMetrics::SetHostCache(int adapters, int64_t bytes) {
+  adapters_->Add({{"state", "host_cached"}}).Set(adapters);
+  host_cache_bytes_->Set(static_cast<double>(bytes));
 }
 
 void WorkerMetrics::StepDone(int batch_tokens, int distinct, double seconds, int generated,

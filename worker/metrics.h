@@ -20,11 +20,14 @@ class WorkerMetrics {
   explicit WorkerMetrics(int rank);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
-  // One successful stage: a sample per phase (read, validate, convert, copy) and the total.
+  // One successful stage: a sample per phase (read, validate, convert, copy) and the total; a
+  // swap-in from the host cache is its one phase, swap_in, and no total (which stays the time
+  // of loads from disk).
   void AdapterStaged(const std::string& format, bool converted,
-                     const std::map<std::string, double>& phase_seconds);
+                     const std::map<std::string, double>& phase_seconds, bool from_host_cache);
   void AdapterLoadFailed(const std::string& reason);
   void SetAdapters(int staged, int loaded);
+  void SetHostCache(int adapters, int64_t bytes);
   void StepDone(int batch_tokens, int distinct_adapters, double seconds, int generated,
                 int running);
   void SetReady(bool ready);
@@ -34,6 +37,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Histogram>* load_seconds_;
   prometheus::Family<prometheus::Counter>* load_failures_;
   prometheus::Family<prometheus::Gauge>* adapters_;
+  prometheus::Gauge* host_cache_bytes_;
   prometheus::Histogram* step_seconds_;
   prometheus::Histogram* batch_size_;
   prometheus::Histogram* batch_distinct_;

@@ -43,6 +43,9 @@ ABSL_FLAG(std::string, device, "cpu",
           "built against a CUDA libtorch; tensor parallelism then runs over NCCL");
 ABSL_FLAG(std::string, dtype, "float32", "Compute dtype: float32 | bfloat16");
 ABSL_FLAG(int, max_loras, 4, "LoRA slots: distinct adapters resident at once");
+ABSL_FLAG(int, max_cpu_loras, 8,
+          "Swapped-out adapters kept in host memory, converted and TP-sliced, so that a swap-in "
+          "reads no file (least recently used evicted; 0: none)");
 ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank a slot holds");
 ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
           "Use the 2D expert wrapper for every MoE layer and convert 3D adapters to 2D in "
@@ -187,6 +190,7 @@ int main(int argc, char** argv) {
     eo.dtype = absl::GetFlag(FLAGS_dtype);
     eo.device = device;
     eo.max_loras = absl::GetFlag(FLAGS_max_loras);
+    eo.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
     eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
     eo.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);

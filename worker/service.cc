@@ -33,6 +33,7 @@ grpc::Status WorkerService::NotReady() const {
 void WorkerService::UpdateAdapterGauges() {
   const EngineInfo i = engine()->Info();
   metrics_->SetAdapters(i.staged_adapters, i.committed_adapters);
+  metrics_->SetHostCache(i.host_cache.adapters, i.host_cache.bytes);
 }
 
 grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest* req,
@@ -52,9 +53,10 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   resp->set_converted_to_2d(r->converted_to_2d);
   resp->set_bytes(r->bytes);
   resp->set_rank(r->rank);
+  resp->set_from_host_cache(r->from_host_cache);
   for (const auto& [k, v] : r->phase_seconds) (*resp->mutable_phase_seconds())[k] = v;
   metrics_->AdapterStaged(AdapterFormatName(r->detected_format), r->converted_to_2d,
-                          r->phase_seconds);
+                          r->phase_seconds, r->from_host_cache);
   UpdateAdapterGauges();
   return grpc::Status::OK;
 }
@@ -81,12 +83,15 @@ grpc::Status WorkerService::AbortAdapter(grpc::ServerContext*, const v1::AbortAd
 
 grpc::Status WorkerService::UnloadAdapter(grpc::ServerContext*,
                                           const v1::WorkerUnloadAdapterRequest* req,
-                                          v1::WorkerUnloadAdapterResponse*) {
+                                          v1::WorkerUnloadAdapterResponse* resp) {
   Engine* e = engine();
   if (!e) return NotReady();
-  grpc::Status s = ToGrpc(e->UnloadAdapter(req->adapter_id()));
+  absl::StatusOr<HostCacheStats> cache =
+      e->UnloadAdapter(req->adapter_id(), req->keep_in_host_cache());
   UpdateAdapterGauges();
-  return s;
+  if (!cache.ok()) return ToGrpc(cache.status());
+  for (int64_t id : cache->adapter_ids) resp->add_host_cache_adapter_ids(id);
+  return grpc::Status::OK;
 }
 
 grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* req,

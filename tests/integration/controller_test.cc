@@ -443,6 +443,78 @@ TEST_F(ControllerTest, ConcurrentGenerateWithLoadUnloadChurn) {
   EXPECT_EQ(c.Health(), Health::SERVING);
 }
 
+// The workers' host cache (--max-cpu-loras): three adapters through one slot at TP=2, their
+// directories deleted once each has been swapped out: every swap-in then comes from the host
+// cache, with the tokens it gave when read from disk.
+TEST_F(ControllerTest, SwapInsComeFromTheHostCacheOnceTheFilesAreGone) {
+  TempDir own;
+  const std::string root = own.path() + "/adapters";
+  const std::vector<std::pair<std::string, std::string>> adapters = {
+      {"a3d", "adapter_3d"}, {"a2d", "adapter_2d"}, {"sha", "adapter_2d_shared_a"}};
+  for (const auto& [name, dir] : adapters) {
+    fs::create_directories(root);
+    fs::copy(Data("qwen3_moe/" + dir), root + "/" + dir, fs::copy_options::recursive);
+  }
+  ControllerProcess c(state_.path(), root,
+                      {"--tensor-parallel-size", "2", "--enable-mixed-moe-lora-format",
+                       "--max-loras", "1", "--max-cpu-loras", "8"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  for (const auto& [name, dir] : adapters) ASSERT_TRUE(c.Load(name, dir).ok()) << name;
+  // Each in turn (a swap each time), then the first again, so that every adapter has been
+  // swapped out at least once: all three are then in the host cache or in the slot.
+  std::map<std::string, std::vector<int32_t>> want;
+  for (const auto& [name, dir] : adapters) {
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(name, kPrompts[0], 6, &r).ok()) << name;
+    want[name] = Tokens(r);
+  }
+  {
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate("a3d", kPrompts[0], 6, &r).ok());
+    ASSERT_EQ(Tokens(r), want["a3d"]);
+  }
+  // The adapters differ (else the test would not see a wrong swap).
+  ASSERT_NE(want["a3d"], want["a2d"]);
+  ASSERT_NE(want["a2d"], want["sha"]);
+  const std::string before = c.Metrics();
+  EXPECT_THAT(before, HasSubstr("moelora_adapter_resident{adapter=\"a2d\",tier=\"host\"} 1"));
+  EXPECT_THAT(before, HasSubstr("moelora_adapter_resident{adapter=\"a3d\",tier=\"slot\"} 1"));
+  fs::remove_all(root);
+  // Every order of swaps, sequential and concurrent, with no file left to read.
+  for (int round = 0; round < 2; ++round) {
+    for (const std::string name : {"sha", "a2d", "a3d", "a2d", "sha"}) {
+      v1::GenerateResponse r;
+      grpc::Status s = c.Generate(name, kPrompts[0], 6, &r);
+      ASSERT_TRUE(s.ok()) << name << ": " << s.error_message() << c.Log();
+      EXPECT_EQ(Tokens(r), want[name]) << name;
+    }
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string name = adapters[t % 3].first;
+      v1::GenerateResponse r;
+      grpc::Status s = c.Generate(name, kPrompts[0], 6, &r);
+      if (s.ok() && Tokens(r) == want[name])
+        ++good;
+      else
+        ADD_FAILURE() << name << ": " << s.error_message();
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(good.load(), 6);
+  const std::string m = c.Metrics();
+  EXPECT_THAT(m, ::testing::ContainsRegex("moelora_adapter_load_seconds_count\\{[^}]*"
+                                          "phase=\"swap_in\"\\} [1-9]"));
+  // An unload by the user forgets it in the host cache too: loading it again needs the file
+  // (gone with the whole adapter root).
+  ASSERT_TRUE(c.Unload("a2d").ok());
+  const grpc::Status again = c.Load("a2d", "adapter_2d");
+  EXPECT_FALSE(again.ok());
+  EXPECT_THAT(again.error_message(), HasSubstr("adapter"));
+}
+
 TEST_F(ControllerTest, SigtermDrainsInFlightRequests) {
   ControllerProcess c(state_.path(), adapters_.root, {"--worker-args", "--debug-step-delay-ms 10"});
   ASSERT_TRUE(c.WaitServing()) << c.Log();

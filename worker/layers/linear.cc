@@ -320,6 +320,27 @@ absl::Status LoraLinear::AddFullyShardedLora(const at::Tensor& x, at::Tensor& y,
   return absl::OkStatus();
 }
 
+// What WriteDense wrote: Aᵀ's first r columns (all of this rank's columns when fully sharded
+// column-parallel: they are a slice of the rank dim) and Bᵀ's first r rows.
+bool LoraLinear::SaveSlot(int slot, ModuleSlotImage* out) const {
+  const int r = rank_[slot];
+  if (r == 0) return false;
+  const bool whole_a = fs_ && mode_ == TpMode::kColumn;
+  out->tensors = {HostCopy(whole_a ? la_[slot] : la_[slot].narrow(1, 0, r)),
+                  HostCopy(lb_[slot].narrow(0, 0, r))};
+  out->ranks = {r};
+  return true;
+}
+
+void LoraLinear::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
+  const int r = in.ranks.at(0);
+  const bool whole_a = fs_ && mode_ == TpMode::kColumn;
+  at::Tensor a = w.dst(la_);
+  (whole_a ? a : a.narrow(1, 0, r)).copy_(in.tensors.at(0));
+  w.dst(lb_).narrow(0, 0, r).copy_(in.tensors.at(1));
+  rank_[w.slot] = r;
+}
+
 void LoraLinear::Reset(int slot) {
   la_[slot].zero_();
   lb_[slot].zero_();

@@ -59,6 +59,8 @@ class LoraLinear final : public LoraModule {
   void WriteDense(const LoraPair& pair, const SlotWrite& w) override;
   int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const override;
   int64_t AllocatedSlotBytes() const override { return la_.nbytes() + lb_.nbytes(); }
+  bool SaveSlot(int slot, ModuleSlotImage* out) const override;
+  void RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) override;
   void Reset(int slot) override;
   void SyncRanks(int slot) override;
 

@@ -9,11 +9,17 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "lora/adapter.h"
 
 namespace moelora {
+
+// A copy of `t` in host memory, contiguous (from the device on the kernel paths).
+inline at::Tensor HostCopy(const at::Tensor& t) {
+  return t.is_cuda() ? t.to(at::kCPU).contiguous() : t.clone(at::MemoryFormat::Contiguous);
+}
 
 // Where a module writes slot `slot` of one of its slot tensors `full` [S, ...]: `full[slot]`
 // itself (CPU path) or a host f32 image of it that CausalLM uploads afterwards (kernel paths).
@@ -26,6 +32,19 @@ struct SlotWrite {
   SlotDst dst;
   bool interleaved_gate_up =
       false;  // the adapter's 3D gate_up B rows are g0, u0, g1, ... (GPT-OSS)
+};
+
+// One module's part of a slot, for the worker's host cache: its slot tensors' rows of that slot
+// (on the host, only the columns its ranks use) and its ranks. Already converted, TP-sliced
+// and scaled: restoring it is a copy.
+struct ModuleSlotImage {
+  std::vector<at::Tensor> tensors;  // undefined where the module has no such tensor
+  std::vector<int32_t> ranks;
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const at::Tensor& t : tensors) n += t.defined() ? t.nbytes() : 0;
+    return n;
+  }
 };
 
 class LoraModule {
@@ -53,6 +72,11 @@ class LoraModule {
 
   // Bytes of the slot tensors this rank allocated for the module (every slot).
   virtual int64_t AllocatedSlotBytes() const = 0;
+
+  // Copies slot `slot` out (false: the slot does not use this module); RestoreSlot writes such
+  // an image into `w.slot` (cleared before) through `w.dst`.
+  virtual bool SaveSlot(int slot, ModuleSlotImage* out) const = 0;
+  virtual void RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) = 0;
 
   virtual void Reset(int slot) = 0;
   // Kernel paths: copy the host ranks of `slot` into the device rank tensors the kernels read.

@@ -181,6 +181,42 @@ int64_t MoeExperts::ExpertBytes(const MoeLayerLora& ml, int64_t elem) const {
   return total;
 }
 
+// Per projection k: A [E, in, R] keeps its first r_max columns (all of them for gate/up when
+// fully sharded: this rank's slice of the rank dim), B [E, R, out] its first r_max rows, where
+// r_max is the largest rank of the slot's experts; tensors are {a0, b0, a1, b1, a2, b2} and
+// ranks the slot's E ranks of each projection.
+bool MoeExperts::SaveSlot(int slot, ModuleSlotImage* out) const {
+  bool used = false;
+  out->tensors.assign(6, at::Tensor());
+  out->ranks.assign(3 * E_, 0);
+  for (int k = 0; k < 3; ++k) {
+    if (!ea_[k].defined()) continue;
+    const auto first = erank_[k].begin() + slot * E_;
+    std::copy(first, first + E_, out->ranks.begin() + k * E_);
+    const int r = *std::max_element(first, first + E_);
+    if (r == 0) continue;
+    used = true;
+    const bool whole_a = fs_ && k != kW2;
+    out->tensors[2 * k] = HostCopy(whole_a ? ea_[k][slot] : ea_[k][slot].narrow(2, 0, r));
+    out->tensors[2 * k + 1] = HostCopy(eb_[k][slot].narrow(1, 0, r));
+  }
+  return used;
+}
+
+void MoeExperts::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
+  for (int k = 0; k < 3; ++k) {
+    if (!ea_[k].defined()) continue;
+    std::copy_n(in.ranks.begin() + k * E_, E_, erank_[k].begin() + w.slot * E_);
+    const at::Tensor& a = in.tensors.at(2 * k);
+    if (!a.defined()) continue;
+    const at::Tensor& b = in.tensors.at(2 * k + 1);
+    const int64_t r = b.size(1);
+    at::Tensor da = w.dst(ea_[k]);
+    (fs_ && k != kW2 ? da : da.narrow(2, 0, r)).copy_(a);
+    w.dst(eb_[k]).narrow(1, 0, r).copy_(b);
+  }
+}
+
 void MoeExperts::Reset(int slot) {
   for (int k = 0; k < 3; ++k) {
     if (!ea_[k].defined()) continue;

@@ -69,6 +69,8 @@ class MoeExperts final : public LoraModule {
     for (int k = 0; k < 3; ++k) n += ea_[k].defined() ? ea_[k].nbytes() + eb_[k].nbytes() : 0;
     return n;
   }
+  bool SaveSlot(int slot, ModuleSlotImage* out) const override;
+  void RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) override;
   void Reset(int slot) override;
   void SyncRanks(int slot) override;
 

@@ -172,24 +172,60 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
     experts.push_back({m, &ml});
   }
   ResetSlot(slot);
+  std::map<at::Tensor*, at::Tensor> staged;
+  SlotWrite w = MakeSlotWrite(slot, &staged);
+  w.interleaved_gate_up = a.interleaved_gate_up;
+  for (auto& [m, pair] : dense) m->WriteDense(*pair, w);
+  for (auto& [m, ml] : experts) m->WriteExperts(*ml, w);
+  if (kernel_path()) {
+    absl::Status s = UploadSlot(slot, staged);
+    if (!s.ok()) {
+      ResetSlot(slot);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+SlotWrite CausalLM::MakeSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>* staged) {
   // Where the slot's tensors are written: the slot itself on the CPU path; on the kernel paths a
   // host f32 image of each touched tensor, converted and uploaded once everything is in place.
-  std::map<at::Tensor*, at::Tensor> staged;
   SlotWrite w;
   w.slot = slot;
   w.tp_rank = options_.tp_rank;
   w.tp_size = options_.tp_size;
-  w.interleaved_gate_up = a.interleaved_gate_up;
-  w.dst = [&](at::Tensor& full) -> at::Tensor {
-    if (!kernel_path()) return full[slot];
-    auto it = staged.find(&full);
-    if (it == staged.end()) {
-      it = staged.emplace(&full, at::zeros(full[slot].sizes(), at::kFloat)).first;
+  const bool kernels = kernel_path();
+  w.dst = [slot, staged, kernels](at::Tensor& full) -> at::Tensor {
+    if (!kernels) return full[slot];
+    auto it = staged->find(&full);
+    if (it == staged->end()) {
+      it = staged->emplace(&full, at::zeros(full[slot].sizes(), at::kFloat)).first;
     }
     return it->second;
   };
-  for (auto& [m, pair] : dense) m->WriteDense(*pair, w);
-  for (auto& [m, ml] : experts) m->WriteExperts(*ml, w);
+  return w;
+}
+
+CausalLM::SlotImage CausalLM::SaveSlot(int slot) const {
+  SlotImage im;
+  for (LoraModule* m : lora_order_) {
+    ModuleSlotImage part;
+    if (!m->SaveSlot(slot, &part)) continue;
+    im.bytes += part.bytes();
+    im.modules.emplace_back(m, std::move(part));
+  }
+  return im;
+}
+
+absl::Status CausalLM::RestoreSlot(int slot, const SlotImage& image) {
+  if (slot < 0 || slot >= options_.max_loras) {
+    return absl::OutOfRangeError(
+        absl::StrCat("slot ", slot, " outside [0, ", options_.max_loras, ")"));
+  }
+  ResetSlot(slot);
+  std::map<at::Tensor*, at::Tensor> staged;
+  const SlotWrite w = MakeSlotWrite(slot, &staged);
+  for (const auto& [m, part] : image.modules) m->RestoreSlot(part, w);
   if (kernel_path()) {
     absl::Status s = UploadSlot(slot, staged);
     if (!s.ok()) {

@@ -24,13 +24,14 @@
 #include "absl/status/statusor.h"
 #include "lora/adapter.h"
 #include "worker/comm/communicator.h"
+#include "worker/layers/lora_module.h"
 #include "worker/model_config.h"
 
 namespace moelora {
 
 class PinnedUploader;  // kernels/device.h
-class LoraModule;      // worker/layers/lora_module.h
-struct ModelContext;   // worker/model/model_context.h
+
+struct ModelContext;  // worker/model/model_context.h
 
 // How LoRA (and, off the CPU path, the whole MoE block) is computed.
 enum class LoraKernels {
@@ -102,6 +103,15 @@ class CausalLM {
   // not take, RESOURCE_EXHAUSTED for a rank above max_lora_rank.
   absl::Status SetSlot(int slot, const LoraAdapter& adapter);
   void ResetSlot(int slot);
+  // A slot's contents in host memory (the worker's host cache): what SetSlot wrote, converted,
+  // TP-sliced and scaled, trimmed to the ranks in use. RestoreSlot writes one back into `slot`
+  // (any slot) as SetSlot would, without reading or converting anything.
+  struct SlotImage {
+    std::vector<std::pair<LoraModule*, ModuleSlotImage>> modules;
+    int64_t bytes = 0;
+  };
+  SlotImage SaveSlot(int slot) const;
+  absl::Status RestoreSlot(int slot, const SlotImage& image);
   // Bytes of LoRA weights a slot holds on this rank for `adapter` (for reporting).
   int64_t SlotBytes(const LoraAdapter& adapter) const;
   // Bytes of every slot tensor this rank allocated: of the experts modules (`experts`) or of
@@ -144,6 +154,9 @@ class CausalLM {
  private:
   // Kernel paths: uploads SetSlot's host images (keyed by the full slot tensor) and the ranks.
   absl::Status UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged);
+  // The SlotWrite for `slot`: writes go to the slot (CPU path) or to f32 host images collected
+  // in `staged` (kernel paths).
+  SlotWrite MakeSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>* staged);
   LoraModule* FindLora(const std::string& module) const;
 
   std::vector<LoraModule*> lora_order_;

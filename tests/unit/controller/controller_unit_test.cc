@@ -347,10 +347,19 @@ TEST(ControllerUnitTest, ResidencyAndLoraRequestsInfoFollowTheBatch) {
   EXPECT_OK(Harness::Wait(rb));
   // The swap waited for the cancelled sequence to leave the workers before unloading a.
   EXPECT_EQ(h.group.unload_refusals(), 0);
-  EXPECT_THAT(Scrape(h.metrics),
-              HasSubstr(R"(moelora_adapter_resident{adapter="b",tier="slot"} 1)"));
-  ASSERT_TRUE(h.c->UnloadAdapter("a").ok());
-  EXPECT_EQ(Scrape(h.metrics).find(R"(adapter="a")"), std::string::npos);
+  text = Scrape(h.metrics);
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="b",tier="slot"} 1)"));
+  // a was swapped out into the workers' host cache (what rank 0 answered the unload with).
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="a",tier="host"} 1)"));
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="b",tier="host"} 0)"));
+  // The swap back: a leaves the host tier, b enters it.
+  EXPECT_OK(Harness::Wait(h.Submit("a", 1)));
+  text = Scrape(h.metrics);
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="a",tier="host"} 0)"));
+  EXPECT_THAT(text, HasSubstr(R"(moelora_adapter_resident{adapter="b",tier="host"} 1)"));
+  ASSERT_TRUE(h.c->UnloadAdapter("b").ok());
+  EXPECT_EQ(Scrape(h.metrics).find(R"(adapter="b")"), std::string::npos);
+  EXPECT_EQ(h.group.host_cache(), std::vector<int64_t>{}) << "an unload by the user drops it";
 }
 
 }  // namespace

@@ -43,7 +43,13 @@ class FakeWorkerGroup : public WorkerGroupInterface {
           absl::StrCat("fake: all ", max_loras_, " slots are taken"));
     }
     staged_.insert(req.adapter_id());
-    return v1::StageAdapterResponse();
+    v1::StageAdapterResponse r;
+    auto it = std::find(host_cache_.begin(), host_cache_.end(), req.adapter_id());
+    if (it != host_cache_.end()) {
+      host_cache_.erase(it);
+      r.set_from_host_cache(true);
+    }
+    return r;
   }
   absl::Status CommitAll(int64_t id) override {
     std::lock_guard<std::mutex> l(mu_);
@@ -60,7 +66,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     staged_.erase(id);
     return absl::OkStatus();
   }
-  absl::Status UnloadAll(int64_t id) override {
+  std::vector<int64_t> host_cache() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return host_cache_;
+  }
+  absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t id, bool keep) override {
     std::lock_guard<std::mutex> l(mu_);
     ++unload_calls_;
     if (fail_unload_ > 0 && fail_unload_--)
@@ -72,7 +82,10 @@ class FakeWorkerGroup : public WorkerGroupInterface {
       }
     }
     committed_.erase(id);
-    return absl::OkStatus();
+    // The host cache: unbounded here (the worker's LRU bound has its own test).
+    host_cache_.erase(std::remove(host_cache_.begin(), host_cache_.end(), id), host_cache_.end());
+    if (keep) host_cache_.insert(host_cache_.begin(), id);
+    return host_cache_;
   }
   absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override {
     std::lock_guard<std::mutex> l(mu_);
@@ -178,6 +191,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::atomic<bool> serving_{true};
   mutable std::mutex mu_;
   std::set<int64_t> staged_, committed_;
+  std::vector<int64_t> host_cache_;  // most recently used first
   std::map<int64_t, Seq> running_;
   std::vector<int64_t> admitted_, admitted_adapters_;
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;

@@ -4,12 +4,14 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <filesystem>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/require_device.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
 #include "worker/torch_guard.h"
 
@@ -412,6 +414,92 @@ TEST(EngineTest, SlotsAndRanksAreBounded) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--max-loras")));
   ASSERT_OK(h->engine->UnloadAdapter(2));
   EXPECT_THAT(h->engine->UnloadAdapter(2), StatusIs(absl::StatusCode::kNotFound));
+}
+
+// The host cache: a swapped-out adapter (UnloadAdapter keeping it) comes back from host memory
+// with no file to read, bit-identical; the least recently used is evicted beyond max_cpu_loras;
+// an unload by the user forgets it. 3D converted (mixed mode), 2D, and 2D with shared A.
+TEST(EngineTest, HostCacheSwapInReadsNoFileAndIsExact) {
+  ::moelora::testing::TempDir tmp;
+  const std::vector<std::string> dirs = {"adapter_3d", "adapter_2d", "adapter_2d_shared_a"};
+  for (const auto& d : dirs) {
+    std::filesystem::copy(Data("qwen3_moe/" + d), tmp.path() + "/" + d,
+                          std::filesystem::copy_options::recursive);
+  }
+  EngineOptions o;
+  o.model_dir = Data("qwen3_moe/model");
+  o.enable_mixed_moe_lora_format = true;
+  o.max_loras = 1;
+  o.max_lora_rank = 8;
+  o.max_cpu_loras = 2;
+  auto comm = MakeLocalCommunicator();
+  auto e = Engine::Create(o, comm.get());
+  ASSERT_OK(e);
+  Engine& eng = **e;
+  const std::vector<int32_t> prompt = {1, 17, 42, 5, 9};
+  std::vector<std::vector<float>> want;
+  for (size_t k = 0; k < dirs.size(); ++k) {
+    const int64_t id = static_cast<int64_t>(k) + 1;
+    auto st = eng.StageAdapter(id, tmp.path() + "/" + dirs[k], std::nullopt);
+    ASSERT_OK(st);
+    EXPECT_FALSE(st->from_host_cache);
+    ASSERT_OK(eng.CommitAdapter(id));
+    want.push_back(PromptLogits(eng, id, prompt, 10 + id));
+    auto cache = eng.UnloadAdapter(id, /*keep_in_host_cache=*/true);
+    ASSERT_OK(cache);
+    EXPECT_EQ(cache->adapter_ids.front(), id);
+    EXPECT_GT(cache->bytes, 0);
+  }
+  ASSERT_GT(MaxAbsDiff(want[0], want[1]), 1e-3f);
+  std::filesystem::remove_all(tmp.path());
+  // Capacity 2: adapter 1 was evicted when 3 came in, and its file is gone.
+  EXPECT_EQ(eng.Info().host_cache.adapter_ids, (std::vector<int64_t>{3, 2}));
+  EXPECT_THAT(eng.StageAdapter(1, tmp.path() + "/" + dirs[0], std::nullopt),
+              StatusIs(absl::StatusCode::kNotFound));
+  int64_t holder = 0;  // the adapter in the slot
+  for (int64_t id : {2, 3, 2, 3}) {
+    if (holder != 0) {
+      ASSERT_OK(eng.UnloadAdapter(holder, /*keep_in_host_cache=*/true));
+    }
+    auto st = eng.StageAdapter(id, tmp.path() + "/" + dirs[id - 1], std::nullopt);
+    ASSERT_OK(st);
+    EXPECT_TRUE(st->from_host_cache);
+    EXPECT_EQ(st->phase_seconds.count("swap_in"), 1u);
+    EXPECT_EQ(st->phase_seconds.count("read"), 0u);
+    ASSERT_OK(eng.CommitAdapter(id));
+    holder = id;
+    EXPECT_EQ(MaxAbsDiff(PromptLogits(eng, id, prompt, 100 + id), want[id - 1]), 0.0f) << id;
+  }
+  // 3 holds the slot, 2 is cached. The same id under another path is not served from the cache
+  // (and the stale entry is dropped).
+  ASSERT_OK(eng.UnloadAdapter(3, true));
+  EXPECT_EQ(eng.Info().host_cache.adapter_ids, (std::vector<int64_t>{3, 2}));
+  EXPECT_THAT(eng.StageAdapter(2, tmp.path() + "/elsewhere", std::nullopt),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(eng.Info().host_cache.adapter_ids, (std::vector<int64_t>{3}));
+  // An unload by the user forgets it in the cache (3 is not loaded: NOT_FOUND, and gone).
+  EXPECT_THAT(eng.UnloadAdapter(3, false), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_TRUE(eng.Info().host_cache.adapter_ids.empty());
+  EXPECT_EQ(eng.Info().host_cache.bytes, 0);
+  EXPECT_FALSE(eng.StageAdapter(3, tmp.path() + "/" + dirs[2], std::nullopt).ok());
+}
+
+// The 3D adapter native in a 3D-wrapped model (Qwen3-VL-MoE, no mixed mode) through the cache.
+TEST(EngineTest, HostCacheKeepsA3DSlotExactly) {
+  auto h = MakeEngine("qwen3_vl_moe/model", false, 1, 8);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 1, "qwen3_vl_moe/adapter_3d"));
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  const auto want = PromptLogits(*h->engine, 1, prompt, 1);
+  const auto base = PromptLogits(*h->engine, 0, prompt, 2);
+  ASSERT_GT(MaxAbsDiff(want, base), 1e-3f);
+  ASSERT_OK(h->engine->UnloadAdapter(1, true));
+  EXPECT_EQ(MaxAbsDiff(PromptLogits(*h->engine, 0, prompt, 3), base), 0.0f);  // slot cleared
+  auto st = h->engine->StageAdapter(1, Data("qwen3_vl_moe/adapter_3d"), std::nullopt);
+  ASSERT_OK(st);
+  EXPECT_TRUE(st->from_host_cache);
+  ASSERT_OK(h->engine->CommitAdapter(1));
+  EXPECT_EQ(MaxAbsDiff(PromptLogits(*h->engine, 1, prompt, 4), want), 0.0f);
 }
 
 TEST(EngineTest, StageAbortAndIdempotentStage) {
