@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -326,6 +327,66 @@ void ExpertMemory(const std::string& model, const std::string& a2d, const std::s
   }
 }
 
+// A swap-in from the worker's host cache (--max-cpu-loras) against a memcpy of the bytes the
+// cache holds for the adapter, both best of `repeat` in this run (goal: <= 2x). The first stage
+// (read + validate + convert + copy from disk) is printed beside them.
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void SwapIn(const std::string& model, const std::string& a2d, const std::string& a3d, int repeat,
+            const std::string& device, const std::string& dtype) {
+  auto comm = MakeLocalCommunicator();
+  EngineOptions o;
+  o.model_dir = model;
+  o.device = device;
+  o.dtype = dtype;
+  o.max_loras = 1;
+  o.max_cpu_loras = 2;
+  o.max_lora_rank = 16;
+  o.enable_mixed_moe_lora_format = true;
+  auto engine = Engine::Create(o, comm.get());
+  Check(engine.status(), "engine");
+  Engine& e = **engine;
+  const std::vector<std::pair<const char*, std::string>> cases = {{"2D", a2d},
+                                                                  {"3D (converted)", a3d}};
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const int64_t id = static_cast<int64_t>(k) + 1;
+    const auto t0 = std::chrono::steady_clock::now();
+    Check(e.StageAdapter(id, cases[k].second, std::nullopt).status(), "stage");
+    const double disk = Since(t0);
+    Check(e.CommitAdapter(id).status(), "commit");
+    auto cache = e.UnloadAdapter(id, true);
+    Check(cache.status(), "unload");
+    const int64_t bytes = cache->bytes;  // the only entry: the previous case left the cache
+    double best = 1e30;
+    for (int r = 0; r < repeat; ++r) {
+      const auto t1 = std::chrono::steady_clock::now();
+      auto st = e.StageAdapter(id, cases[k].second, std::nullopt);
+      best = std::min(best, Since(t1));
+      Check(st.status(), "swap in");
+      if (!st->from_host_cache) Check(absl::InternalError("not from the host cache"), "swap in");
+      Check(e.CommitAdapter(id).status(), "commit");
+      Check(e.UnloadAdapter(id, true).status(), "unload");
+    }
+    // Out of the cache (an unload by the user), so the next case's bytes are its own.
+    Check(e.StageAdapter(id, cases[k].second, std::nullopt).status(), "stage");
+    Check(e.CommitAdapter(id).status(), "commit");
+    Check(e.UnloadAdapter(id, false).status(), "unload");
+    std::vector<char> src(static_cast<size_t>(bytes), 1), dst(static_cast<size_t>(bytes), 0);
+    double copy = 1e30;
+    for (int r = 0; r < repeat; ++r) {
+      const auto t1 = std::chrono::steady_clock::now();
+      std::memcpy(dst.data(), src.data(), src.size());
+      copy = std::min(copy, Since(t1));
+    }
+    std::printf(
+        "swap-in %-15s slot bytes %7.2f MB: from disk %8.2f ms, from the host cache %7.3f ms, "
+        "memcpy %7.3f ms: ratio %.2f (goal <= 2)\n",
+        cases[k].first, bytes / 1e6, disk * 1e3, best * 1e3, copy * 1e3, best / copy);
+  }
+}
+
 struct Case {
   const char* name;
   std::vector<int64_t> adapter_of_seq;
@@ -414,7 +475,7 @@ int main(int argc, char** argv) {
   std::string only;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|ep-memory|qwen3_5|a3b] [--device "
+      "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N]\n";
   if (argc == 2) {
@@ -475,6 +536,15 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "medium") {
     synthetic("medium", tmp + "/moelora_bench_decode", {1024, 512, 32, 8, 4, 16, 4, 64, 4096},
               false);
+  }
+  if (only.empty() || only == "swap-in") {
+    const std::string dir = tmp + "/moelora_bench_decode";
+    const moelora::Dims d{1024, 512, 32, 8, 4, 16, 4, 64, 4096};
+    if (!std::filesystem::exists(dir + "/model/model.safetensors"))
+      moelora::WriteModel(dir + "/model", d);
+    moelora::SwapIn(dir + "/model", moelora::WriteAdapter(dir + "/a2d_0", d, false, 10),
+                    moelora::WriteAdapter(dir + "/a3d_0", d, true, 20), std::max(3, f.repeat),
+                    f.device, f.dtype);
   }
   if (only.empty() || only == "ep-memory") {
     const std::string dir = tmp + "/moelora_bench_decode";

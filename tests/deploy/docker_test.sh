@@ -113,7 +113,7 @@ wait_port_file() {  # wait_port_file FILE NAME: the port file a process writes o
 port_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$1"; }
 wait_serving() {  # wait_serving PORT
   for _ in $(seq 1 600); do
-    "$GRPCURL" -plaintext "127.0.0.1:$1" grpc.health.v1.Health/Check 2>/dev/null | grep -q SERVING && return 0
+    "$GRPCURL" -plaintext "127.0.0.1:$1" grpc.health.v1.Health/Check 2>/dev/null | grep -q '"SERVING"' && return 0
     sleep 0.2
   done
   fail "nothing SERVING on port $1 after 120 s"
