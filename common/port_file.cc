@@ -8,7 +8,7 @@
 
 namespace moelora {
 
-absl::Status WritePortFile(const std::string& path, int port, int metrics_port) {
+[[nodiscard]] absl::Status WritePortFile(const std::string& path, int port, int metrics_port) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp);

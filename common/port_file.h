@@ -10,7 +10,7 @@
 
 namespace moelora {
 
-absl::Status WritePortFile(const std::string& path, int port, int metrics_port);
+[[nodiscard]] absl::Status WritePortFile(const std::string& path, int port, int metrics_port);
 
 }  // namespace moelora
 

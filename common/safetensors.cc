@@ -74,7 +74,7 @@ bool SpanBytes(const std::vector<uint64_t>& shape, int bits, uint64_t* bytes) {
 int DTypeBits(DType dtype) { return InfoOf(dtype).bits; }
 absl::string_view DTypeName(DType dtype) { return InfoOf(dtype).name; }
 
-absl::StatusOr<DType> ParseDType(absl::string_view name) {
+[[nodiscard]] absl::StatusOr<DType> ParseDType(absl::string_view name) {
   for (const auto& info : kDTypes) {
     if (info.name == name) return info.dtype;
   }
@@ -289,8 +289,8 @@ absl::Status SafetensorsFile::Parse(absl::Span<const uint8_t> bytes) {
 namespace {
 
 // The 8-byte length prefix plus the JSON header padded with spaces to a multiple of 8.
-absl::StatusOr<std::string> BuildHeader(const std::vector<TensorToWrite>& tensors,
-                                        const std::map<std::string, std::string>& metadata) {
+[[nodiscard]] absl::StatusOr<std::string> BuildHeader(
+    const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
@@ -326,15 +326,16 @@ absl::StatusOr<std::string> BuildHeader(const std::vector<TensorToWrite>& tensor
 
 }  // namespace
 
-absl::StatusOr<std::string> SerializeSafetensors(
+[[nodiscard]] absl::StatusOr<std::string> SerializeSafetensors(
     const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata) {
   MOELORA_ASSIGN_OR_RETURN(std::string out, BuildHeader(tensors, metadata));
   for (const auto& t : tensors) out.append(static_cast<const char*>(t.data), t.nbytes);
   return out;
 }
 
-absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+[[nodiscard]] absl::Status WriteSafetensors(const std::string& path,
+                                            const std::vector<TensorToWrite>& tensors,
+                                            const std::map<std::string, std::string>& metadata) {
   // Streams tensor by tensor: no second copy of the data in memory.
   MOELORA_ASSIGN_OR_RETURN(std::string header, BuildHeader(tensors, metadata));
   const std::string tmp = path + ".tmp";

@@ -62,7 +62,7 @@ int DTypeBits(DType dtype);
 // The format's spelling, e.g. "BF16".
 absl::string_view DTypeName(DType dtype);
 // Parses the format's spelling; INVALID_ARGUMENT for an unknown one.
-absl::StatusOr<DType> ParseDType(absl::string_view name);
+[[nodiscard]] absl::StatusOr<DType> ParseDType(absl::string_view name);
 // True for F32, F16, BF16: the dtypes LoRA math runs on.
 bool IsComputeDType(DType dtype);
 
@@ -114,7 +114,7 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
-  absl::Status Parse(absl::Span<const uint8_t> bytes);
+  [[nodiscard]] absl::Status Parse(absl::Span<const uint8_t> bytes);
 
   std::string path_;
   void* map_ = nullptr;  // mmap base when opened from a file

@@ -31,7 +31,7 @@
 namespace moelora {
 
 // Prefixes `status`'s message with `context` ("context: message"), keeping its code.
-inline absl::Status Annotate(const absl::Status& status, absl::string_view context) {
+[[nodiscard]] inline absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
   return absl::Status(status.code(), std::string(context) + ": " + std::string(status.message()));
 }

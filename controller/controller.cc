@@ -29,7 +29,7 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 constexpr int kMaxStopStrings = 16;
 constexpr size_t kMaxStopBytes = 256;
 
-absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
+[[nodiscard]] absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
   if (now > r.deadline)
     return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
   if (r.cancelled) return absl::CancelledError("cancelled by the client");

@@ -81,19 +81,19 @@ class Controller {
   ~Controller();
 
   // Hooks for the worker group.
-  absl::Status OnGroupReady();
+  [[nodiscard]] absl::Status OnGroupReady();
   void OnGroupDown(const std::string& why);
 
   void Start();  // scheduler thread
   void Stop();   // fails what is still queued or running with UNAVAILABLE
 
-  absl::StatusOr<v1::Adapter> LoadAdapter(const v1::LoadAdapterRequest& req);
+  [[nodiscard]] absl::StatusOr<v1::Adapter> LoadAdapter(const v1::LoadAdapterRequest& req);
   absl::StatusOr<v1::Adapter> UnloadAdapter(const std::string& name);
-  absl::StatusOr<v1::Adapter> GetAdapter(const std::string& name) const;
+  [[nodiscard]] absl::StatusOr<v1::Adapter> GetAdapter(const std::string& name) const;
   std::vector<v1::Adapter> ListAdapters() const;
 
   // Validates and queues. INVALID_ARGUMENT / NOT_FOUND / UNAVAILABLE.
-  absl::StatusOr<std::shared_ptr<GenRequest>> Submit(
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<GenRequest>> Submit(
       const v1::GenerateRequest& req, std::chrono::steady_clock::time_point deadline);
   // Counts the finished request in moelora_requests_total.
   void RecordRequest(const GenRequest& r, absl::StatusCode code);
@@ -115,7 +115,7 @@ class Controller {
   };
   v1::Adapter ToProto(const Entry& e) const;
   // On failure *clean says whether every rank is back to not holding it (else its slot leaked).
-  absl::Status StageAndCommit(const AdapterRecord& r, bool* clean);
+  [[nodiscard]] absl::Status StageAndCommit(const AdapterRecord& r, bool* clean);
   // Counts the workers' committed adapters again and retries unloading the ones the controller
   // does not hold (scheduler thread, mu_ NOT held). Runs after any failed unload or rollback.
   void Reconcile();

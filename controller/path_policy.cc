@@ -18,8 +18,8 @@ bool Inside(const fs::path& root, const fs::path& p) {
 }
 }  // namespace
 
-absl::StatusOr<std::string> ResolveAdapterPath(const std::string& root,
-                                               const std::string& requested) {
+[[nodiscard]] absl::StatusOr<std::string> ResolveAdapterPath(const std::string& root,
+                                                             const std::string& requested) {
   if (root.empty()) {
     return absl::FailedPreconditionError("no --adapter-root configured: adapters cannot be loaded");
   }

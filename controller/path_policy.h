@@ -16,8 +16,8 @@ namespace moelora {
 //   PERMISSION_DENIED  outside the root (".." escape, absolute path elsewhere, symlink escape)
 //   NOT_FOUND          does not exist (inside the root)
 //   FAILED_PRECONDITION no --adapter-root configured
-absl::StatusOr<std::string> ResolveAdapterPath(const std::string& root,
-                                               const std::string& requested);
+[[nodiscard]] absl::StatusOr<std::string> ResolveAdapterPath(const std::string& root,
+                                                             const std::string& requested);
 
 }  // namespace moelora
 

@@ -40,13 +40,13 @@ class Registry {
  public:
   // Opens (creating) `state_dir`/registry.sqlite3. DATA_LOSS naming the file when it is not a
   // registry or is damaged (the file is left as it is); INTERNAL naming it on other failures.
-  static absl::StatusOr<std::unique_ptr<Registry>> Open(const std::string& state_dir);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Registry>> Open(const std::string& state_dir);
   ~Registry();
 
   // Inserts a new record (its id is assigned and returned). ALREADY_EXISTS if the name is taken.
-  absl::StatusOr<int64_t> Insert(const AdapterRecord& r);
+  [[nodiscard]] absl::StatusOr<int64_t> Insert(const AdapterRecord& r);
   // Rewrites every field of the record with this name. NOT_FOUND if absent.
-  absl::Status Update(const AdapterRecord& r);
+  [[nodiscard]] absl::Status Update(const AdapterRecord& r);
   absl::Status Remove(const std::string& name);
   std::optional<AdapterRecord> Get(const std::string& name) const;
   std::vector<AdapterRecord> List() const;  // by id
@@ -55,7 +55,7 @@ class Registry {
   Registry() = default;
   // The last SQLite error as a Status naming the file (RESOURCE_EXHAUSTED for a full disk,
   // DATA_LOSS for a damaged file).
-  absl::Status Error() const;
+  [[nodiscard]] absl::Status Error() const;
   absl::Status Corrupt(const std::string& why) const;
   mutable std::mutex mu_;
   sqlite3* db_ = nullptr;

@@ -69,16 +69,17 @@ class WorkerGroup final : public WorkerGroupInterface {
 
   // All-rank RPCs. UNAVAILABLE when the group is not ready. Stage rolls back (Abort) on the ranks
   // that succeeded when any fails.
-  absl::StatusOr<v1::StageAdapterResponse> StageAll(const v1::StageAdapterRequest& req) override;
+  [[nodiscard]] absl::StatusOr<v1::StageAdapterResponse> StageAll(
+      const v1::StageAdapterRequest& req) override;
   absl::Status CommitAll(int64_t adapter_id) override;
-  absl::Status AbortAll(int64_t adapter_id) override;
+  [[nodiscard]] absl::Status AbortAll(int64_t adapter_id) override;
   // OK when every rank freed it (a rank that never had it counts as freed).
-  absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t adapter_id,
-                                                 bool keep_in_host_cache) override;
+  [[nodiscard]] absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t adapter_id,
+                                                               bool keep_in_host_cache) override;
   // The adapters committed on any rank (their Info), ascending.
-  absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override;
+  [[nodiscard]] absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override;
   // Returns as soon as any rank fails (the others are cancelled) or when all have answered.
-  absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override;
+  [[nodiscard]] absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override;
 
  private:
   struct Rank;
@@ -88,7 +89,7 @@ class WorkerGroup final : public WorkerGroupInterface {
   // Creates stubs for ranks that have none yet; false while a port file is missing.
   bool ConnectAll();
   template <typename Req, typename Resp>
-  absl::StatusOr<std::vector<Resp>> CallAll(
+  [[nodiscard]] absl::StatusOr<std::vector<Resp>> CallAll(
       std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
           grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
       const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok = false);

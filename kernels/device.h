@@ -27,18 +27,18 @@ std::string CudaDeviceSummary();
 // NCCL's version code (e.g. 22807) when built with CUDA, 0 otherwise: proves NCCL links.
 int NcclVersionCode();
 
-absl::Status CudaSetDevice(int device);
+[[nodiscard]] absl::Status CudaSetDevice(int device);
 absl::Status DeviceSynchronize();
 
 namespace device_internal {
 // Where an OwnedBuffer's memory comes from: kernels/cuda/device.cc (cudaMalloc, cudaMallocHost)
 // or kernels/cpu/no_cuda.cc (UNIMPLEMENTED).
 struct DeviceMemory {
-  static absl::Status Alloc(void** ptr, size_t bytes);
+  [[nodiscard]] static absl::Status Alloc(void** ptr, size_t bytes);
   static void Free(void* ptr);
 };
 struct PinnedMemory {
-  static absl::Status Alloc(void** ptr, size_t bytes);
+  [[nodiscard]] static absl::Status Alloc(void** ptr, size_t bytes);
   static void Free(void* ptr);
 };
 }  // namespace device_internal
@@ -48,7 +48,7 @@ template <class M>
 class OwnedBuffer {
  public:
   OwnedBuffer() = default;
-  static absl::StatusOr<OwnedBuffer> Allocate(size_t bytes) {
+  [[nodiscard]] static absl::StatusOr<OwnedBuffer> Allocate(size_t bytes) {
     OwnedBuffer b;
     if (bytes == 0) return b;
     if (absl::Status s = M::Alloc(&b.ptr_, bytes); !s.ok()) {
@@ -92,9 +92,9 @@ using DeviceBuffer = OwnedBuffer<device_internal::DeviceMemory>;  // device memo
 using PinnedBuffer = OwnedBuffer<device_internal::PinnedMemory>;  // page-locked host memory
 
 // Blocking copies (synchronise the default stream).
-absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
+[[nodiscard]] absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
 absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
-absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes);
+[[nodiscard]] absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes);
 
 // Uploads pageable host memory to the device through a ring of pinned staging buffers: the
 // memcpy into buffer i+1 overlaps the DMA of buffer i, so an adapter of any size moves at close
@@ -103,22 +103,22 @@ absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes);
 class PinnedUploader {
  public:
   // `chunk_bytes` per staging buffer, `num_buffers` >= 2. Creates its own stream.
-  static absl::StatusOr<std::unique_ptr<PinnedUploader>> Create(size_t chunk_bytes = 64 << 20,
-                                                                int num_buffers = 3);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<PinnedUploader>> Create(
+      size_t chunk_bytes = 64 << 20, int num_buffers = 3);
   virtual ~PinnedUploader() = default;
   // Queues `bytes` from `src` (host, pageable) to `dst` (device). Returns once `src` may be
   // reused; the device copy may still be in flight until Finish().
-  virtual absl::Status Copy(void* dst, const void* src, size_t bytes) = 0;
+  [[nodiscard]] virtual absl::Status Copy(void* dst, const void* src, size_t bytes) = 0;
   // Waits until every queued copy has landed.
-  virtual absl::Status Finish() = 0;
+  [[nodiscard]] virtual absl::Status Finish() = 0;
 };
 
 // Milliseconds between two points on a stream, measured with CUDA events.
 class DeviceTimer {
  public:
-  static absl::StatusOr<std::unique_ptr<DeviceTimer>> Create();
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<DeviceTimer>> Create();
   virtual ~DeviceTimer() = default;
-  virtual absl::Status Start(void* stream) = 0;
+  [[nodiscard]] virtual absl::Status Start(void* stream) = 0;
   virtual absl::StatusOr<double> StopMs(void* stream) = 0;  // synchronises
 };
 

@@ -50,7 +50,7 @@ class Validator {
   Validator(const AdapterConfig& config, const AdapterReadOptions& options, std::string file)
       : config_(config), options_(options), file_(std::move(file)) {}
 
-  absl::Status Run(const SafetensorsFile& st);
+  [[nodiscard]] absl::Status Run(const SafetensorsFile& st);
 
   std::map<std::string, Pending> modules;  // by module path
   AdapterFormat format = AdapterFormat::kDense;
@@ -61,14 +61,15 @@ class Validator {
 
  private:
   template <typename... Parts>
-  absl::Status Bad(const Parts&... parts) const {
+  [[nodiscard]] absl::Status Bad(const Parts&... parts) const {
     return absl::InvalidArgumentError(absl::StrCat(file_, ": ", parts...));
   }
-  absl::Status CheckRank(const std::string& what, const Pending& p, int actual, int expected) const;
+  [[nodiscard]] absl::Status CheckRank(const std::string& what, const Pending& p, int actual,
+                                       int expected) const;
   absl::Status CheckDense(const std::string& module, Pending& p);
-  absl::Status Check2D(const std::string& prefix,
-                       std::vector<std::pair<std::string, Pending*>>& members);
-  absl::Status Check3D(const std::string& prefix, Pending* gu, Pending* dn);
+  [[nodiscard]] absl::Status Check2D(const std::string& prefix,
+                                     std::vector<std::pair<std::string, Pending*>>& members);
+  [[nodiscard]] absl::Status Check3D(const std::string& prefix, Pending* gu, Pending* dn);
 
   const AdapterConfig& config_;
   const AdapterReadOptions& options_;
@@ -364,7 +365,7 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadText(const std::string& path) {
+[[nodiscard]] absl::StatusOr<std::string> ReadText(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": missing or unreadable"));
   std::stringstream ss;
@@ -448,8 +449,9 @@ size_t LoraAdapter::num_tensors() const {
   return n;
 }
 
-absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir, const AdapterReadOptions& options,
-                                        AdapterLoadTimings* timings) {
+[[nodiscard]] absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir,
+                                                      const AdapterReadOptions& options,
+                                                      AdapterLoadTimings* timings) {
   AdapterLoadTimings local;
   AdapterLoadTimings& tm = timings ? *timings : local;
   tm = {};

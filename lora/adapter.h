@@ -130,9 +130,9 @@ struct AdapterLoadTimings {
 //                      contradicts the file; dims that contradict the model
 //   RESOURCE_EXHAUSTED a rank above options.max_rank
 // Nothing is kept on error.
-absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir,
-                                        const AdapterReadOptions& options = {},
-                                        AdapterLoadTimings* timings = nullptr);
+[[nodiscard]] absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir,
+                                                      const AdapterReadOptions& options = {},
+                                                      AdapterLoadTimings* timings = nullptr);
 
 }  // namespace moelora
 

@@ -43,7 +43,8 @@ double AdapterConfig::ScalingFor(int rank, double alpha) const {
   return use_rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / rank;
 }
 
-absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text, const std::string& file) {
+[[nodiscard]] absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text,
+                                                               const std::string& file) {
   auto bad = [&file](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": ", parts...));
   };
@@ -154,7 +155,7 @@ absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text, const 
   return c;
 }
 
-absl::Status CheckServable(const AdapterConfig& c, const std::string& file) {
+[[nodiscard]] absl::Status CheckServable(const AdapterConfig& c, const std::string& file) {
   std::vector<std::string> problems;
   if (!c.modules_to_save.empty()) {
     problems.push_back(absl::StrCat("modules_to_save [", absl::StrJoin(c.modules_to_save, ", "),

@@ -42,11 +42,12 @@ struct AdapterConfig {
 // invalid JSON, missing r / lora_alpha / target_modules (and target_parameters), r <= 0,
 // non-finite alpha, wrongly typed fields, a bad regex. Refusals of supported-but-unservable
 // settings (DoRA, modules_to_save, bias) are checked separately by CheckServable.
-absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text, const std::string& file);
+[[nodiscard]] absl::StatusOr<AdapterConfig> ParseAdapterConfig(const std::string& text,
+                                                               const std::string& file);
 
 // INVALID_ARGUMENT for settings moelora cannot serve: modules_to_save, use_dora, bias != "none",
 // lora_bias. `file` names the config in the message.
-absl::Status CheckServable(const AdapterConfig& config, const std::string& file);
+[[nodiscard]] absl::Status CheckServable(const AdapterConfig& config, const std::string& file);
 
 }  // namespace moelora
 

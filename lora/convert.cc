@@ -245,7 +245,7 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es,
   }
 }
 
-absl::Status ConvertTo2DInPlace(LoraAdapter* adapter) {
+[[nodiscard]] absl::Status ConvertTo2DInPlace(LoraAdapter* adapter) {
   if (adapter->format != AdapterFormat::k3D) return absl::OkStatus();
   std::vector<uint8_t> scratch;
   for (auto& [prefix, layer] : adapter->moe) {
@@ -301,7 +301,7 @@ absl::Status ConvertTo2DInPlace(LoraAdapter* adapter) {
   return absl::OkStatus();
 }
 
-absl::Status ConvertTo3D(LoraAdapter* adapter) {
+[[nodiscard]] absl::Status ConvertTo3D(LoraAdapter* adapter) {
   if (adapter->format == AdapterFormat::kDense) return absl::OkStatus();
   bool any2d = false;
   for (const auto& [prefix, layer] : adapter->moe) any2d |= layer.format == AdapterFormat::k2D;
@@ -433,7 +433,7 @@ std::vector<float> DeltaWeight(const LoraPair& pair) {
   return d;
 }
 
-absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir) {
+[[nodiscard]] absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir) {
   ::mkdir(out_dir.c_str(), 0755);
   struct stat st;
   if (::stat(out_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {

@@ -34,7 +34,7 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes,
 // gate_up lora_A, which is already expert-major. Afterwards the layer is 2D and its per-expert
 // pairs are views into the original buffers. Extra memory: one expert's lora_B slice.
 // No-op for 2D and dense adapters.
-absl::Status ConvertTo2DInPlace(LoraAdapter* adapter);
+[[nodiscard]] absl::Status ConvertTo2DInPlace(LoraAdapter* adapter);
 
 // 2D -> 3D (FORMATS.md §7.5), into new buffers: when every expert's gate and up lora_A are
 // bit-identical (Megatron/ms-swift exports, converted 3D adapters) the fused A is that A and B is
@@ -42,12 +42,12 @@ absl::Status ConvertTo2DInPlace(LoraAdapter* adapter);
 // B = blockdiag(B_gate, B_up), per-expert rank 2r (recorded in rank_pattern/alpha_pattern so
 // the scaling is unchanged). INVALID_ARGUMENT if a layer lacks a projection, ranks differ
 // between experts, or gate and up scale differently. No-op for 3D and dense adapters.
-absl::Status ConvertTo3D(LoraAdapter* adapter);
+[[nodiscard]] absl::Status ConvertTo3D(LoraAdapter* adapter);
 
 // Writes `adapter` as a PEFT adapter directory `out_dir` (created if missing): adapter_config.json
 // (the original config with target_modules / target_parameters / rank_pattern / alpha_pattern
 // rewritten for the adapter's current layout) and adapter_model.safetensors.
-absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir);
+[[nodiscard]] absl::Status WriteAdapter(const LoraAdapter& adapter, const std::string& out_dir);
 
 // scaling * B @ A as float, [out, in] (row-major). For tests and the CLI's checks.
 std::vector<float> DeltaWeight(const LoraPair& pair);

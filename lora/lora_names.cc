@@ -11,7 +11,7 @@
 
 namespace moelora {
 
-absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name) {
+[[nodiscard]] absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name) {
   std::vector<std::string> parts = absl::StrSplit(name, '.');
   size_t start = 0;
   if (parts.size() > 2 && parts[0] == "base_model" && parts[1] == "model") start = 2;

@@ -19,7 +19,7 @@ struct LoraTensorName {
 // "base_model.model.<module>.lora_{A,B}.weight" or "<module>.lora_{A,B}.weight".
 // INVALID_ARGUMENT for anything else, with a hint for DoRA magnitude vectors, embedding LoRA and
 // LoRA biases.
-absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name);
+[[nodiscard]] absl::StatusOr<LoraTensorName> ParseLoraTensorName(const std::string& name);
 
 enum class ExpertProj { kGate = 0, kUp = 1, kDown = 2 };  // vLLM w1, w3, w2
 const char* ExpertProjName(ExpertProj p);                 // "gate_proj" ...

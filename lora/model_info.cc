@@ -54,7 +54,8 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   return false;
 }
 
-absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::string& file) {
+[[nodiscard]] absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text,
+                                                       const std::string& file) {
   auto bad = [&file](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": ", parts...));
   };
@@ -118,7 +119,7 @@ absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::str
   return info;
 }
 
-absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir) {
+[[nodiscard]] absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir) {
   const std::string file = model_dir + "/config.json";
   std::ifstream in(file);
   if (!in)

@@ -38,9 +38,10 @@ struct ModelInfo {
 
 // Reads `model_dir`/config.json (the text sub-config for VL/multimodal wrappers). NOT_FOUND if
 // the file is missing, INVALID_ARGUMENT naming the file and field otherwise.
-absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir);
+[[nodiscard]] absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir);
 // The same from JSON text; `file` names it in messages.
-absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text, const std::string& file);
+[[nodiscard]] absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text,
+                                                       const std::string& file);
 
 // True for architectures whose expert gate_up rows are interleaved (GPT-OSS).
 bool IsInterleavedGateUpArch(const std::string& architecture);

@@ -16,8 +16,8 @@ const char* TpModeName(TpMode m) {
   return "?";
 }
 
-absl::StatusOr<std::vector<IndexRange>> ShardSections(const std::vector<int64_t>& sections,
-                                                      int tp_rank, int tp_size) {
+[[nodiscard]] absl::StatusOr<std::vector<IndexRange>> ShardSections(
+    const std::vector<int64_t>& sections, int tp_rank, int tp_size) {
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor-parallel rank ", tp_rank, " outside [0, ", tp_size, ")"));
@@ -45,9 +45,9 @@ int64_t TotalSize(const std::vector<IndexRange>& ranges) {
   return n;
 }
 
-absl::StatusOr<LoraShard> PlanLoraShard(TpMode mode, int64_t in_full,
-                                        const std::vector<int64_t>& out_sections, int tp_rank,
-                                        int tp_size) {
+[[nodiscard]] absl::StatusOr<LoraShard> PlanLoraShard(TpMode mode, int64_t in_full,
+                                                      const std::vector<int64_t>& out_sections,
+                                                      int tp_rank, int tp_size) {
   int64_t out_full = 0;
   for (int64_t n : out_sections) out_full += n;
   LoraShard s;

@@ -34,8 +34,8 @@ struct IndexRange {
 // The rank's ranges of a dimension made of `sections` (full sizes, in order), each split evenly
 // over `tp_size` ranks. INVALID_ARGUMENT when a section does not divide by tp_size or the rank
 // is outside [0, tp_size).
-absl::StatusOr<std::vector<IndexRange>> ShardSections(const std::vector<int64_t>& sections,
-                                                      int tp_rank, int tp_size);
+[[nodiscard]] absl::StatusOr<std::vector<IndexRange>> ShardSections(
+    const std::vector<int64_t>& sections, int tp_rank, int tp_size);
 
 // What a rank keeps of one LoRA pair.
 struct LoraShard {
@@ -47,9 +47,9 @@ struct LoraShard {
 
 // The shard of a pair on a layer with full input dim `in_full` and output `out_sections`
 // (one entry for a plain layer). Errors as ShardSections.
-absl::StatusOr<LoraShard> PlanLoraShard(TpMode mode, int64_t in_full,
-                                        const std::vector<int64_t>& out_sections, int tp_rank,
-                                        int tp_size);
+[[nodiscard]] absl::StatusOr<LoraShard> PlanLoraShard(TpMode mode, int64_t in_full,
+                                                      const std::vector<int64_t>& out_sections,
+                                                      int tp_rank, int tp_size);
 
 // Sum of the sizes of `ranges`.
 int64_t TotalSize(const std::vector<IndexRange>& ranges);

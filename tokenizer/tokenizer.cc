@@ -94,7 +94,7 @@ constexpr char kWhiteSpaceClass[] =
     "\\x{9}-\\x{D}\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}"
     "\\x{205F}\\x{3000}";
 
-absl::StatusOr<std::string> OnigToPcre2(const std::string& p) {
+[[nodiscard]] absl::StatusOr<std::string> OnigToPcre2(const std::string& p) {
   std::string out;
   bool in_class = false;
   for (size_t i = 0; i < p.size(); ++i) {
@@ -138,7 +138,8 @@ absl::StatusOr<std::string> OnigToPcre2(const std::string& p) {
 
 class Regex {
  public:
-  static absl::StatusOr<std::unique_ptr<Regex>> Compile(const std::string& onig, bool literal) {
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Regex>> Compile(const std::string& onig,
+                                                                      bool literal) {
     std::string pattern;
     uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK;
     if (literal) {
@@ -164,8 +165,8 @@ class Regex {
 
   // Appends the pieces of `s` to *out: matches and the text between them ("Isolated"), or the
   // text between matches only ("Removed").
-  absl::Status Split(std::string_view s, bool keep_matches,
-                     std::vector<std::string_view>* out) const {
+  [[nodiscard]] absl::Status Split(std::string_view s, bool keep_matches,
+                                   std::vector<std::string_view>* out) const {
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
     size_t pos = 0, last = 0;
@@ -267,7 +268,7 @@ struct Piece {
   int32_t added_id = -1;
 };
 
-absl::StatusOr<json> ReadJson(const fs::path& p) {
+[[nodiscard]] absl::StatusOr<json> ReadJson(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", p.string()));
   std::stringstream ss;
@@ -284,7 +285,7 @@ struct GenerationIds {
   std::vector<int32_t> eos;
   std::optional<int32_t> bos;
 };
-absl::StatusOr<GenerationIds> ReadGenerationConfig(const std::string& model_dir) {
+[[nodiscard]] absl::StatusOr<GenerationIds> ReadGenerationConfig(const std::string& model_dir) {
   GenerationIds out;
   std::error_code ec;
   const fs::path gen = fs::path(model_dir) / "generation_config.json";
@@ -333,13 +334,13 @@ struct Tokenizer::Impl {
   std::vector<std::string> id_bytes;
   std::vector<uint8_t> id_flags;  // bit 0 known, bit 1 special
 
-  absl::Status ParseNormalizer(const json& n);
+  [[nodiscard]] absl::Status ParseNormalizer(const json& n);
   absl::Status ParsePreTokenizer(const json& p);
-  absl::Status ParseModel(const json& m);
+  [[nodiscard]] absl::Status ParseModel(const json& m);
   absl::Status ParsePostProcessor(const json& p);
-  absl::Status ParseDecoder(const json& d);
+  [[nodiscard]] absl::Status ParseDecoder(const json& d);
 
-  absl::StatusOr<std::string> Normalize(std::string_view s) const;
+  [[nodiscard]] absl::StatusOr<std::string> Normalize(std::string_view s) const;
   void SplitAdded(std::string_view s, const Trie& trie, std::vector<Piece>* out) const;
   void Bpe(std::string_view word, std::vector<int32_t>* out) const;
 };
@@ -837,7 +838,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& pa
   return t;
 }
 
-absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(const std::string& model_dir) {
+[[nodiscard]] absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(
+    const std::string& model_dir) {
   MOELORA_ASSIGN_OR_RETURN(GenerationIds g, ReadGenerationConfig(model_dir));
   return g.eos;
 }

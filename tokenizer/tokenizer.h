@@ -35,15 +35,15 @@ class Tokenizer {
   // generation_config.json when present, for BOS/EOS) or a tokenizer.json file. NOT_FOUND when
   // there is no tokenizer.json; INVALID_ARGUMENT naming the file and key for a malformed one;
   // UNIMPLEMENTED naming the component for one this class does not implement.
-  static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& path);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& path);
   ~Tokenizer();
   Tokenizer(const Tokenizer&) = delete;
   Tokenizer& operator=(const Tokenizer&) = delete;
 
   // Token ids of `text` (INVALID_ARGUMENT with the byte offset if it is not valid UTF-8).
   // `add_special_tokens`: apply the post-processor's template (e.g. a BOS), as HF does by default.
-  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
-                                              bool add_special_tokens = true) const;
+  [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
+                                                            bool add_special_tokens = true) const;
 
   // The raw bytes of `ids` (may end inside a UTF-8 sequence; ids this tokenizer does not know
   // are skipped, as HF does). `skip_special`: leave out added tokens marked special.
@@ -77,7 +77,8 @@ class Tokenizer {
 
 // generation_config.json's eos_token_id (an int or a list) in `model_dir`; empty when the file or
 // the key is absent. INVALID_ARGUMENT naming the file for malformed JSON.
-absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(const std::string& model_dir);
+[[nodiscard]] absl::StatusOr<std::vector<int32_t>> ReadGenerationEosIds(
+    const std::string& model_dir);
 
 }  // namespace moelora::tok
 

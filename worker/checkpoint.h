@@ -19,7 +19,7 @@ class Checkpoint {
   // NOT_FOUND: no directory / no weights / a shard named by the index is missing (the message
   // names it). INVALID_ARGUMENT: a malformed index or shard, a tensor in two shards, a tensor the
   // index places in a shard that lacks it. Pickle-only checkpoints are refused by name.
-  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
 
   const std::string& dir() const { return dir_; }
   // Every tensor, sorted by name.

@@ -29,7 +29,7 @@ double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-absl::Status ResetSlot(CausalLM& model, int slot) {
+[[nodiscard]] absl::Status ResetSlot(CausalLM& model, int slot) {
   return GuardTorch(absl::StrCat("clear LoRA slot ", slot), [&] {
     model.ResetSlot(slot);
     return absl::OkStatus();
@@ -37,7 +37,7 @@ absl::Status ResetSlot(CausalLM& model, int slot) {
 }
 }  // namespace
 
-absl::Status ParseDevice(const std::string& device, int* cuda_index) {
+[[nodiscard]] absl::Status ParseDevice(const std::string& device, int* cuda_index) {
   *cuda_index = -1;
   if (device == "cpu" || device == "cpu-twins" || device == "cuda") return absl::OkStatus();
   if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), cuda_index) &&
@@ -48,7 +48,7 @@ absl::Status ParseDevice(const std::string& device, int* cuda_index) {
       absl::StrCat("--device ", device, ": expected cpu, cuda, cuda:N or cpu-twins"));
 }
 
-absl::Status ValidateDType(const std::string& dtype) {
+[[nodiscard]] absl::Status ValidateDType(const std::string& dtype) {
   if (dtype == "float32" || dtype == "bfloat16") return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("--dtype \"", dtype, "\": use float32 or bfloat16"));

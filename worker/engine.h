@@ -108,31 +108,32 @@ struct EngineInfo {
 class Engine {
  public:
   // Loads the model. `comm` (this rank's communicator) must outlive the engine.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options,
-                                                        Communicator* comm);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options,
+                                                                      Communicator* comm);
   ~Engine();
 
   // Phase 1. Errors change nothing: NOT_FOUND / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (rank or
   // no free slot) / FAILED_PRECONDITION (layout vs wrapper, see MoeModel::SetSlot).
   // ALREADY_EXISTS when the id is staged or committed with a different path. An adapter in the
   // host cache under the same (id, path) is copied from there (no file is read) and leaves it.
-  absl::StatusOr<StageResult> StageAdapter(int64_t id, const std::string& path,
-                                           std::optional<AdapterFormat> expected);
+  [[nodiscard]] absl::StatusOr<StageResult> StageAdapter(int64_t id, const std::string& path,
+                                                         std::optional<AdapterFormat> expected);
   // Phase 2: returns the slot. NOT_FOUND when the id was not staged.
-  absl::StatusOr<int> CommitAdapter(int64_t id);
+  [[nodiscard]] absl::StatusOr<int> CommitAdapter(int64_t id);
   // Drops a staged adapter; a no-op when unknown.
-  absl::Status AbortAdapter(int64_t id);
+  [[nodiscard]] absl::Status AbortAdapter(int64_t id);
   // NOT_FOUND when not committed; FAILED_PRECONDITION while a running sequence uses it.
   // `keep_in_host_cache` (a swap-out): the slot's contents go to the host cache first, evicting
   // the least recently used beyond max_cpu_loras; otherwise the id also leaves the host cache.
   // Returns the host cache after the call.
-  absl::StatusOr<HostCacheStats> UnloadAdapter(int64_t id, bool keep_in_host_cache = false);
+  [[nodiscard]] absl::StatusOr<HostCacheStats> UnloadAdapter(int64_t id,
+                                                             bool keep_in_host_cache = false);
 
   // Removes `remove`, adds `add` (all or nothing: an invalid joiner fails the step before any
   // state changes), runs one forward pass and samples one token per sequence. Finished sequences
   // leave the batch by themselves.
-  absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,
-                                  const std::vector<int64_t>& remove);
+  [[nodiscard]] absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,
+                                                const std::vector<int64_t>& remove);
 
   EngineInfo Info() const;
 
@@ -143,10 +144,10 @@ class Engine {
 };
 
 // "float32" / "bfloat16" are accepted.
-absl::Status ValidateDType(const std::string& dtype);
+[[nodiscard]] absl::Status ValidateDType(const std::string& dtype);
 // INVALID_ARGUMENT unless `device` is cpu, cpu-twins, cuda or cuda:N; sets the CUDA device index
 // (-1: choose by rank) when given.
-absl::Status ParseDevice(const std::string& device, int* cuda_index);
+[[nodiscard]] absl::Status ParseDevice(const std::string& device, int* cuda_index);
 
 }  // namespace moelora
 

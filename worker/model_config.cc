@@ -17,8 +17,8 @@ namespace {
 // and partial_rotary_factor at the top level or inside; the keys each type reads, as
 // transformers' modeling_rope_utils reads them. Types whose frequencies depend on the sequence
 // length (dynamic) or that need per-position tables (longrope) are refused by name.
-absl::StatusOr<RopeSpec> ParseRope(const nlohmann::json& t, const ModelConfig& c,
-                                   const std::string& file) {
+[[nodiscard]] absl::StatusOr<RopeSpec> ParseRope(const nlohmann::json& t, const ModelConfig& c,
+                                                 const std::string& file) {
   RopeSpec r;
   r.head_dim = c.info.head_dim;
   auto refuse = [&](auto&&... parts) {
@@ -158,9 +158,9 @@ bool IsBenignConfigKey(const std::string& key) {
   return false;
 }
 
-absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
-                             const std::string& architecture,
-                             const std::vector<std::string>& implemented) {
+[[nodiscard]] absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
+                                           const std::string& architecture,
+                                           const std::vector<std::string>& implemented) {
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(file, ": not a JSON object"));
   auto check = [&](const nlohmann::json& o, const std::string& where) -> absl::Status {
@@ -189,7 +189,8 @@ absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
   return absl::OkStatus();
 }
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& file) {
+[[nodiscard]] absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text,
+                                                           const std::string& file) {
   ModelConfig c;
   MOELORA_ASSIGN_OR_RETURN(c.info, ParseModelInfo(text, file));
   // ParseModelInfo already proved this is a JSON object.
@@ -291,7 +292,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   return c;
 }
 
-absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir) {
+[[nodiscard]] absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir) {
   std::error_code ec;
   if (!std::filesystem::is_directory(model_dir, ec)) {
     return absl::NotFoundError(absl::StrCat(model_dir, ": model directory does not exist"));

@@ -58,13 +58,13 @@ bool IsBenignConfigKey(const std::string& key);
 // FAILED_PRECONDITION naming the first key of `text` (its text_config for multimodal wrappers,
 // and the top level) that is neither benign nor in `implemented`: a setting the forward pass
 // would otherwise ignore, giving wrong answers with no error.
-absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
-                             const std::string& architecture,
-                             const std::vector<std::string>& implemented);
+[[nodiscard]] absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
+                                           const std::string& architecture,
+                                           const std::vector<std::string>& implemented);
 
 // Reads `model_dir`/config.json (text_config for multimodal wrappers). NOT_FOUND if the file is
 // missing; INVALID_ARGUMENT naming the file and the field otherwise.
-absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir);
+[[nodiscard]] absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir);
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& file);
 
 }  // namespace moelora

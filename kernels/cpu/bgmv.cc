@@ -33,7 +33,7 @@ size_t BgmvWorkspaceBytes(const BgmvParams& p) {
   return static_cast<size_t>(p.num_tokens * p.max_rank) * sizeof(float);
 }
 
-absl::Status BgmvCpu(const BgmvParams& p) {
+[[nodiscard]] absl::Status BgmvCpu(const BgmvParams& p) {
   if (auto s = p.Validate(); !s.ok()) return s;
   for (int64_t s = 0; s < p.num_slots; ++s) {
     if (p.rank[s] < 0 || p.rank[s] > p.max_rank) {

@@ -89,7 +89,7 @@ float RoundTo(DType d, float v) {
 
 }  // namespace
 
-absl::Status MoeLoraCpu(const MoeLoraParams& p) {
+[[nodiscard]] absl::Status MoeLoraCpu(const MoeLoraParams& p) {
   if (auto s = p.Validate(); !s.ok()) return s;
   const DType d = p.dtype;
   const int64_t T = p.num_tokens, H = p.hidden, I = p.inter, E = p.num_experts, K = p.top_k,

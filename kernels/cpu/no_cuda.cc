@@ -7,7 +7,7 @@
 namespace moelora {
 
 namespace {
-absl::Status NoCuda() {
+[[nodiscard]] absl::Status NoCuda() {
   return absl::UnimplementedError("built without CUDA (configure with -DMOELORA_ENABLE_CUDA=ON)");
 }
 }  // namespace
@@ -16,22 +16,22 @@ bool CudaDeviceAvailable() { return false; }
 int CudaDeviceCount() { return 0; }
 std::string CudaDeviceSummary() { return "built without CUDA"; }
 int NcclVersionCode() { return 0; }
-absl::Status CudaSetDevice(int) { return NoCuda(); }
+[[nodiscard]] absl::Status CudaSetDevice(int) { return NoCuda(); }
 absl::Status DeviceSynchronize() { return NoCuda(); }
 
 absl::Status device_internal::DeviceMemory::Alloc(void**, size_t) { return NoCuda(); }
 void device_internal::DeviceMemory::Free(void*) {}
 absl::Status device_internal::PinnedMemory::Alloc(void**, size_t) { return NoCuda(); }
 void device_internal::PinnedMemory::Free(void*) {}
-absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
+[[nodiscard]] absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
-absl::Status CopyOnDevice(void*, const void*, size_t) { return NoCuda(); }
+[[nodiscard]] absl::Status CopyOnDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::StatusOr<std::unique_ptr<PinnedUploader>> PinnedUploader::Create(size_t, int) {
   return NoCuda();
 }
 absl::StatusOr<std::unique_ptr<DeviceTimer>> DeviceTimer::Create() { return NoCuda(); }
 
-absl::Status BgmvCuda(const BgmvParams&, void*) { return NoCuda(); }
+[[nodiscard]] absl::Status BgmvCuda(const BgmvParams&, void*) { return NoCuda(); }
 absl::Status MoeLoraCuda(const MoeLoraParams&, void*) { return NoCuda(); }
 
 }  // namespace moelora

@@ -41,11 +41,11 @@ int NcclVersionCode() {
   return ncclGetVersion(&v) == ncclSuccess ? v : 0;
 }
 
-absl::Status CudaSetDevice(int device) {
+[[nodiscard]] absl::Status CudaSetDevice(int device) {
   return CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")").c_str());
 }
 
-absl::Status DeviceSynchronize() {
+[[nodiscard]] absl::Status DeviceSynchronize() {
   return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
@@ -64,15 +64,15 @@ void PinnedMemory::Free(void* ptr) { cudaFreeHost(ptr); }
 
 }  // namespace device_internal
 
-absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
+[[nodiscard]] absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
   return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
 }
 
-absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
+[[nodiscard]] absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
   return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
 }
 
-absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) {
+[[nodiscard]] absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) {
   return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy D2D");
 }
 
@@ -88,7 +88,7 @@ class CudaPinnedUploader final : public PinnedUploader {
     }
   }
 
-  absl::Status Init(size_t chunk, int n) {
+  [[nodiscard]] absl::Status Init(size_t chunk, int n) {
     chunk_ = chunk;
     if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                             "cudaStreamCreate");
@@ -112,7 +112,7 @@ class CudaPinnedUploader final : public PinnedUploader {
     return absl::OkStatus();
   }
 
-  absl::Status Copy(void* dst, const void* src, size_t bytes) override {
+  [[nodiscard]] absl::Status Copy(void* dst, const void* src, size_t bytes) override {
     auto* d = static_cast<uint8_t*>(dst);
     const auto* s = static_cast<const uint8_t*>(src);
     while (bytes > 0) {
@@ -143,7 +143,7 @@ class CudaPinnedUploader final : public PinnedUploader {
     return absl::OkStatus();
   }
 
-  absl::Status Finish() override {
+  [[nodiscard]] absl::Status Finish() override {
     return CudaStatus(cudaStreamSynchronize(stream_), "upload stream synchronize");
   }
 
@@ -165,14 +165,14 @@ class CudaDeviceTimer final : public DeviceTimer {
     if (start_) cudaEventDestroy(start_);
     if (stop_) cudaEventDestroy(stop_);
   }
-  absl::Status Init() {
+  [[nodiscard]] absl::Status Init() {
     if (auto s = CudaStatus(cudaEventCreate(&start_), "cudaEventCreate"); !s.ok()) return s;
     return CudaStatus(cudaEventCreate(&stop_), "cudaEventCreate");
   }
-  absl::Status Start(void* stream) override {
+  [[nodiscard]] absl::Status Start(void* stream) override {
     return CudaStatus(cudaEventRecord(start_, static_cast<cudaStream_t>(stream)), "timer start");
   }
-  absl::StatusOr<double> StopMs(void* stream) override {
+  [[nodiscard]] absl::StatusOr<double> StopMs(void* stream) override {
     if (auto s =
             CudaStatus(cudaEventRecord(stop_, static_cast<cudaStream_t>(stream)), "timer stop");
         !s.ok()) {

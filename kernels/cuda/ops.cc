@@ -12,7 +12,7 @@ using cuda_internal::CudaStatus;
 using cuda_internal::ElemType;
 
 namespace {
-absl::Status CheckCudaRank(const char* op, int64_t max_rank) {
+[[nodiscard]] absl::Status CheckCudaRank(const char* op, int64_t max_rank) {
   if (max_rank <= kBgmvCudaMaxRank) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(op, ": max_rank ", max_rank, " > ", kBgmvCudaMaxRank, " (CUDA kernel)"));
@@ -23,7 +23,7 @@ ElemType ToElem(DType d) {
 }
 }  // namespace
 
-absl::Status BgmvCuda(const BgmvParams& p, void* stream) {
+[[nodiscard]] absl::Status BgmvCuda(const BgmvParams& p, void* stream) {
   if (auto s = p.Validate(); !s.ok()) return s;
   if (auto s = CheckCudaRank("bgmv", p.max_rank); !s.ok()) return s;
   if (!p.workspace) return absl::InvalidArgumentError("bgmv: CUDA needs a workspace");
@@ -45,7 +45,7 @@ absl::Status BgmvCuda(const BgmvParams& p, void* stream) {
   return CudaStatus(cuda_internal::LaunchBgmv(a, static_cast<cudaStream_t>(stream)), "bgmv launch");
 }
 
-absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
+[[nodiscard]] absl::Status MoeLoraCuda(const MoeLoraParams& p, void* stream) {
   if (auto s = p.Validate(); !s.ok()) return s;
   const bool lora = p.num_gate_up > 0 || p.has_down;
   if (lora) {

@@ -10,7 +10,7 @@
 namespace moelora {
 namespace cuda_internal {
 
-inline absl::Status CudaStatus(cudaError_t e, const char* what) {
+[[nodiscard]] inline absl::Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(
       absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));

@@ -25,7 +25,7 @@ class Communicator {
   virtual const char* backend() const = 0;  // "local" | "gloo" | "nccl"
   // In-place sum over all ranks; every rank ends with the same bits. UNAVAILABLE when a peer is
   // gone or the timeout passes.
-  virtual absl::Status AllReduceSum(float* data, size_t count) = 0;
+  [[nodiscard]] virtual absl::Status AllReduceSum(float* data, size_t count) = 0;
   virtual absl::Status Barrier() = 0;
 };
 
@@ -42,11 +42,12 @@ struct RendezvousOptions {
 };
 
 // Connects a full mesh over TCP. UNAVAILABLE naming the store when peers do not show up.
-absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const RendezvousOptions& o);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
+    const RendezvousOptions& o);
 
 // NCCL over the given CUDA device. UNIMPLEMENTED when built without CUDA.
-absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const RendezvousOptions& o,
-                                                                   int cuda_device);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(
+    const RendezvousOptions& o, int cuda_device);
 
 }  // namespace moelora
 

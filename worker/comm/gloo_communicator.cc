@@ -22,7 +22,7 @@ class GlooCommunicator final : public Communicator {
   int world_size() const override { return ctx_->size; }
   const char* backend() const override { return "gloo"; }
 
-  absl::Status AllReduceSum(float* data, size_t count) override {
+  [[nodiscard]] absl::Status AllReduceSum(float* data, size_t count) override {
     if (count == 0) return absl::OkStatus();
     try {
       gloo::AllreduceOptions opts(ctx_);
@@ -37,7 +37,7 @@ class GlooCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  absl::Status Barrier() override {
+  [[nodiscard]] absl::Status Barrier() override {
     try {
       gloo::BarrierOptions opts(ctx_);
       gloo::barrier(opts);
@@ -53,7 +53,8 @@ class GlooCommunicator final : public Communicator {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(const RendezvousOptions& o) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
+    const RendezvousOptions& o) {
   if (o.world_size <= 1) return MakeLocalCommunicator();
   if (o.rank < 0 || o.rank >= o.world_size) {
     return absl::InvalidArgumentError(

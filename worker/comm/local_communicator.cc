@@ -8,7 +8,7 @@ class LocalCommunicator final : public Communicator {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   const char* backend() const override { return "local"; }
-  absl::Status AllReduceSum(float*, size_t) override { return absl::OkStatus(); }
+  [[nodiscard]] absl::Status AllReduceSum(float*, size_t) override { return absl::OkStatus(); }
   absl::Status Barrier() override { return absl::OkStatus(); }
 };
 

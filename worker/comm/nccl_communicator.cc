@@ -25,7 +25,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-absl::Status NcclError(const std::string& what, ncclResult_t r) {
+[[nodiscard]] absl::Status NcclError(const std::string& what, ncclResult_t r) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
 }
 
@@ -60,7 +60,7 @@ class NcclCommunicator final : public Communicator {
   int world_size() const override { return size_; }
   const char* backend() const override { return "nccl"; }
 
-  absl::Status AllReduceSum(float* data, size_t count) override {
+  [[nodiscard]] absl::Status AllReduceSum(float* data, size_t count) override {
     if (aborted_) return Broken();
     const auto deadline = Clock::now() + timeout_;
     auto timed_out = [&] {
@@ -98,7 +98,7 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  absl::Status Barrier() override {
+  [[nodiscard]] absl::Status Barrier() override {
     float* d = nullptr;
     if (cudaMalloc(&d, sizeof(float)) != cudaSuccess) return absl::InternalError("cudaMalloc");
     cudaMemset(d, 0, sizeof(float));
@@ -108,13 +108,13 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  absl::Status Abort(absl::Status why) {
+  [[nodiscard]] absl::Status Abort(absl::Status why) {
     ncclCommAbort(comm_);
     aborted_ = true;
     reason_ = std::string(why.message());
     return absl::UnavailableError(why.message());
   }
-  absl::Status Broken() const {
+  [[nodiscard]] absl::Status Broken() const {
     return absl::UnavailableError(absl::StrCat("NCCL communicator aborted earlier: ", reason_));
   }
 
@@ -128,8 +128,8 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const RendezvousOptions& o,
-                                                                   int cuda_device) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(
+    const RendezvousOptions& o, int cuda_device) {
   if (cudaSetDevice(cuda_device) != cudaSuccess) {
     return absl::UnavailableError(absl::StrCat("cudaSetDevice(", cuda_device, ") failed"));
   }

@@ -2,7 +2,8 @@
 
 namespace moelora {
 
-absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const RendezvousOptions&, int) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(
+    const RendezvousOptions&, int) {
   return absl::UnimplementedError("built without CUDA: no NCCL communicator (use --device cpu)");
 }
 

@@ -41,9 +41,9 @@ class Attention {
             at::Tensor k_norm, at::Tensor sinks = at::Tensor());
 
   // h [T, H] (normalised); appends the new tokens' K/V to state.layers[layer] of each sequence.
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b, int layer,
-                                     const Rotary& rope, const Rotary::Table& table,
-                                     const LoraBatch& lb);
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b,
+                                                   int layer, const Rotary& rope,
+                                                   const Rotary::Table& table, const LoraBatch& lb);
   LoraLinear* q() { return q_.get(); }
   LoraLinear* k() { return k_.get(); }
   LoraLinear* v() { return v_.get(); }

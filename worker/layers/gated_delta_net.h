@@ -44,8 +44,8 @@ class GatedDeltaNet {
                 at::Tensor conv_weight, at::Tensor dt_bias, at::Tensor a_log, at::Tensor norm);
 
   // h [T, H] (normalised); advances state.layers[layer] of each sequence.
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b, int layer,
-                                     const LoraBatch& lb);
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b,
+                                                   int layer, const LoraBatch& lb);
   void set_form(GatedDeltaNetSpec::Form f) { spec_.form = f; }
 
   LoraLinear* in_qkv() { return in_qkv_.get(); }

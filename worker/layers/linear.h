@@ -44,18 +44,16 @@ class LoraLinear final : public LoraModule {
   // model's device; `bias` (optional) this rank's part for column-parallel layers, the whole
   // bias for row-parallel ones (added on rank 0 only: the all-reduce sums the ranks).
   // `out_sections`: the full output dim's sections (one entry for a plain layer).
-  static absl::StatusOr<std::unique_ptr<LoraLinear>> Create(std::string path, at::Tensor weight,
-                                                            at::Tensor bias, TpMode mode,
-                                                            int64_t in_full,
-                                                            std::vector<int64_t> out_sections,
-                                                            const SlotShape& shape);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<LoraLinear>> Create(
+      std::string path, at::Tensor weight, at::Tensor bias, TpMode mode, int64_t in_full,
+      std::vector<int64_t> out_sections, const SlotShape& shape);
 
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& x, const LoraBatch& lb) const;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& x, const LoraBatch& lb) const;
   const at::Tensor& weight() const { return w_; }
   int64_t out_local() const { return shard_.out_local; }
 
   bool takes_experts() const override { return false; }
-  absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const override;
+  [[nodiscard]] absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const override;
   void WriteDense(const LoraPair& pair, const SlotWrite& w) override;
   int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const override;
   int64_t AllocatedSlotBytes() const override { return la_.nbytes() + lb_.nbytes(); }
@@ -72,7 +70,8 @@ class LoraLinear final : public LoraModule {
   LoraShard shard_;
   SlotShape shape_;
   // The CPU path of --fully-sharded-loras: ATen GEMMs per slot run around the collective.
-  absl::Status AddFullyShardedLora(const at::Tensor& x, at::Tensor& y, const LoraBatch& lb) const;
+  [[nodiscard]] absl::Status AddFullyShardedLora(const at::Tensor& x, at::Tensor& y,
+                                                 const LoraBatch& lb) const;
 
   bool fs_ = false;                 // fully sharded (and tp > 1)
   std::vector<IndexRange> fs_out_;  // row-parallel FS: this rank's output columns

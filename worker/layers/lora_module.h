@@ -60,9 +60,10 @@ class LoraModule {
   virtual bool takes_experts() const = 0;
 
   // INVALID_ARGUMENT naming the file, the tensor and the shapes when `pair` does not fit.
-  virtual absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const;
+  [[nodiscard]] virtual absl::Status CheckDense(const LoraAdapter& a, const LoraPair& pair) const;
   // INVALID_ARGUMENT / FAILED_PRECONDITION when the layer's expert LoRA does not fit the wrapper.
-  virtual absl::Status CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const;
+  [[nodiscard]] virtual absl::Status CheckExperts(const LoraAdapter& a,
+                                                  const MoeLayerLora& layer) const;
   // Write this rank's shard (after a successful Check).
   virtual void WriteDense(const LoraPair& pair, const SlotWrite& w);
   virtual void WriteExperts(const MoeLayerLora& layer, const SlotWrite& w);

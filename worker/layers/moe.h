@@ -46,8 +46,9 @@ class MoeExperts final : public LoraModule {
              int64_t expert_offset = 0, int64_t total_experts = 0);
 
   // h [T, H], ids [T, K] int64, weights [T, K] in h's dtype: Σ_k w · expert(h) for this rank.
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const at::Tensor& ids,
-                                     const at::Tensor& weights, const LoraBatch& lb) const;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const at::Tensor& ids,
+                                                   const at::Tensor& weights,
+                                                   const LoraBatch& lb) const;
   int64_t num_experts() const { return E_total_; }
   // Optional expert biases (GPT-OSS): w13 [E_local, 2·I_p] ([gate ; up] rows, this rank's part)
   // and w2 [E_total, H] (added once over the ranks: by rank 0, or by the expert's rank with
@@ -61,7 +62,8 @@ class MoeExperts final : public LoraModule {
   bool expert_parallel() const { return E_total_ != E_; }
 
   bool takes_experts() const override { return true; }
-  absl::Status CheckExperts(const LoraAdapter& a, const MoeLayerLora& layer) const override;
+  [[nodiscard]] absl::Status CheckExperts(const LoraAdapter& a,
+                                          const MoeLayerLora& layer) const override;
   void WriteExperts(const MoeLayerLora& layer, const SlotWrite& w) override;
   int64_t ExpertBytes(const MoeLayerLora& layer, int64_t elem_bytes) const override;
   int64_t AllocatedSlotBytes() const override {
@@ -75,10 +77,12 @@ class MoeExperts final : public LoraModule {
   void SyncRanks(int slot) override;
 
  private:
-  absl::StatusOr<at::Tensor> CpuForward(const at::Tensor& h, const at::Tensor& ids,
-                                        const at::Tensor& weights, const LoraBatch& lb) const;
-  absl::StatusOr<at::Tensor> FusedForward(const at::Tensor& h, const at::Tensor& ids,
-                                          const at::Tensor& weights, const LoraBatch& lb) const;
+  [[nodiscard]] absl::StatusOr<at::Tensor> CpuForward(const at::Tensor& h, const at::Tensor& ids,
+                                                      const at::Tensor& weights,
+                                                      const LoraBatch& lb) const;
+  [[nodiscard]] absl::StatusOr<at::Tensor> FusedForward(const at::Tensor& h, const at::Tensor& ids,
+                                                        const at::Tensor& weights,
+                                                        const LoraBatch& lb) const;
   // --fully-sharded-loras on the CPU path: one (expert, slot) run of the sorted assignments.
   struct FsSegment {
     int64_t begin, end;
@@ -86,8 +90,9 @@ class MoeExperts final : public LoraModule {
     int64_t expert;
   };
   // Adds projection k's LoRA of `in` (sorted rows) to out[:, col : col + its B width].
-  absl::Status AddFullyShardedLora(int k, const at::Tensor& in, at::Tensor& out, int64_t col,
-                                   bool row_parallel, const std::vector<FsSegment>& segs) const;
+  [[nodiscard]] absl::Status AddFullyShardedLora(int k, const at::Tensor& in, at::Tensor& out,
+                                                 int64_t col, bool row_parallel,
+                                                 const std::vector<FsSegment>& segs) const;
 
   at::Tensor w13_, w2_;
   at::Tensor w13_bias_, w2_bias_;
@@ -123,7 +128,7 @@ struct SwiGluMlp {
   std::unique_ptr<LoraLinear> gate, up, down;
   at::Tensor gate_weight;
   double limit = 0;
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
 };
 using SharedExpert = SwiGluMlp;
 
@@ -136,7 +141,7 @@ class MoeBlock {
            std::unique_ptr<MoeExperts> experts, std::unique_ptr<SharedExpert> shared = nullptr,
            at::Tensor router_bias = at::Tensor(), double routed_scaling = 1.0);
   // This rank's part of the block's output (the caller all-reduces).
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const LoraBatch& lb) const;
   MoeExperts* experts() { return experts_.get(); }
   SharedExpert* shared() { return shared_.get(); }
 

@@ -31,7 +31,8 @@ bool IsW2(const std::string& p) { return absl::EndsWith(p, "w2_weight"); }
 
 // A view of the checkpoint bytes as an ATen tensor (copied when the mapping is misaligned for
 // the element type).
-absl::StatusOr<at::Tensor> SourceTensor(const TensorView& v, const std::string& file) {
+[[nodiscard]] absl::StatusOr<at::Tensor> SourceTensor(const TensorView& v,
+                                                      const std::string& file) {
   at::ScalarType st;
   size_t elem = 0;
   switch (v.dtype) {
@@ -71,10 +72,11 @@ int64_t PiecesOf(const std::string& param, int num_experts) {
 
 }  // namespace
 
-absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTable& table,
-                                          const ModelConfig& config,
-                                          const std::vector<ParamSpec>& specs,
-                                          const LoadOptions& opt) {
+[[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt,
+                                                        const ArchTable& table,
+                                                        const ModelConfig& config,
+                                                        const std::vector<ParamSpec>& specs,
+                                                        const LoadOptions& opt) {
   const int E = config.info.num_experts;
   const int64_t I = config.info.moe_intermediate_size;
   const int64_t H = config.info.hidden_size;
@@ -284,10 +286,10 @@ absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTabl
   return out;
 }
 
-absl::StatusOr<std::vector<ParamSpec>> InferParamSpecs(const Checkpoint& ckpt,
-                                                       const ArchTable& table,
-                                                       const ModelConfig& config,
-                                                       bool lora_wrapped) {
+[[nodiscard]] absl::StatusOr<std::vector<ParamSpec>> InferParamSpecs(const Checkpoint& ckpt,
+                                                                     const ArchTable& table,
+                                                                     const ModelConfig& config,
+                                                                     bool lora_wrapped) {
   const int64_t E = config.info.num_experts, I = config.info.moe_intermediate_size,
                 H = config.info.hidden_size;
   std::map<std::string, ParamSpec> specs;

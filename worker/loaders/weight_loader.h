@@ -56,18 +56,19 @@ struct LoadedWeights {
 // INVALID_ARGUMENT for: a checkpoint tensor no rule consumes, a parameter piece left unset or set
 // twice, a shape that contradicts the spec, an expert index >= E, a non-float dtype, a split that
 // does not divide by tp_size.
-absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt, const ArchTable& table,
-                                          const ModelConfig& config,
-                                          const std::vector<ParamSpec>& specs,
-                                          const LoadOptions& options);
+[[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt,
+                                                        const ArchTable& table,
+                                                        const ModelConfig& config,
+                                                        const std::vector<ParamSpec>& specs,
+                                                        const LoadOptions& options);
 
 // Specs inferred from the checkpoint itself (expert parameters from E, I, H; everything else
 // as stored): for architectures that have a name table but no forward pass yet, so their tables
 // can load real checkpoints in tests and tools.
-absl::StatusOr<std::vector<ParamSpec>> InferParamSpecs(const Checkpoint& ckpt,
-                                                       const ArchTable& table,
-                                                       const ModelConfig& config,
-                                                       bool lora_wrapped);
+[[nodiscard]] absl::StatusOr<std::vector<ParamSpec>> InferParamSpecs(const Checkpoint& ckpt,
+                                                                     const ArchTable& table,
+                                                                     const ModelConfig& config,
+                                                                     bool lora_wrapped);
 
 }  // namespace moelora
 

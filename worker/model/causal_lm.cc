@@ -264,7 +264,7 @@ absl::Status CausalLM::UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& s
 
 namespace {
 
-absl::StatusOr<std::string> ReadText(const std::string& path) {
+[[nodiscard]] absl::StatusOr<std::string> ReadText(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
     return absl::NotFoundError(
@@ -276,8 +276,8 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 }
 
 // Checks every architecture shares: dims, TP divisibility, slot and rank limits, the device.
-absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const ModelOptions& o,
-                         const ArchTable& arch) {
+[[nodiscard]] absl::Status CheckShared(const std::string& dir, const ModelConfig& c,
+                                       const ModelOptions& o, const ArchTable& arch) {
   const std::string cfg = dir + "/config.json";
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
@@ -360,8 +360,9 @@ absl::Status CheckShared(const std::string& dir, const ModelConfig& c, const Mod
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CausalLM>> LoadCausalLM(const std::string& dir,
-                                                       const ModelOptions& o, Communicator* comm) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> LoadCausalLM(const std::string& dir,
+                                                                     const ModelOptions& o,
+                                                                     Communicator* comm) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
     return absl::NotFoundError(absl::StrCat(dir, ": model directory does not exist"));

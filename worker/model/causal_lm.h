@@ -91,7 +91,7 @@ class CausalLM {
 
   // Logits (f32, on the host) [rows, vocab]: per sequence in order, every new token's row
   // (all_logits) or the last one. Advances each sequence's state by its new tokens.
-  virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
+  [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
 
   // A fresh per-sequence state (empty caches, zero recurrent state).
   SeqState NewState() const;
@@ -101,7 +101,7 @@ class CausalLM {
   // error: INVALID_ARGUMENT for a module the model does not have or does not wrap (naming the
   // module and the ones it does), FAILED_PRECONDITION for an expert layout the MoE wrapper does
   // not take, RESOURCE_EXHAUSTED for a rank above max_lora_rank.
-  absl::Status SetSlot(int slot, const LoraAdapter& adapter);
+  [[nodiscard]] absl::Status SetSlot(int slot, const LoraAdapter& adapter);
   void ResetSlot(int slot);
   // A slot's contents in host memory (the worker's host cache): what SetSlot wrote, converted,
   // TP-sliced and scaled, trimmed to the ranks in use. RestoreSlot writes one back into `slot`
@@ -111,7 +111,7 @@ class CausalLM {
     int64_t bytes = 0;
   };
   SlotImage SaveSlot(int slot) const;
-  absl::Status RestoreSlot(int slot, const SlotImage& image);
+  [[nodiscard]] absl::Status RestoreSlot(int slot, const SlotImage& image);
   // Bytes of LoRA weights a slot holds on this rank for `adapter` (for reporting).
   int64_t SlotBytes(const LoraAdapter& adapter) const;
   // Bytes of every slot tensor this rank allocated: of the experts modules (`experts`) or of
@@ -136,12 +136,13 @@ class CausalLM {
   // ownership elsewhere.
   void RegisterLora(LoraModule* m, const std::vector<std::string>& aliases = {});
   // Sums `t` over the tensor-parallel group (in place; f32 on the wire).
-  absl::Status AllReduce(at::Tensor& t);
+  [[nodiscard]] absl::Status AllReduce(at::Tensor& t);
   // What every factory does once its weights are loaded: the shared fields from `ctx` and `c`
   // (the config as the architecture completed it), the weights moved to the device on the
   // kernel paths, the uploader on kCuda.
-  absl::Status Adopt(const ModelContext& ctx, const ModelConfig& c,
-                     std::vector<std::string> skipped, std::map<std::string, at::Tensor>& params);
+  [[nodiscard]] absl::Status Adopt(const ModelContext& ctx, const ModelConfig& c,
+                                   std::vector<std::string> skipped,
+                                   std::map<std::string, at::Tensor>& params);
 
   ModelConfig config_;
   ModelOptions options_;
@@ -153,7 +154,7 @@ class CausalLM {
 
  private:
   // Kernel paths: uploads SetSlot's host images (keyed by the full slot tensor) and the ranks.
-  absl::Status UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged);
+  [[nodiscard]] absl::Status UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged);
   // The SlotWrite for `slot`: writes go to the slot (CPU path) or to f32 host images collected
   // in `staged` (kernel paths).
   SlotWrite MakeSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>* staged);
@@ -171,9 +172,9 @@ class CausalLM {
 // libtorch has no CUDA or no device answers. UNIMPLEMENTED for an architecture whose weights
 // can be named but that has no forward pass; FAILED_PRECONDITION naming a config key that
 // changes the math and is not implemented.
-absl::StatusOr<std::unique_ptr<CausalLM>> LoadCausalLM(const std::string& dir,
-                                                       const ModelOptions& options,
-                                                       Communicator* comm);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> LoadCausalLM(const std::string& dir,
+                                                                     const ModelOptions& options,
+                                                                     Communicator* comm);
 
 }  // namespace moelora
 

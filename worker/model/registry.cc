@@ -51,7 +51,7 @@ std::vector<std::string> ServedArchitectures() {
   return out;
 }
 
-absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture) {
+[[nodiscard]] absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture) {
   for (const ArchTable& t : Tables()) {
     if (t.architecture == architecture) return &t;
   }

@@ -36,21 +36,21 @@ struct ArchTable {
 };
 
 // The entry for `architecture`; INVALID_ARGUMENT listing the supported ones when unknown.
-absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture);
+[[nodiscard]] absl::StatusOr<const ArchTable*> FindArchTable(const std::string& architecture);
 std::vector<std::string> SupportedArchitectures();
 std::vector<std::string> ServedArchitectures();  // those with a forward pass
 
 // Factories (worker/models/*.cc).
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx);
 absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx);
 // config.json keys each model implements.
 const std::vector<std::string>& Qwen3MoeConfigKeys();
 const std::vector<std::string>& Qwen35MoeConfigKeys();
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx);
 const std::vector<std::string>& GptOssConfigKeys();
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx);
 const std::vector<std::string>& Step3p5ConfigKeys();
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx);
 const std::vector<std::string>& Step3TextConfigKeys();
 
 }  // namespace moelora

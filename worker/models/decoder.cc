@@ -13,8 +13,8 @@
 
 namespace moelora {
 
-absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
-                                     const at::Device& device) {
+[[nodiscard]] absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
+                                                   const at::Device& device) {
   const int64_t T = static_cast<int64_t>(b.tokens.size());
   if (T == 0 || b.slots.size() != b.tokens.size()) {
     return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
@@ -29,7 +29,7 @@ absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& 
   return in;
 }
 
-absl::StatusOr<ModelWeights> LoadModelWeights(
+[[nodiscard]] absl::StatusOr<ModelWeights> LoadModelWeights(
     const ModelContext& ctx, const ModelConfig& c,
     const std::function<std::vector<ParamSpec>(bool has_lm_head)>& specs) {
   ModelWeights mw;
@@ -94,10 +94,9 @@ void AddSwiGluSpecs(std::vector<ParamSpec>& s, const std::string& m, int64_t H, 
   s.push_back({m + "down_proj.base_layer.weight", {H, inter}, TpSplit::kCols});
 }
 
-absl::StatusOr<std::unique_ptr<SwiGluMlp>> MakeSwiGluMlp(const std::map<std::string, at::Tensor>& P,
-                                                         const std::string& m, int64_t H,
-                                                         int64_t inter, const SlotShape& shape,
-                                                         double limit) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<SwiGluMlp>> MakeSwiGluMlp(
+    const std::map<std::string, at::Tensor>& P, const std::string& m, int64_t H, int64_t inter,
+    const SlotShape& shape, double limit) {
   auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
     const std::string path = m + name;
     return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
@@ -123,8 +122,9 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                       ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
 }
 
-absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& text, int n,
-                                                const std::string& file, bool required) {
+[[nodiscard]] absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& text, int n,
+                                                              const std::string& file,
+                                                              bool required) {
   const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": ", parts...));
@@ -160,7 +160,7 @@ absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& text, int n,
   return moe;
 }
 
-absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir) {
+[[nodiscard]] absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));

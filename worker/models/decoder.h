@@ -29,8 +29,8 @@ struct StepInputs {
   std::vector<int64_t> positions;
   at::Tensor tokens;
 };
-absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
-                                     const at::Device& device);
+[[nodiscard]] absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
+                                                   const at::Device& device);
 
 // A factory's checkpoint load: INVALID_ARGUMENT unless lm_head.weight is there or tied to the
 // embedding; then this rank's shard of `specs(has_lm_head)`.
@@ -38,7 +38,7 @@ struct ModelWeights {
   LoadedWeights weights;
   bool has_lm_head = false;
 };
-absl::StatusOr<ModelWeights> LoadModelWeights(
+[[nodiscard]] absl::StatusOr<ModelWeights> LoadModelWeights(
     const ModelContext& ctx, const ModelConfig& c,
     const std::function<std::vector<ParamSpec>(bool has_lm_head)>& specs);
 
@@ -65,7 +65,7 @@ void AddExpertSpecs(std::vector<ParamSpec>& s, const std::string& experts, const
 void AddSwiGluSpecs(std::vector<ParamSpec>& s, const std::string& mlp, int64_t hidden,
                     int64_t inter);
 // The MLP itself (`limit` > 0: Step3.5's clamp).
-absl::StatusOr<std::unique_ptr<SwiGluMlp>> MakeSwiGluMlp(
+[[nodiscard]] absl::StatusOr<std::unique_ptr<SwiGluMlp>> MakeSwiGluMlp(
     const std::map<std::string, at::Tensor>& params, const std::string& mlp, int64_t hidden,
     int64_t inter, const SlotShape& shape, double limit = 0);
 // The routed experts at `experts` as one LoRA module, with this rank's experts under expert
@@ -78,11 +78,12 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
 // Which of `n` layers are MoE by config.json's `moe_layers_enum` (Step3, Step3.5: a
 // comma-separated string or a list of layer indices). Absent: FAILED_PRECONDITION when
 // `required`, else layers 1..n-1 (vLLM's fallback for Step3).
-absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& config_text, int n,
-                                                const std::string& file, bool required);
+[[nodiscard]] absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& config_text, int n,
+                                                              const std::string& file,
+                                                              bool required);
 
 // config.json's text, read again by factories that need keys ModelConfig does not keep.
-absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir);
+[[nodiscard]] absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir);
 
 }  // namespace moelora
 

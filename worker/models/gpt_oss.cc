@@ -47,7 +47,7 @@ std::vector<ParamSpec> GptOssSpecs(const ModelConfig& c, bool with_lm_head) {
 
 class GptOss final : public CausalLM {
  public:
-  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
   absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
@@ -185,7 +185,7 @@ const std::vector<std::string>& GptOssConfigKeys() {
   return keys;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx) {
   return GptOss::Create(ctx);
 }
 

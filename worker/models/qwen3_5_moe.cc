@@ -58,7 +58,7 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
 
 class Qwen35Moe final : public CausalLM {
  public:
-  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
   absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
@@ -264,7 +264,7 @@ const std::vector<std::string>& Qwen35MoeConfigKeys() {
   return keys;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx) {
   return Qwen35Moe::Create(ctx);
 }
 

@@ -48,7 +48,7 @@ namespace {
 
 class Qwen3Moe final : public CausalLM {
  public:
-  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
   absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
@@ -165,7 +165,7 @@ absl::StatusOr<at::Tensor> Qwen3Moe::Forward(const ForwardBatch& b) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx) {
   return Qwen3Moe::Create(ctx);
 }
 

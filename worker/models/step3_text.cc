@@ -57,7 +57,7 @@ std::vector<ParamSpec> Step3Specs(const ModelConfig& c, const Step3Layout& L, bo
 
 class Step3Text final : public CausalLM {
  public:
-  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
   absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
@@ -215,7 +215,7 @@ const std::vector<std::string>& Step3TextConfigKeys() {
   return keys;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx) {
   return Step3Text::Create(ctx);
 }
 

@@ -39,8 +39,8 @@ struct Step35Layout {
   bool router_bias = true, head_gate = true;
 };
 
-absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConfig& c,
-                                        const std::string& file) {
+[[nodiscard]] absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConfig& c,
+                                                      const std::string& file) {
   const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
   const int n = c.info.num_layers;
   auto bad = [&](auto&&... parts) {
@@ -237,7 +237,7 @@ std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, 
 
 class Step3p5 final : public CausalLM {
  public:
-  static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
   absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
@@ -415,7 +415,7 @@ const std::vector<std::string>& Step3p5ConfigKeys() {
   return keys;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx) {
   return Step3p5::Create(ctx);
 }
 

@@ -25,7 +25,7 @@ std::string Raw(const std::string& header, const std::string& data) {
   return out + header + data;
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> Parse(const std::string& bytes) {
+[[nodiscard]] absl::StatusOr<std::unique_ptr<SafetensorsFile>> Parse(const std::string& bytes) {
   return SafetensorsFile::FromBuffer(
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()),
       "mem.safetensors");

@@ -126,7 +126,7 @@ struct Harness {
     return r.ok() ? *r : nullptr;
   }
   // The request's final status (DEADLINE_EXCEEDED here if it does not end within 10 s).
-  static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
+  [[nodiscard]] static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
     std::unique_lock<std::mutex> lock(r->mu);
     if (!r->cv.wait_for(lock, std::chrono::seconds(10), [&] { return r->done; })) {
       return absl::DeadlineExceededError("the test waited 10 s");

@@ -31,7 +31,8 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     i.set_native_moe_format(v1::FORMAT_2D);
     return i;
   }
-  absl::StatusOr<v1::StageAdapterResponse> StageAll(const v1::StageAdapterRequest& req) override {
+  [[nodiscard]] absl::StatusOr<v1::StageAdapterResponse> StageAll(
+      const v1::StageAdapterRequest& req) override {
     std::lock_guard<std::mutex> l(mu_);
     ++stage_calls_;
     if (fail_stage_ > 0 && fail_stage_--) return absl::UnavailableError("fake: stage failed");
@@ -51,7 +52,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     }
     return r;
   }
-  absl::Status CommitAll(int64_t id) override {
+  [[nodiscard]] absl::Status CommitAll(int64_t id) override {
     std::lock_guard<std::mutex> l(mu_);
     if (!staged_.erase(id)) return absl::NotFoundError("fake: not staged");
     if (fail_commit_ > 0 && fail_commit_--) {
@@ -61,7 +62,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     committed_.insert(id);
     return absl::OkStatus();
   }
-  absl::Status AbortAll(int64_t id) override {
+  [[nodiscard]] absl::Status AbortAll(int64_t id) override {
     std::lock_guard<std::mutex> l(mu_);
     staged_.erase(id);
     return absl::OkStatus();
@@ -70,7 +71,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     std::lock_guard<std::mutex> l(mu_);
     return host_cache_;
   }
-  absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t id, bool keep) override {
+  [[nodiscard]] absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t id, bool keep) override {
     std::lock_guard<std::mutex> l(mu_);
     ++unload_calls_;
     if (fail_unload_ > 0 && fail_unload_--)
@@ -87,11 +88,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     if (keep) host_cache_.insert(host_cache_.begin(), id);
     return host_cache_;
   }
-  absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override {
+  [[nodiscard]] absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override {
     std::lock_guard<std::mutex> l(mu_);
     return std::vector<int64_t>(committed_.begin(), committed_.end());
   }
-  absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override {
+  [[nodiscard]] absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override {
     if (step_delay_.count() > 0) std::this_thread::sleep_for(step_delay_);
     std::lock_guard<std::mutex> l(mu_);
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");

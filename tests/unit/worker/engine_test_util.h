@@ -86,7 +86,7 @@ inline std::unique_ptr<EngineHolder> MakeEngine(const std::string& model, bool m
 }
 
 // Stage + commit; returns the status of the first failing phase.
-inline absl::Status Load(Engine& e, int64_t id, const std::string& rel) {
+[[nodiscard]] inline absl::Status Load(Engine& e, int64_t id, const std::string& rel) {
   auto s = e.StageAdapter(id, Data(rel), std::nullopt);
   if (!s.ok()) return s.status();
   return e.CommitAdapter(id).status();

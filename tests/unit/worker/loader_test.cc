@@ -315,7 +315,7 @@ class BadCheckpointTest : public ::testing::Test {
     WriteCheckpoint(dir, cfg, ts);
     return dir;
   }
-  absl::Status Load(const std::string& dir) {
+  [[nodiscard]] absl::Status Load(const std::string& dir) {
     auto comm = MakeLocalCommunicator();
     return LoadCausalLM(dir, ModelOptions{}, comm.get()).status();
   }
