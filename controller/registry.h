@@ -6,12 +6,13 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 struct sqlite3;
 
@@ -47,7 +48,7 @@ class Registry {
   [[nodiscard]] absl::StatusOr<int64_t> Insert(const AdapterRecord& r);
   // Rewrites every field of the record with this name. NOT_FOUND if absent.
   [[nodiscard]] absl::Status Update(const AdapterRecord& r);
-  absl::Status Remove(const std::string& name);
+  [[nodiscard]] absl::Status Remove(const std::string& name);
   std::optional<AdapterRecord> Get(const std::string& name) const;
   std::vector<AdapterRecord> List() const;  // by id
 
@@ -55,11 +56,12 @@ class Registry {
   Registry() = default;
   // The last SQLite error as a Status naming the file (RESOURCE_EXHAUSTED for a full disk,
   // DATA_LOSS for a damaged file).
-  [[nodiscard]] absl::Status Error() const;
-  absl::Status Corrupt(const std::string& why) const;
-  mutable std::mutex mu_;
-  sqlite3* db_ = nullptr;
-  std::string path_;
+  [[nodiscard]] absl::Status Error() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  [[nodiscard]] absl::Status Corrupt(const std::string& why) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  mutable absl::Mutex mu_;
+  sqlite3* db_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::string path_;  // set by Open
 };
 
 }  // namespace moelora

@@ -64,19 +64,15 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
                  /*skip_special=*/true);
   }
   std::string all_text;                              // the unary response's text
-  size_t seen = 0;                                   // tokens taken from r->tokens
+  size_t seen = 0;                                   // tokens taken from the request
   size_t kept = std::numeric_limits<size_t>::max();  // set when a stop string ends the text
-  std::unique_lock<std::mutex> lock(r->mu);
   while (true) {
-    const size_t avail = std::min(r->tokens.size(), kept);
-    if (avail > seen) {
-      // Copy, then detokenize and write without the lock: a slow client must not stall the
-      // scheduler.
-      std::vector<int32_t> t(r->tokens.begin() + seen, r->tokens.begin() + avail);
-      std::vector<float> lp;
-      if (r->logprobs.size() >= avail)
-        lp.assign(r->logprobs.begin() + seen, r->logprobs.begin() + avail);
-      lock.unlock();
+    // Copies of the new tokens: detokenizing and writing happen without the request's lock, so
+    // a slow client never stalls the scheduler.
+    GenRequest::Progress p = r->WaitForProgress(seen, kept, absl::Milliseconds(50));
+    if (!p.tokens.empty()) {
+      std::vector<int32_t>& t = p.tokens;
+      std::vector<float>& lp = p.logprobs;
       std::string delta;
       if (text) {
         for (size_t i = 0; i < t.size(); ++i) {
@@ -93,39 +89,32 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
         all_text += delta;
       }
       seen += t.size();
-      const bool ok = !on_tokens || on_tokens(t, lp, delta);
-      lock.lock();
-      if (!ok) r->cancelled = true;  // the client is gone
+      if (on_tokens && !on_tokens(t, lp, delta)) r->cancelled = true;  // the client is gone
       continue;
     }
-    if (r->done) break;
-    r->cv.wait_for(lock, std::chrono::milliseconds(50));
+    if (p.done) break;
     if (ctx->IsCancelled()) r->cancelled = true;
   }
-  const size_t n = std::min(r->tokens.size(), kept);
-  std::vector<int32_t> tokens(r->tokens.begin(), r->tokens.begin() + n);
-  std::vector<float> logprobs(r->logprobs.begin(),
-                              r->logprobs.begin() + std::min(r->logprobs.size(), n));
-  lock.unlock();
-  controller_->RecordRequest(*r, r->status.code());
-  if (!r->status.ok()) return ToGrpc(r->status);
+  const GenRequest::Result res = r->GetResult(kept);
+  controller_->RecordRequest(*r, res.status.code());
+  if (!res.status.ok()) return ToGrpc(res.status);
   if (text) {
     const std::string rest = text->Finish();
     all_text += rest;
     final_chunk->set_text(on_tokens ? rest : all_text);
   }
   if (!on_tokens) {
-    final_chunk->mutable_token_ids()->Add(tokens.begin(), tokens.end());
-    final_chunk->mutable_logprobs()->Add(logprobs.begin(), logprobs.end());
+    final_chunk->mutable_token_ids()->Add(res.tokens.begin(), res.tokens.end());
+    final_chunk->mutable_logprobs()->Add(res.logprobs.begin(), res.logprobs.end());
   }
   const bool stopped = kept != std::numeric_limits<size_t>::max();
   if (stopped) metrics_->stop_strings.Increment();
-  final_chunk->set_finish_reason(stopped ? "stop" : r->finish_reason);
+  final_chunk->set_finish_reason(stopped ? "stop" : res.finish_reason);
   final_chunk->mutable_usage()->set_prompt_tokens(r->req.prompt_token_ids_size());
-  final_chunk->mutable_usage()->set_completion_tokens(static_cast<int>(tokens.size()));
-  final_chunk->mutable_timings()->set_queue_seconds(r->queue_seconds);
-  final_chunk->mutable_timings()->set_time_to_first_token_seconds(r->ttft_seconds);
-  final_chunk->mutable_timings()->set_total_seconds(r->total_seconds);
+  final_chunk->mutable_usage()->set_completion_tokens(static_cast<int>(res.tokens.size()));
+  final_chunk->mutable_timings()->set_queue_seconds(res.queue_seconds);
+  final_chunk->mutable_timings()->set_time_to_first_token_seconds(res.ttft_seconds);
+  final_chunk->mutable_timings()->set_total_seconds(res.total_seconds);
   return grpc::Status::OK;
 }
 

@@ -16,7 +16,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -24,7 +23,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "controller/worker_group_interface.h"
 #include "moelora/v1/worker.grpc.pb.h"
 
@@ -71,7 +72,7 @@ class WorkerGroup final : public WorkerGroupInterface {
   // that succeeded when any fails.
   [[nodiscard]] absl::StatusOr<v1::StageAdapterResponse> StageAll(
       const v1::StageAdapterRequest& req) override;
-  absl::Status CommitAll(int64_t adapter_id) override;
+  [[nodiscard]] absl::Status CommitAll(int64_t adapter_id) override;
   [[nodiscard]] absl::Status AbortAll(int64_t adapter_id) override;
   // OK when every rank freed it (a rank that never had it counts as freed).
   [[nodiscard]] absl::StatusOr<std::vector<int64_t>> UnloadAll(int64_t adapter_id,
@@ -95,19 +96,20 @@ class WorkerGroup final : public WorkerGroupInterface {
       const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok = false);
 
   WorkerGroupOptions options_;
-  mutable std::mutex mu_;  // ranks_, info_, hooks
-  std::vector<std::shared_ptr<Rank>> ranks_;
-  v1::WorkerInfoResponse info_;
-  std::function<absl::Status()> on_ready_;
-  std::function<void(const std::string&)> on_down_;
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
+  v1::WorkerInfoResponse info_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status()> on_ready_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> on_down_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> serving_{false};
   std::atomic<bool> stop_{false};
   std::atomic<int> restarts_{0};
-  int epoch_ = 0;
+  int epoch_ = 0;                   // the constructor, then the monitor thread only
   int failures_since_serving_ = 0;  // monitor thread only
   std::thread monitor_;
-  mutable std::mutex wait_mu_;
-  mutable std::condition_variable wait_cv_;
+  // WaitServing waits on it for serving_ (an atomic, so the waiters are woken by a lock and
+  // unlock of wait_mu_ after it changes).
+  mutable absl::Mutex wait_mu_;
 };
 
 }  // namespace moelora

@@ -24,7 +24,7 @@ class WorkerGroupInterface {
   // Stages on every rank; rolls back (Abort) the ranks that staged it when any fails.
   [[nodiscard]] virtual absl::StatusOr<v1::StageAdapterResponse> StageAll(
       const v1::StageAdapterRequest& req) = 0;
-  virtual absl::Status CommitAll(int64_t adapter_id) = 0;
+  [[nodiscard]] virtual absl::Status CommitAll(int64_t adapter_id) = 0;
   [[nodiscard]] virtual absl::Status AbortAll(int64_t adapter_id) = 0;
   // OK when every rank freed it (a rank that never had it counts as freed). `keep_in_host_cache`:
   // a swap-out, the ranks keep its slot contents in their host caches. Returns rank 0's host
@@ -33,7 +33,7 @@ class WorkerGroupInterface {
                                                                        bool keep_in_host_cache) = 0;
   // The adapters committed on any rank, ascending.
   [[nodiscard]] virtual absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() = 0;
-  virtual absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) = 0;
+  [[nodiscard]] virtual absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) = 0;
 };
 
 }  // namespace moelora

@@ -28,7 +28,7 @@ std::string CudaDeviceSummary();
 int NcclVersionCode();
 
 [[nodiscard]] absl::Status CudaSetDevice(int device);
-absl::Status DeviceSynchronize();
+[[nodiscard]] absl::Status DeviceSynchronize();
 
 namespace device_internal {
 // Where an OwnedBuffer's memory comes from: kernels/cuda/device.cc (cudaMalloc, cudaMallocHost)
@@ -93,7 +93,7 @@ using PinnedBuffer = OwnedBuffer<device_internal::PinnedMemory>;  // page-locked
 
 // Blocking copies (synchronise the default stream).
 [[nodiscard]] absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
-absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
+[[nodiscard]] absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
 [[nodiscard]] absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes);
 
 // Uploads pageable host memory to the device through a ring of pinned staging buffers: the
@@ -119,7 +119,7 @@ class DeviceTimer {
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<DeviceTimer>> Create();
   virtual ~DeviceTimer() = default;
   [[nodiscard]] virtual absl::Status Start(void* stream) = 0;
-  virtual absl::StatusOr<double> StopMs(void* stream) = 0;  // synchronises
+  [[nodiscard]] virtual absl::StatusOr<double> StopMs(void* stream) = 0;  // synchronises
 };
 
 }  // namespace moelora

@@ -66,7 +66,7 @@ class Validator {
   }
   [[nodiscard]] absl::Status CheckRank(const std::string& what, const Pending& p, int actual,
                                        int expected) const;
-  absl::Status CheckDense(const std::string& module, Pending& p);
+  [[nodiscard]] absl::Status CheckDense(const std::string& module, Pending& p);
   [[nodiscard]] absl::Status Check2D(const std::string& prefix,
                                      std::vector<std::pair<std::string, Pending*>>& members);
   [[nodiscard]] absl::Status Check3D(const std::string& prefix, Pending* gu, Pending* dn);

@@ -5,8 +5,9 @@
 #      skip without a device);
 #   2. clang build with ASan+UBSan and libFuzzer: the fuzzers run MOELORA_FUZZ_SECONDS each
 #      (default 30), seeded from tests/data;
-#   3. ThreadSanitizer: the controller (which has no libtorch) and its unit and integration tests,
-#      driving release-build workers; then ASan+UBSan: every unit and integration test;
+#   3. ThreadSanitizer (clang, with -Wthread-safety as an error): the controller (which has no
+#      libtorch) and its unit and integration tests, driving release-build workers; then
+#      ASan+UBSan: every unit and integration test;
 #   4. the Docker image: deploy/docker/Dockerfile built with a real engine (dockerd started here
 #      when none runs; the Debian base image from debootstrap) and run single-node and multi-node
 #      (tests/deploy/docker_test.sh);
@@ -45,13 +46,14 @@ fi
 
 if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   WORKER_BIN="$(cd "$B" && pwd)/worker/moelora-worker"
-  phase "ThreadSanitizer: controller (unit + integration; workers from the release build)"
-  cmake -S . -B "$B-tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
-    -DMOELORA_SANITIZE_THREAD=ON
+  # clang: -Wthread-safety checks the lock annotations (ABSL_GUARDED_BY, ...) as -Werror.
+  phase "ThreadSanitizer + clang -Wthread-safety: controller (unit + integration; release workers)"
+  CC=clang CXX=clang++ cmake -S . -B "$B-tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DMOELORA_ENABLE_CUDA=OFF -DMOELORA_SANITIZE_THREAD=ON
   cmake --build "$B-tsan" -j"$JOBS" --target moelora-controller controller_unit_test controller_test
   (cd "$B-tsan" && MOELORA_WORKER_BIN="$WORKER_BIN" \
     TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$ROOT/tests/tsan.supp" \
-    ctest --output-on-failure -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|ControllerTest)\.')
+    ctest --output-on-failure -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|RequestValidationTest|ControllerTest)\.')
   phase "ASan+UBSan: unit + integration"
   # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
   cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=None "-DCMAKE_CXX_FLAGS=-O1 -g1" -DMOELORA_ENABLE_CUDA=OFF \

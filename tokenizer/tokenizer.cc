@@ -335,9 +335,9 @@ struct Tokenizer::Impl {
   std::vector<uint8_t> id_flags;  // bit 0 known, bit 1 special
 
   [[nodiscard]] absl::Status ParseNormalizer(const json& n);
-  absl::Status ParsePreTokenizer(const json& p);
+  [[nodiscard]] absl::Status ParsePreTokenizer(const json& p);
   [[nodiscard]] absl::Status ParseModel(const json& m);
-  absl::Status ParsePostProcessor(const json& p);
+  [[nodiscard]] absl::Status ParsePostProcessor(const json& p);
   [[nodiscard]] absl::Status ParseDecoder(const json& d);
 
   [[nodiscard]] absl::StatusOr<std::string> Normalize(std::string_view s) const;

@@ -65,7 +65,8 @@ bool IsBenignConfigKey(const std::string& key);
 // Reads `model_dir`/config.json (text_config for multimodal wrappers). NOT_FOUND if the file is
 // missing; INVALID_ARGUMENT naming the file and the field otherwise.
 [[nodiscard]] absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& model_dir);
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& file);
+[[nodiscard]] absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text,
+                                                           const std::string& file);
 
 }  // namespace moelora
 

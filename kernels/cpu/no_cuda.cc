@@ -17,14 +17,14 @@ int CudaDeviceCount() { return 0; }
 std::string CudaDeviceSummary() { return "built without CUDA"; }
 int NcclVersionCode() { return 0; }
 [[nodiscard]] absl::Status CudaSetDevice(int) { return NoCuda(); }
-absl::Status DeviceSynchronize() { return NoCuda(); }
+[[nodiscard]] absl::Status DeviceSynchronize() { return NoCuda(); }
 
 absl::Status device_internal::DeviceMemory::Alloc(void**, size_t) { return NoCuda(); }
 void device_internal::DeviceMemory::Free(void*) {}
 absl::Status device_internal::PinnedMemory::Alloc(void**, size_t) { return NoCuda(); }
 void device_internal::PinnedMemory::Free(void*) {}
 [[nodiscard]] absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
-absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
+[[nodiscard]] absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
 [[nodiscard]] absl::Status CopyOnDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::StatusOr<std::unique_ptr<PinnedUploader>> PinnedUploader::Create(size_t, int) {
   return NoCuda();
@@ -32,6 +32,6 @@ absl::StatusOr<std::unique_ptr<PinnedUploader>> PinnedUploader::Create(size_t, i
 absl::StatusOr<std::unique_ptr<DeviceTimer>> DeviceTimer::Create() { return NoCuda(); }
 
 [[nodiscard]] absl::Status BgmvCuda(const BgmvParams&, void*) { return NoCuda(); }
-absl::Status MoeLoraCuda(const MoeLoraParams&, void*) { return NoCuda(); }
+[[nodiscard]] absl::Status MoeLoraCuda(const MoeLoraParams&, void*) { return NoCuda(); }
 
 }  // namespace moelora

@@ -26,7 +26,7 @@ class Communicator {
   // In-place sum over all ranks; every rank ends with the same bits. UNAVAILABLE when a peer is
   // gone or the timeout passes.
   [[nodiscard]] virtual absl::Status AllReduceSum(float* data, size_t count) = 0;
-  virtual absl::Status Barrier() = 0;
+  [[nodiscard]] virtual absl::Status Barrier() = 0;
 };
 
 std::unique_ptr<Communicator> MakeLocalCommunicator();

@@ -9,7 +9,7 @@ class LocalCommunicator final : public Communicator {
   int world_size() const override { return 1; }
   const char* backend() const override { return "local"; }
   [[nodiscard]] absl::Status AllReduceSum(float*, size_t) override { return absl::OkStatus(); }
-  absl::Status Barrier() override { return absl::OkStatus(); }
+  [[nodiscard]] absl::Status Barrier() override { return absl::OkStatus(); }
 };
 
 }  // namespace

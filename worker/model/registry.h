@@ -42,7 +42,7 @@ std::vector<std::string> ServedArchitectures();  // those with a forward pass
 
 // Factories (worker/models/*.cc).
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx);
-absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx);
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx);
 // config.json keys each model implements.
 const std::vector<std::string>& Qwen3MoeConfigKeys();
 const std::vector<std::string>& Qwen35MoeConfigKeys();

@@ -48,7 +48,7 @@ std::vector<ParamSpec> GptOssSpecs(const ModelConfig& c, bool with_lm_head) {
 class GptOss final : public CausalLM {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
   struct Layer {

@@ -59,7 +59,7 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
 class Qwen35Moe final : public CausalLM {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
   struct Layer {

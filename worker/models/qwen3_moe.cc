@@ -49,7 +49,7 @@ namespace {
 class Qwen3Moe final : public CausalLM {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
   struct Layer {

@@ -58,7 +58,7 @@ std::vector<ParamSpec> Step3Specs(const ModelConfig& c, const Step3Layout& L, bo
 class Step3Text final : public CausalLM {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
   struct Layer {

@@ -238,7 +238,7 @@ std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, 
 class Step3p5 final : public CausalLM {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
 
  private:
   struct Layer {

@@ -127,11 +127,8 @@ struct Harness {
   }
   // The request's final status (DEADLINE_EXCEEDED here if it does not end within 10 s).
   [[nodiscard]] static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
-    std::unique_lock<std::mutex> lock(r->mu);
-    if (!r->cv.wait_for(lock, std::chrono::seconds(10), [&] { return r->done; })) {
-      return absl::DeadlineExceededError("the test waited 10 s");
-    }
-    return r->status;
+    if (!r->WaitDone(absl::Seconds(10))) return absl::DeadlineExceededError("the test waited 10 s");
+    return r->GetResult().status;
   }
 };
 
@@ -148,7 +145,7 @@ TEST(ControllerUnitTest, FailedUnloadKeepsTheSlotTakenUntilTheWorkersFreeIt) {
   auto r = h.Submit("b", 3);
   ASSERT_NE(r, nullptr);
   EXPECT_OK(Harness::Wait(r));  // swapped in once a reconcile freed a's slot
-  EXPECT_EQ(r->tokens.size(), 3u);
+  EXPECT_EQ(r->num_tokens(), 3u);
   EXPECT_THAT(h.group.committed(), ElementsAre(b));
 }
 
@@ -214,8 +211,8 @@ TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewO
             absl::StatusCode::kNotFound);
   EXPECT_OK(Harness::Wait(running));
   EXPECT_OK(Harness::Wait(queued));
-  EXPECT_EQ(running->tokens.size(), 40u);
-  EXPECT_EQ(queued->tokens.size(), 3u);
+  EXPECT_EQ(running->num_tokens(), 40u);
+  EXPECT_EQ(queued->num_tokens(), 3u);
   EXPECT_TRUE(WaitUntil([&] { return h.group.committed().empty(); }))
       << "the deferred unload did not reach the workers";
   EXPECT_TRUE(h.c->ListAdapters().empty());
@@ -231,7 +228,7 @@ TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
   auto next = h.Submit("", 4);
   EXPECT_OK(Harness::Wait(next));
-  EXPECT_EQ(next->tokens.size(), 4u);
+  EXPECT_EQ(next->num_tokens(), 4u);
 }
 
 TEST(ControllerUnitTest, GroupRestartReloadsTheAdaptersIntoTheNewWorkers) {
@@ -259,7 +256,7 @@ TEST(ControllerUnitTest, DeadlinesAndCancellationEndRequestsAndFreeTheirSequence
   ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
   r->cancelled = true;
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kCancelled);
-  EXPECT_LT(r->tokens.size(), 60u);
+  EXPECT_LT(r->num_tokens(), 60u);
   EXPECT_TRUE(WaitUntil([&] { return h.group.running() == 0; }))
       << "the cancelled sequence was not removed from the workers";
 }

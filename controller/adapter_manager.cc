@@ -1,0 +1,600 @@
+#include "controller/adapter_manager.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <regex>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "controller/path_policy.h"
+#include "lora/adapter.h"
+#include "proto/adapter_format.h"
+
+namespace moelora {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The metric label of a record's format ("2d", "3d", "dense").
+std::string FormatLabel(int proto_format) {
+  const auto f = AdapterFormatFromProto(proto_format);
+  return f ? AdapterFormatName(*f) : "unspecified";
+}
+
+std::string Reason(absl::StatusCode c) {
+  return absl::AsciiStrToLower(absl::StatusCodeToString(c));
+}
+
+}  // namespace
+
+AdapterManager::AdapterManager(AdapterManagerOptions options, Registry* registry,
+                               WorkerGroupInterface* group, ControllerMetrics* metrics,
+                               std::function<bool()> serving, std::function<void()> wake)
+    : options_(std::move(options)),
+      registry_(registry),
+      group_(group),
+      metrics_(metrics),
+      serving_(std::move(serving)),
+      wake_(std::move(wake)),
+      slots_(options_.max_loras) {
+  absl::MutexLock lock(&mu_);
+  for (const AdapterRecord& r : registry_->List()) {
+    Entry e;
+    e.record = r;
+    e.state = v1::ADAPTER_STATE_LOADING;
+    adapters_[r.name] = e;
+  }
+  UpdateGauges();
+}
+
+void AdapterManager::ResetResidency() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [name, e] : adapters_) e.resident = false;
+  slots_.Reset();
+  UpdateGauges();
+}
+
+absl::StatusOr<int64_t> AdapterManager::Acquire(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  if (it == adapters_.end() || it->second.state != v1::ADAPTER_STATE_READY) {
+    return absl::NotFoundError(
+        absl::StrCat("adapter \"", name, "\" is not loaded",
+                     it == adapters_.end()
+                         ? ""
+                         : absl::StrCat(" (state ", v1::AdapterState_Name(it->second.state), ")")));
+  }
+  ++it->second.active;
+  it->second.last_used = Clock::now();
+  return it->second.record.id;
+}
+
+void AdapterManager::Release(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  if (it != adapters_.end()) --it->second.active;
+}
+
+AdapterManager::Residency AdapterManager::Admit(const std::string& name, Clock::time_point now) {
+  absl::MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  if (it == adapters_.end()) return Residency::kGone;
+  if (!it->second.resident) return Residency::kNotResident;
+  it->second.last_used = now;
+  return Residency::kResident;
+}
+
+void AdapterManager::RunDeferredUnloads() {
+  std::vector<int64_t> unload_ids, forget_ids;
+  {
+    absl::MutexLock lock(&mu_);
+    bool erased = false;
+    for (auto it = adapters_.begin(); it != adapters_.end();) {
+      if (it->second.state == v1::ADAPTER_STATE_UNLOADING && it->second.active == 0) {
+        erased = true;
+        if (it->second.resident) {
+          unload_ids.push_back(it->second.record.id);
+          slots_.BeginRelease();
+        } else if (it->second.host_cached) {
+          forget_ids.push_back(it->second.record.id);
+        }
+        it = adapters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (erased) UpdateGauges();
+  }
+  for (int64_t id : unload_ids) ReleaseSlot(id, false);
+  for (int64_t id : forget_ids) ForgetHostCached(id);
+}
+
+void AdapterManager::ReconcileIfNeeded() {
+  if (!reconcile_ || !group_->serving()) return;
+  if (Clock::now() - last_reconcile_ < std::chrono::seconds(1)) return;
+  last_reconcile_ = Clock::now();
+  Reconcile();
+}
+
+v1::Adapter AdapterManager::ToProto(const Entry& e) const {
+  const AdapterRecord& r = e.record;
+  v1::Adapter a;
+  a.set_name(r.name);
+  a.set_id(r.id);
+  a.set_path(r.path);
+  a.set_format(static_cast<v1::AdapterFormat>(r.requested_format));
+  a.set_detected_format(static_cast<v1::AdapterFormat>(r.detected_format));
+  a.set_converted_to_2d(r.converted_to_2d);
+  a.set_rank(r.rank);
+  a.set_alpha(r.alpha);
+  a.set_scaling(r.scaling);
+  for (const auto& m : r.target_modules) a.add_target_modules(m);
+  a.set_bytes(r.bytes);
+  a.set_load_seconds(r.load_seconds);
+  a.set_state(e.state);
+  a.set_num_experts(r.num_experts);
+  a.set_max_rank(r.max_rank);
+  return a;
+}
+
+absl::Status AdapterManager::StageAndCommit(const AdapterRecord& r, bool* clean) {
+  *clean = true;
+  v1::StageAdapterRequest req;
+  req.set_adapter_id(r.id);
+  req.set_name(r.name);
+  req.set_path(r.resolved_path);
+  req.set_format(static_cast<v1::AdapterFormat>(r.requested_format));
+  const auto t0 = Clock::now();
+  auto staged = group_->StageAll(req);
+  if (!staged.ok()) return staged.status();  // StageAll aborted it on the ranks that staged it
+  const std::string fmt = FormatLabel(r.detected_format);
+  metrics_->ObserveLoad(fmt, r.converted_to_2d, staged->from_host_cache() ? "swap_in" : "stage",
+                        Seconds(Clock::now() - t0));
+  const auto t1 = Clock::now();
+  if (absl::Status s = group_->CommitAll(r.id); !s.ok()) {
+    // Some ranks may have committed: undo everywhere. If that fails too, a rank may still hold
+    // the slot: the caller counts it leaked until Reconcile() sees the workers again.
+    const absl::Status aborted = group_->AbortAll(r.id);
+    const absl::Status unloaded = group_->UnloadAll(r.id, false).status();
+    if (!unloaded.ok()) {
+      *clean = false;
+      LOG(WARNING) << "rolling back adapter " << r.name << " failed (abort: " << aborted
+                   << ", unload: " << unloaded << "); its slot counts as taken until reconciled";
+    }
+    return s;
+  }
+  metrics_->ObserveLoad(fmt, r.converted_to_2d, "commit", Seconds(Clock::now() - t1));
+  return absl::OkStatus();
+}
+
+void AdapterManager::ReloadAll() {
+  std::vector<std::string> order;
+  {
+    absl::MutexLock lock(&mu_);
+    slots_.Reset();  // a group that just became ready holds no adapter
+    reconcile_ = false;
+    std::vector<std::pair<int64_t, std::string>> ids;
+    for (auto& [name, e] : adapters_) {
+      e.resident = false;
+      e.host_cached = false;  // fresh workers: empty host caches
+      ids.push_back({e.record.id, name});
+    }
+    std::sort(ids.begin(), ids.end());
+    for (auto& [id, name] : ids) order.push_back(name);
+  }
+  for (const std::string& name : order) {
+    AdapterRecord rec;
+    bool load = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = adapters_.find(name);
+      if (it == adapters_.end() || it->second.state == v1::ADAPTER_STATE_UNLOADING) {
+        if (it != adapters_.end() && it->second.active == 0) adapters_.erase(it);
+        continue;
+      }
+      rec = it->second.record;
+      load = slots_.TryReserve();
+    }
+    bool clean = true;
+    absl::Status s = load ? StageAndCommit(rec, &clean) : absl::OkStatus();
+    absl::MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) continue;
+    if (s.ok()) {
+      it->second.state = v1::ADAPTER_STATE_READY;
+      it->second.resident = load;
+    } else {
+      LOG(WARNING) << "re-loading adapter " << name << " failed: " << s;
+      if (clean) {
+        slots_.Unreserve();
+      } else {
+        slots_.Leak();
+        reconcile_ = true;
+      }
+      it->second.state = v1::ADAPTER_STATE_FAILED;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  UpdateGauges();
+}
+
+absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& req) {
+  const auto t0 = Clock::now();
+  auto fail = [&](absl::Status s) {
+    metrics_->adapter_load_failures.Add({{"reason", Reason(s.code())}}).Increment();
+    return s;
+  };
+  static const std::regex kName("^[A-Za-z0-9._-]{1,128}$");
+  if (!std::regex_match(req.name(), kName)) {
+    return fail(absl::InvalidArgumentError(
+        "adapter name must be 1-128 characters of letters, digits, '.', '_' or '-'"));
+  }
+  absl::StatusOr<std::string> resolved = ResolveAdapterPath(options_.adapter_root, req.path());
+  if (!resolved.ok()) return fail(resolved.status());
+  std::shared_ptr<absl::Mutex> name_lock = NameLock(req.name());
+  absl::MutexLock serialize(name_lock.get());
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = adapters_.find(req.name());
+    if (it != adapters_.end()) {
+      if (it->second.state == v1::ADAPTER_STATE_UNLOADING) {
+        return fail(absl::AbortedError(
+            absl::StrCat("adapter \"", req.name(), "\" is being unloaded; retry when it is gone")));
+      }
+      if (it->second.record.resolved_path == *resolved) return ToProto(it->second);  // idempotent
+      return fail(absl::AlreadyExistsError(absl::StrCat(
+          "adapter \"", req.name(), "\" is already loaded from ", it->second.record.path)));
+    }
+    if (static_cast<int>(adapters_.size()) >= options_.max_cpu_loras) {
+      return fail(absl::ResourceExhaustedError(absl::StrCat(
+          adapters_.size(), " adapters are registered, the maximum (--max-cpu-loras)")));
+    }
+  }
+  if (!serving_()) return fail(absl::UnavailableError("the worker group is not ready"));
+  // Validate here, before any worker is touched.
+  AdapterReadOptions ro;
+  ro.model = options_.model;
+  ro.max_rank = options_.max_lora_rank;
+  ro.expected_format = AdapterFormatFromProto(req.format());
+  AdapterLoadTimings timings;
+  absl::StatusOr<LoraAdapter> a = ReadAdapter(*resolved, ro, &timings);
+  if (!a.ok()) return fail(a.status());
+  const v1::AdapterFormat native = group_->info().native_moe_format();
+  const std::string flag = "--enable-mixed-moe-lora-format";
+  if (!options_.mixed && a->format == AdapterFormat::k3D && native == v1::FORMAT_2D) {
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat(req.path(), ": 3D MoE LoRA adapter, but ", options_.model.architecture,
+                     " uses the 2D expert wrapper and ", flag, " is off; restart with ", flag)));
+  }
+  if (!options_.mixed && a->format == AdapterFormat::k2D && native == v1::FORMAT_3D) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        req.path(), ": 2D MoE LoRA adapter, but ", options_.model.architecture,
+        " is 3D-native (3D expert wrapper) and ", flag, " is off; restart with ", flag)));
+  }
+  AdapterRecord rec;
+  rec.name = req.name();
+  rec.path = req.path();
+  rec.resolved_path = *resolved;
+  rec.requested_format = req.format();
+  rec.detected_format = AdapterFormatToProto(a->format);
+  rec.converted_to_2d = options_.mixed && a->format == AdapterFormat::k3D;
+  rec.rank = a->config.r;
+  rec.max_rank = a->max_rank;
+  rec.alpha = a->config.lora_alpha;
+  rec.scaling = a->config.use_rslora
+                    ? a->config.lora_alpha / std::sqrt(static_cast<double>(a->config.r))
+                    : a->config.lora_alpha / std::max(1, a->config.r);
+  rec.target_modules = a->TargetModules();
+  rec.num_experts = a->num_experts;
+  rec.bytes = static_cast<int64_t>(a->bytes);
+  rec.pinned = req.pinned();
+  const std::string fmt = FormatLabel(rec.detected_format);
+  metrics_->ObserveLoad(fmt, rec.converted_to_2d, "validate", Seconds(Clock::now() - t0));
+  absl::StatusOr<int64_t> id = registry_->Insert(rec);
+  if (!id.ok()) return fail(id.status());
+  rec.id = *id;
+  bool reserve = false;
+  {
+    absl::MutexLock lock(&mu_);
+    Entry e;
+    e.record = rec;
+    e.state = v1::ADAPTER_STATE_LOADING;
+    e.last_used = Clock::now();
+    adapters_[rec.name] = e;
+    reserve = slots_.TryReserve();
+    UpdateGauges();
+  }
+  if (reserve) {
+    bool clean = true;
+    if (absl::Status s = StageAndCommit(rec, &clean); !s.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (clean) {
+          slots_.Unreserve();
+        } else {
+          slots_.Leak();
+          reconcile_ = true;
+        }
+        adapters_.erase(rec.name);
+        UpdateGauges();
+      }
+      // The registry must not bring it back after a restart; if it cannot forget it, say so
+      // (a restart would then try to load it again, and mark it FAILED if that fails again).
+      if (absl::Status r = registry_->Remove(rec.name); !r.ok()) {
+        LOG(ERROR) << "adapter " << rec.name << " failed to load and the registry kept it: " << r;
+        return fail(absl::Status(
+            s.code(), absl::StrCat(s.message(), " (and removing it from the registry failed: ",
+                                   r.message(), ")")));
+      }
+      wake_();
+      return fail(s);
+    }
+  }
+  rec.load_seconds = Seconds(Clock::now() - t0);
+  if (absl::Status s = registry_->Update(rec); !s.ok()) {
+    // Only load_seconds changed since the insert: the record stays valid.
+    LOG(WARNING) << "adapter " << rec.name << ": recording its load time failed: " << s;
+  }
+  metrics_->ObserveLoad(fmt, rec.converted_to_2d, "total", rec.load_seconds);
+  v1::Adapter out;
+  {
+    absl::MutexLock lock(&mu_);
+    Entry& e = adapters_[rec.name];
+    e.record = rec;
+    e.state = v1::ADAPTER_STATE_READY;
+    e.resident = reserve;
+    UpdateGauges();
+    out = ToProto(e);
+  }
+  wake_();  // never under mu_: the scheduler's mutex comes first
+  return out;
+}
+
+absl::StatusOr<v1::Adapter> AdapterManager::Unload(const std::string& name) {
+  std::shared_ptr<absl::Mutex> name_lock = NameLock(name);
+  absl::MutexLock serialize(name_lock.get());
+  bool first = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) {
+      return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+    }
+    first = it->second.state != v1::ADAPTER_STATE_UNLOADING;
+  }
+  // Forget it on disk first (an fsync: outside mu_, so the scheduler never waits on it). If the
+  // registry cannot, the unload fails and nothing changes; otherwise a restart would bring the
+  // adapter back.
+  if (first) {
+    if (absl::Status s = registry_->Remove(name); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("unloading adapter \"", name,
+                                       "\": the registry could not remove it: ", s.message()));
+    }
+  }
+  v1::Adapter out;
+  int64_t id = 0;
+  bool now = false, resident = false, host_cached = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) {
+      return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+    }
+    Entry& e = it->second;
+    e.state = v1::ADAPTER_STATE_UNLOADING;
+    out = ToProto(e);
+    id = e.record.id;
+    resident = e.resident;
+    host_cached = e.host_cached;
+    now = e.active == 0;
+    if (now) {
+      if (resident) slots_.BeginRelease();
+      adapters_.erase(it);
+    }
+    UpdateGauges();
+  }
+  // In-flight requests keep it until they finish; the scheduler unloads it then. The slot counts
+  // as taken until the workers have really freed it.
+  if (now && resident) ReleaseSlot(id, false);
+  if (now && host_cached) ForgetHostCached(id);
+  wake_();
+  return out;
+}
+
+void AdapterManager::ForgetHostCached(int64_t id) {
+  // Not a slot: a failure costs host memory until the workers' LRU evicts it, nothing else.
+  if (auto s = group_->UnloadAll(id, false); !s.ok()) {
+    LOG(WARNING) << "dropping adapter id " << id
+                 << " from the workers' host caches failed: " << s.status();
+  }
+}
+
+void AdapterManager::ReleaseSlot(int64_t id, bool keep_in_host_cache) {
+  const absl::StatusOr<std::vector<int64_t>> cached = group_->UnloadAll(id, keep_in_host_cache);
+  if (!cached.ok()) {
+    LOG(WARNING) << "unloading adapter id " << id << " from the workers failed: " << cached.status()
+                 << "; its slot counts as taken until reconciled";
+  }
+  absl::MutexLock lock(&mu_);
+  slots_.EndRelease(cached.ok());
+  if (!cached.ok()) reconcile_ = true;
+  if (cached.ok()) SetHostCached(*cached);
+  UpdateGauges();
+}
+
+void AdapterManager::SetHostCached(const std::vector<int64_t>& ids) {
+  const std::set<int64_t> in(ids.begin(), ids.end());
+  for (auto& [name, e] : adapters_) e.host_cached = !e.resident && in.count(e.record.id) > 0;
+}
+
+void AdapterManager::Reconcile() {
+  auto committed = group_->CommittedAdapterIds();
+  if (!committed.ok()) {
+    LOG(WARNING) << "reconciling slots: the workers' Info failed: " << committed.status();
+    return;
+  }
+  std::vector<int64_t> orphans;
+  {
+    absl::MutexLock lock(&mu_);
+    std::set<int64_t> held;
+    for (const auto& [name, e] : adapters_) {
+      // A load in progress holds a reservation for its slot.
+      if (e.resident || e.state == v1::ADAPTER_STATE_LOADING) held.insert(e.record.id);
+    }
+    for (int64_t id : *committed) {
+      if (!held.count(id)) orphans.push_back(id);
+    }
+  }
+  int still = 0;
+  for (int64_t id : orphans) {
+    if (absl::Status s = group_->UnloadAll(id, false).status(); !s.ok()) {
+      LOG(WARNING) << "reconciling slots: adapter id " << id << " is still on a worker: " << s;
+      ++still;
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    slots_.Reconcile(still);
+    if (still == 0) reconcile_ = false;
+  }
+  LOG(INFO) << "reconciled slots with the workers: " << committed->size() << " committed, "
+            << orphans.size() << " not held by the controller, " << still << " still taken";
+  wake_();
+}
+
+absl::StatusOr<v1::Adapter> AdapterManager::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  if (it == adapters_.end())
+    return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
+  return ToProto(it->second);
+}
+
+std::vector<v1::Adapter> AdapterManager::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Adapter> out;
+  for (const auto& [name, e] : adapters_) out.push_back(ToProto(e));
+  return out;
+}
+
+std::shared_ptr<absl::Mutex> AdapterManager::NameLock(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto& m = name_locks_[name];
+  if (!m) m = std::make_shared<absl::Mutex>();
+  return m;
+}
+
+void AdapterManager::UpdateGauges() {
+  std::map<v1::AdapterState, int> n = {{v1::ADAPTER_STATE_LOADING, 0},
+                                       {v1::ADAPTER_STATE_READY, 0},
+                                       {v1::ADAPTER_STATE_UNLOADING, 0},
+                                       {v1::ADAPTER_STATE_FAILED, 0}};
+  int resident = 0;
+  for (const auto& [name, e] : adapters_) {
+    ++n[e.state];
+    resident += e.resident;
+  }
+  metrics_->adapters.Add({{"state", "loading"}}).Set(n[v1::ADAPTER_STATE_LOADING]);
+  metrics_->adapters.Add({{"state", "ready"}}).Set(n[v1::ADAPTER_STATE_READY]);
+  metrics_->adapters.Add({{"state", "unloading"}}).Set(n[v1::ADAPTER_STATE_UNLOADING]);
+  metrics_->adapters.Add({{"state", "failed"}}).Set(n[v1::ADAPTER_STATE_FAILED]);
+  metrics_->adapters.Add({{"state", "resident"}}).Set(resident);
+  for (auto it = resident_series_.begin(); it != resident_series_.end();) {
+    if (adapters_.count(*it)) {
+      ++it;
+      continue;
+    }
+    for (const char* tier : {"slot", "host"}) {
+      metrics_->adapter_resident.Remove(
+          &metrics_->adapter_resident.Add({{"adapter", *it}, {"tier", tier}}));
+    }
+    it = resident_series_.erase(it);
+  }
+  for (const auto& [name, e] : adapters_) {
+    metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "slot"}}).Set(e.resident ? 1 : 0);
+    metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "host"}})
+        .Set(e.host_cached ? 1 : 0);
+    resident_series_.insert(name);
+  }
+}
+
+absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std::string>& in_use,
+                                    bool* wait) {
+  *wait = false;
+  AdapterRecord rec;
+  int64_t victim = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) return absl::OkStatus();  // gone: its requests were failed
+    if (it->second.resident) return absl::OkStatus();
+    if (!slots_.TryReserve()) {
+      // A victim must not be used by a running sequence (queued requests for it are fine: they
+      // swap it back in when their turn comes).
+      std::vector<Entry*> entries;
+      std::vector<SlotPool::Candidate> candidates;
+      for (auto& [n, e] : adapters_) {
+        entries.push_back(&e);
+        candidates.push_back({e.resident, e.record.pinned, in_use.count(n) > 0, e.last_used});
+      }
+      const std::optional<size_t> best = SlotPool::PickVictim(candidates);
+      if (!best) {
+        *wait = true;  // every slot is busy: wait for running requests to finish
+        return absl::OkStatus();
+      }
+      entries[*best]->resident = false;
+      victim = entries[*best]->record.id;
+      slots_.BeginRelease();
+    }
+    rec = it->second.record;
+  }
+  if (victim != 0) {
+    ReleaseSlot(victim, /*keep_in_host_cache=*/true);
+    absl::MutexLock lock(&mu_);
+    // The victim's slot, unless its unload failed (then it is leaked until reconciled) or a
+    // concurrent load took it first: try again on a later pass.
+    if (!slots_.TryReserve()) {
+      *wait = true;
+      return absl::OkStatus();
+    }
+  }
+  bool clean = true;
+  absl::Status s = StageAndCommit(rec, &clean);
+  bool orphaned = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (s.ok() && it != adapters_.end()) {
+      it->second.resident = true;
+      it->second.host_cached = false;
+    } else if (s.ok()) {
+      // Unloaded while it was being swapped in: the workers hold it; give the slot back.
+      slots_.BeginRelease();
+      orphaned = true;
+    } else {
+      if (clean) {
+        slots_.Unreserve();
+      } else {
+        slots_.Leak();
+        reconcile_ = true;
+      }
+      if (it != adapters_.end()) it->second.state = v1::ADAPTER_STATE_FAILED;
+    }
+    UpdateGauges();
+  }
+  if (orphaned) ReleaseSlot(rec.id, false);
+  if (!s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moelora

@@ -1,0 +1,91 @@
+#include "controller/gen_request.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace moelora {
+namespace {
+double Seconds(GenRequest::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+}  // namespace
+
+void GenRequest::SetQueueSeconds(double s) {
+  absl::MutexLock lock(&mu_);
+  queue_seconds_ = s;
+}
+
+GenRequest::TokenTiming GenRequest::AddToken(int32_t token, float logprob, Clock::time_point now) {
+  TokenTiming t;
+  {
+    absl::MutexLock lock(&mu_);
+    t.first = tokens_.empty();
+    if (t.first) {
+      ttft_seconds_ = Seconds(now - arrival);
+      t.seconds = ttft_seconds_;
+    } else {
+      t.seconds = Seconds(now - last_token_);
+    }
+    last_token_ = now;
+    tokens_.push_back(token);
+    if (req.return_logprobs()) logprobs_.push_back(logprob);
+  }
+  cv_.SignalAll();
+  return t;
+}
+
+bool GenRequest::Finish(absl::Status status, std::string finish_reason, Clock::time_point now) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (done_) return false;
+    done_ = true;
+    status_ = std::move(status);
+    finish_reason_ = std::move(finish_reason);
+    total_seconds_ = Seconds(now - arrival);
+  }
+  cv_.SignalAll();
+  return true;
+}
+
+GenRequest::Progress GenRequest::WaitForProgress(size_t seen, size_t limit,
+                                                 absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto avail = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return std::min(tokens_.size(), limit); };
+  if (avail() <= seen && !done_) cv_.WaitWithTimeout(&mu_, timeout);
+  Progress p;
+  const size_t n = avail();
+  if (n > seen) {
+    p.tokens.assign(tokens_.begin() + seen, tokens_.begin() + n);
+    if (logprobs_.size() >= n) p.logprobs.assign(logprobs_.begin() + seen, logprobs_.begin() + n);
+  }
+  p.done = done_;
+  return p;
+}
+
+bool GenRequest::WaitDone(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time until = absl::Now() + timeout;
+  while (!done_) {
+    if (cv_.WaitWithDeadline(&mu_, until)) return done_;
+  }
+  return true;
+}
+
+GenRequest::Result GenRequest::GetResult(size_t limit) const {
+  absl::MutexLock lock(&mu_);
+  Result r;
+  r.status = status_;
+  r.finish_reason = finish_reason_;
+  const size_t n = std::min(tokens_.size(), limit);
+  r.tokens.assign(tokens_.begin(), tokens_.begin() + n);
+  r.logprobs.assign(logprobs_.begin(), logprobs_.begin() + std::min(logprobs_.size(), n));
+  r.queue_seconds = queue_seconds_;
+  r.ttft_seconds = ttft_seconds_;
+  r.total_seconds = total_seconds_;
+  return r;
+}
+
+size_t GenRequest::num_tokens() const {
+  absl::MutexLock lock(&mu_);
+  return tokens_.size();
+}
+
+}  // namespace moelora

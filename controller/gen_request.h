@@ -1,0 +1,98 @@
+// One Generate call in flight, shared by its RPC thread and the scheduler, with all of its
+// locking here.
+//
+// Thread-safety: the fields above `cancelled` are set once by Controller::Submit, before the
+// request is shared, and only read afterwards. `cancelled` and `stop_string` are atomics the RPC
+// thread sets. Everything else (tokens, timings, the outcome) is under the request's own mutex:
+// the scheduler writes it through SetQueueSeconds / AddToken / Finish, the RPC thread reads it
+// through WaitForProgress / Result.
+#ifndef MOELORA_CONTROLLER_GEN_REQUEST_H_
+#define MOELORA_CONTROLLER_GEN_REQUEST_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "moelora/v1/controller.pb.h"
+
+namespace moelora {
+
+class GenRequest {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // Set by Submit before the request is shared.
+  int64_t seq_id = 0;
+  int64_t adapter_id = 0;
+  std::string adapter;  // "" = base
+  v1::GenerateRequest req;
+  uint64_t seed = 0;
+  Clock::time_point arrival;
+  Clock::time_point deadline = Clock::time_point::max();
+  double tokenize_seconds = 0;
+
+  std::atomic<bool> cancelled{false};
+  // Set by the RPC thread when the text reached a stop string: the scheduler then ends the
+  // sequence (finish_reason "stop"); tokens generated after it are dropped.
+  std::atomic<bool> stop_string{false};
+
+  // Scheduler side.
+  void SetQueueSeconds(double s) ABSL_LOCKS_EXCLUDED(mu_);
+  // Appends a sampled token; returns the time to the first token (the first one) or since the
+  // previous one, and whether it was the first.
+  struct TokenTiming {
+    bool first = false;
+    double seconds = 0;
+  };
+  TokenTiming AddToken(int32_t token, float logprob, Clock::time_point now)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the request once; false when it had ended already.
+  bool Finish(absl::Status status, std::string finish_reason, Clock::time_point now)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // RPC side. The tokens in [seen, min(size, limit)) and whether the request has ended; waits up
+  // to `timeout` while there is neither. Tokens are appended before Finish, so an empty slice
+  // with `done` means every token was taken.
+  struct Progress {
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;  // when requested
+    bool done = false;
+  };
+  Progress WaitForProgress(size_t seen, size_t limit, absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks until the request has ended (false after `timeout`).
+  bool WaitDone(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  // The outcome, its first `limit` tokens.
+  struct Result {
+    absl::Status status;
+    std::string finish_reason;
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
+    double queue_seconds = 0, ttft_seconds = 0, total_seconds = 0;
+  };
+  Result GetResult(size_t limit = SIZE_MAX) const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t num_tokens() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::vector<int32_t> tokens_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> logprobs_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point last_token_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::string finish_reason_ ABSL_GUARDED_BY(mu_);
+  double queue_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double ttft_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double total_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_GEN_REQUEST_H_

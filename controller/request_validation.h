@@ -1,0 +1,39 @@
+// Validation of a Generate request before it is queued: prompt (text encoded with the model's
+// tokenizer, or token ids), stop strings, sampling values, token ranges, the model's length, and
+// the model's EOS tokens added to the stop tokens. Pure: no threads, no state.
+#ifndef MOELORA_CONTROLLER_REQUEST_VALIDATION_H_
+#define MOELORA_CONTROLLER_REQUEST_VALIDATION_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moelora/v1/controller.pb.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moelora {
+
+// Stop strings per request, and their length: the RPC thread scans each new token's text for
+// them, so the bounds keep that scan short.
+inline constexpr int kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopBytes = 256;
+
+struct RequestLimits {
+  int vocab_size = 0;
+  int max_model_len = 0;
+  const tok::Tokenizer* tokenizer = nullptr;  // null: text prompts and stop strings refused
+  std::vector<int32_t> eos_token_ids;         // added to the stop tokens unless ignore_eos
+};
+
+struct ValidatedRequest {
+  v1::GenerateRequest req;      // prompt_token_ids filled, prompt cleared, stop tokens completed
+  double tokenize_seconds = 0;  // encoding a text prompt (0 for token ids)
+};
+
+// INVALID_ARGUMENT naming the field and the bound it broke.
+[[nodiscard]] absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(
+    const v1::GenerateRequest& request, const RequestLimits& limits);
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_REQUEST_VALIDATION_H_

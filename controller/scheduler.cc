@@ -1,0 +1,289 @@
+#include "controller/scheduler.h"
+
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+
+namespace moelora {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Why a request must leave: its deadline passed or its client cancelled (deadline first: gRPC
+// also marks a call cancelled when its deadline passes). OK when it may stay.
+absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
+  if (now > r.deadline)
+    return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
+  if (r.cancelled) return absl::CancelledError("cancelled by the client");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
+                     WorkerGroupInterface* group, ControllerMetrics* metrics,
+                     std::function<bool()> serving)
+    : max_num_seqs_(max_num_seqs),
+      max_loras_(max_loras),
+      adapters_(adapters),
+      group_(group),
+      metrics_(metrics),
+      serving_(std::move(serving)) {
+  absl::MutexLock lock(&mu_);
+  UpdateLoraInfo();
+}
+
+Scheduler::~Scheduler() { Stop(absl::UnavailableError("the controller is shutting down")); }
+
+void Scheduler::Start() {
+  loop_ = std::thread([this] { Loop(); });
+}
+
+void Scheduler::Stop(const absl::Status& why) {
+  if (stop_.exchange(true)) return;
+  Wake();
+  if (loop_.joinable()) loop_.join();
+  FailAll(why);
+}
+
+void Scheduler::Wake() {
+  absl::MutexLock lock(&mu_);
+  wake_ = true;
+}
+
+int Scheduler::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(pending_.size() + running_.size());
+}
+
+void Scheduler::Enqueue(const std::shared_ptr<GenRequest>& r) {
+  absl::MutexLock lock(&mu_);
+  r->seq_id = next_seq_++;
+  pending_.push_back(r);
+  metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+  UpdateLoraInfo();
+  wake_ = true;
+}
+
+void Scheduler::FailAll(const absl::Status& s) {
+  std::vector<std::shared_ptr<GenRequest>> victims;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& r : pending_) victims.push_back(r);
+    for (auto& [id, r] : running_) victims.push_back(r);
+    pending_.clear();
+    running_.clear();
+    metrics_->queue_depth.Set(0);
+    metrics_->running.Set(0);
+    UpdateLoraInfo();
+  }
+  for (auto& r : victims) Finish(r, s, "");
+}
+
+void Scheduler::Finish(const std::shared_ptr<GenRequest>& r, absl::Status s,
+                       const std::string& reason) {
+  if (!r->Finish(std::move(s), reason, Clock::now())) return;
+  if (!r->adapter.empty()) adapters_->Release(r->adapter);
+  Wake();
+}
+
+void Scheduler::UpdateLoraInfo() {
+  std::set<std::string> running, waiting;
+  for (const auto& [id, r] : running_) {
+    if (!r->adapter.empty()) running.insert(r->adapter);
+  }
+  for (const auto& r : pending_) {
+    if (!r->adapter.empty()) waiting.insert(r->adapter);
+  }
+  const std::string run = absl::StrJoin(running, ","), wait = absl::StrJoin(waiting, ",");
+  const std::string key = absl::StrCat(run, "|", wait);
+  if (lora_info_ != nullptr && key == lora_info_key_) return;
+  if (lora_info_ != nullptr) metrics_->lora_requests_info.Remove(lora_info_);
+  lora_info_ = &metrics_->lora_requests_info.Add({{"running_lora_adapters", run},
+                                                  {"waiting_lora_adapters", wait},
+                                                  {"max_lora", std::to_string(max_loras_)}});
+  lora_info_->Set(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  lora_info_key_ = key;
+}
+
+void Scheduler::Loop() {
+  while (!stop_) {
+    adapters_->ReconcileIfNeeded();
+    std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;
+    std::vector<std::shared_ptr<GenRequest>> admitted;
+    std::string swap;
+    std::set<std::string> in_use;  // adapters of running sequences (never swapped out)
+    v1::StepRequest step;
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || wake_ || !pending_.empty() || !running_.empty();
+      };
+      // A 20 ms tick at most while idle, so deferred unloads and reconciliation still happen.
+      mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Milliseconds(20));
+      wake_ = false;
+      if (stop_) break;
+    }
+    // Deferred unloads whose last request has finished (calls the workers: no lock held).
+    adapters_->RunDeferredUnloads();
+    {
+      absl::MutexLock lock(&mu_);
+      if (!serving_()) continue;
+      const auto now = Clock::now();
+      for (auto it = running_.begin(); it != running_.end();) {
+        const absl::Status s = Expiry(*it->second, now, "generating");
+        if (!s.ok() || it->second->stop_string) {
+          step.add_remove(it->first);
+          ended.push_back({it->second, s});
+          it = running_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        const absl::Status s = Expiry(**it, now, "queued");
+        if (!s.ok()) {
+          ended.push_back({*it, s});
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      // Strict FIFO admission.
+      while (!pending_.empty() &&
+             static_cast<int>(running_.size() + admitted.size()) < max_num_seqs_) {
+        std::shared_ptr<GenRequest> head = pending_.front();
+        if (!head->adapter.empty()) {
+          const AdapterManager::Residency res = adapters_->Admit(head->adapter, now);
+          if (res == AdapterManager::Residency::kGone) {
+            ended.push_back({head, absl::NotFoundError("adapter unloaded")});
+            pending_.pop_front();
+            continue;
+          }
+          if (res == AdapterManager::Residency::kNotResident) {
+            swap = head->adapter;
+            break;
+          }
+        }
+        pending_.pop_front();
+        head->SetQueueSeconds(Seconds(now - head->arrival));
+        admitted.push_back(head);
+      }
+      metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+      metrics_->running.Set(static_cast<double>(running_.size() + admitted.size()));
+      for (auto& r : admitted) {
+        v1::SequenceSpec* s = step.add_add();
+        s->set_sequence_id(r->seq_id);
+        s->set_adapter_id(r->adapter_id);
+        s->mutable_prompt_token_ids()->CopyFrom(r->req.prompt_token_ids());
+        s->set_temperature(r->req.temperature());
+        s->set_top_p(r->req.top_p());
+        s->set_top_k(r->req.top_k());
+        s->set_seed(r->seed);
+        s->set_return_logprobs(r->req.return_logprobs());
+        s->set_max_tokens(r->req.max_tokens());
+        s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
+        running_[r->seq_id] = r;
+      }
+      for (const auto& [id, r] : running_) {
+        if (!r->adapter.empty()) in_use.insert(r->adapter);
+      }
+      if (!admitted.empty() || !ended.empty()) UpdateLoraInfo();  // the batch changed
+    }
+    for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
+    // The head of the queue needs a slot: swap it in between steps (waits while all slots are
+    // busy; nothing behind it is admitted meanwhile, so it cannot starve).
+    // Not while this step still has to remove sequences from the workers: a victim's slot can
+    // only be freed once no worker sequence uses it (the swap happens on the next pass).
+    if (!swap.empty() && step.remove().empty()) {
+      bool wait = false;
+      const absl::Status s = adapters_->SwapIn(swap, in_use, &wait);
+      if (!s.ok()) {
+        // The adapter is FAILED: its queued requests fail with the reason.
+        std::vector<std::shared_ptr<GenRequest>> failed;
+        {
+          absl::MutexLock lock(&mu_);
+          for (auto p = pending_.begin(); p != pending_.end();) {
+            if ((*p)->adapter == swap) {
+              failed.push_back(*p);
+              p = pending_.erase(p);
+            } else {
+              ++p;
+            }
+          }
+          metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+          UpdateLoraInfo();
+        }
+        for (auto& r : failed) Finish(r, s, "");
+      } else if (!wait) {
+        Wake();  // resident now: admit it at once
+      }
+    }
+    int nseq;
+    {
+      absl::MutexLock lock(&mu_);
+      nseq = static_cast<int>(running_.size());
+    }
+    if (nseq == 0 && step.remove().empty()) continue;
+    step.set_step(++step_no_);
+    absl::StatusOr<v1::StepResponse> resp = group_->StepAll(step);
+    if (!resp.ok()) {
+      const absl::StatusCode c = resp.status().code();
+      std::vector<std::shared_ptr<GenRequest>> victims;
+      {
+        absl::MutexLock lock(&mu_);
+        if (c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound ||
+            c == absl::StatusCode::kAlreadyExists || c == absl::StatusCode::kResourceExhausted) {
+          // The workers refused a joiner and did not step: fail the joiners only.
+          for (auto& r : admitted) {
+            running_.erase(r->seq_id);
+            victims.push_back(r);
+          }
+        } else {
+          for (auto& [id, r] : running_) victims.push_back(r);
+          running_.clear();
+        }
+        metrics_->running.Set(static_cast<double>(running_.size()));
+        UpdateLoraInfo();
+      }
+      LOG(WARNING) << "step failed: " << resp.status();
+      const absl::Status s =
+          c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound
+              ? resp.status()
+              : absl::UnavailableError(
+                    absl::StrCat("worker step failed: ", resp.status().message()));
+      for (auto& r : victims) Finish(r, s, "");
+      continue;
+    }
+    metrics_->batch_size.Observe(resp->tokens_size());
+    metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
+    const auto now = Clock::now();
+    std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const v1::SequenceToken& t : resp->tokens()) {
+        auto it = running_.find(t.sequence_id());
+        if (it == running_.end()) continue;
+        std::shared_ptr<GenRequest> r = it->second;
+        const GenRequest::TokenTiming timing = r->AddToken(t.token_id(), t.logprob(), now);
+        (timing.first ? metrics_->ttft : metrics_->inter_token).Observe(timing.seconds);
+        metrics_->generated_tokens.Increment();
+        if (t.finished()) {
+          finished.push_back({r, t.finish_reason()});
+          running_.erase(it);
+        }
+      }
+      metrics_->running.Set(static_cast<double>(running_.size()));
+      if (!finished.empty()) UpdateLoraInfo();
+    }
+    for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
+  }
+}
+
+}  // namespace moelora

@@ -1,0 +1,78 @@
+// The continuous-batching scheduler: the pending FIFO and the running sequences, and its thread:
+// deferred unloads → expire / cancel / stop strings → strict FIFO admission (a head whose
+// adapter is not in a slot has it swapped in, and nothing behind it is admitted meanwhile, so no
+// request starves) → one StepAll → tokens to the requests; a failed step fails the joiners (a
+// refused joiner) or every running request (a dead rank).
+//
+// Thread-safety: all public methods may be called from any thread. Lock order: the scheduler's
+// mutex before the adapter manager's; a request's mutex is never held with either.
+#ifndef MOELORA_CONTROLLER_SCHEDULER_H_
+#define MOELORA_CONTROLLER_SCHEDULER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "controller/adapter_manager.h"
+#include "controller/gen_request.h"
+#include "controller/metrics.h"
+#include "controller/worker_group_interface.h"
+
+namespace moelora {
+
+class Scheduler {
+ public:
+  // `serving`: whether steps may run (the group is ready and its adapters reloaded).
+  Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
+            ControllerMetrics* metrics, std::function<bool()> serving);
+  ~Scheduler();
+
+  void Start();
+  // Stops the thread and fails what is still queued or running with `why`.
+  void Stop(const absl::Status& why);
+  // Queues a validated request (its adapter already acquired); assigns its sequence id.
+  void Enqueue(const std::shared_ptr<GenRequest>& r) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails every queued and running request with `s`.
+  void FailAll(const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_);
+  int in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Something changed (a stop string, an unload, the group): look again now.
+  void Wake() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends a request and releases its adapter.
+  void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void UpdateLoraInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // the lora_requests_info series
+
+  const int max_num_seqs_;
+  const int max_loras_;
+  AdapterManager* const adapters_;
+  WorkerGroupInterface* const group_;
+  ControllerMetrics* const metrics_;
+  const std::function<bool()> serving_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::shared_ptr<GenRequest>> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::shared_ptr<GenRequest>> running_ ABSL_GUARDED_BY(mu_);
+  int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;  // Wake() since the loop last looked
+  prometheus::Gauge* lora_info_ ABSL_GUARDED_BY(mu_) = nullptr;  // the current series
+  std::string lora_info_key_ ABSL_GUARDED_BY(mu_);               // its labels
+  int64_t step_no_ = 0;                                          // the loop's thread only
+  std::atomic<bool> stop_{false};
+  std::thread loop_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_SCHEDULER_H_
