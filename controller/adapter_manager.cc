@@ -43,7 +43,7 @@ AdapterManager::AdapterManager(AdapterManagerOptions options, Registry* registry
       serving_(std::move(serving)),
       wake_(std::move(wake)),
       slots_(options_.max_loras) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (const AdapterRecord& r : registry_->List()) {
     Entry e;
     e.record = r;
@@ -54,14 +54,14 @@ AdapterManager::AdapterManager(AdapterManagerOptions options, Registry* registry
 }
 
 void AdapterManager::ResetResidency() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto& [name, e] : adapters_) e.resident = false;
   slots_.Reset();
   UpdateGauges();
 }
 
 absl::StatusOr<int64_t> AdapterManager::Acquire(const std::string& name) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = adapters_.find(name);
   if (it == adapters_.end() || it->second.state != v1::ADAPTER_STATE_READY) {
     return absl::NotFoundError(
@@ -76,13 +76,13 @@ absl::StatusOr<int64_t> AdapterManager::Acquire(const std::string& name) {
 }
 
 void AdapterManager::Release(const std::string& name) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = adapters_.find(name);
   if (it != adapters_.end()) --it->second.active;
 }
 
 AdapterManager::Residency AdapterManager::Admit(const std::string& name, Clock::time_point now) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = adapters_.find(name);
   if (it == adapters_.end()) return Residency::kGone;
   if (!it->second.resident) return Residency::kNotResident;
@@ -93,7 +93,7 @@ AdapterManager::Residency AdapterManager::Admit(const std::string& name, Clock::
 void AdapterManager::RunDeferredUnloads() {
   std::vector<int64_t> unload_ids, forget_ids;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     bool erased = false;
     for (auto it = adapters_.begin(); it != adapters_.end();) {
       if (it->second.state == v1::ADAPTER_STATE_UNLOADING && it->second.active == 0) {
@@ -176,7 +176,7 @@ absl::Status AdapterManager::StageAndCommit(const AdapterRecord& r, bool* clean)
 void AdapterManager::ReloadAll() {
   std::vector<std::string> order;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     slots_.Reset();  // a group that just became ready holds no adapter
     reconcile_ = false;
     std::vector<std::pair<int64_t, std::string>> ids;
@@ -192,7 +192,7 @@ void AdapterManager::ReloadAll() {
     AdapterRecord rec;
     bool load = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto it = adapters_.find(name);
       if (it == adapters_.end() || it->second.state == v1::ADAPTER_STATE_UNLOADING) {
         if (it != adapters_.end() && it->second.active == 0) adapters_.erase(it);
@@ -203,7 +203,7 @@ void AdapterManager::ReloadAll() {
     }
     bool clean = true;
     absl::Status s = load ? StageAndCommit(rec, &clean) : absl::OkStatus();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = adapters_.find(name);
     if (it == adapters_.end()) continue;
     if (s.ok()) {
@@ -220,7 +220,7 @@ void AdapterManager::ReloadAll() {
       it->second.state = v1::ADAPTER_STATE_FAILED;
     }
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   UpdateGauges();
 }
 
@@ -237,10 +237,10 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   }
   absl::StatusOr<std::string> resolved = ResolveAdapterPath(options_.adapter_root, req.path());
   if (!resolved.ok()) return fail(resolved.status());
-  std::shared_ptr<absl::Mutex> name_lock = NameLock(req.name());
-  absl::MutexLock serialize(name_lock.get());
+  std::shared_ptr<Mutex> name_lock = NameLock(req.name());
+  MutexLock serialize(name_lock.get());
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = adapters_.find(req.name());
     if (it != adapters_.end()) {
       if (it->second.state == v1::ADAPTER_STATE_UNLOADING) {
@@ -301,7 +301,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   rec.id = *id;
   bool reserve = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     Entry e;
     e.record = rec;
     e.state = v1::ADAPTER_STATE_LOADING;
@@ -314,7 +314,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
     bool clean = true;
     if (absl::Status s = StageAndCommit(rec, &clean); !s.ok()) {
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         if (clean) {
           slots_.Unreserve();
         } else {
@@ -344,7 +344,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   metrics_->ObserveLoad(fmt, rec.converted_to_2d, "total", rec.load_seconds);
   v1::Adapter out;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     Entry& e = adapters_[rec.name];
     e.record = rec;
     e.state = v1::ADAPTER_STATE_READY;
@@ -357,11 +357,11 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
 }
 
 absl::StatusOr<v1::Adapter> AdapterManager::Unload(const std::string& name) {
-  std::shared_ptr<absl::Mutex> name_lock = NameLock(name);
-  absl::MutexLock serialize(name_lock.get());
+  std::shared_ptr<Mutex> name_lock = NameLock(name);
+  MutexLock serialize(name_lock.get());
   bool first = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = adapters_.find(name);
     if (it == adapters_.end()) {
       return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
@@ -382,7 +382,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Unload(const std::string& name) {
   int64_t id = 0;
   bool now = false, resident = false, host_cached = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = adapters_.find(name);
     if (it == adapters_.end()) {
       return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
@@ -422,7 +422,7 @@ void AdapterManager::ReleaseSlot(int64_t id, bool keep_in_host_cache) {
     LOG(WARNING) << "unloading adapter id " << id << " from the workers failed: " << cached.status()
                  << "; its slot counts as taken until reconciled";
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   slots_.EndRelease(cached.ok());
   if (!cached.ok()) reconcile_ = true;
   if (cached.ok()) SetHostCached(*cached);
@@ -442,7 +442,7 @@ void AdapterManager::Reconcile() {
   }
   std::vector<int64_t> orphans;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     std::set<int64_t> held;
     for (const auto& [name, e] : adapters_) {
       // A load in progress holds a reservation for its slot.
@@ -460,7 +460,7 @@ void AdapterManager::Reconcile() {
     }
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     slots_.Reconcile(still);
     if (still == 0) reconcile_ = false;
   }
@@ -470,7 +470,7 @@ void AdapterManager::Reconcile() {
 }
 
 absl::StatusOr<v1::Adapter> AdapterManager::Get(const std::string& name) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = adapters_.find(name);
   if (it == adapters_.end())
     return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is not loaded"));
@@ -478,16 +478,16 @@ absl::StatusOr<v1::Adapter> AdapterManager::Get(const std::string& name) const {
 }
 
 std::vector<v1::Adapter> AdapterManager::List() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<v1::Adapter> out;
   for (const auto& [name, e] : adapters_) out.push_back(ToProto(e));
   return out;
 }
 
-std::shared_ptr<absl::Mutex> AdapterManager::NameLock(const std::string& name) {
-  absl::MutexLock lock(&mu_);
+std::shared_ptr<Mutex> AdapterManager::NameLock(const std::string& name) {
+  MutexLock lock(&mu_);
   auto& m = name_locks_[name];
-  if (!m) m = std::make_shared<absl::Mutex>();
+  if (!m) m = std::make_shared<Mutex>();
   return m;
 }
 
@@ -531,7 +531,7 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
   AdapterRecord rec;
   int64_t victim = 0;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = adapters_.find(name);
     if (it == adapters_.end()) return absl::OkStatus();  // gone: its requests were failed
     if (it->second.resident) return absl::OkStatus();
@@ -557,7 +557,7 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
   }
   if (victim != 0) {
     ReleaseSlot(victim, /*keep_in_host_cache=*/true);
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     // The victim's slot, unless its unload failed (then it is leaked until reconciled) or a
     // concurrent load took it first: try again on a later pass.
     if (!slots_.TryReserve()) {
@@ -569,7 +569,7 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
   absl::Status s = StageAndCommit(rec, &clean);
   bool orphaned = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = adapters_.find(name);
     if (s.ok() && it != adapters_.end()) {
       it->second.resident = true;

@@ -26,7 +26,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "controller/metrics.h"
 #include "controller/registry.h"
 #include "controller/slot_pool.h"
@@ -113,7 +113,7 @@ class AdapterManager {
   void SetHostCached(const std::vector<int64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An unloaded adapter that was not in a slot: drop it from the workers' host caches.
   void ForgetHostCached(int64_t id) ABSL_LOCKS_EXCLUDED(mu_);
-  std::shared_ptr<absl::Mutex> NameLock(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  std::shared_ptr<Mutex> NameLock(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   void UpdateGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const AdapterManagerOptions options_;
@@ -123,10 +123,10 @@ class AdapterManager {
   const std::function<bool()> serving_;
   const std::function<void()> wake_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, Entry> adapters_ ABSL_GUARDED_BY(mu_);
   SlotPool slots_ ABSL_GUARDED_BY(mu_);  // worker slots: held, releasing, leaked, free
-  std::map<std::string, std::shared_ptr<absl::Mutex>> name_locks_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Mutex>> name_locks_ ABSL_GUARDED_BY(mu_);
   // Adapters with a moelora_adapter_resident series.
   std::set<std::string> resident_series_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> reconcile_{false};  // a failed unload or rollback: Reconcile() next pass

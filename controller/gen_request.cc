@@ -9,14 +9,14 @@ double Seconds(GenRequest::Clock::duration d) { return std::chrono::duration<dou
 }  // namespace
 
 void GenRequest::SetQueueSeconds(double s) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   queue_seconds_ = s;
 }
 
 GenRequest::TokenTiming GenRequest::AddToken(int32_t token, float logprob, Clock::time_point now) {
   TokenTiming t;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     t.first = tokens_.empty();
     if (t.first) {
       ttft_seconds_ = Seconds(now - arrival);
@@ -34,7 +34,7 @@ GenRequest::TokenTiming GenRequest::AddToken(int32_t token, float logprob, Clock
 
 bool GenRequest::Finish(absl::Status status, std::string finish_reason, Clock::time_point now) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (done_) return false;
     done_ = true;
     status_ = std::move(status);
@@ -46,10 +46,10 @@ bool GenRequest::Finish(absl::Status status, std::string finish_reason, Clock::t
 }
 
 GenRequest::Progress GenRequest::WaitForProgress(size_t seen, size_t limit,
-                                                 absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+                                                 std::chrono::milliseconds timeout) {
+  MutexLock lock(&mu_);
   auto avail = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return std::min(tokens_.size(), limit); };
-  if (avail() <= seen && !done_) cv_.WaitWithTimeout(&mu_, timeout);
+  if (avail() <= seen && !done_) cv_.WaitFor(&mu_, timeout);
   Progress p;
   const size_t n = avail();
   if (n > seen) {
@@ -60,17 +60,19 @@ GenRequest::Progress GenRequest::WaitForProgress(size_t seen, size_t limit,
   return p;
 }
 
-bool GenRequest::WaitDone(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  const absl::Time until = absl::Now() + timeout;
+bool GenRequest::WaitDone(std::chrono::milliseconds timeout) {
+  MutexLock lock(&mu_);
+  const auto until = Clock::now() + timeout;
   while (!done_) {
-    if (cv_.WaitWithDeadline(&mu_, until)) return done_;
+    const auto now = Clock::now();
+    if (now >= until) return false;
+    cv_.WaitFor(&mu_, until - now);
   }
   return true;
 }
 
 GenRequest::Result GenRequest::GetResult(size_t limit) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Result r;
   r.status = status_;
   r.finish_reason = finish_reason_;
@@ -84,7 +86,7 @@ GenRequest::Result GenRequest::GetResult(size_t limit) const {
 }
 
 size_t GenRequest::num_tokens() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return tokens_.size();
 }
 

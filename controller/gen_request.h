@@ -17,8 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
+#include "common/mutex.h"
 #include "moelora/v1/controller.pb.h"
 
 namespace moelora {
@@ -64,10 +63,10 @@ class GenRequest {
     std::vector<float> logprobs;  // when requested
     bool done = false;
   };
-  Progress WaitForProgress(size_t seen, size_t limit, absl::Duration timeout)
+  Progress WaitForProgress(size_t seen, size_t limit, std::chrono::milliseconds timeout)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until the request has ended (false after `timeout`).
-  bool WaitDone(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WaitDone(std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   // The outcome, its first `limit` tokens.
   struct Result {
     absl::Status status;
@@ -80,8 +79,8 @@ class GenRequest {
   size_t num_tokens() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  mutable absl::Mutex mu_;
-  absl::CondVar cv_;
+  mutable Mutex mu_;
+  CondVar cv_;
   std::vector<int32_t> tokens_ ABSL_GUARDED_BY(mu_);
   std::vector<float> logprobs_ ABSL_GUARDED_BY(mu_);
   Clock::time_point last_token_ ABSL_GUARDED_BY(mu_);

@@ -69,7 +69,7 @@ absl::StatusOr<std::unique_ptr<Registry>> Registry::Open(const std::string& stat
   }
   auto r = std::unique_ptr<Registry>(new Registry());
   r->path_ = state_dir + "/registry.sqlite3";
-  absl::MutexLock lock(&r->mu_);  // not shared yet; for the annotations
+  MutexLock lock(&r->mu_);  // not shared yet; for the annotations
   if (sqlite3_open(r->path_.c_str(), &r->db_) != SQLITE_OK) {
     return absl::InternalError(absl::StrCat(r->path_, ": ", sqlite3_errmsg(r->db_)));
   }
@@ -120,7 +120,7 @@ absl::Status Registry::Error() const {
 Registry::~Registry() { sqlite3_close(db_); }
 
 absl::StatusOr<int64_t> Registry::Insert(const AdapterRecord& a) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Stmt s(db_,
          "INSERT INTO adapters (name, path, resolved_path, requested_format, detected_format,"
          " converted_to_2d, rank, max_rank, alpha, scaling, target_modules, num_experts, bytes,"
@@ -151,7 +151,7 @@ absl::StatusOr<int64_t> Registry::Insert(const AdapterRecord& a) {
 }
 
 absl::Status Registry::Update(const AdapterRecord& a) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Stmt s(db_,
          "UPDATE adapters SET path=?, resolved_path=?, requested_format=?, detected_format=?,"
          " converted_to_2d=?, rank=?, max_rank=?, alpha=?, scaling=?, target_modules=?,"
@@ -183,7 +183,7 @@ absl::Status Registry::Update(const AdapterRecord& a) {
 }
 
 absl::Status Registry::Remove(const std::string& name) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Stmt s(db_, "DELETE FROM adapters WHERE name = ?");
   if (!s.ok()) return Error();
   sqlite3_bind_text(s.get(), 1, name.c_str(), -1, SQLITE_TRANSIENT);
@@ -197,7 +197,7 @@ absl::Status Registry::Remove(const std::string& name) {
 }
 
 std::optional<AdapterRecord> Registry::Get(const std::string& name) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   Stmt s(db_, absl::StrCat("SELECT ", kColumns, " FROM adapters WHERE name = ?").c_str());
   if (!s.ok()) return std::nullopt;
   sqlite3_bind_text(s.get(), 1, name.c_str(), -1, SQLITE_TRANSIENT);
@@ -206,7 +206,7 @@ std::optional<AdapterRecord> Registry::Get(const std::string& name) const {
 }
 
 std::vector<AdapterRecord> Registry::List() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<AdapterRecord> out;
   Stmt s(db_, absl::StrCat("SELECT ", kColumns, " FROM adapters ORDER BY id").c_str());
   if (!s.ok()) return out;

@@ -12,7 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 
 struct sqlite3;
 
@@ -59,7 +59,7 @@ class Registry {
   [[nodiscard]] absl::Status Error() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   [[nodiscard]] absl::Status Corrupt(const std::string& why) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::string path_;  // set by Open
 };

@@ -34,7 +34,7 @@ Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
       group_(group),
       metrics_(metrics),
       serving_(std::move(serving)) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   UpdateLoraInfo();
 }
 
@@ -52,28 +52,32 @@ void Scheduler::Stop(const absl::Status& why) {
 }
 
 void Scheduler::Wake() {
-  absl::MutexLock lock(&mu_);
-  wake_ = true;
+  {
+    MutexLock lock(&mu_);
+    wake_ = true;
+  }
+  cv_.SignalAll();
 }
 
 int Scheduler::in_flight() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return static_cast<int>(pending_.size() + running_.size());
 }
 
 void Scheduler::Enqueue(const std::shared_ptr<GenRequest>& r) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   r->seq_id = next_seq_++;
   pending_.push_back(r);
   metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
   UpdateLoraInfo();
   wake_ = true;
+  cv_.SignalAll();
 }
 
 void Scheduler::FailAll(const absl::Status& s) {
   std::vector<std::shared_ptr<GenRequest>> victims;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& r : pending_) victims.push_back(r);
     for (auto& [id, r] : running_) victims.push_back(r);
     pending_.clear();
@@ -121,19 +125,19 @@ void Scheduler::Loop() {
     std::set<std::string> in_use;  // adapters of running sequences (never swapped out)
     v1::StepRequest step;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || wake_ || !pending_.empty() || !running_.empty();
       };
       // A 20 ms tick at most while idle, so deferred unloads and reconciliation still happen.
-      mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Milliseconds(20));
+      if (!has_work()) cv_.WaitFor(&mu_, std::chrono::milliseconds(20));
       wake_ = false;
       if (stop_) break;
     }
     // Deferred unloads whose last request has finished (calls the workers: no lock held).
     adapters_->RunDeferredUnloads();
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (!serving_()) continue;
       const auto now = Clock::now();
       for (auto it = running_.begin(); it != running_.end();) {
@@ -208,7 +212,7 @@ void Scheduler::Loop() {
         // The adapter is FAILED: its queued requests fail with the reason.
         std::vector<std::shared_ptr<GenRequest>> failed;
         {
-          absl::MutexLock lock(&mu_);
+          MutexLock lock(&mu_);
           for (auto p = pending_.begin(); p != pending_.end();) {
             if ((*p)->adapter == swap) {
               failed.push_back(*p);
@@ -227,7 +231,7 @@ void Scheduler::Loop() {
     }
     int nseq;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       nseq = static_cast<int>(running_.size());
     }
     if (nseq == 0 && step.remove().empty()) continue;
@@ -237,7 +241,7 @@ void Scheduler::Loop() {
       const absl::StatusCode c = resp.status().code();
       std::vector<std::shared_ptr<GenRequest>> victims;
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         if (c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound ||
             c == absl::StatusCode::kAlreadyExists || c == absl::StatusCode::kResourceExhausted) {
           // The workers refused a joiner and did not step: fail the joiners only.
@@ -266,7 +270,7 @@ void Scheduler::Loop() {
     const auto now = Clock::now();
     std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       for (const v1::SequenceToken& t : resp->tokens()) {
         auto it = running_.find(t.sequence_id());
         if (it == running_.end()) continue;

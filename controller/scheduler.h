@@ -21,7 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "controller/adapter_manager.h"
 #include "controller/gen_request.h"
 #include "controller/metrics.h"
@@ -61,10 +61,11 @@ class Scheduler {
   ControllerMetrics* const metrics_;
   const std::function<bool()> serving_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::deque<std::shared_ptr<GenRequest>> pending_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::shared_ptr<GenRequest>> running_ ABSL_GUARDED_BY(mu_);
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  CondVar cv_;                              // the loop waits on it for work
   bool wake_ ABSL_GUARDED_BY(mu_) = false;  // Wake() since the loop last looked
   prometheus::Gauge* lora_info_ ABSL_GUARDED_BY(mu_) = nullptr;  // the current series
   std::string lora_info_key_ ABSL_GUARDED_BY(mu_);               // its labels

