@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <ostream>
+#include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -33,6 +35,16 @@ struct NameCase {
   ExpertShard shard;
   bool transposed;
 };
+
+// Printed and named from its fields: gtest's default prints the struct's raw bytes, padding and
+// pointers included, so the ctest names changed between the discovery run and the test run.
+void PrintTo(const NameCase& c, std::ostream* os) {
+  *os << c.arch << " " << c.ckpt << (c.lora_wrapped ? " (wrapped)" : "");
+}
+
+std::string NameCaseName(const ::testing::TestParamInfo<NameCase>& info) {
+  return std::string(info.param.arch) + "_" + std::to_string(info.index);
+}
 
 class NameTableTest : public ::testing::TestWithParam<NameCase> {};
 
@@ -118,7 +130,8 @@ INSTANTIATE_TEST_SUITE_P(
         NameCase{"Step3p5MTP", "model.layers.45.moe.gate_proj.weight", true,
                  "model.layers.45.moe.experts.base_layer.w13_weight", -1, kW1, false},
         NameCase{"Step3p5MTP", "model.layers.45.moe.down_proj.weight", false,
-                 "model.layers.45.moe.experts.w2_weight", -1, kW2, false}));
+                 "model.layers.45.moe.experts.w2_weight", -1, kW2, false}),
+    NameCaseName);
 
 TEST(NameTableTest, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_THAT(FindArchTable("LlamaForCausalLM").status(),
