@@ -537,20 +537,21 @@ int main(int argc, char** argv) {
     synthetic("medium", tmp + "/moelora_bench_decode", {1024, 512, 32, 8, 4, 16, 4, 64, 4096},
               false);
   }
-  if (only.empty() || only == "swap-in") {
-    const std::string dir = tmp + "/moelora_bench_decode";
-    const moelora::Dims d{1024, 512, 32, 8, 4, 16, 4, 64, 4096};
+  // The medium synthetic model, written once (f32), for the swap-in and memory figures.
+  const std::string dir = tmp + "/moelora_bench_decode";
+  const moelora::Dims d{1024, 512, 32, 8, 4, 16, 4, 64, 4096};
+  auto medium_model = [&] {
     if (!std::filesystem::exists(dir + "/model/model.safetensors"))
       moelora::WriteModel(dir + "/model", d);
+  };
+  if (only.empty() || only == "swap-in") {
+    medium_model();
     moelora::SwapIn(dir + "/model", moelora::WriteAdapter(dir + "/a2d_0", d, false, 10),
                     moelora::WriteAdapter(dir + "/a3d_0", d, true, 20), std::max(3, f.repeat),
                     f.device, f.dtype);
   }
   if (only.empty() || only == "ep-memory") {
-    const std::string dir = tmp + "/moelora_bench_decode";
-    const moelora::Dims d{1024, 512, 32, 8, 4, 16, 4, 64, 4096};
-    if (!std::filesystem::exists(dir + "/model/model.safetensors"))
-      moelora::WriteModel(dir + "/model", d);
+    medium_model();
     moelora::ExpertMemory(dir + "/model", moelora::WriteAdapter(dir + "/a2d_0", d, false, 10),
                           moelora::WriteAdapter(dir + "/a3d_0", d, true, 20));
   }

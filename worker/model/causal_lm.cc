@@ -177,14 +177,14 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
   w.interleaved_gate_up = a.interleaved_gate_up;
   for (auto& [m, pair] : dense) m->WriteDense(*pair, w);
   for (auto& [m, ml] : experts) m->WriteExperts(*ml, w);
-  if (kernel_path()) {
-    absl::Status s = UploadSlot(slot, staged);
-    if (!s.ok()) {
-      ResetSlot(slot);
-      return s;
-    }
-  }
-  return absl::OkStatus();
+  return FinishSlotWrite(slot, staged);
+}
+
+absl::Status CausalLM::FinishSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>& staged) {
+  if (!kernel_path()) return absl::OkStatus();  // written in place
+  absl::Status s = UploadSlot(slot, staged);
+  if (!s.ok()) ResetSlot(slot);
+  return s;
 }
 
 SlotWrite CausalLM::MakeSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>* staged) {
@@ -226,14 +226,7 @@ absl::Status CausalLM::RestoreSlot(int slot, const SlotImage& image) {
   std::map<at::Tensor*, at::Tensor> staged;
   const SlotWrite w = MakeSlotWrite(slot, &staged);
   for (const auto& [m, part] : image.modules) m->RestoreSlot(part, w);
-  if (kernel_path()) {
-    absl::Status s = UploadSlot(slot, staged);
-    if (!s.ok()) {
-      ResetSlot(slot);
-      return s;
-    }
-  }
-  return absl::OkStatus();
+  return FinishSlotWrite(slot, staged);
 }
 
 absl::Status CausalLM::UploadSlot(int slot, std::map<at::Tensor*, at::Tensor>& staged) {

@@ -158,6 +158,9 @@ class CausalLM {
   // The SlotWrite for `slot`: writes go to the slot (CPU path) or to f32 host images collected
   // in `staged` (kernel paths).
   SlotWrite MakeSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>* staged);
+  // After the writes: uploads `staged` on the kernel paths (the slot is cleared again if that
+  // fails); nothing on the CPU path.
+  [[nodiscard]] absl::Status FinishSlotWrite(int slot, std::map<at::Tensor*, at::Tensor>& staged);
   LoraModule* FindLora(const std::string& module) const;
 
   std::vector<LoraModule*> lora_order_;
