@@ -1,0 +1,316 @@
+// bench/peer: moelora through its public API against transformers + PEFT generate() on the same
+// medium Qwen3-MoE, prompts, batch and threads, in one run.
+//
+//   peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
+//        [--new-tokens 32] [--threads 2] [--quick]
+//
+// PY (default .cache/peer-venv/bin/python, made by tools/peer_venv.sh) runs tools/peer_bench.py:
+// `make` writes the model, a 2D and a 3D rank-16 adapter and 32 prompts of 16 tokens into DIR
+// (default .cache/peer-model) once; `run` times greedy generate() per dtype and batch. moelora:
+// moelora-controller (TP=1, mixed mode, the worker on --threads intra-op threads), `batch`
+// concurrent Generate calls (ignore_eos, greedy), base and mixed (even rows a2d, odd rows a3d).
+//
+// Printed per dtype and batch: tokens/s of both sides and their ratio, for base and mixed; the
+// prefill tokens/s of both sides (the same batch with max_tokens 1 / one forward); moelora's
+// decode step time next to its bandwidth bound (the bytes of weights a step must read: attention,
+// router, LM head and the experts the batch is expected to touch under uniform routing, divided
+// by the read bandwidth measured here); and whether the greedy outputs are identical. Goals
+// (issue 14): base >= 1.5x at batch 8 and 32, mixed >= 0.85x moelora's base, prefill >= 1x,
+// step <= 1.3x the bound at batch 32. Exits 1 when an f32 greedy output differs from
+// transformers' (bf16 outputs are counted, not required: the two round differently).
+// --quick (CI): batches 1,8, 8 new tokens, float32 only.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "tests/integration/controller_process.h"
+#include "tests/testing/temp_dir.h"
+
+namespace moelora {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Sec(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+constexpr const char* kUsage =
+    "usage: peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]\n"
+    "            [--new-tokens 32] [--threads 2] [--quick]\n";
+
+// Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
+// that streams its weights once can reach at most.
+double ReadBandwidthGBs(int threads) {
+  const size_t n = (size_t{1} << 30) / sizeof(uint64_t);
+  std::unique_ptr<uint64_t[]> buf(new uint64_t[n]);
+  for (size_t i = 0; i < n; ++i) buf[i] = i;
+  double best = 0;
+  std::atomic<uint64_t> sink{0};
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t) {
+      ts.emplace_back([&, t] {
+        const size_t b = n / threads * t, e = t + 1 == threads ? n : n / threads * (t + 1);
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (size_t i = b; i + 4 <= e; i += 4) {
+          s0 += buf[i];
+          s1 += buf[i + 1];
+          s2 += buf[i + 2];
+          s3 += buf[i + 3];
+        }
+        sink += s0 + s1 + s2 + s3;
+      });
+    }
+    for (auto& t : ts) t.join();
+    best = std::max(best, n * sizeof(uint64_t) / Sec(Clock::now() - t0) / 1e9);
+  }
+  if (sink.load() == 42) std::printf(" ");  // keeps the sums
+  return best;
+}
+
+struct ModelDims {
+  int64_t H = 0, I = 0, E = 0, topk = 0, layers = 0, q = 0, kv = 0, vocab = 0;
+};
+
+ModelDims ReadDims(const std::string& config) {
+  std::ifstream f(config);
+  const auto j = nlohmann::json::parse(f);
+  ModelDims d;
+  d.H = j["hidden_size"];
+  d.I = j["moe_intermediate_size"];
+  d.E = j.contains("num_experts") && j["num_experts"].is_number() ? j["num_experts"]
+                                                                  : j["num_local_experts"];
+  d.topk = j["num_experts_per_tok"];
+  d.layers = j["num_hidden_layers"];
+  const int64_t hd = j["head_dim"];
+  d.q = static_cast<int64_t>(j["num_attention_heads"]) * hd;
+  d.kv = static_cast<int64_t>(j["num_key_value_heads"]) * hd;
+  d.vocab = j["vocab_size"];
+  return d;
+}
+
+// Bytes of weights one decode step of `batch` sequences reads at least: every layer's attention
+// projections and router, the experts the batch touches (expected count under uniform top-k
+// routing: E (1 - (1 - k/E)^batch)), the LM head; norms and embedding rows are negligible.
+double StepBytes(const ModelDims& d, int batch, int elem) {
+  const double experts = d.E * (1.0 - std::pow(1.0 - static_cast<double>(d.topk) / d.E, batch));
+  const double attn = static_cast<double>(d.H) * (2 * d.q + 2 * d.kv);
+  const double per_layer = attn + d.E * d.H + experts * 3.0 * d.H * d.I;
+  return elem * (d.layers * per_layer + static_cast<double>(d.vocab) * d.H);
+}
+
+struct Side {
+  double tok_s = 0, prefill_tok_s = 0, seconds = 0;
+  std::vector<std::vector<int32_t>> outputs;
+};
+
+// `batch` concurrent Generate calls; rows get adapters[i % adapters.size()].
+bool RunMoelora(testing::ControllerProcess& c, const std::vector<std::vector<int32_t>>& prompts,
+                int batch, int new_tokens, const std::vector<std::string>& adapters, Side* out) {
+  auto wave = [&](int max_tokens, std::vector<std::vector<int32_t>>* outs) {
+    std::vector<std::thread> ts;
+    std::atomic<bool> ok{true};
+    outs->assign(batch, {});
+    const auto t0 = Clock::now();
+    for (int i = 0; i < batch; ++i) {
+      ts.emplace_back([&, i] {
+        v1::GenerateRequest req;
+        req.set_adapter(adapters[i % adapters.size()]);
+        req.mutable_prompt_token_ids()->Add(prompts[i].begin(), prompts[i].end());
+        req.set_max_tokens(max_tokens);
+        req.set_ignore_eos(true);
+        v1::GenerateResponse r;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+        const grpc::Status s = c.stub().Generate(&ctx, req, &r);
+        if (!s.ok()) {
+          std::fprintf(stderr, "Generate: %s\n", s.error_message().c_str());
+          ok = false;
+          return;
+        }
+        (*outs)[i].assign(r.token_ids().begin(), r.token_ids().end());
+      });
+    }
+    for (auto& t : ts) t.join();
+    return ok ? Sec(Clock::now() - t0) : -1.0;
+  };
+  std::vector<std::vector<int32_t>> scratch;
+  if (wave(2, &scratch) < 0) return false;  // warm (this batch's shapes, slots)
+  const double pf = wave(1, &scratch);
+  const double gen = wave(new_tokens, &out->outputs);
+  if (pf < 0 || gen < 0) return false;
+  out->seconds = gen;
+  out->tok_s = static_cast<double>(batch) * new_tokens / gen;
+  out->prefill_tok_s = static_cast<double>(batch) * prompts[0].size() / pf;
+  return true;
+}
+
+int Matches(const std::vector<std::vector<int32_t>>& a, const nlohmann::json& b) {
+  int n = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (a[i] == b[i].get<std::vector<int32_t>>()) ++n;
+  }
+  return n;
+}
+
+}  // namespace
+}  // namespace moelora
+
+int main(int argc, char** argv) {
+  using namespace moelora;
+  const std::string src = MOELORA_SOURCE_DIR;
+  std::string python = src + "/.cache/peer-venv/bin/python", dir = src + "/.cache/peer-model";
+  std::string batches_s = "1,8,32", dtypes_s = "float32,bfloat16";
+  int new_tokens = 32, threads = 2;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n%s", f.c_str(), kUsage);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (f == "--help" || f == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    } else if (f == "--python") {
+      python = value();
+    } else if (f == "--dir") {
+      dir = value();
+    } else if (f == "--batches") {
+      batches_s = value();
+    } else if (f == "--dtypes") {
+      dtypes_s = value();
+    } else if (f == "--new-tokens") {
+      new_tokens = std::atoi(value().c_str());
+    } else if (f == "--threads") {
+      threads = std::atoi(value().c_str());
+    } else if (f == "--quick") {
+      batches_s = "1,8";
+      dtypes_s = "float32";
+      new_tokens = 8;
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n%s", f.c_str(), kUsage);
+      return 2;
+    }
+  }
+  std::vector<int> batches;
+  for (absl::string_view b : absl::StrSplit(batches_s, ',')) batches.push_back(std::atoi(b.data()));
+  const std::vector<std::string> dtypes = absl::StrSplit(dtypes_s, ',');
+  if (!std::filesystem::exists(python)) {
+    std::fprintf(stderr, "%s: not found; run tools/peer_venv.sh (or pass --python)\n",
+                 python.c_str());
+    return 1;
+  }
+  const std::string script = src + "/tools/peer_bench.py";
+  if (!std::filesystem::exists(dir + "/prompts.json")) {
+    const std::string cmd = absl::StrCat(python, " ", script, " make --out ", dir);
+    std::printf("writing the model: %s\n", cmd.c_str());
+    std::fflush(stdout);
+    if (std::system(cmd.c_str()) != 0) return 1;
+  }
+  std::vector<std::vector<int32_t>> prompts;
+  {
+    std::ifstream f(dir + "/prompts.json");
+    prompts = nlohmann::json::parse(f).get<std::vector<std::vector<int32_t>>>();
+  }
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  if (max_batch > static_cast<int>(prompts.size())) {
+    std::fprintf(stderr, "batch %d > %zu prompts\n", max_batch, prompts.size());
+    return 2;
+  }
+  const ModelDims dims = ReadDims(dir + "/model/config.json");
+  const double bw = ReadBandwidthGBs(threads);
+  std::printf("read bandwidth (%d threads, 1 GiB): %.1f GB/s\n", threads, bw);
+  bool outputs_ok = true;
+  for (const std::string& dt : dtypes) {
+    // The peer first, alone on the machine.
+    const std::string pj = absl::StrCat(dir, "/peer_", dt, ".json");
+    const std::string cmd =
+        absl::StrCat(python, " ", script, " run --dir ", dir, " --dtype ", dt, " --batches ",
+                     batches_s, " --new-tokens ", new_tokens, " --threads ", threads, " --out ", pj,
+                     " 2>", dir, "/peer_", dt, ".log");
+    std::printf("peer: %s\n", cmd.c_str());
+    std::fflush(stdout);
+    if (std::system(cmd.c_str()) != 0) {
+      std::fprintf(stderr, "the peer failed; see %s/peer_%s.log\n", dir.c_str(), dt.c_str());
+      return 1;
+    }
+    nlohmann::json peer;
+    {
+      std::ifstream f(pj);
+      peer = nlohmann::json::parse(f);
+    }
+    testing::TempDir state;
+    testing::ControllerProcess c(state.path(), dir,
+                                 {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64",
+                                  "--dtype", dt, "--worker-args",
+                                  absl::StrCat("--cpu-threads ", threads)},
+                                 dir + "/model");
+    if (!c.WaitHealth(grpc::health::v1::HealthCheckResponse::SERVING, std::chrono::seconds(300))) {
+      std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
+      return 1;
+    }
+    if (!c.Load("a2d", "adapter_2d").ok() || !c.Load("a3d", "adapter_3d").ok()) {
+      std::fprintf(stderr, "LoadAdapter failed:\n%s\n", c.Log().c_str());
+      return 1;
+    }
+    std::printf(
+        "\n%s, %d new tokens, %d threads each, torch %s on the peer side\n"
+        "| case | batch | moelora tok/s | transformers+PEFT tok/s | ratio | greedy identical |\n"
+        "|---|---|---|---|---|---|\n",
+        dt.c_str(), new_tokens, threads, peer["torch"].get<std::string>().c_str());
+    std::map<int, Side> base;
+    std::vector<std::string> extra;
+    for (int b : batches) {
+      for (const std::string cs : {"base", "mixed"}) {
+        Side s;
+        const std::vector<std::string> ad =
+            cs == "base" ? std::vector<std::string>{""} : std::vector<std::string>{"a2d", "a3d"};
+        if (!RunMoelora(c, prompts, b, new_tokens, ad, &s)) return 1;
+        const auto& p = peer["cases"][absl::StrCat(cs, "/", b)];
+        const int m = Matches(s.outputs, p["outputs"]);
+        if (m != b && dt == "float32") outputs_ok = false;
+        std::printf("| %s | %d | %.0f | %.0f | %.2f | %d/%d |\n", cs.c_str(), b, s.tok_s,
+                    p["tok_s"].get<double>(), s.tok_s / p["tok_s"].get<double>(), m, b);
+        if (cs == "base") {
+          base[b] = s;
+          // Decode step: the generate wave less its prefill, over the remaining steps.
+          const double step =
+              (s.seconds - b * 16.0 / s.prefill_tok_s) / std::max(1, new_tokens - 1);
+          const double bound = StepBytes(dims, b, dt == "float32" ? 4 : 2) / (bw * 1e9);
+          extra.push_back(absl::StrFormat(
+              "batch %d: prefill %.0f vs %.0f tok/s (ratio %.2f); decode step %.1f ms, bound "
+              "%.1f ms (%.0f MB / %.1f GB/s), step/bound %.2f",
+              b, s.prefill_tok_s, p["prefill_tok_s"].get<double>(),
+              s.prefill_tok_s / p["prefill_tok_s"].get<double>(), step * 1e3, bound * 1e3,
+              StepBytes(dims, b, dt == "float32" ? 4 : 2) / 1e6, bw, step / bound));
+        } else {
+          extra.push_back(absl::StrFormat("batch %d: mixed / moelora base = %.2f", b,
+                                          s.tok_s / base[b].tok_s));
+        }
+      }
+    }
+    for (const auto& e : extra) std::printf("  %s\n", e.c_str());
+  }
+  if (!outputs_ok) {
+    std::fprintf(stderr, "FAIL: an f32 greedy output differs from transformers'\n");
+    return 1;
+  }
+  return 0;
+}
