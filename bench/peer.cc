@@ -18,7 +18,8 @@
 // (issue 14): base >= 1.5x at batch 8 and 32, mixed >= 0.85x moelora's base, prefill >= 1x,
 // step <= 1.3x the bound at batch 32. Exits 1 when an f32 greedy output differs from
 // transformers' (bf16 outputs are counted, not required: the two round differently).
-// --quick (CI): batches 1,8, 8 new tokens, float32 only.
+// --quick (CI): batches 1,8, 8 new tokens, float32 only. --reuse-peer: the peer's figures from the
+// last run in DIR (same flags), to iterate on moelora alone.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -49,7 +50,7 @@ double Sec(Clock::duration d) { return std::chrono::duration<double>(d).count();
 
 constexpr const char* kUsage =
     "usage: peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]\n"
-    "            [--new-tokens 32] [--threads 2] [--quick]\n";
+    "            [--new-tokens 32] [--threads 2] [--quick] [--reuse-peer]\n";
 
 // Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
 // that streams its weights once can reach at most.
@@ -176,6 +177,7 @@ int main(int argc, char** argv) {
   std::string python = src + "/.cache/peer-venv/bin/python", dir = src + "/.cache/peer-model";
   std::string batches_s = "1,8,32", dtypes_s = "float32,bfloat16";
   int new_tokens = 32, threads = 2;
+  bool reuse_peer = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto value = [&]() -> std::string {
@@ -200,6 +202,8 @@ int main(int argc, char** argv) {
       new_tokens = std::atoi(value().c_str());
     } else if (f == "--threads") {
       threads = std::atoi(value().c_str());
+    } else if (f == "--reuse-peer") {
+      reuse_peer = true;
     } else if (f == "--quick") {
       batches_s = "1,8";
       dtypes_s = "float32";
@@ -245,9 +249,9 @@ int main(int argc, char** argv) {
         absl::StrCat(python, " ", script, " run --dir ", dir, " --dtype ", dt, " --batches ",
                      batches_s, " --new-tokens ", new_tokens, " --threads ", threads, " --out ", pj,
                      " 2>", dir, "/peer_", dt, ".log");
-    std::printf("peer: %s\n", cmd.c_str());
+    std::printf("peer: %s\n", reuse_peer ? "(reused)" : cmd.c_str());
     std::fflush(stdout);
-    if (std::system(cmd.c_str()) != 0) {
+    if (!(reuse_peer && std::filesystem::exists(pj)) && std::system(cmd.c_str()) != 0) {
       std::fprintf(stderr, "the peer failed; see %s/peer_%s.log\n", dir.c_str(), dt.c_str());
       return 1;
     }

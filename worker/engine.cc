@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
+#include <functional>
+#include <future>
 #include <list>
 #include <mutex>
 #include <optional>
@@ -53,6 +56,57 @@ double Since(std::chrono::steady_clock::time_point t0) {
   return absl::InvalidArgumentError(
       absl::StrCat("--dtype \"", dtype, "\": use float32 or bfloat16"));
 }
+
+// One thread runs every Step. libgomp keeps one OpenMP team per thread that opens a parallel
+// region, and a team's idle threads spin after each region: with Step on whichever gRPC thread
+// took the call, several teams spun on the same cores, and 73% of a decode step's samples (perf,
+// batch 32) were in libgomp's spin loop. One compute thread means one team, of --cpu-threads
+// threads (its OpenMP thread count is set on it: the setting is per thread).
+class ComputeThread {
+ public:
+  explicit ComputeThread(int threads) : thread_([this, threads] { Loop(threads); }) {}
+  ~ComputeThread() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // Runs f there and waits for it.
+  template <typename F>
+  auto Run(F&& f) -> decltype(f()) {
+    std::packaged_task<decltype(f())()> task(std::forward<F>(f));
+    auto result = task.get_future();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      tasks_.push_back([&task] { task(); });
+    }
+    cv_.notify_all();
+    return result.get();
+  }
+
+ private:
+  void Loop(int threads) {
+    at::set_num_threads(threads);
+    for (;;) {
+      std::function<void()> t;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [this] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        t = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      t();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 struct Engine::Impl {
   EngineOptions options;
@@ -110,6 +164,9 @@ struct Engine::Impl {
     }
     return std::nullopt;
   }
+
+  // Last: destroyed first, so no Step runs while the rest goes.
+  std::unique_ptr<ComputeThread> compute;
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -120,12 +177,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   if (o.max_num_seqs < 1) return absl::InvalidArgumentError("--max-num-seqs must be >= 1");
   if (o.num_threads < 0) return absl::InvalidArgumentError("--num-threads must be >= 0");
   if (o.max_cpu_loras < 0) return absl::InvalidArgumentError("--max-cpu-loras must be >= 0");
-  {
-    // libgomp may report one thread under a CPU quota; set the pool size explicitly.
-    const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    at::set_num_threads(o.num_threads > 0 ? o.num_threads : std::max(1, hw / comm->world_size()));
-  }
+  // libgomp may report one thread under a CPU quota; set the pool size explicitly.
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = o.num_threads > 0 ? o.num_threads : std::max(1, hw / comm->world_size());
+  at::set_num_threads(threads);
   auto impl = std::make_unique<Impl>();
+  impl->compute = std::make_unique<ComputeThread>(threads);
   impl->options = o;
   impl->comm = comm;
   ModelOptions mo;
@@ -320,6 +377,11 @@ absl::StatusOr<HostCacheStats> Engine::UnloadAdapter(int64_t id, bool keep_in_ho
 
 absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
                                         const std::vector<int64_t>& remove) {
+  return impl_->compute->Run([&] { return StepOnComputeThread(add, remove); });
+}
+
+absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequence>& add,
+                                                       const std::vector<int64_t>& remove) {
   Impl& m = *impl_;
   const auto t0 = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> step_lock(m.step_mu);

@@ -131,7 +131,8 @@ class Engine {
 
   // Removes `remove`, adds `add` (all or nothing: an invalid joiner fails the step before any
   // state changes), runs one forward pass and samples one token per sequence. Finished sequences
-  // leave the batch by themselves.
+  // leave the batch by themselves. The work runs on the engine's one compute thread, whatever
+  // thread calls (see ComputeThread in engine.cc).
   [[nodiscard]] absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,
                                                 const std::vector<int64_t>& remove);
 
@@ -140,6 +141,8 @@ class Engine {
  private:
   struct Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
+  absl::StatusOr<StepOutput> StepOnComputeThread(const std::vector<NewSequence>& add,
+                                                 const std::vector<int64_t>& remove);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,8 +1,11 @@
 // RmsNorm, Rotary and Attention.
 #include "worker/layers/attention.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/status_macros.h"
 
@@ -41,6 +44,74 @@ Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarT
 }
 
 namespace {
+
+// Decode attention on the CPU: every sequence has one new token (its K/V rows are already in its
+// cache). Written by hand, not with ATen ops per sequence: those were ~15 ops per sequence and
+// layer (2000 op dispatches a step at batch 32), and libtorch 1.13 has no fused
+// scaled_dot_product_attention. One OpenMP loop over (sequence, head); f32 accumulation, the
+// softmax in f32 as on the ATen path; with `sinks` the sink joins the denominator only.
+template <typename T>
+void DecodeAttentionCpu(const T* q, const ForwardBatch& b, int layer, int64_t hq, int64_t hkv,
+                        int64_t d, int64_t window, double scale, const float* sinks, T* out) {
+  const int64_t groups = hq / hkv, S = static_cast<int64_t>(b.seqs.size());
+#pragma omp parallel
+  {
+    std::vector<float> scores, acc(d), qf(d);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t task = 0; task < S * hq; ++task) {
+      const ForwardBatch::Seq& seq = b.seqs[task / hq];
+      const int64_t h = task % hq, g = h / groups;
+      const LayerState& st = seq.state->layers[layer];
+      const int64_t past = seq.state->len, total = past + 1;
+      const int64_t k0 = window > 0 ? std::max<int64_t>(0, past - window + 1) : 0;
+      const T* K = st.k.data_ptr<T>();
+      const T* V = st.v.data_ptr<T>();
+      const T* qh = q + (seq.begin * hq + h) * d;
+      for (int64_t c = 0; c < d; ++c) qf[c] = static_cast<float>(qh[c]);
+      scores.resize(total - k0);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = k0; j < total; ++j) {
+        const T* kr = K + (j * hkv + g) * d;
+        float s = 0;
+        for (int64_t c = 0; c < d; ++c) s += qf[c] * static_cast<float>(kr[c]);
+        s = static_cast<float>(s * scale);
+        scores[j - k0] = s;
+        mx = std::max(mx, s);
+      }
+      if (sinks) mx = std::max(mx, sinks[h]);
+      float denom = sinks ? std::exp(sinks[h] - mx) : 0.0f;
+      for (float& s : scores) {
+        s = std::exp(s - mx);
+        denom += s;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = k0; j < total; ++j) {
+        const T* vr = V + (j * hkv + g) * d;
+        const float p = scores[j - k0];
+        for (int64_t c = 0; c < d; ++c) acc[c] += p * static_cast<float>(vr[c]);
+      }
+      T* o = out + (seq.begin * hq + h) * d;
+      const float inv = 1.0f / denom;
+      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
+    }
+  }
+}
+
+// Capacity for `total` rows (doubling), keeping the rows held so far.
+void GrowCache(LayerState& st, int64_t total, int64_t hkv, int64_t d, const at::TensorOptions& o) {
+  if (st.k.defined() && st.k.size(0) >= total) return;
+  const int64_t cap = std::max<int64_t>({total, st.k.defined() ? 2 * st.k.size(0) : 0, 16});
+  at::Tensor nk = at::empty({cap, hkv, d}, o), nv = at::empty({cap, hkv, d}, o);
+  if (st.k.defined()) {
+    // The rows of the sequence so far (a cache is never longer than that).
+    const int64_t held = std::min(st.k.size(0), total);
+    nk.narrow(0, 0, held).copy_(st.k.narrow(0, 0, held));
+    nv.narrow(0, 0, held).copy_(st.v.narrow(0, 0, held));
+  }
+  st.k = nk;
+  st.v = nv;
+}
+
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t h = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
@@ -98,22 +169,39 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
   at::Tensor attn = at::empty({T, hq * d}, h.options());
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const int64_t groups = hq / hkv, W = spec_.sliding_window;
-  for (const auto& seq : b.seqs) {
+  bool decode = h.device().is_cpu() &&
+                (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
+  for (const auto& seq : b.seqs) decode = decode && seq.count == 1;
+  if (decode) {
+    // Append each sequence's K/V row (growing the cache as below), then all of them at once.
+    at::Tensor kn = k.contiguous(), vn = v.contiguous();
+    const size_t row = static_cast<size_t>(hkv * d) * kn.element_size();
+    for (const auto& seq : b.seqs) {
+      LayerState& st = seq.state->layers[layer];
+      GrowCache(st, seq.state->len + 1, hkv, d, h.options());
+      std::memcpy(static_cast<char*>(st.k.data_ptr()) + seq.state->len * row,
+                  static_cast<const char*>(kn.data_ptr()) + seq.begin * row, row);
+      std::memcpy(static_cast<char*>(st.v.data_ptr()) + seq.state->len * row,
+                  static_cast<const char*>(vn.data_ptr()) + seq.begin * row, row);
+    }
+    at::Tensor qc = q.contiguous();
+    at::Tensor sk = sinks_.defined() ? sinks_.to(at::kFloat).contiguous() : at::Tensor();
+    const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
+    if (h.scalar_type() == at::kFloat) {
+      DecodeAttentionCpu(qc.data_ptr<float>(), b, layer, hq, hkv, d, W, scale, sp,
+                         attn.data_ptr<float>());
+    } else {
+      DecodeAttentionCpu(qc.data_ptr<at::BFloat16>(), b, layer, hq, hkv, d, W, scale, sp,
+                         attn.data_ptr<at::BFloat16>());
+    }
+  }
+  const std::vector<ForwardBatch::Seq> none;
+  for (const auto& seq : decode ? none : b.seqs) {
     LayerState& st = seq.state->layers[layer];
     const int64_t n = seq.count, past = seq.state->len, total = past + n;
+    GrowCache(st, total, hkv, d, h.options());
     at::Tensor& kc = st.k;
     at::Tensor& vc = st.v;
-    if (!kc.defined() || kc.size(0) < total) {
-      const int64_t cap = std::max<int64_t>({total, kc.defined() ? 2 * kc.size(0) : 0, 16});
-      at::Tensor nk = at::empty({cap, hkv, d}, h.options());
-      at::Tensor nv = at::empty({cap, hkv, d}, h.options());
-      if (past > 0) {
-        nk.narrow(0, 0, past).copy_(kc.narrow(0, 0, past));
-        nv.narrow(0, 0, past).copy_(vc.narrow(0, 0, past));
-      }
-      kc = nk;
-      vc = nv;
-    }
     kc.narrow(0, past, n).copy_(k.narrow(0, seq.begin, n));
     vc.narrow(0, past, n).copy_(v.narrow(0, seq.begin, n));
     // Keys a query can see: causal, and with a window only positions > p - W. The first query

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/bgmv.h"
+#include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
 
 namespace moelora {
@@ -188,7 +189,7 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
 }
 
 absl::StatusOr<at::Tensor> LoraLinear::Forward(const at::Tensor& x, const LoraBatch& lb) const {
-  at::Tensor y = at::matmul(x, w_.t());
+  at::Tensor y = MatmulWt(x, w_);
   if (bias_.defined() && (mode_ != TpMode::kRow || shape_.tp_rank == 0)) y.add_(bias_);
   y = y.contiguous();
   if (!lb.any) return y;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/moe_lora.h"
+#include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
 
 namespace moelora {
@@ -300,11 +301,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     return segs;
   };
   at::Tensor h13 = at::empty({N, 2 * Ip}, h.options());
-  for (size_t r = 0; r < expert_runs.size(); ++r) {
-    auto [i, j] = expert_runs[r];
-    at::Tensor dst = h13.narrow(0, i, j - i);
-    at::mm_out(dst, xs.narrow(0, i, j - i), w13_[run_expert[r]].t());
-  }
+  GroupedMatmulWt(xs, w13_, expert_runs, run_expert, h13);
   // Fully sharded: (begin, end, slot, expert) of every LoRA segment, for ATen GEMMs around the
   // collectives (the same list on every rank: routing and slots are replicated).
   std::vector<FsSegment> fs_segs;
@@ -353,11 +350,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     act = (at::silu(h13.narrow(1, 0, Ip)) * h13.narrow(1, Ip, Ip)).contiguous();
   }
   at::Tensor ys = at::empty({N, H}, h.options());
-  for (size_t r = 0; r < expert_runs.size(); ++r) {
-    auto [i, j] = expert_runs[r];
-    at::Tensor dst = ys.narrow(0, i, j - i);
-    at::mm_out(dst, act.narrow(0, i, j - i), w2_[run_expert[r]].t());
-  }
+  GroupedMatmulWt(act, w2_, expert_runs, run_expert, ys);
   if (fs_ && lb.any) {
     MOELORA_RETURN_IF_ERROR(
         AddFullyShardedLora(kW2, act, ys, shape_.tp_rank * (H / shape_.tp_size), true, fs_segs));

@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "worker/layers/gemm.h"
 #include "nlohmann/json.hpp"
 
 namespace moelora {
@@ -63,7 +64,7 @@ at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps
   at::Tensor sel = x.index_select(
       0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(x.device()));
   sel = RmsNorm(sel, final_norm, eps, kind);
-  return at::matmul(sel, lm_head.t()).to(at::kFloat).to(at::kCPU).contiguous();
+  return MatmulWt(sel, lm_head).to(at::kFloat).to(at::kCPU).contiguous();
 }
 
 void AddAttentionSpecs(std::vector<ParamSpec>& s, const std::string& p, const ModelConfig& c,

@@ -181,7 +181,9 @@ inline void ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
     for (size_t t = 0; t < batch[0].logits.size(); ++t) {
       const size_t row = prompts[0].size() - 1 + t;
       std::vector<float> r(full.begin() + row * V, full.begin() + (row + 1) * V);
-      EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 1e-5f) << "step " << t;
+      // Decode rows go through the skinny GEMM, a whole-sequence prefill through BLAS: two f32
+      // summation orders (1.2e-5 apart seen on Step3), not two results.
+      EXPECT_LE(MaxAbsDiff(batch[0].logits[t], r), 5e-5f) << "step " << t;
     }
   }
 }

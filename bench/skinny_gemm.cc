@@ -1,0 +1,106 @@
+// bench/skinny_gemm: the expert GEMMs of one MoE layer in a decode step, grouped through the
+// skinny kernel (worker/layers/gemm.h) vs one at::mm_out per expert (the BLAS under libtorch),
+// next to the time to read the same weights at the bandwidth measured in the same run. Rows per
+// expert sweep the crossover (kSkinnyMaxRows).
+//
+//   skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype float32|bfloat16]
+//               [--threads 2] [--rows 1,2,4,8,16,24,32,64]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "worker/layers/gemm.h"
+
+namespace {
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+template <typename F>
+double Best(F f, int reps = 7) {
+  double best = 1e9;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = Now();
+    f();
+    best = std::min(best, Now() - t0);
+  }
+  return best;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t E = 32, H = 1024, I = 512;
+  int threads = 2;
+  std::string dtype = "float32", rows_s = "1,2,4,8,16,24,32,64";
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--help" || i + 1 >= argc) {
+      std::printf(
+          "usage: skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype D] "
+          "[--threads 2] [--rows 1,2,4,8,16,24,32,64]\n");
+      return f == "--help" ? 0 : 2;
+    }
+    const std::string v = argv[++i];
+    if (f == "--experts") E = std::atol(v.c_str());
+    else if (f == "--hidden") H = std::atol(v.c_str());
+    else if (f == "--inter") I = std::atol(v.c_str());
+    else if (f == "--dtype") dtype = v;
+    else if (f == "--threads") threads = std::atoi(v.c_str());
+    else if (f == "--rows") rows_s = v;
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", f.c_str());
+      return 2;
+    }
+  }
+  at::set_num_threads(threads);
+  const at::ScalarType dt = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  at::Tensor w13 = (at::randn({E, 2 * I, H}) * 0.02).to(dt);
+  at::Tensor w2 = (at::randn({E, H, I}) * 0.02).to(dt);
+  const double bytes = static_cast<double>(w13.numel() + w2.numel()) * w13.element_size();
+  // Read bandwidth: sum of the same weights (at::sum streams them once, threaded).
+  at::Tensor flat = at::randn({static_cast<int64_t>(bytes / 4)});
+  const double read = Best([&] { (void)flat.sum().item<float>(); });
+  std::printf("%ld experts, H %ld, I %ld, %s, %d threads: weights %.0f MB, read at %.1f GB/s = %.2f ms\n",
+              static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), dtype.c_str(),
+              threads, bytes / 1e6, flat.numel() * 4 / read / 1e9,
+              bytes / (flat.numel() * 4 / read) * 1e3);
+  std::printf("| rows/expert | grouped skinny ms | per-expert at::mm_out ms | mm/skinny | skinny/read |\n"
+              "|---|---|---|---|---|\n");
+  for (absl::string_view r : absl::StrSplit(rows_s, ',')) {
+    const int64_t m = std::atol(std::string(r).c_str());
+    at::Tensor x = at::randn({E * m, H}).to(dt);
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<int64_t> experts;
+    for (int64_t e = 0; e < E; ++e) {
+      runs.push_back({e * m, (e + 1) * m});
+      experts.push_back(e);
+    }
+    at::Tensor h13 = at::empty({E * m, 2 * I}, x.options()), act, y = at::empty({E * m, H}, x.options());
+    auto grouped = [&] {
+      moelora::GroupedMatmulWt(x, w13, runs, experts, h13);
+      act = h13.narrow(1, 0, I).contiguous();
+      moelora::GroupedMatmulWt(act, w2, runs, experts, y);
+    };
+    auto per_expert = [&] {
+      for (int64_t e = 0; e < E; ++e) {
+        at::Tensor d = h13.narrow(0, e * m, m);
+        at::mm_out(d, x.narrow(0, e * m, m), w13[e].t());
+      }
+      act = h13.narrow(1, 0, I).contiguous();
+      for (int64_t e = 0; e < E; ++e) {
+        at::Tensor d = y.narrow(0, e * m, m);
+        at::mm_out(d, act.narrow(0, e * m, m), w2[e].t());
+      }
+    };
+    const double g = Best(grouped), p = Best(per_expert);
+    std::printf("| %ld | %.2f | %.2f | %.2f | %.2f |\n", static_cast<long>(m), g * 1e3, p * 1e3,
+                p / g, g / (bytes / (flat.numel() * 4 / read)));
+  }
+  return 0;
+}

@@ -1,0 +1,41 @@
+// y = x · wᵀ for few rows of x (decode: a handful of tokens per expert, a batch per dense layer),
+// streaming each weight row once. Written by hand because the BLAS under Debian's libtorch 1.13
+// (OpenBLAS 0.3.21) packs the whole weight on every call: in a decode step of the medium
+// Qwen3-MoE 35% of the time went to sgemm_incopy (perf, docs/performance.md), and a GEMM with
+// 1–8 rows is a matrix–vector product bound by reading the weight, which packing reads twice.
+//
+// Layouts (row-major): x [m, k] f32 (row stride ldx), w [n, k] f32 or bf16 (contiguous rows: an
+// nn.Linear weight, an expert's w13 or w2), y [m, n] f32 (row stride ldy). Accumulation in f32;
+// bf16 weights are widened exactly. Rows [n0, n1) of the output are written (overwritten), so
+// callers split n across threads; calls on disjoint row ranges may run concurrently.
+//
+// The AVX2 + FMA path runs where the CPU has both (checked at run time; the build needs no
+// -mavx2); elsewhere SkinnyGemmAvailable() is false and callers keep their BLAS call.
+#ifndef MOELORA_KERNELS_SKINNY_GEMM_H_
+#define MOELORA_KERNELS_SKINNY_GEMM_H_
+
+#include <cstdint>
+
+namespace moelora {
+
+enum class SkinnyWeight { kF32, kBF16 };
+
+struct SkinnyGemmArgs {
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const void* w = nullptr;
+  SkinnyWeight w_type = SkinnyWeight::kF32;
+  float* y = nullptr;
+  int64_t ldy = 0;
+  int64_t m = 0, n = 0, k = 0;
+};
+
+// True when this CPU runs the vectorised kernel.
+bool SkinnyGemmAvailable();
+
+// Output columns [n0, n1) of y = x · wᵀ. Needs SkinnyGemmAvailable(); 0 <= n0 <= n1 <= n.
+void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1);
+
+}  // namespace moelora
+
+#endif  // MOELORA_KERNELS_SKINNY_GEMM_H_

@@ -1,0 +1,56 @@
+#include "worker/layers/gemm.h"
+
+#include <gtest/gtest.h>
+
+#include "kernels/skinny_gemm.h"
+
+namespace moelora {
+namespace {
+
+// The f32 product of the same (possibly bf16) operands, rounded to x's dtype at the end: what
+// the skinny kernel computes, by ATen.
+at::Tensor Reference(const at::Tensor& x, const at::Tensor& w) {
+  return at::matmul(x.to(at::kDouble), w.to(at::kDouble).t()).to(x.scalar_type());
+}
+
+void ExpectClose(const at::Tensor& got, const at::Tensor& want, const char* what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
+  const double tol = got.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
+  EXPECT_TRUE(at::allclose(got.to(at::kFloat), want.to(at::kFloat), tol, tol))
+      << what << ": max diff " << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
+}
+
+TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
+  if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA: MatmulWt is at::matmul";
+  at::manual_seed(3);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (int64_t m : {int64_t{1}, int64_t{5}, kSkinnyMaxRows, kSkinnyMaxRows + 1, int64_t{40}}) {
+      at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
+      ExpectClose(MatmulWt(x, w), Reference(x, w), dt == at::kFloat ? "f32" : "bf16");
+    }
+  }
+}
+
+TEST(GemmTest, GroupedMatmulWtWritesEachRunWithItsExpert) {
+  at::manual_seed(4);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    at::Tensor weights = at::randn({5, 19, 40}).to(dt);
+    // Runs of 1, 3, a long one (past the crossover: at::mm_out) and 2 rows, experts out of order.
+    const std::vector<std::pair<int64_t, int64_t>> runs = {
+        {0, 1}, {1, 4}, {4, 4 + kSkinnyMaxRows + 3}, {7 + kSkinnyMaxRows, 9 + kSkinnyMaxRows}};
+    const std::vector<int64_t> experts = {3, 0, 4, 3};
+    const int64_t rows = runs.back().second;
+    at::Tensor x = at::randn({rows, 40}).to(dt);
+    at::Tensor out = at::full({rows, 19}, 99.0, x.options());
+    GroupedMatmulWt(x, weights, runs, experts, out);
+    for (size_t r = 0; r < runs.size(); ++r) {
+      auto [i, j] = runs[r];
+      ExpectClose(out.narrow(0, i, j - i), Reference(x.narrow(0, i, j - i), weights[experts[r]]),
+                  "run");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moelora
