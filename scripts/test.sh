@@ -57,7 +57,7 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   phase "ASan+UBSan: unit + integration"
   # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
   cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=None "-DCMAKE_CXX_FLAGS=-O1 -g1" -DMOELORA_ENABLE_CUDA=OFF \
-    -DMOELORA_SANITIZE=ON
+    -DMOELORA_SANITIZE=ON -DMOELORA_BUILD_BENCH=OFF
   cmake --build "$B-asan" -j"$JOBS"
   # allocator_may_return_null: an impossible allocation fails as it would without ASan (the
   # exception-boundary test asks libtorch for 4 PiB and expects RESOURCE_EXHAUSTED).
@@ -69,6 +69,18 @@ if [ "${MOELORA_SKIP_DOCKER:-0}" != "1" ]; then
   phase "Docker image: build and run (tests/deploy/docker_test.sh)"
   rc=0; bash tests/deploy/docker_test.sh || rc=$?
   if [ "$rc" -eq 77 ]; then echo "docker test skipped (no engine here)"; elif [ "$rc" -ne 0 ]; then exit "$rc"; fi
+fi
+
+if [ "${MOELORA_SKIP_PEER:-0}" != "1" ]; then
+  # Against transformers + PEFT on a medium Qwen3-MoE: f32 greedy outputs must be identical
+  # (exit 1 otherwise); the tokens/s ratios are figures. Needs torch, transformers and peft from
+  # PyPI (tools/peer_venv.sh: 5.6 GB, about 4 minutes); MOELORA_SKIP_PEER=1 skips.
+  phase "bench/peer --quick: moelora vs transformers + PEFT (venv .cache/peer-venv)"
+  if PY="$(bash tools/peer_venv.sh)"; then
+    "$B/bench/peer" --python "$PY" --dir "$ROOT/.cache/peer-model" --quick
+  else
+    echo "pip could not install torch/transformers/peft: bench/peer skipped"
+  fi
 fi
 
 phase "bench (figures only)"

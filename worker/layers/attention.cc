@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "worker/layers/gemm.h"
 
 namespace moelora {
 
@@ -214,7 +215,7 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
       Vv = Vv.repeat_interleave(groups, 0);
     }
     at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});   // [hq, n, d]
-    at::Tensor scores = at::matmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, keys]
+    at::Tensor scores = CpuMatmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, keys]
     if (n > 1 || (W > 0 && total - k0 > W)) {
       const auto lopt = at::TensorOptions().dtype(at::kLong).device(h.device());
       at::Tensor qpos = at::arange(past, total, lopt).unsqueeze(1);
@@ -235,7 +236,7 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
     } else {
       probs = at::softmax(scores, -1, at::kFloat).to(h.scalar_type());
     }
-    at::Tensor o = at::matmul(probs, Vv);  // [hq, n, d]
+    at::Tensor o = CpuMatmul(probs, Vv);  // [hq, n, d]
     attn.narrow(0, seq.begin, n).copy_(o.permute({1, 0, 2}).reshape({n, hq * d}));
   }
   if (spec_.output_gate) attn = attn * at::sigmoid(gate);

@@ -68,8 +68,24 @@ SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& w, float* y, int64_t
 
 }  // namespace
 
+static at::Tensor Bf16AsF32Matmul(const at::Tensor& a, const at::Tensor& b) {
+  return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+}
+
+static bool SlowBf16(const at::Tensor& x) {
+  return x.device().is_cpu() && x.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b) {
+  return SlowBf16(a) ? Bf16AsF32Matmul(a, b) : at::matmul(a, b);
+}
+
+static int64_t MaxRows(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? kSkinnyMaxRowsBf16 : kSkinnyMaxRows;
+}
+
 at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
-  if (!Skinny(x, w) || x.size(0) > kSkinnyMaxRows || x.size(0) == 0) return at::matmul(x, w.t());
+  if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
   at::Tensor xf = PaddedF32(x);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
   RunJobs({Job{Args(xf, w, y.data_ptr<float>(), y.stride(0)), 0}}, (w.size(0) + kBlock - 1) / kBlock);
@@ -90,9 +106,13 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   for (size_t r = 0; r < runs.size(); ++r) {
     auto [i, j] = runs[r];
     at::Tensor w = weights[expert[r]];
-    if (!skinny || j - i > kSkinnyMaxRows) {
+    if (!skinny || j - i > MaxRows(x)) {
       at::Tensor dst = out.narrow(0, i, j - i);
-      at::mm_out(dst, x.narrow(0, i, j - i), w.t());
+      if (SlowBf16(x)) {
+        dst.copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), w.t()));
+      } else {
+        at::mm_out(dst, x.narrow(0, i, j - i), w.t());
+      }
       continue;
     }
     Job job{Args(xf.narrow(0, i, j - i), w, yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0)),

@@ -10,8 +10,16 @@
 namespace moelora {
 
 // Rows of x up to which the skinny kernel beats at::matmul on the weights it serves (bench/
-// skinny_gemm measures the crossover; docs/performance.md has the figures).
+// skinny_gemm measures the crossover; docs/performance.md has the figures). bf16 goes further:
+// its alternative is f32 BLAS on widened copies of the weight (CpuMatmul), which reads and
+// writes the weight twice more.
 inline constexpr int64_t kSkinnyMaxRows = 24;
+inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
+
+// at::matmul(a, b), except bf16 on the CPU, which runs as f32 (widened copies, the result
+// rounded back): libtorch 1.13's bf16 GEMM has no fast path on CPUs without AVX512-BF16
+// (bench/skinny_gemm --dtype bfloat16: 8 experts x 24 rows took 417 ms, 8 ms through f32).
+at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b);
 
 // x [m, k] · w [n, k]ᵀ -> [m, n] in x's dtype.
 at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w);

@@ -493,14 +493,14 @@ absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatc
       break;
     }
     case RouterKind::kSoftmaxTopK: {
-      at::Tensor logits = at::matmul(h, router_.t());
+      at::Tensor logits = MatmulWt(h, router_);
       at::Tensor probs = at::softmax(logits, 1, at::kFloat);
       std::tie(wts, idx) = at::topk(probs, top_k_, -1);
       if (norm_topk_prob_) wts = wts / wts.sum(-1, true);
       break;
     }
     case RouterKind::kTopKSoftmax: {
-      at::Tensor logits = at::matmul(h, router_.t());
+      at::Tensor logits = MatmulWt(h, router_);
       if (router_bias_.defined()) logits = logits + router_bias_;
       at::Tensor top;
       std::tie(top, idx) = at::topk(logits, top_k_, -1);
@@ -529,7 +529,7 @@ absl::StatusOr<at::Tensor> SwiGluMlp::Forward(const at::Tensor& h, const LoraBat
     u = u.clamp(-limit, limit);
   }
   MOELORA_ASSIGN_OR_RETURN(at::Tensor s, down->Forward(a * u, lb));
-  if (gate_weight.defined()) s = s * at::sigmoid(at::matmul(h, gate_weight.t()));
+  if (gate_weight.defined()) s = s * at::sigmoid(MatmulWt(h, gate_weight));
   return s;
 }
 

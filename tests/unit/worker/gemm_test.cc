@@ -25,7 +25,8 @@ TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA: MatmulWt is at::matmul";
   at::manual_seed(3);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-    for (int64_t m : {int64_t{1}, int64_t{5}, kSkinnyMaxRows, kSkinnyMaxRows + 1, int64_t{40}}) {
+    for (int64_t m : {int64_t{1}, int64_t{5}, kSkinnyMaxRows, kSkinnyMaxRows + 1, kSkinnyMaxRowsBf16,
+                      kSkinnyMaxRowsBf16 + 1}) {
       at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
       ExpectClose(MatmulWt(x, w), Reference(x, w), dt == at::kFloat ? "f32" : "bf16");
     }
@@ -38,9 +39,9 @@ TEST(GemmTest, GroupedMatmulWtWritesEachRunWithItsExpert) {
     at::Tensor weights = at::randn({5, 19, 40}).to(dt);
     // Runs of 1, 3, a long one (past the crossover: at::mm_out) and 2 rows, experts out of order.
     const std::vector<std::pair<int64_t, int64_t>> runs = {
-        {0, 1}, {1, 4}, {4, 4 + kSkinnyMaxRows + 3}, {7 + kSkinnyMaxRows, 9 + kSkinnyMaxRows}};
+        {0, 1}, {1, 4}, {4, 4 + kSkinnyMaxRowsBf16 + 3}, {7 + kSkinnyMaxRowsBf16, 9 + kSkinnyMaxRowsBf16}};
     const std::vector<int64_t> experts = {3, 0, 4, 3};
-    const int64_t rows = runs.back().second;
+    const int64_t rows = runs.back().second;  // the long run: BLAS (f32 BLAS for bf16)
     at::Tensor x = at::randn({rows, 40}).to(dt);
     at::Tensor out = at::full({rows, 19}, 99.0, x.options());
     GroupedMatmulWt(x, weights, runs, experts, out);
