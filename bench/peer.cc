@@ -264,11 +264,11 @@ int main(int argc, char** argv) {
       peer = nlohmann::json::parse(f);
     }
     testing::TempDir state;
-    testing::ControllerProcess c(state.path(), dir,
-                                 {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64",
-                                  "--dtype", dt, "--worker-args",
-                                  absl::StrCat("--cpu-threads ", threads)},
-                                 dir + "/model");
+    testing::ControllerProcess c(
+        state.path(), dir,
+        {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64", "--dtype", dt, "--worker-args",
+         absl::StrCat("--cpu-threads ", threads)},
+        dir + "/model");
     if (!c.WaitHealth(grpc::health::v1::HealthCheckResponse::SERVING, std::chrono::seconds(300))) {
       std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
       return 1;
@@ -293,8 +293,8 @@ int main(int argc, char** argv) {
         const std::string key = absl::StrCat(cs, "/", b);
         if (!peer["cases"].contains(key)) {
           std::printf("| %s | %d | %.0f | - | - | - |\n", cs.c_str(), b, s.tok_s);
-          extra.push_back(absl::StrFormat("batch %d: mixed / moelora base = %.2f", b,
-                                          s.tok_s / base[b].tok_s));
+          extra.push_back(
+              absl::StrFormat("batch %d: mixed / moelora base = %.2f", b, s.tok_s / base[b].tok_s));
           continue;
         }
         const auto& p = peer["cases"][key];
@@ -315,8 +315,8 @@ int main(int argc, char** argv) {
               s.prefill_tok_s / p["prefill_tok_s"].get<double>(), step * 1e3, bound * 1e3,
               StepBytes(dims, b, dt == "float32" ? 4 : 2) / 1e6, bw, step / bound));
         } else {
-          extra.push_back(absl::StrFormat("batch %d: mixed / moelora base = %.2f", b,
-                                          s.tok_s / base[b].tok_s));
+          extra.push_back(
+              absl::StrFormat("batch %d: mixed / moelora base = %.2f", b, s.tok_s / base[b].tok_s));
         }
       }
     }

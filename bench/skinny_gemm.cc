@@ -47,12 +47,18 @@ int main(int argc, char** argv) {
       return f == "--help" ? 0 : 2;
     }
     const std::string v = argv[++i];
-    if (f == "--experts") E = std::atol(v.c_str());
-    else if (f == "--hidden") H = std::atol(v.c_str());
-    else if (f == "--inter") I = std::atol(v.c_str());
-    else if (f == "--dtype") dtype = v;
-    else if (f == "--threads") threads = std::atoi(v.c_str());
-    else if (f == "--rows") rows_s = v;
+    if (f == "--experts")
+      E = std::atol(v.c_str());
+    else if (f == "--hidden")
+      H = std::atol(v.c_str());
+    else if (f == "--inter")
+      I = std::atol(v.c_str());
+    else if (f == "--dtype")
+      dtype = v;
+    else if (f == "--threads")
+      threads = std::atoi(v.c_str());
+    else if (f == "--rows")
+      rows_s = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", f.c_str());
       return 2;
@@ -66,12 +72,13 @@ int main(int argc, char** argv) {
   // Read bandwidth: sum of the same weights (at::sum streams them once, threaded).
   at::Tensor flat = at::randn({static_cast<int64_t>(bytes / 4)});
   const double read = Best([&] { (void)flat.sum().item<float>(); });
-  std::printf("%ld experts, H %ld, I %ld, %s, %d threads: weights %.0f MB, read at %.1f GB/s = %.2f ms\n",
-              static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), dtype.c_str(),
-              threads, bytes / 1e6, flat.numel() * 4 / read / 1e9,
-              bytes / (flat.numel() * 4 / read) * 1e3);
-  std::printf("| rows/expert | grouped skinny ms | per-expert at::mm_out ms | mm/skinny | skinny/read |\n"
-              "|---|---|---|---|---|\n");
+  std::printf(
+      "%ld experts, H %ld, I %ld, %s, %d threads: weights %.0f MB, read at %.1f GB/s = %.2f ms\n",
+      static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), dtype.c_str(), threads,
+      bytes / 1e6, flat.numel() * 4 / read / 1e9, bytes / (flat.numel() * 4 / read) * 1e3);
+  std::printf(
+      "| rows/expert | grouped skinny ms | per-expert at::mm_out ms | mm/skinny | skinny/read |\n"
+      "|---|---|---|---|---|\n");
   for (absl::string_view r : absl::StrSplit(rows_s, ',')) {
     const int64_t m = std::atol(std::string(r).c_str());
     at::Tensor x = at::randn({E * m, H}).to(dt);
@@ -81,7 +88,8 @@ int main(int argc, char** argv) {
       runs.push_back({e * m, (e + 1) * m});
       experts.push_back(e);
     }
-    at::Tensor h13 = at::empty({E * m, 2 * I}, x.options()), act, y = at::empty({E * m, H}, x.options());
+    at::Tensor h13 = at::empty({E * m, 2 * I}, x.options()), act,
+               y = at::empty({E * m, H}, x.options());
     auto grouped = [&] {
       moelora::GroupedMatmulWt(x, w13, runs, experts, h13);
       act = h13.narrow(1, 0, I).contiguous();
@@ -102,5 +110,10 @@ int main(int argc, char** argv) {
     std::printf("| %ld | %.2f | %.2f | %.2f | %.2f |\n", static_cast<long>(m), g * 1e3, p * 1e3,
                 p / g, g / (bytes / (flat.numel() * 4 / read)));
   }
+  // A prefill GEMM, as tools/torch_ops_bench.py times it with the PyTorch wheel.
+  at::Tensor px = at::randn({512, H}).to(dt), pw = (at::randn({H, H}) * 0.02).to(dt);
+  const double t = Best([&] { (void)moelora::CpuMatmul(px, pw.t()); });
+  std::printf("prefill GEMM 512 x %ld x %ld (CpuMatmul): %.2f ms (%.0f GFLOP/s)\n",
+              static_cast<long>(H), static_cast<long>(H), t * 1e3, 2.0 * 512 * H * H / t / 1e9);
   return 0;
 }

@@ -262,6 +262,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   ro.model = options_.model;
   ro.max_rank = options_.max_lora_rank;
   ro.expected_format = AdapterFormatFromProto(req.format());
+  ro.parallel = false;
   AdapterLoadTimings timings;
   absl::StatusOr<LoraAdapter> a = ReadAdapter(*resolved, ro, &timings);
   if (!a.ok()) return fail(a.status());

@@ -108,6 +108,10 @@ struct AdapterReadOptions {
   std::optional<AdapterFormat> expected_format;
   // Convert a 3D adapter to 2D in place after validation.
   bool convert_to_2d = false;
+  // Copy the tensors out of the file on all cores (OpenMP); false: on the calling thread (the
+  // controller's validation read, which runs beside the gRPC threads, and under TSan, which
+  // cannot see libgomp's synchronisation).
+  bool parallel = true;
   // Architecture override for the gate/up order (e.g. "GptOssForCausalLM"); the model's otherwise.
   std::string arch;
 };

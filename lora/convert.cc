@@ -245,58 +245,77 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t es,
   }
 }
 
+// One layer's 3D pairs -> per-expert 2D pairs, in place.
+static absl::Status ConvertLayerTo2D(const std::string& prefix, MoeLayerLora& layer,
+                                     bool interleaved, std::vector<uint8_t>& scratch) {
+  if (layer.format != AdapterFormat::k3D) return absl::OkStatus();
+  if (!layer.gate_up || !layer.down) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, ": 3D layer without both gate_up and down pairs"));
+  }
+  LoraPair& gu = *layer.gate_up;
+  LoraPair& dn = *layer.down;
+  const int64_t e_count = layer.num_experts;
+  const int64_t r_gu = gu.rank, r_d = dn.rank;
+  const int64_t two_i = gu.b.dim(0), inter = two_i / 2, h = dn.b.dim(0);
+  const int64_t h_in = gu.a.dim(1), i_in = dn.a.dim(1);
+  const size_t es_gu_b = ElemBytes(gu.b.dtype), es_d_b = ElemBytes(dn.b.dtype);
+  const size_t es_gu_a = ElemBytes(gu.a.dtype), es_d_a = ElemBytes(dn.a.dtype);
+  PermuteBToExpertMajor(gu.b.data(), two_i, r_gu, e_count, es_gu_b, &scratch);
+  if (interleaved) {
+    for (int64_t e = 0; e < e_count; ++e) {
+      DeinterleaveRows(gu.b.data() + e * two_i * r_gu * es_gu_b, inter, r_gu, es_gu_b, &scratch);
+    }
+  }
+  PermuteBToExpertMajor(dn.b.data(), h, r_d, e_count, es_d_b, &scratch);
+  layer.experts.assign(e_count, {});
+  for (int64_t e = 0; e < e_count; ++e) {
+    LoraPair gate;
+    gate.a = gu.a.View(e * r_gu * h_in * es_gu_a, {r_gu, h_in});
+    gate.b = gu.b.View(e * two_i * r_gu * es_gu_b, {inter, r_gu});
+    gate.rank = gu.rank;
+    gate.alpha = gu.alpha;
+    gate.scaling = gu.scaling;
+    gate.a_name = gu.a_name;
+    gate.b_name = gu.b_name;
+    LoraPair up = gate;
+    up.b = gu.b.View(e * two_i * r_gu * es_gu_b + inter * r_gu * es_gu_b, {inter, r_gu});
+    LoraPair down;
+    down.a = dn.a.View(e * r_d * i_in * es_d_a, {r_d, i_in});
+    down.b = dn.b.View(e * h * r_d * es_d_b, {h, r_d});
+    down.rank = dn.rank;
+    down.alpha = dn.alpha;
+    down.scaling = dn.scaling;
+    down.a_name = dn.a_name;
+    down.b_name = dn.b_name;
+    layer.experts[e][static_cast<int>(ExpertProj::kGate)] = std::move(gate);
+    layer.experts[e][static_cast<int>(ExpertProj::kUp)] = std::move(up);
+    layer.experts[e][static_cast<int>(ExpertProj::kDown)] = std::move(down);
+  }
+  layer.gate_up.reset();
+  layer.down.reset();
+  layer.format = AdapterFormat::k2D;
+  return absl::OkStatus();
+}
+
 [[nodiscard]] absl::Status ConvertTo2DInPlace(LoraAdapter* adapter) {
   if (adapter->format != AdapterFormat::k3D) return absl::OkStatus();
-  std::vector<uint8_t> scratch;
-  for (auto& [prefix, layer] : adapter->moe) {
-    if (layer.format != AdapterFormat::k3D) continue;
-    if (!layer.gate_up || !layer.down) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(prefix, ": 3D layer without both gate_up and down pairs"));
+  // Layers are independent: converted on the machine's cores (OpenMP), each thread with its own
+  // scratch; the first layer's error (in layer order) is returned.
+  std::vector<std::pair<const std::string*, MoeLayerLora*>> layers;
+  for (auto& [prefix, layer] : adapter->moe) layers.push_back({&prefix, &layer});
+  std::vector<absl::Status> status(layers.size());
+  const int64_t n = static_cast<int64_t>(layers.size());
+  const bool interleaved = adapter->interleaved_gate_up;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      status[i] = ConvertLayerTo2D(*layers[i].first, *layers[i].second, interleaved, scratch);
     }
-    LoraPair& gu = *layer.gate_up;
-    LoraPair& dn = *layer.down;
-    const int64_t e_count = layer.num_experts;
-    const int64_t r_gu = gu.rank, r_d = dn.rank;
-    const int64_t two_i = gu.b.dim(0), inter = two_i / 2, h = dn.b.dim(0);
-    const int64_t h_in = gu.a.dim(1), i_in = dn.a.dim(1);
-    const size_t es_gu_b = ElemBytes(gu.b.dtype), es_d_b = ElemBytes(dn.b.dtype);
-    const size_t es_gu_a = ElemBytes(gu.a.dtype), es_d_a = ElemBytes(dn.a.dtype);
-    PermuteBToExpertMajor(gu.b.data(), two_i, r_gu, e_count, es_gu_b, &scratch);
-    if (adapter->interleaved_gate_up) {
-      for (int64_t e = 0; e < e_count; ++e) {
-        DeinterleaveRows(gu.b.data() + e * two_i * r_gu * es_gu_b, inter, r_gu, es_gu_b, &scratch);
-      }
-    }
-    PermuteBToExpertMajor(dn.b.data(), h, r_d, e_count, es_d_b, &scratch);
-    layer.experts.assign(e_count, {});
-    for (int64_t e = 0; e < e_count; ++e) {
-      LoraPair gate;
-      gate.a = gu.a.View(e * r_gu * h_in * es_gu_a, {r_gu, h_in});
-      gate.b = gu.b.View(e * two_i * r_gu * es_gu_b, {inter, r_gu});
-      gate.rank = gu.rank;
-      gate.alpha = gu.alpha;
-      gate.scaling = gu.scaling;
-      gate.a_name = gu.a_name;
-      gate.b_name = gu.b_name;
-      LoraPair up = gate;
-      up.b = gu.b.View(e * two_i * r_gu * es_gu_b + inter * r_gu * es_gu_b, {inter, r_gu});
-      LoraPair down;
-      down.a = dn.a.View(e * r_d * i_in * es_d_a, {r_d, i_in});
-      down.b = dn.b.View(e * h * r_d * es_d_b, {h, r_d});
-      down.rank = dn.rank;
-      down.alpha = dn.alpha;
-      down.scaling = dn.scaling;
-      down.a_name = dn.a_name;
-      down.b_name = dn.b_name;
-      layer.experts[e][static_cast<int>(ExpertProj::kGate)] = std::move(gate);
-      layer.experts[e][static_cast<int>(ExpertProj::kUp)] = std::move(up);
-      layer.experts[e][static_cast<int>(ExpertProj::kDown)] = std::move(down);
-    }
-    layer.gate_up.reset();
-    layer.down.reset();
-    layer.format = AdapterFormat::k2D;
   }
+  for (const absl::Status& st : status) MOELORA_RETURN_IF_ERROR(st);
   adapter->converted_to_2d = true;
   return absl::OkStatus();
 }

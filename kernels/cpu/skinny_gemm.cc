@@ -67,8 +67,8 @@ MOELORA_AVX2 void RowsOfW(const SkinnyGemmArgs& a, const W* w, int64_t n) {
     Tile<NW, MX>(a.x + i * a.ldx, a.ldx, w, a.k, a.y + i * a.ldy + n, a.ldy);
   }
   switch (a.m - i) {
-#define MOELORA_TAIL(R) \
-  case R:               \
+#define MOELORA_TAIL(R)                                                                            \
+  case R:                                                                                          \
     if constexpr (R < MX) Tile<NW, R>(a.x + i * a.ldx, a.ldx, w, a.k, a.y + i * a.ldy + n, a.ldy); \
     break;
     MOELORA_TAIL(1)

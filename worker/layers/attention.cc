@@ -170,8 +170,8 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
   at::Tensor attn = at::empty({T, hq * d}, h.options());
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const int64_t groups = hq / hkv, W = spec_.sliding_window;
-  bool decode = h.device().is_cpu() &&
-                (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
+  bool decode =
+      h.device().is_cpu() && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
   for (const auto& seq : b.seqs) decode = decode && seq.count == 1;
   if (decode) {
     // Append each sequence's K/V row (growing the cache as below), then all of them at once.
@@ -214,7 +214,7 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
       K = K.repeat_interleave(groups, 0);
       Vv = Vv.repeat_interleave(groups, 0);
     }
-    at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});   // [hq, n, d]
+    at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});  // [hq, n, d]
     at::Tensor scores = CpuMatmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, keys]
     if (n > 1 || (W > 0 && total - k0 > W)) {
       const auto lopt = at::TensorOptions().dtype(at::kLong).device(h.device());

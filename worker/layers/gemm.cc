@@ -88,7 +88,8 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
   if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
   at::Tensor xf = PaddedF32(x);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  RunJobs({Job{Args(xf, w, y.data_ptr<float>(), y.stride(0)), 0}}, (w.size(0) + kBlock - 1) / kBlock);
+  RunJobs({Job{Args(xf, w, y.data_ptr<float>(), y.stride(0)), 0}},
+          (w.size(0) + kBlock - 1) / kBlock);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 

@@ -9,8 +9,8 @@
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
-#include "worker/layers/gemm.h"
 #include "nlohmann/json.hpp"
+#include "worker/layers/gemm.h"
 
 namespace moelora {
 

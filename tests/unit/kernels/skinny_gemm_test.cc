@@ -43,9 +43,16 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   for (int64_t i = 0; i < n * k; ++i) wb[i] = ToBf16(w[i]);
   for (SkinnyWeight t : {SkinnyWeight::kF32, SkinnyWeight::kBF16}) {
     std::vector<float> y(m * ldy, -7.0f);
-    SkinnyGemmArgs a{x.data(), ldx, t == SkinnyWeight::kF32 ? static_cast<const void*>(w.data())
-                                                            : static_cast<const void*>(wb.data()),
-                     t, y.data(), ldy, m, n, k};
+    SkinnyGemmArgs a{x.data(),
+                     ldx,
+                     t == SkinnyWeight::kF32 ? static_cast<const void*>(w.data())
+                                             : static_cast<const void*>(wb.data()),
+                     t,
+                     y.data(),
+                     ldy,
+                     m,
+                     n,
+                     k};
     const int64_t cut = n / 3;  // two calls on disjoint column ranges, as the threads make them
     SkinnyGemmRows(a, 0, cut);
     SkinnyGemmRows(a, cut, n);

@@ -18,15 +18,16 @@ void ExpectClose(const at::Tensor& got, const at::Tensor& want, const char* what
   ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
   const double tol = got.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
   EXPECT_TRUE(at::allclose(got.to(at::kFloat), want.to(at::kFloat), tol, tol))
-      << what << ": max diff " << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
+      << what << ": max diff "
+      << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
 }
 
 TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA: MatmulWt is at::matmul";
   at::manual_seed(3);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-    for (int64_t m : {int64_t{1}, int64_t{5}, kSkinnyMaxRows, kSkinnyMaxRows + 1, kSkinnyMaxRowsBf16,
-                      kSkinnyMaxRowsBf16 + 1}) {
+    for (int64_t m : {int64_t{1}, int64_t{5}, kSkinnyMaxRows, kSkinnyMaxRows + 1,
+                      kSkinnyMaxRowsBf16, kSkinnyMaxRowsBf16 + 1}) {
       at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
       ExpectClose(MatmulWt(x, w), Reference(x, w), dt == at::kFloat ? "f32" : "bf16");
     }
@@ -39,7 +40,10 @@ TEST(GemmTest, GroupedMatmulWtWritesEachRunWithItsExpert) {
     at::Tensor weights = at::randn({5, 19, 40}).to(dt);
     // Runs of 1, 3, a long one (past the crossover: at::mm_out) and 2 rows, experts out of order.
     const std::vector<std::pair<int64_t, int64_t>> runs = {
-        {0, 1}, {1, 4}, {4, 4 + kSkinnyMaxRowsBf16 + 3}, {7 + kSkinnyMaxRowsBf16, 9 + kSkinnyMaxRowsBf16}};
+        {0, 1},
+        {1, 4},
+        {4, 4 + kSkinnyMaxRowsBf16 + 3},
+        {7 + kSkinnyMaxRowsBf16, 9 + kSkinnyMaxRowsBf16}};
     const std::vector<int64_t> experts = {3, 0, 4, 3};
     const int64_t rows = runs.back().second;  // the long run: BLAS (f32 BLAS for bf16)
     at::Tensor x = at::randn({rows, 40}).to(dt);

