@@ -23,6 +23,8 @@ if [ "$MODE" != "build" ]; then
   PACKAGES+=(
     libgtest-dev libgmock-dev libbenchmark-dev
     clang libclang-rt-14-dev clang-format
+    # clang's OpenMP runtime (the fuzz and TSan trees build lora/ and worker/ with -fopenmp)
+    libomp-dev
     # deploy checks: promtool and a live Prometheus; python3-venv for the pip-installed checkers
     prometheus python3-venv
     # the README's metrics example
