@@ -27,8 +27,9 @@ struct Job {
 };
 
 void RunJobs(const std::vector<Job>& jobs, int64_t blocks) {
-  // Dynamic scheduling (OpenMP directly, not at::parallel_for's static halves): blocks of experts
-  // with more rows take longer, and a static split left one thread waiting at the barrier.
+  // Dynamic scheduling (OpenMP directly, not at::parallel_for's static halves): a block's cost
+  // follows its expert's rows, which differ from expert to expert. (Against a static split the
+  // difference was within this machine's run-to-run noise.)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -41,9 +42,10 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks) {
   }
 }
 
-// x in f32 with a row stride of k + 16 floats: rows k·4 bytes apart (4 KB for k = 1024) all map
-// to the same L1 set, and a tile's x rows and weight rows then evicted each other (the kernel's
-// time grew with the rows per expert; with the padding it stays near the weights' read time).
+// x in f32 with a row stride of k + 16 floats, so that x rows k·4 bytes apart (4 KB for k = 1024)
+// do not all map to the same L1 set as the weight rows. Measured: no clear change on this
+// machine (bench/skinny_gemm, within its noise); kept because x is copied anyway (to f32 for
+// bf16) and the copy is small next to the weights.
 at::Tensor PaddedF32(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor p = at::empty({m, k + 16}, x.options().dtype(at::kFloat));
