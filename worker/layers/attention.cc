@@ -104,7 +104,8 @@ void GrowCache(LayerState& st, int64_t total, int64_t hkv, int64_t d, const at::
   const int64_t cap = std::max<int64_t>({total, st.k.defined() ? 2 * st.k.size(0) : 0, 16});
   at::Tensor nk = at::empty({cap, hkv, d}, o), nv = at::empty({cap, hkv, d}, o);
   if (st.k.defined()) {
-    // The rows of the sequence so far (a cache is never longer than that).
+    // Every row of the old cache (fewer than `total`; rows past the sequence's length are
+    // unused and copied along).
     const int64_t held = std::min(st.k.size(0), total);
     nk.narrow(0, 0, held).copy_(st.k.narrow(0, 0, held));
     nv.narrow(0, 0, held).copy_(st.v.narrow(0, 0, held));
