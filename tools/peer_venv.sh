@@ -10,4 +10,4 @@ if ! "$V/bin/python" -c "import torch, transformers, peft" 2>/dev/null; then
   python3 -m venv "$V"
   "$V/bin/pip" install -q --disable-pip-version-check -r tools/requirements-peer.txt
 fi
-echo "$PWD/$V/bin/python"
+echo "$(cd "$V" && pwd)/bin/python"
