@@ -269,25 +269,20 @@ static absl::Status ConvertLayerTo2D(const std::string& prefix, MoeLayerLora& la
   }
   PermuteBToExpertMajor(dn.b.data(), h, r_d, e_count, es_d_b, &scratch);
   layer.experts.assign(e_count, {});
+  // A per-expert pair: views into the fused pair's buffers, its rank, alpha, scaling and names.
+  auto view_of = [](const LoraPair& fused, HostTensor a, HostTensor b) {
+    LoraPair p = fused;
+    p.a = std::move(a);
+    p.b = std::move(b);
+    return p;
+  };
   for (int64_t e = 0; e < e_count; ++e) {
-    LoraPair gate;
-    gate.a = gu.a.View(e * r_gu * h_in * es_gu_a, {r_gu, h_in});
-    gate.b = gu.b.View(e * two_i * r_gu * es_gu_b, {inter, r_gu});
-    gate.rank = gu.rank;
-    gate.alpha = gu.alpha;
-    gate.scaling = gu.scaling;
-    gate.a_name = gu.a_name;
-    gate.b_name = gu.b_name;
+    LoraPair gate = view_of(gu, gu.a.View(e * r_gu * h_in * es_gu_a, {r_gu, h_in}),
+                            gu.b.View(e * two_i * r_gu * es_gu_b, {inter, r_gu}));
     LoraPair up = gate;
     up.b = gu.b.View(e * two_i * r_gu * es_gu_b + inter * r_gu * es_gu_b, {inter, r_gu});
-    LoraPair down;
-    down.a = dn.a.View(e * r_d * i_in * es_d_a, {r_d, i_in});
-    down.b = dn.b.View(e * h * r_d * es_d_b, {h, r_d});
-    down.rank = dn.rank;
-    down.alpha = dn.alpha;
-    down.scaling = dn.scaling;
-    down.a_name = dn.a_name;
-    down.b_name = dn.b_name;
+    LoraPair down = view_of(dn, dn.a.View(e * r_d * i_in * es_d_a, {r_d, i_in}),
+                            dn.b.View(e * h * r_d * es_d_b, {h, r_d}));
     layer.experts[e][static_cast<int>(ExpertProj::kGate)] = std::move(gate);
     layer.experts[e][static_cast<int>(ExpertProj::kUp)] = std::move(up);
     layer.experts[e][static_cast<int>(ExpertProj::kDown)] = std::move(down);
