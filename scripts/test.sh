@@ -22,6 +22,9 @@ bash scripts/install_deps.sh
 JOBS="${JOBS:-$(nproc)}"
 B="${MOELORA_BUILD_DIR:-build}"
 export CCACHE_DIR="${CCACHE_DIR:-$PWD/.cache/ccache}"
+# Paths relative to the checkout, compiler by content: the Docker build stage (sources in /src, the
+# same Debian compiler) then hits the release build's entries (docker_test.sh seeds its cache).
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}" CCACHE_COMPILERCHECK="${CCACHE_COMPILERCHECK:-content}"
 
 phase "configure + build ($B)"
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release
@@ -41,7 +44,7 @@ if [ "${MOELORA_SKIP_FUZZ:-0}" != "1" ]; then
   CC=clang CXX=clang++ cmake -S . -B "$B-fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
     -DMOELORA_BUILD_FUZZERS=ON -DMOELORA_FUZZ_SECONDS="${MOELORA_FUZZ_SECONDS:-30}"
   cmake --build "$B-fuzz" -j"$JOBS" --target safetensors_fuzz adapter_fuzz tokenizer_fuzz
-  (cd "$B-fuzz" && ctest --output-on-failure -L fuzz)
+  (cd "$B-fuzz" && ctest --output-on-failure -j"$JOBS" -L fuzz)
 fi
 
 if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
@@ -53,7 +56,7 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --build "$B-tsan" -j"$JOBS" --target moelora-controller controller_unit_test controller_test
   (cd "$B-tsan" && MOELORA_WORKER_BIN="$WORKER_BIN" \
     TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$ROOT/tests/tsan.supp" \
-    ctest --output-on-failure -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|RequestValidationTest|ControllerTest)\.')
+    ctest --output-on-failure -j"$JOBS" -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|RequestValidationTest|ControllerTest)\.')
   phase "ASan+UBSan: unit + integration"
   # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
   cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=None "-DCMAKE_CXX_FLAGS=-O1 -g1" -DMOELORA_ENABLE_CUDA=OFF \
@@ -62,7 +65,7 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   # allocator_may_return_null: an impossible allocation fails as it would without ASan (the
   # exception-boundary test asks libtorch for 4 PiB and expects RESOURCE_EXHAUSTED).
   (cd "$B-asan" && ASAN_OPTIONS="detect_leaks=0 abort_on_error=1 allocator_may_return_null=1" UBSAN_OPTIONS="print_stacktrace=1" \
-    ctest --output-on-failure -L 'unit|integration')
+    ctest --output-on-failure -j"$JOBS" -L 'unit|integration')
 fi
 
 if [ "${MOELORA_SKIP_DOCKER:-0}" != "1" ]; then

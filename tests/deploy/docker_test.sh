@@ -5,7 +5,8 @@
 #      every connection stays on loopback;
 #   2. the Dockerfile's FROM image (debian:12.8), built with debootstrap from Debian's packages
 #      when absent (scripts/docker_base_image.sh): there is no image registry here;
-#   3. DOCKER_BUILDKIT=1 docker build (BuildKit; ccache in a cache mount), timed;
+#   3. DOCKER_BUILDKIT=1 docker build (BuildKit; ccache in a cache mount, seeded from the host's
+#      CCACHE_DIR), timed;
 #   4. the image: runs as uid 10001, has no compiler, its size printed;
 #   5. single node, the image's own CMD (tiny model, TP=2, a2d + a3d preloaded) on free ports:
 #      the real grpcurl gets SERVING, lists both adapters and generates from both;
@@ -78,6 +79,22 @@ build() {  # build LOG: the image, timed; prints the seconds
   fi
   echo $((SECONDS - t0))
 }
+# Seed the Dockerfile's ccache mount (id=moelora-ccache) from the host's ccache directory: the
+# release build CI has just done compiled the same sources with the same Debian compiler, and both
+# hash paths relative to the checkout (CCACHE_BASEDIR), so the image's compile is mostly hits. A
+# separate one-line build (its context is the ccache directory), so the Dockerfile stays as a user
+# builds it. MOELORA_DOCKER_SEED=0 skips it (a cold build, as on a machine without a host build).
+SEED="${CCACHE_DIR:-}"
+if [ "${MOELORA_DOCKER_SEED:-1}" = "1" ] && [ -n "$SEED" ] && [ -d "$SEED" ]; then
+  t0=$SECONDS
+  base="$(awk 'toupper($1) == "FROM" { print $2; exit }' deploy/docker/Dockerfile)"
+  if printf 'FROM %s\nRUN --mount=type=cache,id=moelora-ccache,target=/ccache --mount=type=bind,target=/seed cp -a /seed/. /ccache/\n' "$base" \
+      | DOCKER_BUILDKIT=1 "$DOCKER" build --network host --progress=plain -f - "$SEED" > "$TMP/seed.log" 2>&1; then
+    echo "seeded the ccache mount from $SEED ($(du -sh "$SEED" | cut -f1)) in $((SECONDS - t0))s"
+  else
+    tail -20 "$TMP/seed.log"; echo "could not seed the ccache mount: the build compiles cold"
+  fi
+fi
 CACHE_BEFORE="$("$DOCKER" system df --format '{{.Type}} {{.Size}}' | awk '/^Build Cache/ {print $3}')"
 echo "== docker build (build cache before: ${CACHE_BEFORE:-none})"
 BUILD_S="$(build "$TMP/build.log")"
