@@ -1,13 +1,18 @@
 // Segmented gather matrix-vector LoRA (Punica/S-LoRA "SGMV", shrink + expand in one pass) on the
 // CPU: out[row] += B_s · (A_s · x[row]) for every row of every segment, where a segment is a run
 // of rows that share one LoRA (an adapter slot, and for MoE an expert). Cost grows with the
-// number of rows, not with the number of distinct adapters: each row reads only its own A and B.
+// number of rows, not with the number of distinct adapters.
 //
-// Layouts (outermost first, row-major, f32): A is stored transposed, a_t [in_dim, r_stride]
-// (column j = lora_A row j), B transposed, b_t [r_stride, out_dim] (row j = lora_B column j,
-// scaling folded in). Only the first `rank` columns/rows are read. The rank-sized intermediate is
-// kept in f32 (FORMATS.md §1.7). Both inner loops run over contiguous memory with no reduction,
-// so the compiler vectorises them without reassociating floating point.
+// Layouts (outermost first, row-major): x and out f32; A is stored transposed, a_t [in_dim,
+// r_stride] (column j = lora_A row j), B transposed, b_t [r_stride, out_dim] (row j = lora_B
+// column j, scaling folded in), both f32 or bf16 (SgmvParams::w_type; bf16 is widened exactly).
+// Only the first `rank` columns/rows are read. The rank-sized intermediate is kept in f32
+// (FORMATS.md §1.7).
+//
+// Where the CPU has AVX2 + FMA (checked at run time; the build needs no -mavx2) a segment's rows
+// go four at a time, so A and B are read once per four rows, with the four rows' sums in
+// registers; elsewhere a portable loop does one row at a time. The sum over the input dim and
+// over the rank run in order in both, so the two differ only by FMA rounding.
 //
 // Thread-safety: no shared state. Segments that write disjoint rows may run on different threads.
 #ifndef MOELORA_KERNELS_SGMV_H_
@@ -17,12 +22,14 @@
 
 namespace moelora {
 
+enum class SgmvWeight { kF32, kBF16 };
+
 struct SgmvSegment {
-  int64_t begin = 0;           // first entry of this segment (a row, or an index into `rows`)
-  int64_t end = 0;             // one past the last
-  const float* a_t = nullptr;  // [in_dim, r_stride]
-  const float* b_t = nullptr;  // [r_stride, out_dim]
-  int32_t rank = 0;            // 0 < rank <= r_stride; 0 = nothing to add
+  int64_t begin = 0;          // first entry of this segment (a row, or an index into `rows`)
+  int64_t end = 0;            // one past the last
+  const void* a_t = nullptr;  // [in_dim, r_stride], of SgmvParams::w_type
+  const void* b_t = nullptr;  // [r_stride, out_dim], of SgmvParams::w_type
+  int32_t rank = 0;           // 0 < rank <= r_stride; 0 = nothing to add
 };
 
 struct SgmvParams {
@@ -34,6 +41,7 @@ struct SgmvParams {
   int64_t in_dim = 0;
   int64_t out_dim = 0;
   int64_t r_stride = 0;
+  SgmvWeight w_type = SgmvWeight::kF32;  // of every segment's a_t and b_t
 };
 
 // Runs segments [first, last) of `segs`. Preconditions (checked by the caller, which built the

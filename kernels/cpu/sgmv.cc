@@ -1,31 +1,207 @@
+// kernels/sgmv.h. Written by hand: ATen has no segmented LoRA op, and one small GEMM pair per
+// (slot, expert) segment through libtorch 1.13 costs more in dispatch and packing than the
+// arithmetic (a decode segment has 1–4 rows).
 #include "kernels/sgmv.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/skinny_gemm.h"
 
 namespace moelora {
 
-void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
-  float y[kSgmvMaxRank];
-  for (int64_t s = first; s < last; ++s) {
-    const SgmvSegment& seg = segs[s];
-    const int64_t r = seg.rank;
-    if (r <= 0) continue;
-    for (int64_t i = seg.begin; i < seg.end; ++i) {
-      const int64_t row = p.rows ? p.rows[i] : i;
-      const float* x = p.x + row * p.x_stride;
-      for (int64_t j = 0; j < r; ++j) y[j] = 0.0f;
-      // Shrink: y = A x, as a sum of columns of A_t scaled by x[k].
-      for (int64_t k = 0; k < p.in_dim; ++k) {
-        const float xk = x[k];
-        const float* a = seg.a_t + k * p.r_stride;
-        for (int64_t j = 0; j < r; ++j) y[j] += a[j] * xk;
-      }
-      // Expand: out += B y, as a sum of rows of B_t scaled by y[j].
-      float* o = p.out + row * p.out_stride;
-      for (int64_t j = 0; j < r; ++j) {
-        const float yj = y[j];
-        const float* b = seg.b_t + j * p.out_dim;
-        for (int64_t c = 0; c < p.out_dim; ++c) o[c] += b[c] * yj;
+namespace {
+
+#define MOELORA_AVX2 __attribute__((target("avx2,fma")))
+
+inline float ToF32(float v) { return v; }
+inline float ToF32(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+MOELORA_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+MOELORA_AVX2 inline __m256 Load8(const uint16_t* p) {  // 8 bf16 -> 8 f32, exact
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+using Mid = float[kSgmvMaxRank];
+
+// y[b][j] = Σ_k a[k, j] · x[b][k] for NB rows, j < r: 16 (then 8) rank columns at a time, the
+// NB rows' sums in registers, so each row of A is read once for all NB rows.
+template <int NB, typename W>
+MOELORA_AVX2 void Shrink(const float* const* x, const W* a, int64_t in_dim, int64_t rs, int64_t r,
+                         Mid* y) {
+  int64_t j0 = 0;
+  for (; j0 + 16 <= r; j0 += 16) {
+    __m256 acc[NB][2];
+    for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in_dim; ++k) {
+      const W* ak = a + k * rs + j0;
+      const __m256 a0 = Load8(ak), a1 = Load8(ak + 8);
+      for (int b = 0; b < NB; ++b) {
+        const __m256 xb = _mm256_broadcast_ss(x[b] + k);
+        acc[b][0] = _mm256_fmadd_ps(a0, xb, acc[b][0]);
+        acc[b][1] = _mm256_fmadd_ps(a1, xb, acc[b][1]);
       }
     }
+    for (int b = 0; b < NB; ++b) {
+      _mm256_storeu_ps(y[b] + j0, acc[b][0]);
+      _mm256_storeu_ps(y[b] + j0 + 8, acc[b][1]);
+    }
+  }
+  if (j0 + 8 <= r) {
+    __m256 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in_dim; ++k) {
+      const __m256 a0 = Load8(a + k * rs + j0);
+      for (int b = 0; b < NB; ++b)
+        acc[b] = _mm256_fmadd_ps(a0, _mm256_broadcast_ss(x[b] + k), acc[b]);
+    }
+    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(y[b] + j0, acc[b]);
+    j0 += 8;
+  }
+  for (; j0 < r; ++j0) {  // a rank that is not a multiple of 8
+    for (int b = 0; b < NB; ++b) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < in_dim; ++k) s += ToF32(a[k * rs + j0]) * x[b][k];
+      y[b][j0] = s;
+    }
+  }
+}
+
+// o[b][c] += Σ_j bm[j, c] · y[b][j] for NB rows: 16 (then 8) output columns at a time, the NB
+// rows' columns in registers, so each row of B is read once for all NB rows.
+template <int NB, typename W>
+MOELORA_AVX2 void Expand(float* const* o, const W* bm, int64_t out_dim, int64_t r, const Mid* y) {
+  int64_t c = 0;
+  for (; c + 16 <= out_dim; c += 16) {
+    __m256 acc[NB][2];
+    for (int b = 0; b < NB; ++b) {
+      acc[b][0] = _mm256_loadu_ps(o[b] + c);
+      acc[b][1] = _mm256_loadu_ps(o[b] + c + 8);
+    }
+    for (int64_t j = 0; j < r; ++j) {
+      const W* bj = bm + j * out_dim + c;
+      const __m256 b0 = Load8(bj), b1 = Load8(bj + 8);
+      for (int b = 0; b < NB; ++b) {
+        const __m256 yb = _mm256_set1_ps(y[b][j]);
+        acc[b][0] = _mm256_fmadd_ps(b0, yb, acc[b][0]);
+        acc[b][1] = _mm256_fmadd_ps(b1, yb, acc[b][1]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      _mm256_storeu_ps(o[b] + c, acc[b][0]);
+      _mm256_storeu_ps(o[b] + c + 8, acc[b][1]);
+    }
+  }
+  for (; c + 8 <= out_dim; c += 8) {
+    __m256 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_loadu_ps(o[b] + c);
+    for (int64_t j = 0; j < r; ++j) {
+      const __m256 b0 = Load8(bm + j * out_dim + c);
+      for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(b0, _mm256_set1_ps(y[b][j]), acc[b]);
+    }
+    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(o[b] + c, acc[b]);
+  }
+  for (; c < out_dim; ++c) {
+    for (int b = 0; b < NB; ++b) {
+      float s = o[b][c];
+      for (int64_t j = 0; j < r; ++j) s += ToF32(bm[j * out_dim + c]) * y[b][j];
+      o[b][c] = s;
+    }
+  }
+}
+
+template <int NB, typename W>
+MOELORA_AVX2 void Block(const SgmvParams& p, const W* a, const W* b, int64_t r,
+                        const float* const* x, float* const* o, Mid* y) {
+  Shrink<NB>(x, a, p.in_dim, p.r_stride, r, y);
+  Expand<NB>(o, b, p.out_dim, r, y);
+}
+
+template <typename W>
+MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s) {
+  const W* a = static_cast<const W*>(s.a_t);
+  const W* b = static_cast<const W*>(s.b_t);
+  const int64_t r = s.rank;
+  Mid y[4];
+  for (int64_t i = s.begin; i < s.end; i += 4) {
+    const int nb = static_cast<int>(std::min<int64_t>(4, s.end - i));
+    const float* x[4];
+    float* o[4];
+    for (int t = 0; t < nb; ++t) {
+      const int64_t row = p.rows ? p.rows[i + t] : i + t;
+      x[t] = p.x + row * p.x_stride;
+      o[t] = p.out + row * p.out_stride;
+    }
+    switch (nb) {
+      case 4:
+        Block<4>(p, a, b, r, x, o, y);
+        break;
+      case 3:
+        Block<3>(p, a, b, r, x, o, y);
+        break;
+      case 2:
+        Block<2>(p, a, b, r, x, o, y);
+        break;
+      default:
+        Block<1>(p, a, b, r, x, o, y);
+        break;
+    }
+  }
+}
+
+// One row at a time, for CPUs without AVX2 + FMA.
+template <typename W>
+void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
+  const W* a_t = static_cast<const W*>(s.a_t);
+  const W* b_t = static_cast<const W*>(s.b_t);
+  const int64_t r = s.rank;
+  float y[kSgmvMaxRank];
+  for (int64_t i = s.begin; i < s.end; ++i) {
+    const int64_t row = p.rows ? p.rows[i] : i;
+    const float* x = p.x + row * p.x_stride;
+    for (int64_t j = 0; j < r; ++j) y[j] = 0.0f;
+    for (int64_t k = 0; k < p.in_dim; ++k) {
+      const float xk = x[k];
+      const W* a = a_t + k * p.r_stride;
+      for (int64_t j = 0; j < r; ++j) y[j] += ToF32(a[j]) * xk;
+    }
+    float* o = p.out + row * p.out_stride;
+    for (int64_t j = 0; j < r; ++j) {
+      const float yj = y[j];
+      const W* b = b_t + j * p.out_dim;
+      for (int64_t c = 0; c < p.out_dim; ++c) o[c] += ToF32(b[c]) * yj;
+    }
+  }
+}
+
+template <typename W>
+void Run(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
+  const bool avx2 = SkinnyGemmAvailable();  // the same AVX2 + FMA check
+  for (int64_t s = first; s < last; ++s) {
+    if (segs[s].rank <= 0 || segs[s].end <= segs[s].begin) continue;
+    if (avx2) {
+      SegmentAvx2<W>(p, segs[s]);
+    } else {
+      SegmentPortable<W>(p, segs[s]);
+    }
+  }
+}
+
+}  // namespace
+
+void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
+  if (p.w_type == SgmvWeight::kBF16) {
+    Run<uint16_t>(p, segs, first, last);
+  } else {
+    Run<float>(p, segs, first, last);
   }
 }
 

@@ -41,17 +41,47 @@ at::Tensor GatherRanges(const at::Tensor& t, int64_t dim, const std::vector<Inde
   return at::cat(parts, dim);
 }
 
+at::ScalarType CpuSlotDType(at::ScalarType model_dtype) {
+  return model_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+
+SgmvWeight SgmvWeightOf(const at::Tensor& slots) {
+  return slots.scalar_type() == at::kBFloat16 ? SgmvWeight::kBF16 : SgmvWeight::kF32;
+}
+
+const void* SlotElement(const at::Tensor& slots, int64_t offset) {
+  return static_cast<const char*>(slots.data_ptr()) + offset * slots.element_size();
+}
+
 namespace {
-// Runs SGMV segments in parallel (segments write disjoint rows).
+// Runs SGMV segments in parallel (segments write disjoint rows). A long segment (a dense layer's
+// rows of one adapter, or prefill) goes in pieces of kPiece rows, so every thread has a share
+// when the batch has one or two adapters; each piece still reads A and B once per four rows.
 void RunSgmv(const SgmvParams& p, const std::vector<SgmvSegment>& segs) {
   if (segs.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(segs.size()), 1,
-                   [&](int64_t b, int64_t e) { SgmvCpu(p, segs.data(), b, e); });
+  constexpr int64_t kPiece = 8;
+  const std::vector<SgmvSegment>* run = &segs;
+  std::vector<SgmvSegment> pieces;
+  if (std::any_of(segs.begin(), segs.end(),
+                  [](const SgmvSegment& s) { return s.end - s.begin > kPiece; })) {
+    for (const SgmvSegment& s : segs) {
+      for (int64_t b = s.begin; b < s.end; b += kPiece) {
+        SgmvSegment piece = s;
+        piece.begin = b;
+        piece.end = std::min(s.end, b + kPiece);
+        pieces.push_back(piece);
+      }
+    }
+    run = &pieces;
+  }
+  at::parallel_for(0, static_cast<int64_t>(run->size()), 1,
+                   [&](int64_t b, int64_t e) { SgmvCpu(p, run->data(), b, e); });
 }
 }  // namespace
 
 void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_dim,
-             const int64_t* rows, int64_t r_stride, const std::vector<SgmvSegment>& segs) {
+             const int64_t* rows, int64_t r_stride, SgmvWeight w,
+             const std::vector<SgmvSegment>& segs) {
   if (segs.empty()) return;
   if (x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && x.is_contiguous() &&
       out.is_contiguous()) {
@@ -62,7 +92,8 @@ void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_
                  rows,
                  x.size(1),
                  out_dim,
-                 r_stride};
+                 r_stride,
+                 w};
     RunSgmv(p, segs);
     return;
   }
@@ -75,7 +106,8 @@ void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_
                rows,
                x32.size(1),
                out_dim,
-               r_stride};
+               r_stride,
+               w};
   RunSgmv(p, segs);
   out.narrow(1, out_col, out_dim).add_(d32.to(out.scalar_type()));
 }
@@ -135,7 +167,8 @@ SlotShape SlotShape::For(const ModelOptions& o, const at::Device& device, Commun
   s.max_rank = o.max_lora_rank;
   s.kernels = o.kernels;
   const bool kernels = o.kernels != LoraKernels::kCpuSgmv;
-  s.slot_options = at::TensorOptions().dtype(kernels ? o.dtype : at::kFloat).device(device);
+  s.slot_options =
+      at::TensorOptions().dtype(kernels ? o.dtype : CpuSlotDType(o.dtype)).device(device);
   s.rank_options = at::TensorOptions().dtype(at::kInt).device(device);
   s.tp_rank = o.tp_rank;
   s.tp_size = o.tp_size;
@@ -206,12 +239,12 @@ absl::StatusOr<at::Tensor> LoraLinear::Forward(const at::Tensor& x, const LoraBa
     for (auto [end, slot] : lb.runs) {
       const int32_t r = rank_[slot];
       if (r > 0) {
-        segs.push_back({begin, end, la_.data_ptr<float>() + slot * in * R,
-                        lb_.data_ptr<float>() + slot * R * out, r});
+        segs.push_back(
+            {begin, end, SlotElement(la_, slot * in * R), SlotElement(lb_, slot * R * out), r});
       }
       begin = end;
     }
-    AddLora(x, y, 0, out, lb.rows.data(), R, segs);
+    AddLora(x, y, 0, out, lb.rows.data(), R, SgmvWeightOf(la_), segs);
     return y;
   }
   at::Tensor xc = x.contiguous();
@@ -299,7 +332,7 @@ absl::Status LoraLinear::AddFullyShardedLora(const at::Tensor& x, at::Tensor& y,
             .clone();
     begin = end;
     if (rank_[slot] == 0) continue;
-    at::Tensor part = at::matmul(x32.index_select(0, rows), la_[slot]);
+    at::Tensor part = at::matmul(x32.index_select(0, rows), la_[slot].to(at::kFloat));
     if (column) {
       mid.narrow(1, shape_.tp_rank * (R / tp), R / tp).index_copy_(0, rows, part);
     } else {
@@ -310,7 +343,8 @@ absl::Status LoraLinear::AddFullyShardedLora(const at::Tensor& x, at::Tensor& y,
   // Every rank calls the collective (the batch's slots are the same on all of them).
   if (auto s = shape_.comm->AllReduceSum(mid.data_ptr<float>(), mid.numel()); !s.ok()) return s;
   for (const auto& [rows, slot] : runs) {
-    at::Tensor d = at::matmul(mid.index_select(0, rows), lb_[slot]).to(y.scalar_type());
+    at::Tensor d =
+        at::matmul(mid.index_select(0, rows), lb_[slot].to(at::kFloat)).to(y.scalar_type());
     if (column) {
       y.index_add_(0, rows, d);
     } else {

@@ -23,7 +23,7 @@ namespace moelora {
 struct SlotShape {
   int num_slots = 0;               // S
   int max_rank = 0;                // R
-  at::TensorOptions slot_options;  // f32 on the CPU (CPU path), else compute dtype on the device
+  at::TensorOptions slot_options;  // CPU path: CpuSlotDType; else the compute dtype, on the device
   at::TensorOptions rank_options;  // int32 on the device (kernel paths)
   LoraKernels kernels = LoraKernels::kCpuSgmv;
   int tp_rank = 0;

@@ -20,11 +20,18 @@ at::Tensor ToFloat(const HostTensor& h);
 DType KernelDType(at::ScalarType t);
 // Device scratch for a kernel, from the tensor allocator (cached on CUDA).
 at::Tensor Scratch(size_t bytes, const at::Device& dev);
+// The CPU path's LoRA slot dtype for a model dtype: bf16 slots for a bf16 model (half the bytes a
+// decode step reads; PEFT holds a bf16 model's adapter in bf16 too), f32 otherwise.
+at::ScalarType CpuSlotDType(at::ScalarType model_dtype);
+// The SGMV weight type of a slot tensor (f32 or bf16) and the address of its element `offset`.
+SgmvWeight SgmvWeightOf(const at::Tensor& slots);
+const void* SlotElement(const at::Tensor& slots, int64_t offset);
 // Accumulates LoRA into `out` columns [out_col, out_col + out_dim) (rows given by `rows` or all)
-// through the SGMV kernel on f32 slots. When x or out is not f32 the LoRA sum is formed in f32
-// and added once.
+// through the SGMV kernel on slots of type `w` (f32 or bf16). When x or out is not f32 the LoRA
+// sum is formed in f32 and added once.
 void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_dim,
-             const int64_t* rows, int64_t r_stride, const std::vector<SgmvSegment>& segs);
+             const int64_t* rows, int64_t r_stride, SgmvWeight w,
+             const std::vector<SgmvSegment>& segs);
 // Concatenates the given ranges of `t` along `dim` (a view when there is one range).
 at::Tensor GatherRanges(const at::Tensor& t, int64_t dim, const std::vector<IndexRange>& ranges);
 

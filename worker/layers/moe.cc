@@ -282,8 +282,6 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
   auto lora_segments = [&](int k, int64_t in_dim, int64_t out_dim) {
     std::vector<SgmvSegment> segs;
     if (!ea_[k].defined() || !lb.any) return segs;
-    const float* A = ea_[k].data_ptr<float>();
-    const float* B = eb_[k].data_ptr<float>();
     for (int64_t i = 0; i < N;) {
       const int64_t e = ip[order[i]];
       const int32_t slot = slots[token[i]];
@@ -292,8 +290,8 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
       if (slot >= 0) {
         const int32_t r = erank_[k][slot * E + e];
         if (r > 0) {
-          segs.push_back(
-              {i, j, A + (slot * E + e) * in_dim * R, B + (slot * E + e) * R * out_dim, r});
+          segs.push_back({i, j, SlotElement(ea_[k], (slot * E + e) * in_dim * R),
+                          SlotElement(eb_[k], (slot * E + e) * R * out_dim), r});
         }
       }
       i = j;
@@ -324,10 +322,10 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
       MOELORA_RETURN_IF_ERROR(AddFullyShardedLora(kW1, xs, h13, 0, false, fs_segs));
     }
   } else if (wrapper_ == AdapterFormat::k2D) {
-    AddLora(xs, h13, 0, Ip, nullptr, R, lora_segments(kW1, H, Ip));
-    AddLora(xs, h13, Ip, Ip, nullptr, R, lora_segments(kW3, H, Ip));
+    AddLora(xs, h13, 0, Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), lora_segments(kW1, H, Ip));
+    AddLora(xs, h13, Ip, Ip, nullptr, R, SgmvWeightOf(ea_[kW3]), lora_segments(kW3, H, Ip));
   } else {
-    AddLora(xs, h13, 0, 2 * Ip, nullptr, R, lora_segments(kW1, H, 2 * Ip));
+    AddLora(xs, h13, 0, 2 * Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), lora_segments(kW1, H, 2 * Ip));
   }
   // Each sorted row's (local) expert, for the biases.
   at::Tensor row_expert;
@@ -355,7 +353,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     MOELORA_RETURN_IF_ERROR(
         AddFullyShardedLora(kW2, act, ys, shape_.tp_rank * (H / shape_.tp_size), true, fs_segs));
   } else {
-    AddLora(act, ys, 0, H, nullptr, R, lora_segments(kW2, Ip, H));
+    AddLora(act, ys, 0, H, nullptr, R, SgmvWeightOf(ea_[kW2]), lora_segments(kW2, Ip, H));
   }
   if (w2_bias_.defined() && add_w2_bias_) {
     ys.add_(w2_bias_.narrow(0, e0_, E).index_select(0, row_expert));
@@ -378,8 +376,8 @@ absl::Status MoeExperts::AddFullyShardedLora(int k, const at::Tensor& in, at::Te
   std::vector<const FsSegment*> live;
   for (const FsSegment& g : segs) {
     if (erank_[k][g.slot * E + g.expert] == 0) continue;
-    at::Tensor part =
-        at::matmul(in.narrow(0, g.begin, g.end - g.begin).to(at::kFloat), ea_[k][g.slot][g.expert]);
+    at::Tensor part = at::matmul(in.narrow(0, g.begin, g.end - g.begin).to(at::kFloat),
+                                 ea_[k][g.slot][g.expert].to(at::kFloat));
     if (row_parallel) {
       mid.narrow(0, g.begin, g.end - g.begin).copy_(part);
     } else {
@@ -391,7 +389,7 @@ absl::Status MoeExperts::AddFullyShardedLora(int k, const at::Tensor& in, at::Te
   }
   MOELORA_RETURN_IF_ERROR(shape_.comm->AllReduceSum(mid.data_ptr<float>(), mid.numel()));
   for (const FsSegment* g : live) {
-    at::Tensor b = eb_[k][g->slot][g->expert];  // [R, width]
+    at::Tensor b = eb_[k][g->slot][g->expert].to(at::kFloat);  // [R, width]
     at::Tensor d = at::matmul(mid.narrow(0, g->begin, g->end - g->begin), b);
     out.narrow(0, g->begin, g->end - g->begin)
         .narrow(1, col, b.size(1))

@@ -17,6 +17,7 @@
 #include "kernels/moe_lora.h"
 #include "kernels/sgmv.h"
 #include "worker/layers/lora_module.h"
+#include "worker/layers/lora_ops.h"
 #include "worker/model/model_context.h"
 #include "worker/model/registry.h"
 #include "worker/torch_guard.h"
@@ -95,8 +96,10 @@ absl::Status CausalLM::AllReduce(at::Tensor& t) {
 }
 
 int64_t CausalLM::SlotBytes(const LoraAdapter& a) const {
-  // Bytes this rank holds: f32 on the CPU path, the compute dtype on the kernel paths.
-  const int64_t elem = kernel_path() ? static_cast<int64_t>(c10::elementSize(options_.dtype)) : 4;
+  // Bytes this rank holds: the compute dtype on the kernel paths; on the CPU path bf16 for a
+  // bf16 model, f32 otherwise (CpuSlotDType).
+  const int64_t elem = static_cast<int64_t>(
+      c10::elementSize(kernel_path() ? options_.dtype : CpuSlotDType(options_.dtype)));
   int64_t total = 0;
   for (const auto& [module, p] : a.dense) {
     if (const LoraModule* m = FindLora(module)) total += m->DenseBytes(p, elem);

@@ -6,7 +6,7 @@
 // registers itself under its Hugging Face module path (`model.layers.3.self_attn.q_proj`,
 // `model.layers.3.mlp.experts`), and loading an adapter into a slot is a lookup of each of the
 // adapter's modules there (SetSlot). Slots hold A and B transposed with the scaling folded in:
-// f32 on the CPU path, the compute dtype on the kernel paths.
+// on the CPU path bf16 for a bf16 model and f32 otherwise, the compute dtype on the kernel paths.
 //
 // Thread-safety: Forward, SetSlot and ResetSlot must not run concurrently on the same slot;
 // Forward never reads a slot that no token of its batch carries.
@@ -35,7 +35,7 @@ struct ModelContext;  // worker/model/model_context.h
 
 // How LoRA (and, off the CPU path, the whole MoE block) is computed.
 enum class LoraKernels {
-  kCpuSgmv,   // CPU: ATen GEMMs per expert + the SGMV kernel on f32 slots (kernels/sgmv.h)
+  kCpuSgmv,   // CPU: GEMMs per expert + the SGMV kernel on f32/bf16 slots (kernels/sgmv.h)
   kCpuTwins,  // CPU: the CPU twins of the CUDA kernels (kernels/bgmv.h, moe_lora.h) on slots in
               // the compute dtype: the device path's code, testable without a device
   kCuda,      // GPU: the CUDA kernels, weights and slots in device memory

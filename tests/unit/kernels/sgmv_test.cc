@@ -1,0 +1,125 @@
+#include "kernels/sgmv.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace moelora {
+namespace {
+
+uint16_t ToBf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+float FromBf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Case {
+  int64_t in_dim, out_dim, r_stride;
+  bool row_list;  // segment entries index a permuted row list (the dense layer's case)
+};
+
+class SgmvTest : public ::testing::TestWithParam<Case> {};
+
+// Segments of 1–9 rows (blocks of four and every tail), ranks below, at and not a multiple of
+// 8 and 16, output widths with 16-, 8- and 1-column tails, strided x and out, in f32 and bf16:
+// out += B (A x) per row against a double-precision reference on the same (widened) weights;
+// columns past out_dim and rows of no segment stay untouched.
+TEST_P(SgmvTest, MatchesADoubleReferenceInF32AndBf16) {
+  const auto [in_dim, out_dim, R, row_list] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(in_dim * 7919 + out_dim * 31 + R));
+  std::normal_distribution<float> d;
+  const std::vector<int64_t> lens = {1, 4, 3, 9, 2, 5, 8, 6, 7};
+  int64_t rows_total = 0;
+  for (int64_t n : lens) rows_total += n;
+  const int64_t unused = 3;  // rows no segment covers (T = 48)
+  const int64_t T = rows_total + unused, ldx = in_dim + 2, ldo = out_dim + 3;
+  const int64_t S = static_cast<int64_t>(lens.size());
+  std::vector<float> x(T * ldx), a(S * in_dim * R), b(S * R * out_dim), out0(T * ldo);
+  for (auto& v : x) v = d(rng);
+  for (auto& v : a) v = d(rng);
+  for (auto& v : b) v = d(rng);
+  for (auto& v : out0) v = d(rng);
+  std::vector<uint16_t> ab(a.size()), bb(b.size());
+  for (size_t i = 0; i < a.size(); ++i) ab[i] = ToBf16(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) bb[i] = ToBf16(b[i]);
+  // The row list: the first rows_total entries of a permutation of the T rows (5 is prime to
+  // T = 48), so segments hit scattered, distinct rows.
+  std::vector<int64_t> rows(rows_total);
+  for (int64_t i = 0; i < rows_total; ++i) rows[i] = (i * 5 + 2) % T;
+  const std::vector<int32_t> ranks = {1, 7, 8, 16, static_cast<int32_t>(R), 13, 0, 24, 9};
+  for (SgmvWeight t : {SgmvWeight::kF32, SgmvWeight::kBF16}) {
+    std::vector<SgmvSegment> segs;
+    int64_t begin = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t r = std::min<int32_t>(ranks[s], static_cast<int32_t>(R));
+      const size_t ao = s * in_dim * R, bo = s * R * out_dim;
+      segs.push_back({begin, begin + lens[s],
+                      t == SgmvWeight::kF32 ? static_cast<const void*>(a.data() + ao)
+                                            : static_cast<const void*>(ab.data() + ao),
+                      t == SgmvWeight::kF32 ? static_cast<const void*>(b.data() + bo)
+                                            : static_cast<const void*>(bb.data() + bo),
+                      r});
+      begin += lens[s];
+    }
+    std::vector<float> out = out0;
+    SgmvParams p{x.data(), ldx,     out.data(), ldo, row_list ? rows.data() : nullptr,
+                 in_dim,   out_dim, R,          t};
+    SgmvCpu(p, segs.data(), 0, 4);  // two calls, as two threads make them
+    SgmvCpu(p, segs.data(), 4, S);
+    auto av = [&](size_t i) { return t == SgmvWeight::kF32 ? a[i] : FromBf16(ab[i]); };
+    auto bv = [&](size_t i) { return t == SgmvWeight::kF32 ? b[i] : FromBf16(bb[i]); };
+    std::vector<bool> touched(T, false);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r = segs[s].rank;
+      for (int64_t i = segs[s].begin; i < segs[s].end; ++i) {
+        const int64_t row = row_list ? rows[i] : i;
+        touched[row] = true;
+        std::vector<double> mid(r, 0.0), mag_mid(r, 0.0);
+        for (int64_t j = 0; j < r; ++j) {
+          for (int64_t k = 0; k < in_dim; ++k) {
+            const double v = av(s * in_dim * R + k * R + j) * x[row * ldx + k];
+            mid[j] += v;
+            mag_mid[j] += std::abs(v);
+          }
+        }
+        for (int64_t c = 0; c < out_dim; ++c) {
+          double ref = out0[row * ldo + c], mag = std::abs(ref);
+          for (int64_t j = 0; j < r; ++j) {
+            const double bj = bv(s * R * out_dim + j * out_dim + c);
+            ref += bj * mid[j];
+            mag += std::abs(bj) * mag_mid[j];
+          }
+          ASSERT_NEAR(out[row * ldo + c], ref, 2e-6 * mag + 1e-6)
+              << "segment " << s << " row " << row << " col " << c
+              << (t == SgmvWeight::kF32 ? " f32" : " bf16");
+        }
+        for (int64_t c = out_dim; c < ldo; ++c) {
+          ASSERT_EQ(out[row * ldo + c], out0[row * ldo + c]) << "wrote past out_dim";
+        }
+      }
+    }
+    for (int64_t row = 0; row < T; ++row) {
+      if (touched[row]) continue;
+      for (int64_t c = 0; c < ldo; ++c) {
+        ASSERT_EQ(out[row * ldo + c], out0[row * ldo + c]) << "row " << row << " is in no segment";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SgmvTest,
+                         ::testing::Values(Case{5, 3, 16, false}, Case{64, 40, 16, true},
+                                           Case{100, 129, 24, false}, Case{33, 16, 8, true},
+                                           Case{128, 264, 64, true}));
+
+}  // namespace
+}  // namespace moelora
