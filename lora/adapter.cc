@@ -382,16 +382,31 @@ HostTensor HostFor(const TensorView& v) {
   return t;
 }
 
+// One tensor to copy out of the mapping. expert_major_r > 0: a 3D lora_B [rows, r*E] that the
+// 2D conversion will need as [E, rows, r], permuted while it is copied (CopyBExpertMajor).
+struct Copy {
+  const TensorView* src = nullptr;
+  HostTensor* dst = nullptr;
+  int64_t expert_major_r = 0;
+  int64_t experts = 0;
+};
+
 // The mapped bytes of every tensor into its host buffer, on the machine's cores (OpenMP), each
 // tensor's pages of the mapping released once copied. One thread copied 9.4 GB/s here, below
 // what two reach (bench/adapter_load; docs/performance.md).
-void CopyAll(const std::vector<std::pair<const TensorView*, HostTensor*>>& copies,
-             const SafetensorsFile& st, bool parallel) {
+void CopyAll(const std::vector<Copy>& copies, const SafetensorsFile& st, bool parallel) {
   const int64_t n = static_cast<int64_t>(copies.size());
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
   for (int64_t i = 0; i < n; ++i) {
-    const TensorView& v = *copies[i].first;
-    std::memcpy(copies[i].second->storage->bytes.get(), v.data, v.nbytes);
+    const Copy& c = copies[i];
+    const TensorView& v = *c.src;
+    uint8_t* dst = c.dst->storage->bytes.get();
+    if (c.expert_major_r > 0) {
+      CopyBExpertMajor(dst, static_cast<const uint8_t*>(v.data), v.shape[0], c.expert_major_r,
+                       c.experts, DTypeBits(v.dtype) / 8);
+    } else {
+      std::memcpy(dst, v.data, v.nbytes);
+    }
     st.ReleasePages(v);
   }
 }
@@ -519,7 +534,10 @@ size_t LoraAdapter::num_tensors() const {
                                     : IsInterleavedGateUpArch(options.arch);
   const AdapterConfig& cfg = adapter.config;
   // Buffers first (the pairs' places in the maps are stable), the copies together after.
-  std::vector<std::pair<const TensorView*, HostTensor*>> copies;
+  std::vector<Copy> copies;
+  // Converting: a 3D layer's lora_B goes expert-major as it is copied (one pass over its bytes),
+  // and ConvertTo2DInPlace then only splits (or de-interleaves) gate and up.
+  const bool fuse_b = options.convert_to_2d && v.format == AdapterFormat::k3D;
   auto make_pair = [&](const Pending& p) {
     LoraPair pair;
     pair.a = HostFor(*p.a);
@@ -535,9 +553,9 @@ size_t LoraAdapter::num_tensors() const {
   // After each insertion: its two tensors (a, b) join the copies. std::map and std::vector
   // elements placed below are not moved again (experts are sized once per layer, before any
   // pair goes in; see the resize below).
-  auto queue = [&](const Pending& p, LoraPair& pair) {
+  auto queue = [&](const Pending& p, LoraPair& pair, bool fused_3d = false) {
     copies.push_back({p.a, &pair.a});
-    copies.push_back({p.b, &pair.b});
+    copies.push_back({p.b, &pair.b, fused_3d && fuse_b ? p.rank : 0, v.num_experts});
   };
   for (const auto& [module, p] : v.modules) {
     if (p.cls.kind == ModuleKind::kDense) {
@@ -556,10 +574,12 @@ size_t LoraAdapter::num_tensors() const {
       queue(p, *slot);
     } else if (p.cls.kind == ModuleKind::kGateUp3D) {
       layer.gate_up = make_pair(p);
-      queue(p, *layer.gate_up);
+      queue(p, *layer.gate_up, true);
+      layer.b_expert_major = fuse_b;
     } else {
       layer.down = make_pair(p);
-      queue(p, *layer.down);
+      queue(p, *layer.down, true);
+      layer.b_expert_major = fuse_b;
     }
   }
   CopyAll(copies, *st, options.parallel);

@@ -77,6 +77,10 @@ struct MoeLayerLora {
   // 3D (before conversion):
   std::optional<LoraPair> gate_up;
   std::optional<LoraPair> down;
+  // 3D: both lora_B are already laid out [E, out, r] (ReadAdapter with convert_to_2d permutes
+  // them while copying them out of the file); ConvertTo2DInPlace then skips that permutation.
+  // Only ReadAdapter sets it, and it converts before it returns.
+  bool b_expert_major = false;
 };
 
 struct LoraAdapter {

@@ -36,6 +36,13 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes,
 // No-op for 2D and dense adapters.
 [[nodiscard]] absl::Status ConvertTo2DInPlace(LoraAdapter* adapter);
 
+// The permutation ConvertTo2DInPlace makes of a 3D lora_B, done while copying it: `src` is
+// [rows, r*E] (column j*E+e), `dst` (another buffer of the same size) becomes [E, rows, r].
+// ReadAdapter copies lora_B out of the file so when it converts: one pass over the bytes instead
+// of a copy and then an in-place permutation.
+void CopyBExpertMajor(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t r, int64_t experts,
+                      size_t elem_bytes);
+
 // 2D -> 3D (FORMATS.md §7.5), into new buffers: when every expert's gate and up lora_A are
 // bit-identical (Megatron/ms-swift exports, converted 3D adapters) the fused A is that A and B is
 // [gate ; up] (interleaved for GPT-OSS); otherwise rank-concatenated: A = [A_gate ; A_up],

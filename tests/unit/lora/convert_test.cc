@@ -153,6 +153,64 @@ TEST(Convert, ConvertedThreeDIsBitIdenticalToPythonTwin) {
   }
 }
 
+TEST(Convert, ConversionWhileReadingEqualsReadThenConvertInPlace) {
+  // ReadAdapter(convert_to_2d) permutes lora_B while copying it out of the file; the CLI reads,
+  // then converts in place. Both must give the same bytes: f32, GPT-OSS's interleave, bf16 with
+  // r and E multiples of 8 (the SSE2 8 x 8 transposes) and not (the element-wise copy), gate_up
+  // rows (2I = 18) not a multiple of the 4-row blocks.
+  TempDir tmp;
+  auto bf16_adapter = [&](const std::string& name, int experts, int rank) {
+    AdapterBuilder b(5);
+    b.Experts3D("model.layers.0.mlp.experts", experts, rank, 24, 9, DType::kBF16);
+    b.config()["target_modules"] = nlohmann::json::array();
+    b.config()["target_parameters"] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    b.config()["r"] = rank;  // E is inferred from the rows of lora_A and r
+    return b.Write(tmp.Sub(name));
+  };
+  auto gpt_oss = ReadModelInfo(kData + "/gpt_oss/model");
+  ASSERT_THAT(gpt_oss, IsOk());
+  struct Case {
+    std::string dir;
+    std::optional<ModelInfo> model;
+    int experts;  // the builder's E (0: a fixture)
+  };
+  for (const auto& [dir, model, experts] :
+       std::vector<Case>{{kData + "/qwen3_moe/adapter_3d", std::nullopt, 0},
+                         {kData + "/gpt_oss/adapter_3d", *gpt_oss, 0},
+                         {bf16_adapter("bf16_e16_r8", 16, 8), std::nullopt, 16},
+                         {bf16_adapter("bf16_e8_r16", 8, 16), std::nullopt, 8},
+                         {bf16_adapter("bf16_e6_r4", 6, 4), std::nullopt, 6}}) {
+    AdapterReadOptions opt;
+    opt.model = model;
+    auto separate = ReadAdapter(dir, opt);
+    ASSERT_THAT(separate, IsOk()) << dir;
+    ASSERT_THAT(ConvertTo2DInPlace(&*separate), IsOk()) << dir;
+    opt.convert_to_2d = true;
+    auto fused = ReadAdapter(dir, opt);
+    ASSERT_THAT(fused, IsOk()) << dir;
+    if (experts > 0) {
+      EXPECT_EQ(fused->num_experts, experts) << dir;
+    }
+    ASSERT_EQ(fused->moe.size(), separate->moe.size()) << dir;
+    for (const auto& [prefix, layer] : fused->moe) {
+      const auto& other = separate->moe.at(prefix);
+      ASSERT_EQ(layer.format, AdapterFormat::k2D);
+      ASSERT_EQ(layer.experts.size(), other.experts.size());
+      for (size_t e = 0; e < layer.experts.size(); ++e) {
+        for (int p = 0; p < 3; ++p) {
+          const LoraPair& x = *layer.experts[e][p];
+          const LoraPair& y = *other.experts[e][p];
+          ASSERT_EQ(x.b.shape, y.b.shape);
+          EXPECT_EQ(std::memcmp(x.a.data(), y.a.data(), x.a.nbytes()), 0)
+              << dir << " " << prefix << " expert " << e << " proj " << p << " lora_A";
+          EXPECT_EQ(std::memcmp(x.b.data(), y.b.data(), x.b.nbytes()), 0)
+              << dir << " " << prefix << " expert " << e << " proj " << p << " lora_B";
+        }
+      }
+    }
+  }
+}
+
 TEST(Convert, InPlaceConversionAllocatesNoSecondCopy) {
   AdapterReadOptions opt;
   opt.convert_to_2d = true;
