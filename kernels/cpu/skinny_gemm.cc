@@ -1,28 +1,13 @@
 #include "kernels/skinny_gemm.h"
 
-#include <immintrin.h>
-
-#include <cstring>
+#include "kernels/internal/avx2.h"
 
 namespace moelora {
 
 namespace {
 
-#define MOELORA_AVX2 __attribute__((target("avx2,fma")))
-
-MOELORA_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-// 8 bf16 -> 8 f32, exact (a bf16 is the top half of an f32).
-MOELORA_AVX2 inline __m256 Load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float ToF32(float v) { return v; }
-inline float ToF32(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using avx2::Load8;
+using avx2::ToF32;
 
 MOELORA_AVX2 inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
