@@ -25,6 +25,10 @@ export CCACHE_DIR="${CCACHE_DIR:-$PWD/.cache/ccache}"
 # Paths relative to the checkout, compiler by content: the Docker build stage (sources in /src, the
 # same Debian compiler) then hits the release build's entries (docker_test.sh seeds its cache).
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$ROOT}" CCACHE_COMPILERCHECK="${CCACHE_COMPILERCHECK:-content}"
+# ccache hashes LANG and LC_ALL/LC_CTYPE/LC_MESSAGES: one fixed locale here and in the Docker build
+# stage (also what the tests run under, whatever the machine's default).
+export LANG=C.UTF-8
+unset LC_ALL LC_CTYPE LC_MESSAGES
 
 phase "configure + build ($B)"
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release
