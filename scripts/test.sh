@@ -63,8 +63,10 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
     ctest --output-on-failure -j"$JOBS" -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|RequestValidationTest|ControllerTest)\.')
   phase "ASan+UBSan: unit + integration"
   # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
+  # A unity build for the libraries that allow it (the worker's, which include ATen, most of all;
+  # tests, proto, tokenizer, lora and controller opt out): 12.6 min against 14.3 here.
   cmake -S . -B "$B-asan" -DCMAKE_BUILD_TYPE=None "-DCMAKE_CXX_FLAGS=-O1 -g1" -DMOELORA_ENABLE_CUDA=OFF \
-    -DMOELORA_SANITIZE=ON -DMOELORA_BUILD_BENCH=OFF
+    -DMOELORA_SANITIZE=ON -DMOELORA_BUILD_BENCH=OFF -DCMAKE_UNITY_BUILD=ON
   cmake --build "$B-asan" -j"$JOBS"
   # allocator_may_return_null: an impossible allocation fails as it would without ASan (the
   # exception-boundary test asks libtorch for 4 PiB and expects RESOURCE_EXHAUSTED).
