@@ -7,20 +7,13 @@
 #include <random>
 #include <vector>
 
+#include "tests/testing/bf16.h"
+
 namespace moelora {
 namespace {
 
-uint16_t ToBf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-float FromBf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using testing::FromBf16;
+using testing::ToBf16;
 
 struct Case {
   int64_t in_dim, out_dim, r_stride;
