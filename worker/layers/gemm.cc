@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/skinny_gemm.h"
 
@@ -74,17 +76,31 @@ static at::Tensor Bf16AsF32Matmul(const at::Tensor& a, const at::Tensor& b) {
   return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
 }
 
+Bf16Gemm CpuBf16Gemm() {
+  static const Bf16Gemm route = [] {
+    const char* e = std::getenv("MOELORA_CPU_BF16_GEMM");
+    if (e != nullptr && std::strcmp(e, "native") == 0) return Bf16Gemm::kNative;
+    if (e != nullptr && std::strcmp(e, "widened") == 0) return Bf16Gemm::kWidened;
+    return __builtin_cpu_supports("avx512bf16") ? Bf16Gemm::kNative : Bf16Gemm::kWidened;
+  }();
+  return route;
+}
+
 static bool SlowBf16(const at::Tensor& x) {
-  return x.device().is_cpu() && x.scalar_type() == at::kBFloat16;
+  return x.device().is_cpu() && x.scalar_type() == at::kBFloat16 &&
+         CpuBf16Gemm() == Bf16Gemm::kWidened;
 }
 
 at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b) {
   return SlowBf16(a) ? Bf16AsF32Matmul(a, b) : at::matmul(a, b);
 }
 
-static int64_t MaxRows(const at::Tensor& x) {
-  return x.scalar_type() == at::kBFloat16 ? kSkinnyMaxRowsBf16 : kSkinnyMaxRows;
+int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
+  if (x_dtype != at::kBFloat16) return kSkinnyMaxRows;
+  return CpuBf16Gemm() == Bf16Gemm::kNative ? 0 : kSkinnyMaxRowsBf16;
 }
+
+static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }
 
 at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
   if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
@@ -98,7 +114,7 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
 void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
                      const std::vector<std::pair<int64_t, int64_t>>& runs,
                      const std::vector<int64_t>& expert, at::Tensor& out) {
-  const bool skinny = Skinny(x, weights[0]);
+  const bool skinny = Skinny(x, weights[0]) && MaxRows(x) > 0;
   const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor xf = skinny ? PaddedF32(x) : x;
   // bf16: the kernel writes f32 rows into a scratch of out's shape, converted once at the end.

@@ -10,15 +10,27 @@
 namespace moelora {
 
 // Rows of x up to which the skinny kernel beats at::matmul on the weights it serves (bench/
-// skinny_gemm measures the crossover; docs/performance.md has the figures). bf16 goes further:
-// its alternative is f32 BLAS on widened copies of the weight (CpuMatmul), which reads and
-// writes the weight twice more.
+// skinny_gemm measures the crossover; docs/performance.md has the figures). bf16 on the widened
+// route goes further: its alternative is f32 BLAS on widened copies of the weight (CpuMatmul),
+// which reads and writes the weight twice more.
 inline constexpr int64_t kSkinnyMaxRows = 24;
 inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
 
-// at::matmul(a, b), except bf16 on the CPU, which runs as f32 (widened copies, the result
-// rounded back): libtorch 1.13's bf16 GEMM has no fast path on CPUs without AVX512-BF16
-// (bench/skinny_gemm --dtype bfloat16: 8 experts x 24 rows took 417 ms, 8 ms through f32).
+// How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
+// AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against
+// 8 ms through f32; on a Xeon with AVX512-BF16 and AMX it beat both our kernel and widening
+// (bench/skinny_gemm --dtype bfloat16, docs/performance.md). So:
+//   kNative  (CPU has AVX512-BF16): ATen's bf16 GEMM for every row count, the skinny kernel never;
+//   kWidened (otherwise): the skinny kernel up to kSkinnyMaxRowsBf16 rows, then f32 BLAS on
+//            widened copies, the result rounded back.
+// MOELORA_CPU_BF16_GEMM=native|widened overrides the choice (benchmarks, tests); read once.
+enum class Bf16Gemm { kNative, kWidened };
+Bf16Gemm CpuBf16Gemm();
+
+// Rows up to which x of this dtype goes through the skinny kernel (0: never).
+int64_t SkinnyMaxRows(at::ScalarType x_dtype);
+
+// at::matmul(a, b), except CPU bf16 on the widened route (above), which runs as f32.
 at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b);
 
 // x [m, k] · w [n, k]ᵀ -> [m, n] in x's dtype.
