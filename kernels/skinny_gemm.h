@@ -9,8 +9,10 @@
 // bf16 weights are widened exactly. Rows [n0, n1) of the output are written (overwritten), so
 // callers split n across threads; calls on disjoint row ranges may run concurrently.
 //
-// The AVX2 + FMA path runs where the CPU has both (checked at run time; the build needs no
-// -mavx2); elsewhere SkinnyGemmAvailable() is false and callers keep their BLAS call.
+// Two instruction sets, chosen at run time (the build needs no -mavx2): AVX-512 (F, BW, VL)
+// where the CPU has it, 16 lanes and 4 x 6 tiles in 32 registers; else AVX2 + FMA, 8 lanes and
+// 4 x 3 tiles. MOELORA_SKINNY_ISA=avx2 keeps AVX2 on an AVX-512 CPU (benchmarks). Without AVX2 +
+// FMA, SkinnyGemmAvailable() is false and callers keep their BLAS call.
 #ifndef MOELORA_KERNELS_SKINNY_GEMM_H_
 #define MOELORA_KERNELS_SKINNY_GEMM_H_
 
@@ -30,11 +32,19 @@ struct SkinnyGemmArgs {
   int64_t m = 0, n = 0, k = 0;
 };
 
+enum class SkinnyIsa { kNone, kAvx2, kAvx512 };
+
+// The instruction set SkinnyGemmRows uses (read once).
+SkinnyIsa SkinnyGemmIsa();
 // True when this CPU runs the vectorised kernel.
 bool SkinnyGemmAvailable();
+// Whether this CPU can run `isa` (tests run every one it can).
+bool SkinnyGemmSupports(SkinnyIsa isa);
 
 // Output columns [n0, n1) of y = x · wᵀ. Needs SkinnyGemmAvailable(); 0 <= n0 <= n1 <= n.
 void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1);
+// The same with a given instruction set; needs SkinnyGemmSupports(isa).
+void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1, SkinnyIsa isa);
 
 }  // namespace moelora
 

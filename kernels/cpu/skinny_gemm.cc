@@ -1,107 +1,125 @@
 #include "kernels/skinny_gemm.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "kernels/internal/avx2.h"
+
+// gcc 12 warns inside its own AVX-512 headers wherever they are inlined in this file (their
+// "undefined" vectors are self-initialised: GCC bug 105593, fixed in gcc 13), so the two
+// uninitialised-use warnings are off in this file only.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {
 
 namespace {
 
-using avx2::Load8;
-using avx2::ToF32;
+namespace isa_avx2 {
 
-MOELORA_AVX2 inline float HSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+struct Vec {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  MOELORA_AVX2 static V Zero() { return _mm256_setzero_ps(); }
+  MOELORA_AVX2 static V Load(const float* p) { return avx2::Load8(p); }
+  MOELORA_AVX2 static V Load(const uint16_t* p) { return avx2::Load8(p); }
+  MOELORA_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  MOELORA_AVX2 static float Sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
 
-// A tile of NW weight rows (w0 + j·k) against MX rows of x: NW·MX dot products of length k, in
-// NW·MX accumulators (4 x 3 = 12 of the 16 ymm registers, plus 3 for x and 1 for w).
-template <int NW, int MX, typename W>
-MOELORA_AVX2 void Tile(const float* x, int64_t ldx, const W* w, int64_t k, float* y, int64_t ldy) {
-  __m256 acc[NW][MX];
-  for (int j = 0; j < NW; ++j) {
-    for (int i = 0; i < MX; ++i) acc[j][i] = _mm256_setzero_ps();
-  }
-  const int64_t k8 = k & ~int64_t{7};
-  for (int64_t c = 0; c < k8; c += 8) {
-    __m256 xv[MX];
-    for (int i = 0; i < MX; ++i) xv[i] = Load8(x + i * ldx + c);
-    for (int j = 0; j < NW; ++j) {
-      const __m256 wv = Load8(w + j * k + c);
-      for (int i = 0; i < MX; ++i) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
-    }
-  }
-  for (int j = 0; j < NW; ++j) {
-    for (int i = 0; i < MX; ++i) {
-      float s = HSum(acc[j][i]);
-      for (int64_t c = k8; c < k; ++c) s += ToF32(w[j * k + c]) * x[i * ldx + c];
-      y[i * ldy + j] = s;
-    }
-  }
-}
-
-// One pass over NW weight rows for up to MX rows of x at a time: the weight comes from memory
-// once per MX rows, so MX is as large as the registers allow for the NW chosen (NW·MX <= 12
-// accumulators; x is read from cache as the FMA's memory operand when MX > 3).
-template <int NW, int MX, typename W>
-MOELORA_AVX2 void RowsOfW(const SkinnyGemmArgs& a, const W* w, int64_t n) {
-  int64_t i = 0;
-  for (; i + MX <= a.m; i += MX) {
-    Tile<NW, MX>(a.x + i * a.ldx, a.ldx, w, a.k, a.y + i * a.ldy + n, a.ldy);
-  }
-  switch (a.m - i) {
-#define MOELORA_TAIL(R)                                                                            \
-  case R:                                                                                          \
-    if constexpr (R < MX) Tile<NW, R>(a.x + i * a.ldx, a.ldx, w, a.k, a.y + i * a.ldy + n, a.ldy); \
-    break;
-    MOELORA_TAIL(1)
-    MOELORA_TAIL(2)
-    MOELORA_TAIL(3)
-    MOELORA_TAIL(4)
-    MOELORA_TAIL(5)
-    MOELORA_TAIL(6)
-    MOELORA_TAIL(7)
-    MOELORA_TAIL(8)
-    MOELORA_TAIL(9)
-    MOELORA_TAIL(10)
-    MOELORA_TAIL(11)
-#undef MOELORA_TAIL
-    default:
-      break;
-  }
-}
-
-template <int NW, int MX, typename W>
-MOELORA_AVX2 void RunTiles(const SkinnyGemmArgs& a, const W* w, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NW <= n1; n += NW) RowsOfW<NW, MX>(a, w + n * a.k, n);
-  for (; n < n1; ++n) RowsOfW<1, 12>(a, w + n * a.k, n);
-}
+#define MOELORA_TILE_TARGET MOELORA_AVX2
+#include "kernels/internal/skinny_tiles.inc"  // NOLINT(build/include)
+#undef MOELORA_TILE_TARGET
 
 template <typename W>
 MOELORA_AVX2 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
-  // 4 weight rows (4 streams from memory) stay in L1 while the x rows pass 3 at a time. For 4–6
-  // rows this beat 2 x 6 tiles (one pass over the weight, but 2 streams): bench/skinny_gemm, 7
-  // paired runs, 4 rows 16.8 ms against 19.6 ms on average, 6 rows 19.0 against 21.9; past 6
-  // rows it beat 1 x 12 (x from L2).
+  // 4 weight rows (4 streams from memory) stay in L1 while the x rows pass 3 at a time (12 of
+  // the 16 ymm registers accumulate). For 4–6 rows this beat 2 x 6 tiles (one pass over the
+  // weight, but 2 streams): bench/skinny_gemm, 7 paired runs, 4 rows 16.8 ms against 19.6 ms on
+  // average, 6 rows 19.0 against 21.9; past 6 rows it beat 1 x 12 (x from L2).
   RunTiles<4, 3>(a, static_cast<const W*>(a.w), n0, n1);
+}
+
+}  // namespace isa_avx2
+
+namespace isa_avx512 {
+
+struct Vec {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  MOELORA_AVX512 static V Zero() { return _mm512_setzero_ps(); }
+  MOELORA_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  // 16 bf16 -> 16 f32, exact (a bf16 is the top half of an f32).
+  MOELORA_AVX512 static V Load(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  MOELORA_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  MOELORA_AVX512 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+
+#define MOELORA_TILE_TARGET MOELORA_AVX512
+#include "kernels/internal/skinny_tiles.inc"  // NOLINT(build/include)
+#undef MOELORA_TILE_TARGET
+
+template <typename W>
+MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
+  // 32 zmm registers: 4 weight rows x 6 x rows = 24 accumulators, 6 for x, 1 for w.
+  RunTiles<4, 6>(a, static_cast<const W*>(a.w), n0, n1);
+}
+
+}  // namespace isa_avx512
+
+SkinnyIsa Detect() {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return SkinnyIsa::kNone;
+  const char* e = std::getenv("MOELORA_SKINNY_ISA");
+  if (e != nullptr && std::strcmp(e, "avx2") == 0) return SkinnyIsa::kAvx2;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl")
+             ? SkinnyIsa::kAvx512
+             : SkinnyIsa::kAvx2;
 }
 
 }  // namespace
 
-bool SkinnyGemmAvailable() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
+SkinnyIsa SkinnyGemmIsa() {
+  static const SkinnyIsa isa = Detect();
+  return isa;
+}
+
+bool SkinnyGemmAvailable() { return SkinnyGemmIsa() != SkinnyIsa::kNone; }
+
+bool SkinnyGemmSupports(SkinnyIsa isa) {
+  switch (isa) {
+    case SkinnyIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case SkinnyIsa::kAvx512:
+      return SkinnyGemmSupports(SkinnyIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    case SkinnyIsa::kNone:
+      break;
+  }
+  return false;
+}
+
+void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1, SkinnyIsa isa) {
+  const bool f32 = a.w_type == SkinnyWeight::kF32;
+  if (isa == SkinnyIsa::kAvx512) {
+    f32 ? isa_avx512::Run<float>(a, n0, n1) : isa_avx512::Run<uint16_t>(a, n0, n1);
+  } else {
+    f32 ? isa_avx2::Run<float>(a, n0, n1) : isa_avx2::Run<uint16_t>(a, n0, n1);
+  }
 }
 
 void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
-  if (a.w_type == SkinnyWeight::kF32) {
-    Run<float>(a, n0, n1);
-  } else {
-    Run<uint16_t>(a, n0, n1);
-  }
+  SkinnyGemmRows(a, n0, n1, SkinnyGemmIsa());
 }
 
 }  // namespace moelora

@@ -21,11 +21,22 @@ struct Case {
 
 class SkinnyGemmTest : public ::testing::TestWithParam<Case> {};
 
-// Every (m, n, k) shape: tiles of 3 / 2 / 1 x rows, 4 / 1 weight rows, k with and without an
-// 8-lane tail; strided x and y; any output-column split; against a double-precision reference.
+void CheckAgainstReference(const Case& shape, SkinnyIsa isa);
+
+// Every (m, n, k) shape, on every instruction set this CPU has: tiles of 6 / 3 / 2 / 1 x rows and
+// their tails, 4 / 1 weight rows, k with and without an 8- and a 16-lane tail; strided x and y;
+// any output-column split; against a double-precision reference.
 TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
-  const auto [m, n, k] = GetParam();
+  for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512}) {
+    if (!SkinnyGemmSupports(isa)) continue;
+    SCOPED_TRACE(isa == SkinnyIsa::kAvx2 ? "AVX2" : "AVX-512");
+    CheckAgainstReference(GetParam(), isa);
+  }
+}
+
+void CheckAgainstReference(const Case& shape, SkinnyIsa isa) {
+  const auto [m, n, k] = shape;
   std::mt19937 rng(static_cast<uint32_t>(m * 1000 + n * 10 + k));
   std::normal_distribution<float> d;
   const int64_t ldx = k + 3, ldy = n + 5;
@@ -47,8 +58,8 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
                      n,
                      k};
     const int64_t cut = n / 3;  // two calls on disjoint column ranges, as the threads make them
-    SkinnyGemmRows(a, 0, cut);
-    SkinnyGemmRows(a, cut, n);
+    SkinnyGemmRows(a, 0, cut, isa);
+    SkinnyGemmRows(a, cut, n, isa);
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < n; ++j) {
         double ref = 0, mag = 0;
@@ -68,7 +79,8 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
 INSTANTIATE_TEST_SUITE_P(Shapes, SkinnyGemmTest,
                          ::testing::Values(Case{1, 1, 1}, Case{1, 4, 8}, Case{2, 5, 9},
                                            Case{3, 8, 16}, Case{4, 7, 31}, Case{5, 13, 64},
-                                           Case{6, 16, 100}, Case{7, 3, 7}, Case{24, 33, 129}));
+                                           Case{6, 16, 100}, Case{7, 3, 7}, Case{11, 9, 47},
+                                           Case{13, 6, 33}, Case{24, 33, 129}));
 
 }  // namespace
 }  // namespace moelora
