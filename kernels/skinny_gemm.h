@@ -9,9 +9,10 @@
 // bf16 weights are widened exactly. Rows [n0, n1) of the output are written (overwritten), so
 // callers split n across threads; calls on disjoint row ranges may run concurrently.
 //
-// Two instruction sets, chosen at run time (the build needs no -mavx2): AVX-512 (F, BW, VL)
-// where the CPU has it, 16 lanes and 4 x 6 tiles in 32 registers; else AVX2 + FMA, 8 lanes and
-// 4 x 3 tiles. MOELORA_SKINNY_ISA=avx2 keeps AVX2 on an AVX-512 CPU (benchmarks). Without AVX2 +
+// Instruction sets chosen at run time (the build needs no -mavx2): AVX-512 (F, BW, VL) where
+// the CPU has it, 16 lanes and 4 x 6 tiles in 32 registers, with AVX512-BF16's vdpbf16ps for
+// bf16 weights against bf16 x where it has that too; else AVX2 + FMA, 8 lanes and 4 x 3 tiles.
+// MOELORA_SKINNY_ISA=avx2|avx512|avx512bf16 picks a lower one (benchmarks). Without AVX2 +
 // FMA, SkinnyGemmAvailable() is false and callers keep their BLAS call.
 #ifndef MOELORA_KERNELS_SKINNY_GEMM_H_
 #define MOELORA_KERNELS_SKINNY_GEMM_H_
@@ -30,9 +31,15 @@ struct SkinnyGemmArgs {
   float* y = nullptr;
   int64_t ldy = 0;
   int64_t m = 0, n = 0, k = 0;
+  // Optional: the same x as bf16 [m, k] (row stride ldx_bf16), for x that came from bf16 (x holds
+  // its exact widening). With bf16 weights on kAvx512Bf16 the kernel then multiplies in bf16
+  // (vdpbf16ps; exact products, f32 sums); elsewhere it is ignored.
+  const uint16_t* x_bf16_rows = nullptr;
+  int64_t ldx_bf16 = 0;
 };
 
-enum class SkinnyIsa { kNone, kAvx2, kAvx512 };
+// kAvx512Bf16: kAvx512, plus vdpbf16ps for bf16 weights against a bf16 x (x_bf16_rows).
+enum class SkinnyIsa { kNone, kAvx2, kAvx512, kAvx512Bf16 };
 
 // The instruction set SkinnyGemmRows uses (read once).
 SkinnyIsa SkinnyGemmIsa();

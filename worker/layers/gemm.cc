@@ -56,7 +56,9 @@ at::Tensor PaddedF32(const at::Tensor& x) {
   return v;
 }
 
-SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& w, float* y, int64_t ldy) {
+// x: the rows xf was made from; bf16 x with unit column stride lets the kernel multiply in bf16.
+SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& x, const at::Tensor& w, float* y,
+                    int64_t ldy) {
   SkinnyGemmArgs a;
   a.x = xf.data_ptr<float>();
   a.ldx = xf.stride(0);
@@ -67,6 +69,10 @@ SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& w, float* y, int64_t
   a.m = xf.size(0);
   a.n = w.size(0);
   a.k = w.size(1);
+  if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
+    a.x_bf16_rows = static_cast<const uint16_t*>(x.data_ptr());
+    a.ldx_bf16 = x.stride(0);
+  }
   return a;
 }
 
@@ -97,7 +103,8 @@ at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b) {
 
 int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
   if (x_dtype != at::kBFloat16) return kSkinnyMaxRows;
-  return CpuBf16Gemm() == Bf16Gemm::kNative ? 0 : kSkinnyMaxRowsBf16;
+  if (CpuBf16Gemm() == Bf16Gemm::kWidened) return kSkinnyMaxRowsBf16;
+  return SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16 ? kSkinnyMaxRowsBf16Dp : 0;
 }
 
 static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }
@@ -106,7 +113,7 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
   if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
   at::Tensor xf = PaddedF32(x);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  RunJobs({Job{Args(xf, w, y.data_ptr<float>(), y.stride(0)), 0}},
+  RunJobs({Job{Args(xf, x, w, y.data_ptr<float>(), y.stride(0)), 0}},
           (w.size(0) + kBlock - 1) / kBlock);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -134,7 +141,8 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       }
       continue;
     }
-    Job job{Args(xf.narrow(0, i, j - i), w, yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0)),
+    Job job{Args(xf.narrow(0, i, j - i), x.narrow(0, i, j - i), w,
+                 yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0)),
             blocks};
     blocks += (job.args.n + kBlock - 1) / kBlock;
     jobs.push_back(job);

@@ -15,12 +15,17 @@ namespace moelora {
 // which reads and writes the weight twice more.
 inline constexpr int64_t kSkinnyMaxRows = 24;
 inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
+// bf16 on the native route with the kernel's AVX512-BF16 path (vdpbf16ps): it beat oneDNN's
+// per-expert GEMM at 1 row (3.1–3.8 against 4.7–5.3 ms per layer) and 2 (3.9–4.3 against
+// 4.6–4.9), tied at 4 and lost at 8 (bench/skinny_gemm, 3 paired runs).
+inline constexpr int64_t kSkinnyMaxRowsBf16Dp = 2;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
 // AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against
 // 8 ms through f32; on a Xeon with AVX512-BF16 and AMX it beat both our kernel and widening
 // (bench/skinny_gemm --dtype bfloat16, docs/performance.md). So:
-//   kNative  (CPU has AVX512-BF16): ATen's bf16 GEMM for every row count, the skinny kernel never;
+//   kNative  (CPU has AVX512-BF16): ATen's bf16 GEMM, except up to kSkinnyMaxRowsBf16Dp rows,
+//            which go through the kernel's vdpbf16ps path;
 //   kWidened (otherwise): the skinny kernel up to kSkinnyMaxRowsBf16 rows, then f32 BLAS on
 //            widened copies, the result rounded back.
 // MOELORA_CPU_BF16_GEMM=native|widened overrides the choice (benchmarks, tests); read once.

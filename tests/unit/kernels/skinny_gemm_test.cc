@@ -21,27 +21,34 @@ struct Case {
 
 class SkinnyGemmTest : public ::testing::TestWithParam<Case> {};
 
-void CheckAgainstReference(const Case& shape, SkinnyIsa isa);
+void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16);
 
 // Every (m, n, k) shape, on every instruction set this CPU has: tiles of 6 / 3 / 2 / 1 x rows and
 // their tails, 4 / 1 weight rows, k with and without an 8- and a 16-lane tail; strided x and y;
 // any output-column split; against a double-precision reference.
 TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
-  for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512}) {
+  for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512, SkinnyIsa::kAvx512Bf16}) {
     if (!SkinnyGemmSupports(isa)) continue;
-    SCOPED_TRACE(isa == SkinnyIsa::kAvx2 ? "AVX2" : "AVX-512");
-    CheckAgainstReference(GetParam(), isa);
+    for (bool x_bf16 : {false, true}) {
+      SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
+                   : isa == SkinnyIsa::kAvx512 ? "AVX-512"
+                                               : "AVX512-BF16");
+      SCOPED_TRACE(x_bf16 ? "x bf16" : "x f32");
+      CheckAgainstReference(GetParam(), isa, x_bf16);
+    }
   }
 }
 
-void CheckAgainstReference(const Case& shape, SkinnyIsa isa) {
+void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16) {
   const auto [m, n, k] = shape;
   std::mt19937 rng(static_cast<uint32_t>(m * 1000 + n * 10 + k));
   std::normal_distribution<float> d;
   const int64_t ldx = k + 3, ldy = n + 5;
   std::vector<float> x(m * ldx), w(n * k);
-  for (auto& v : x) v = d(rng);
+  for (auto& v : x) v = x_bf16 ? FromBf16(ToBf16(d(rng))) : d(rng);
+  std::vector<uint16_t> xb(x.size());  // x's bf16 rows (exact: x was rounded to bf16 above)
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = ToBf16(x[i]);
   for (auto& v : w) v = d(rng);
   std::vector<uint16_t> wb(n * k);
   for (int64_t i = 0; i < n * k; ++i) wb[i] = ToBf16(w[i]);
@@ -56,7 +63,9 @@ void CheckAgainstReference(const Case& shape, SkinnyIsa isa) {
                      ldy,
                      m,
                      n,
-                     k};
+                     k,
+                     x_bf16 ? xb.data() : nullptr,
+                     ldx};
     const int64_t cut = n / 3;  // two calls on disjoint column ranges, as the threads make them
     SkinnyGemmRows(a, 0, cut, isa);
     SkinnyGemmRows(a, cut, n, isa);
