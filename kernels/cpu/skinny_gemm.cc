@@ -12,8 +12,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-#define MOELORA_AVX512_BF16 \
-  __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
+#define MOELORA_AVX512_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
 #define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {
@@ -143,7 +142,9 @@ bool SkinnyGemmSupports(SkinnyIsa isa) {
     case SkinnyIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case SkinnyIsa::kAvx512:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
     case SkinnyIsa::kAvx512Bf16:
       return SkinnyGemmSupports(SkinnyIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
     case SkinnyIsa::kNone:
