@@ -9,8 +9,10 @@
 // gcc 12 warns inside its own AVX-512 headers wherever they are inlined in this file (their
 // "undefined" vectors are self-initialised: GCC bug 105593, fixed in gcc 13), so the two
 // uninitialised-use warnings are off in this file only.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #define MOELORA_AVX512_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
 #define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
