@@ -12,8 +12,8 @@
 // Instruction sets chosen at run time (the build needs no -mavx2): AVX-512 (F, BW, VL) where
 // the CPU has it, 16 lanes and 4 x 6 tiles in 32 registers, with AVX512-BF16's vdpbf16ps for
 // bf16 weights against bf16 x where it has that too; else AVX2 + FMA, 8 lanes and 4 x 3 tiles.
-// MOELORA_SKINNY_ISA=avx2|avx512|avx512bf16 picks a lower one (benchmarks). Without AVX2 +
-// FMA, SkinnyGemmAvailable() is false and callers keep their BLAS call.
+// MOELORA_SKINNY_ISA=avx2|avx512|avx512bf16 picks a lower one (benchmarks; other values are
+// ignored). Without AVX2 + FMA, SkinnyGemmAvailable() is false and callers keep their BLAS call.
 #ifndef MOELORA_KERNELS_SKINNY_GEMM_H_
 #define MOELORA_KERNELS_SKINNY_GEMM_H_
 

@@ -119,6 +119,11 @@ MOELORA_AVX512_BF16 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
 
 SkinnyIsa Detect() {
   const char* e = std::getenv("MOELORA_SKINNY_ISA");
+  // An unknown name counts as unset (the best set), never as a silent downgrade.
+  if (e != nullptr && std::strcmp(e, "avx2") != 0 && std::strcmp(e, "avx512") != 0 &&
+      std::strcmp(e, "avx512bf16") != 0) {
+    e = nullptr;
+  }
   for (SkinnyIsa isa : {SkinnyIsa::kAvx512Bf16, SkinnyIsa::kAvx512, SkinnyIsa::kAvx2}) {
     if (!SkinnyGemmSupports(isa)) continue;
     if (e == nullptr || (std::strcmp(e, "avx2") == 0 && isa == SkinnyIsa::kAvx2) ||
