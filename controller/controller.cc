@@ -31,8 +31,9 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
       adapters_(
           ManagerOptions(options_), registry, group, metrics, [this] { return serving(); },
           [this] { scheduler_.Wake(); }),
-      scheduler_(options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
-                 [this] { return serving(); }) {}
+      scheduler_(
+          options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
+          [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms)) {}
 
 Controller::~Controller() { Stop(); }
 

@@ -58,6 +58,9 @@ ABSL_FLAG(int, max_cpu_loras, 8,
           "Adapters registered at once (>= --max-loras; extra ones are swapped into slots on "
           "demand, from the workers' host cache of as many)");
 ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch");
+ABSL_FLAG(int, batch_window_ms, 2,
+          "When nothing is running, how long (ms, 0-1000) the first queued request waits for "
+          "others to join its prefill step (a burst then runs as one step; 0: start at once)");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
 ABSL_FLAG(std::string, device, "cpu",
           "Worker device: cpu | cuda (rank r uses GPU r % visible GPUs; TP over NCCL) | cpu-twins "
@@ -116,6 +119,9 @@ int main(int argc, char** argv) {
   }
   const int tp = absl::GetFlag(FLAGS_tensor_parallel_size);
   if (tp < 1) return fail("--tensor-parallel-size must be >= 1");
+  if (absl::GetFlag(FLAGS_batch_window_ms) < 0 || absl::GetFlag(FLAGS_batch_window_ms) > 1000) {
+    return fail("--batch-window-ms must be in 0..1000");
+  }
   if (absl::GetFlag(FLAGS_max_loras) < 1 ||
       absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
     return fail("need --max-loras >= 1 and --max-cpu-loras >= --max-loras");
@@ -181,6 +187,7 @@ int main(int argc, char** argv) {
   co.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
   co.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
   co.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
+  co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
   co.model = *info;
   // The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present
   // and cannot be loaded is an error, not a silent fallback.

@@ -27,8 +27,9 @@ absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* wher
 
 Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
                      WorkerGroupInterface* group, ControllerMetrics* metrics,
-                     std::function<bool()> serving)
+                     std::function<bool()> serving, std::chrono::milliseconds batch_window)
     : max_num_seqs_(max_num_seqs),
+      batch_window_(batch_window),
       max_loras_(max_loras),
       adapters_(adapters),
       group_(group),
@@ -133,6 +134,18 @@ void Scheduler::Loop() {
       if (!has_work()) cv_.WaitFor(&mu_, std::chrono::milliseconds(20));
       wake_ = false;
       if (stop_) break;
+      // An idle engine waits up to batch_window_ after the oldest arrival, so that a burst of
+      // requests starts as one prefill step rather than a small one and a large one (each
+      // prefill step reads every expert the tokens touch). Never while sequences run.
+      if (batch_window_.count() > 0 && running_.empty() && !pending_.empty() &&
+          static_cast<int>(pending_.size()) < max_num_seqs_) {
+        const auto due = pending_.front()->arrival + batch_window_;
+        const auto now = Clock::now();
+        if (now < due) {
+          cv_.WaitFor(&mu_, due - now);
+          continue;
+        }
+      }
     }
     // Deferred unloads whose last request has finished (calls the workers: no lock held).
     adapters_->RunDeferredUnloads();

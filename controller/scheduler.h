@@ -10,6 +10,7 @@
 #define MOELORA_CONTROLLER_SCHEDULER_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -32,8 +33,11 @@ namespace moelora {
 class Scheduler {
  public:
   // `serving`: whether steps may run (the group is ready and its adapters reloaded).
+  // `batch_window`: how long an idle engine waits after a request arrives for others to join
+  // its first step (0: not at all).
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
-            ControllerMetrics* metrics, std::function<bool()> serving);
+            ControllerMetrics* metrics, std::function<bool()> serving,
+            std::chrono::milliseconds batch_window = std::chrono::milliseconds(0));
   ~Scheduler();
 
   void Start();
@@ -55,6 +59,7 @@ class Scheduler {
   void UpdateLoraInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // the lora_requests_info series
 
   const int max_num_seqs_;
+  const std::chrono::milliseconds batch_window_;
   const int max_loras_;
   AdapterManager* const adapters_;
   WorkerGroupInterface* const group_;

@@ -84,7 +84,8 @@ struct Harness {
   FakeWorkerGroup group;
   std::unique_ptr<Controller> c;
 
-  explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "")
+  explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
+                   int batch_window_ms = 0)
       : group(max_loras) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -96,6 +97,7 @@ struct Harness {
     o.max_lora_rank = 16;
     o.mixed = true;
     o.max_num_seqs = max_num_seqs;
+    o.batch_window_ms = batch_window_ms;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -222,6 +224,25 @@ TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewO
   // The slot is free again: a new adapter is resident at once.
   const int64_t b = h.Load("b", "adapter_3d");
   EXPECT_THAT(h.group.committed(), ElementsAre(b));
+}
+
+// A burst arriving at an idle engine starts as one step with --batch-window-ms; without it the
+// first request starts alone (the fake's steps are instant, so it is already running when the
+// next arrives).
+TEST(ControllerUnitTest, BatchWindowGathersABurstIntoOneFirstStep) {
+  for (int window_ms : {0, 400}) {
+    SCOPED_TRACE(window_ms);
+    Harness h(4, 64, "", window_ms);
+    std::vector<std::shared_ptr<GenRequest>> rs;
+    for (int i = 0; i < 3; ++i) {
+      rs.push_back(h.Submit("", 2));
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    }
+    for (auto& r : rs) EXPECT_OK(Harness::Wait(r));
+    const std::vector<int> adds = h.group.adds_per_step();
+    ASSERT_FALSE(adds.empty());
+    EXPECT_EQ(adds.front(), window_ms == 0 ? 1 : 3);
+  }
 }
 
 TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {

@@ -103,6 +103,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
             absl::StrCat("fake: adapter ", s.adapter_id(), " is not committed"));
       }
     }
+    if (req.add_size() > 0) adds_per_step_.push_back(req.add_size());
     for (const v1::SequenceSpec& s : req.add()) {
       running_[s.sequence_id()] = {s.adapter_id(), s.max_tokens(), 0};
       admitted_.push_back(s.sequence_id());
@@ -163,6 +164,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     std::lock_guard<std::mutex> l(mu_);
     return admitted_;
   }
+  // How many sequences each step that added any added, in step order.
+  std::vector<int> adds_per_step() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return adds_per_step_;
+  }
   std::vector<int64_t> admitted_adapters() const {
     std::lock_guard<std::mutex> l(mu_);
     return admitted_adapters_;
@@ -195,6 +201,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::vector<int64_t> host_cache_;  // most recently used first
   std::map<int64_t, Seq> running_;
   std::vector<int64_t> admitted_, admitted_adapters_;
+  std::vector<int> adds_per_step_;  // sequences added by each step that added any
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
   int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0;
 };
