@@ -21,14 +21,18 @@ namespace moelora {
 
 namespace {
 
+// The f32 x rows, for the instruction sets that read x as f32.
+struct F32XRows {
+  static const float* X_of(const SkinnyGemmArgs& a) { return a.x; }
+  static int64_t Ldx_of(const SkinnyGemmArgs& a) { return a.ldx; }
+};
+
 namespace isa_avx2 {
 
-struct Vec {
+struct Vec : F32XRows {
   using V = __m256;
   using X = __m256;
   static constexpr int kWidth = 8;
-  static const float* X_of(const SkinnyGemmArgs& a) { return a.x; }
-  static int64_t Ldx_of(const SkinnyGemmArgs& a) { return a.ldx; }
   MOELORA_AVX2 static V Zero() { return _mm256_setzero_ps(); }
   MOELORA_AVX2 static V Load(const float* p) { return avx2::Load8(p); }
   MOELORA_AVX2 static V Load(const uint16_t* p) { return avx2::Load8(p); }
@@ -58,12 +62,10 @@ MOELORA_AVX2 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
 
 namespace isa_avx512 {
 
-struct Vec {
+struct Vec : F32XRows {
   using V = __m512;
   using X = __m512;
   static constexpr int kWidth = 16;
-  static const float* X_of(const SkinnyGemmArgs& a) { return a.x; }
-  static int64_t Ldx_of(const SkinnyGemmArgs& a) { return a.ldx; }
   MOELORA_AVX512 static V Zero() { return _mm512_setzero_ps(); }
   MOELORA_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
   // 16 bf16 -> 16 f32, exact (a bf16 is the top half of an f32).
