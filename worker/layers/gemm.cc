@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/amx_gemm.h"
 #include "kernels/skinny_gemm.h"
 
 namespace moelora {
@@ -23,24 +24,65 @@ bool Skinny(const at::Tensor& x, const at::Tensor& w) {
          SkinnyGemmAvailable();
 }
 
+// One product of a grouped call: the skinny kernel's (f32 x rows) or AMX's (packed bf16 x).
+// bf16 x against a bf16 weight on AMX: the native bf16 route, a CPU with AMX, a weight shape the
+// tiles fit (w [n, k] or experts [E, n, k]).
+bool Amx(const at::Tensor& x, const at::Tensor& w) {
+  return x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+         w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+         CpuBf16Gemm() == Bf16Gemm::kNative && AmxGemmAvailable() &&
+         AmxGemmFits(w.size(-2), w.size(-1));
+}
+
 struct Job {
   SkinnyGemmArgs args;
+  AmxGemmArgs amx;
+  bool on_amx = false;
   int64_t first_block = 0;
 };
 
-void RunJobs(const std::vector<Job>& jobs, int64_t blocks) {
+// Output columns per AMX task: two 16-row weight tiles per step (64 KB of bf16 rows of 1024).
+constexpr int64_t kAmxBlock = 32;
+
+int64_t BlockOf(const Job& j) { return j.on_amx ? kAmxBlock : kBlock; }
+int64_t BlocksOf(const Job& j) {
+  const int64_t n = j.on_amx ? j.amx.n : j.args.n;
+  return (n + BlockOf(j) - 1) / BlockOf(j);
+}
+
+// x rows packed for AMX before the products that read them.
+struct Pack {
+  const uint16_t* x;
+  int64_t ldx, m, k;
+  uint16_t* dst;
+};
+
+void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pack>& packs = {}) {
   // Dynamic scheduling (OpenMP directly, not at::parallel_for's static halves): a block's cost
   // follows its expert's rows, which differ from expert to expert. (Against a static split the
-  // difference was within this machine's run-to-run noise.)
+  // difference was within this machine's run-to-run noise.) AMX's x packing runs first in the
+  // same parallel region.
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
-    // The job holding block b: the last one that starts at or before it.
-    const auto it = std::upper_bound(jobs.begin(), jobs.end(), b,
-                                     [](int64_t v, const Job& j) { return v < j.first_block; });
-    const Job& job = *(it - 1);
-    const int64_t n0 = (b - job.first_block) * kBlock;
-    SkinnyGemmRows(job.args, n0, std::min(job.args.n, n0 + kBlock));
+  const int64_t npacks = static_cast<int64_t>(packs.size());
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < npacks; ++p) {
+      AmxPackX(packs[p].x, packs[p].ldx, packs[p].m, packs[p].k, packs[p].dst);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < blocks; ++b) {
+      // The job holding block b: the last one that starts at or before it.
+      const auto it = std::upper_bound(jobs.begin(), jobs.end(), b,
+                                       [](int64_t v, const Job& j) { return v < j.first_block; });
+      const Job& job = *(it - 1);
+      const int64_t n0 = (b - job.first_block) * BlockOf(job);
+      if (job.on_amx) {
+        AmxGemmRows(job.amx, n0, std::min(job.amx.n, n0 + kAmxBlock));
+      } else {
+        SkinnyGemmRows(job.args, n0, std::min(job.args.n, n0 + kBlock));
+      }
+    }
   }
 }
 
@@ -109,11 +151,42 @@ int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
 
 static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }
 
+// The AMX product of x rows [i, i + m) (packed into `packed` from element `at`, by `pack`) with
+// w into bf16 rows y (row stride ldy).
+static AmxGemmArgs AmxJob(const at::Tensor& x, int64_t i, int64_t m, const at::Tensor& w,
+                          at::Tensor& packed, int64_t at, at::BFloat16* y, int64_t ldy,
+                          Pack* pack) {
+  auto* p = static_cast<uint16_t*>(packed.data_ptr()) + at;
+  *pack = Pack{static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m,
+               w.size(1), p};
+  AmxGemmArgs a;
+  a.x_packed = p;
+  a.w = static_cast<const uint16_t*>(w.data_ptr());
+  a.y_bf16 = reinterpret_cast<uint16_t*>(y);
+  a.ldy = ldy;
+  a.m = m;
+  a.n = w.size(0);
+  a.k = w.size(1);
+  return a;
+}
+
 at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t m = x.dim() == 2 ? x.size(0) : 0;
+  if (m > 0 && m <= kAmxMaxRows && Amx(x, w)) {
+    at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+    at::Tensor packed = at::empty({AmxPackedXElements(m, w.size(1))}, x.options());
+    at::Tensor y = at::empty({m, w.size(0)}, x.options());
+    Job job;
+    job.on_amx = true;
+    std::vector<Pack> packs(1);
+    job.amx = AmxJob(xc, 0, m, w, packed, 0, y.data_ptr<at::BFloat16>(), y.stride(0), &packs[0]);
+    RunJobs({job}, BlocksOf(job), packs);
+    return y;
+  }
   if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
   at::Tensor xf = PaddedF32(x);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  RunJobs({Job{Args(xf, x, w, y.data_ptr<float>(), y.stride(0)), 0}},
+  RunJobs({Job{Args(xf, x, w, y.data_ptr<float>(), y.stride(0)), {}, false, 0}},
           (w.size(0) + kBlock - 1) / kBlock);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -121,18 +194,29 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
 void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
                      const std::vector<std::pair<int64_t, int64_t>>& runs,
                      const std::vector<int64_t>& expert, at::Tensor& out) {
-  const bool skinny = Skinny(x, weights[0]) && MaxRows(x) > 0;
+  const bool amx = Amx(x, weights) && x.stride(1) == 1;
+  const bool skinny = !amx && Skinny(x, weights[0]) && MaxRows(x) > 0;
+  const int64_t max_rows = amx ? kAmxMaxRows : MaxRows(x);
   const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor xf = skinny ? PaddedF32(x) : x;
-  // bf16: the kernel writes f32 rows into a scratch of out's shape, converted once at the end.
+  // The skinny kernel writes f32 rows; for bf16, into a scratch of out's shape, converted once at
+  // the end. AMX writes bf16 rows into out.
   at::Tensor yf = skinny && !f32 ? at::empty(out.sizes(), out.options().dtype(at::kFloat)) : out;
+  // AMX: every kernel run's x rows packed into one buffer.
+  at::Tensor packed;
+  std::vector<Pack> packs;
+  if (amx) {
+    int64_t elems = 0;
+    for (auto [i, j] : runs) elems += j - i <= max_rows ? AmxPackedXElements(j - i, x.size(1)) : 0;
+    packed = at::empty({elems}, x.options());
+  }
+  int64_t packed_at = 0;
   std::vector<Job> jobs;
   int64_t blocks = 0;
-  bool any_skinny = false;
   for (size_t r = 0; r < runs.size(); ++r) {
     auto [i, j] = runs[r];
     at::Tensor w = weights[expert[r]];
-    if (!skinny || j - i > MaxRows(x)) {
+    if (!(skinny || amx) || j - i > max_rows) {
       at::Tensor dst = out.narrow(0, i, j - i);
       if (SlowBf16(x)) {
         dst.copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), w.t()));
@@ -141,16 +225,25 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       }
       continue;
     }
-    Job job{Args(xf.narrow(0, i, j - i), x.narrow(0, i, j - i), w,
-                 yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0)),
-            blocks};
-    blocks += (job.args.n + kBlock - 1) / kBlock;
+    Job job;
+    job.first_block = blocks;
+    if (amx) {
+      job.on_amx = true;
+      packs.emplace_back();
+      job.amx =
+          AmxJob(x, i, j - i, w, packed, packed_at,
+                 out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
+      packed_at += AmxPackedXElements(j - i, x.size(1));
+    } else {
+      job.args = Args(xf.narrow(0, i, j - i), x.narrow(0, i, j - i), w,
+                      yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0));
+    }
+    blocks += BlocksOf(job);
     jobs.push_back(job);
-    any_skinny = true;
   }
-  if (!any_skinny) return;
-  RunJobs(jobs, blocks);
-  if (!f32) {
+  if (jobs.empty()) return;
+  RunJobs(jobs, blocks, packs);
+  if (skinny && !f32) {
     for (const Job& job : jobs) {
       const int64_t i = (job.args.y - yf.data_ptr<float>()) / yf.stride(0);
       out.narrow(0, i, job.args.m).copy_(yf.narrow(0, i, job.args.m));

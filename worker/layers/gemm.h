@@ -19,6 +19,9 @@ inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
 // per-expert GEMM at 1 row (3.1–3.8 against 4.7–5.3 ms per layer) and 2 (3.9–4.3 against
 // 4.6–4.9), tied at 4 and lost at 8 (bench/skinny_gemm, 3 paired runs).
 inline constexpr int64_t kSkinnyMaxRowsBf16Dp = 2;
+// bf16 on the native route where the CPU has AMX (kernels/amx_gemm.h): rows up to which the AMX
+// kernel serves a product (experts grouped per layer, dense layers), ahead of both of the above.
+inline constexpr int64_t kAmxMaxRows = 64;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
 // AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels/amx_gemm.h"
 #include "kernels/skinny_gemm.h"
 
 namespace moelora {
@@ -33,6 +34,38 @@ TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
       at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
       ExpectClose(MatmulWt(x, w), Reference(x, w), dt == at::kFloat ? "f32" : "bf16");
     }
+  }
+}
+
+// Shapes the AMX tiles fit (n % 16, k % 32): bf16 goes through AMX where the CPU has it, up to
+// kAmxMaxRows rows, and through the other routes past it (and where it has none).
+TEST(GemmTest, MatmulWtOnAmxShapesMatchesATenOnBothSidesOfItsCrossover) {
+  at::manual_seed(5);
+  for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{16}, int64_t{17}, int64_t{33},
+                    kAmxMaxRows, kAmxMaxRows + 1}) {
+    at::Tensor x = at::randn({m, 96}).to(at::kBFloat16), w = at::randn({48, 96}).to(at::kBFloat16);
+    ExpectClose(MatmulWt(x, w), Reference(x, w), "bf16");
+    // A strided x (a column slice): AMX packs rows at any stride.
+    at::Tensor xs = at::randn({m, 128}).to(at::kBFloat16).narrow(1, 16, 96);
+    ExpectClose(MatmulWt(xs, w), Reference(xs, w), "bf16 strided x");
+  }
+}
+
+TEST(GemmTest, GroupedMatmulWtOnAmxShapesWritesEachRunWithItsExpert) {
+  at::manual_seed(6);
+  at::Tensor weights = at::randn({4, 48, 64}).to(at::kBFloat16);
+  // 1, 17 and kAmxMaxRows + 2 rows (the last past the crossover: at::mm_out), experts reused.
+  const std::vector<std::pair<int64_t, int64_t>> runs = {
+      {0, 1}, {1, 18}, {18, 20 + kAmxMaxRows}, {20 + kAmxMaxRows, 23 + kAmxMaxRows}};
+  const std::vector<int64_t> experts = {2, 0, 3, 2};
+  const int64_t rows = runs.back().second;
+  at::Tensor x = at::randn({rows, 64}).to(at::kBFloat16);
+  at::Tensor out = at::full({rows, 48}, 99.0, x.options());
+  GroupedMatmulWt(x, weights, runs, experts, out);
+  for (size_t r = 0; r < runs.size(); ++r) {
+    auto [i, j] = runs[r];
+    ExpectClose(out.narrow(0, i, j - i), Reference(x.narrow(0, i, j - i), weights[experts[r]]),
+                "run");
   }
 }
 

@@ -1,0 +1,184 @@
+#include "kernels/amx_gemm.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+// AMX CPUs (Sapphire Rapids and later) all have AVX-512 with BF16, used for the stores.
+#define MOELORA_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace moelora {
+
+namespace {
+
+#if defined(__linux__) && defined(__x86_64__)
+// Linux hands out the 8 KB of tile state only to processes that ask (arch_prctl, since 5.16);
+// until then the first tile instruction faults.
+constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+
+bool CpuHasAmx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d & (1u << 24)) != 0 && (d & (1u << 22)) != 0;  // AMX-TILE, AMX-BF16
+}
+
+bool GrantTiles() {
+  if (!CpuHasAmx()) return false;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+  unsigned long perm = 0;  // NOLINT(runtime/int): the syscall's type
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &perm) != 0) return false;
+  return (perm & (1ul << kXfeatureXtiledata)) != 0;
+}
+#else
+bool GrantTiles() { return false; }
+#endif
+
+// Palette 1: every tile 16 rows of 64 bytes (A: 16 weight rows x 32 bf16; B: 16 column pairs x
+// 16 x rows x 2 bf16; C: 16 weight rows x 16 x rows f32).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: C(nb, mb) = tmm(nb + 2 mb) for 2 x 2 accumulators, B(mb) = tmm(4 + mb), A(nb) = tmm(6 + nb).
+// NB weight blocks of 16 rows against MB x blocks of 16 rows; k / 32 steps; yᵀ into c[nb + 2 mb].
+template <int NB, int MB>
+MOELORA_AMX void Block(const uint16_t* w, int64_t k, const uint16_t* xp, float (*c)[256]) {
+  const int64_t steps = k / 32, wstride = k * 2, xblock = 16 * k;
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (MB > 1) _tile_zero(2);
+  if constexpr (NB > 1 && MB > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, xp + s * 512, 64);
+    if constexpr (MB > 1) _tile_loadd(5, xp + xblock + s * 512, 64);
+    _tile_loadd(6, w + s * 32, wstride);
+    _tile_dpbf16ps(0, 6, 4);
+    if constexpr (MB > 1) _tile_dpbf16ps(2, 6, 5);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, w + 16 * k + s * 32, wstride);
+      _tile_dpbf16ps(1, 7, 4);
+      if constexpr (MB > 1) _tile_dpbf16ps(3, 7, 5);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (NB > 1) _tile_stored(1, c[1], 64);
+  if constexpr (MB > 1) _tile_stored(2, c[2], 64);
+  if constexpr (NB > 1 && MB > 1) _tile_stored(3, c[3], 64);
+}
+
+MOELORA_AMX void Run(const AmxGemmArgs& a, int64_t n0, int64_t n1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[4][256];
+  const int64_t k = a.k, mblocks = (a.m + 15) / 16;
+  for (int64_t n = n0; n < n1; n += 32) {
+    const int nb = n + 32 <= n1 ? 2 : 1;
+    const uint16_t* w = a.w + n * k;
+    for (int64_t mb = 0; mb < mblocks; mb += 2) {
+      const int nmb = mb + 2 <= mblocks ? 2 : 1;
+      const uint16_t* xp = a.x_packed + mb * 16 * k;
+      if (nb == 2) {
+        nmb == 2 ? Block<2, 2>(w, k, xp, c) : Block<2, 1>(w, k, xp, c);
+      } else {
+        nmb == 2 ? Block<1, 2>(w, k, xp, c) : Block<1, 1>(w, k, xp, c);
+      }
+      // c[j + 2 i] holds yᵀ of weight block j, x block i: element [row of w][row of x]. Row r
+      // of y is column r of the tile: one gather of 16 lanes 16 floats apart.
+      const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16),
+                                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                  10, 11, 12, 13, 14, 15));
+      for (int i = 0; i < nmb; ++i) {
+        const int64_t r0 = (mb + i) * 16, rows = std::min<int64_t>(16, a.m - r0);
+        for (int j = 0; j < nb; ++j) {
+          const float* t = c[j + 2 * i];
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512 v = _mm512_i32gather_ps(column, t + r, 4);
+            const int64_t at = (r0 + r) * a.ldy + n + j * 16;
+            if (a.y_bf16 != nullptr) {
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y_bf16 + at),
+                                  reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+            } else {
+              _mm512_storeu_ps(a.y + at, v);
+            }
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+bool Enabled() {
+  const char* e = std::getenv("MOELORA_AMX");
+  return e == nullptr || std::strcmp(e, "0") != 0;
+}
+
+}  // namespace
+
+bool AmxGemmSupported() {
+  static const bool ok = GrantTiles();
+  return ok;
+}
+
+bool AmxGemmAvailable() {
+  static const bool ok = AmxGemmSupported() && Enabled();
+  return ok;
+}
+
+namespace {
+// Block b, step s: packed[((b·steps + s)·16 + p)·32 + 2 r + q] = x[16 b + r][32 s + 2 p + q],
+// zero for rows past m. As 32-bit pairs, a 16 x 16 transpose per (b, s): row p of it is one
+// gather of pair p from 16 rows of x.
+MOELORA_AMX void Pack(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
+  const int64_t steps = k / 32, blocks = (m + 15) / 16;
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_set1_epi32(static_cast<int>(ldx * 2)),
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t live = std::min<int64_t>(16, m - b * 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    const uint16_t* xb = x + b * 16 * ldx;
+    for (int64_t s = 0; s < steps; ++s) {
+      uint16_t* dst = packed + (b * steps + s) * 512;
+      for (int p = 0; p < 16; ++p) {
+        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows,
+                                                      xb + s * 32 + 2 * p, 1);
+        _mm512_storeu_si512(dst + p * 32, v);
+      }
+    }
+  }
+}
+}  // namespace
+
+void AmxPackX(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
+  Pack(x, ldx, m, k, packed);
+}
+
+void AmxGemmRows(const AmxGemmArgs& a, int64_t n0, int64_t n1) {
+  if (n0 < n1) Run(a, n0, n1);
+}
+
+}  // namespace moelora

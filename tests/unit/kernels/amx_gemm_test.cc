@@ -1,0 +1,126 @@
+#include "kernels/amx_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "tests/testing/bf16.h"
+
+namespace moelora {
+namespace {
+
+using testing::FromBf16;
+using testing::ToBf16;
+
+struct Case {
+  int64_t m, n, k;
+};
+
+class AmxGemmTest : public ::testing::TestWithParam<Case> {};
+
+// Every shape: 1 and 2 weight tiles per step and an odd 16-row block, 1 and 2 x blocks and a
+// partial one, several x-block pairs; strided x and y; f32 and bf16 outputs; the output columns
+// in two calls split at a 16-row boundary. Against a double-precision product of the same bf16
+// inputs: f32 sums of exact products differ from it only by f32 rounding.
+TEST_P(AmxGemmTest, MatchesADoubleReference) {
+  if (!AmxGemmSupported()) GTEST_SKIP() << "no AMX on this CPU (or the OS withheld the tiles)";
+  const auto [m, n, k] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(m * 1000 + n * 10 + k));
+  std::normal_distribution<float> d;
+  const int64_t ldx = k + 32, ldy = n + 5;
+  std::vector<uint16_t> x(m * ldx), w(n * k);
+  for (auto& v : x) v = ToBf16(d(rng));
+  for (auto& v : w) v = ToBf16(d(rng));
+  std::vector<uint16_t> packed(AmxPackedXElements(m, k), 0xFFFF);
+  AmxPackX(x.data(), ldx, m, k, packed.data());
+  std::vector<double> want(m * n);
+  double scale = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0, a = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double p = static_cast<double>(FromBf16(x[i * ldx + c])) * FromBf16(w[j * k + c]);
+        s += p;
+        a += std::abs(p);
+      }
+      want[i * n + j] = s;
+      scale = std::max(scale, a);
+    }
+  }
+  const int64_t split = n / 32 * 16;  // a multiple of 16, maybe 0
+  for (bool bf16_out : {false, true}) {
+    SCOPED_TRACE(bf16_out ? "bf16 y" : "f32 y");
+    std::vector<float> y(m * ldy, -7.0f);
+    std::vector<uint16_t> yb(m * ldy, ToBf16(-7.0f));
+    AmxGemmArgs a;
+    a.x_packed = packed.data();
+    a.w = w.data();
+    if (bf16_out) {
+      a.y_bf16 = yb.data();
+    } else {
+      a.y = y.data();
+    }
+    a.ldy = ldy;
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    AmxGemmRows(a, split, n);
+    AmxGemmRows(a, 0, split);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < ldy; ++j) {
+        const double got = bf16_out ? FromBf16(yb[i * ldy + j]) : y[i * ldy + j];
+        if (j >= n) {
+          ASSERT_EQ(got, -7.0) << "wrote past column n at row " << i;
+          continue;
+        }
+        const double tol = bf16_out ? std::abs(want[i * n + j]) / 128 + 1e-6 * scale
+                                    : 1e-6 * scale;
+        ASSERT_NEAR(got, want[i * n + j], tol) << "y[" << i << "][" << j << "]";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AmxGemmTest,
+                         ::testing::Values(Case{1, 16, 32}, Case{1, 48, 64}, Case{2, 32, 96},
+                                           Case{5, 64, 128}, Case{16, 16, 32}, Case{17, 80, 64},
+                                           Case{32, 32, 256}, Case{33, 48, 32}, Case{70, 96, 160}));
+
+// The packed layout itself: a B tile row p of block b, step s holds pair p of x rows 16 b..16 b+15,
+// zeros past m.
+TEST(AmxGemmPackTest, PacksPairsOfSixteenRowsAndZeroPads) {
+  if (!AmxGemmSupported()) GTEST_SKIP() << "no AMX on this CPU";
+  const int64_t m = 19, k = 64, ldx = 70;
+  std::vector<uint16_t> x(m * ldx);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint16_t>(i * 7 + 1);
+  std::vector<uint16_t> p(AmxPackedXElements(m, k), 0xFFFF);
+  ASSERT_EQ(p.size(), 32u * 64u);
+  AmxPackX(x.data(), ldx, m, k, p.data());
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t s = 0; s < 2; ++s) {
+      for (int64_t pr = 0; pr < 16; ++pr) {
+        for (int64_t r = 0; r < 16; ++r) {
+          for (int64_t q = 0; q < 2; ++q) {
+            const int64_t row = b * 16 + r;
+            const uint16_t want = row < m ? x[row * ldx + s * 32 + 2 * pr + q] : 0;
+            ASSERT_EQ(p[((b * 2 + s) * 16 + pr) * 32 + 2 * r + q], want)
+                << "block " << b << " step " << s << " pair " << pr << " row " << r;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(AmxGemmTest, FitsOnlyWholeTiles) {
+  EXPECT_TRUE(AmxGemmFits(16, 32));
+  EXPECT_TRUE(AmxGemmFits(4096, 1024));
+  EXPECT_FALSE(AmxGemmFits(8, 32));
+  EXPECT_FALSE(AmxGemmFits(16, 48));
+  EXPECT_FALSE(AmxGemmFits(0, 32));
+}
+
+}  // namespace
+}  // namespace moelora
