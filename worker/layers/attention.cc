@@ -46,28 +46,42 @@ Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarT
 
 namespace {
 
-// Decode attention on the CPU: every sequence has one new token (its K/V rows are already in its
-// cache). Written by hand, not with ATen ops per sequence: those were ~15 ops per sequence and
-// layer (2000 op dispatches a step at batch 32), and libtorch 1.13 has no fused
-// scaled_dot_product_attention. One OpenMP loop over (sequence, head); f32 accumulation, the
+// Attention on the CPU for query rows whose K/V rows are already in their sequence's cache:
+// every decode token, and the prompt tokens of sequences with short contexts (a query at
+// position p sees keys up to p, from p - window + 1 with a window). Written by hand, not with
+// ATen ops per sequence: those were ~15 ops per sequence and layer (2000 op dispatches a decode
+// step at batch 32, as many in a prefill of 32 prompts), and libtorch 1.13 has no fused
+// scaled_dot_product_attention. One OpenMP loop over (query, head); f32 accumulation, the
 // softmax in f32 as on the ATen path; with `sinks` the sink joins the denominator only.
+// Prompt tokens go through that loop while their sequence's keys (past + new) are at most this
+// many; longer prompts through ATen GEMMs per sequence, whose BLAS beats the scalar dot products
+// once each query has many keys to read.
+constexpr int64_t kCachedAttentionMaxKeys = 256;
+
+struct QueryRow {
+  const ForwardBatch::Seq* seq;
+  int64_t row;  // in the batch
+  int64_t pos;  // its position: the last key it sees
+};
+
 template <typename T>
-void DecodeAttentionCpu(const T* q, const ForwardBatch& b, int layer, int64_t hq, int64_t hkv,
-                        int64_t d, int64_t window, double scale, const float* sinks, T* out) {
-  const int64_t groups = hq / hkv, S = static_cast<int64_t>(b.seqs.size());
+void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer, int64_t hq,
+                        int64_t hkv, int64_t d, int64_t window, double scale, const float* sinks,
+                        T* out) {
+  const int64_t groups = hq / hkv, Q = static_cast<int64_t>(rows.size());
 #pragma omp parallel
   {
     std::vector<float> scores, acc(d), qf(d);
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t task = 0; task < S * hq; ++task) {
-      const ForwardBatch::Seq& seq = b.seqs[task / hq];
+    for (int64_t task = 0; task < Q * hq; ++task) {
+      const QueryRow& qr = rows[task / hq];
       const int64_t h = task % hq, g = h / groups;
-      const LayerState& st = seq.state->layers[layer];
-      const int64_t past = seq.state->len, total = past + 1;
-      const int64_t k0 = window > 0 ? std::max<int64_t>(0, past - window + 1) : 0;
+      const LayerState& st = qr.seq->state->layers[layer];
+      const int64_t total = qr.pos + 1;
+      const int64_t k0 = window > 0 ? std::max<int64_t>(0, qr.pos - window + 1) : 0;
       const T* K = st.k.data_ptr<T>();
       const T* V = st.v.data_ptr<T>();
-      const T* qh = q + (seq.begin * hq + h) * d;
+      const T* qh = q + (qr.row * hq + h) * d;
       for (int64_t c = 0; c < d; ++c) qf[c] = static_cast<float>(qh[c]);
       scores.resize(total - k0);
       float mx = -std::numeric_limits<float>::infinity();
@@ -91,7 +105,7 @@ void DecodeAttentionCpu(const T* q, const ForwardBatch& b, int layer, int64_t hq
         const float p = scores[j - k0];
         for (int64_t c = 0; c < d; ++c) acc[c] += p * static_cast<float>(vr[c]);
       }
-      T* o = out + (seq.begin * hq + h) * d;
+      T* o = out + (qr.row * hq + h) * d;
       const float inv = 1.0f / denom;
       for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
     }
@@ -171,34 +185,46 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
   at::Tensor attn = at::empty({T, hq * d}, h.options());
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const int64_t groups = hq / hkv, W = spec_.sliding_window;
-  bool decode =
+  // Sequences the hand-written loop takes (below), the rest one by one through ATen GEMMs.
+  const bool cached_cpu =
       h.device().is_cpu() && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
-  for (const auto& seq : b.seqs) decode = decode && seq.count == 1;
-  if (decode) {
-    // Append each sequence's K/V row (growing the cache as below), then all of them at once.
+  std::vector<const ForwardBatch::Seq*> by_aten;
+  std::vector<QueryRow> rows;
+  if (cached_cpu) {
+    // Append each sequence's K/V rows (growing the cache as below), then all queries at once.
     at::Tensor kn = k.contiguous(), vn = v.contiguous();
     const size_t row = static_cast<size_t>(hkv * d) * kn.element_size();
     for (const auto& seq : b.seqs) {
+      const int64_t past = seq.state->len, n = seq.count;
+      if (n > 1 && past + n > kCachedAttentionMaxKeys) {
+        by_aten.push_back(&seq);
+        continue;
+      }
       LayerState& st = seq.state->layers[layer];
-      GrowCache(st, seq.state->len + 1, hkv, d, h.options());
-      std::memcpy(static_cast<char*>(st.k.data_ptr()) + seq.state->len * row,
-                  static_cast<const char*>(kn.data_ptr()) + seq.begin * row, row);
-      std::memcpy(static_cast<char*>(st.v.data_ptr()) + seq.state->len * row,
-                  static_cast<const char*>(vn.data_ptr()) + seq.begin * row, row);
+      GrowCache(st, past + n, hkv, d, h.options());
+      std::memcpy(static_cast<char*>(st.k.data_ptr()) + past * row,
+                  static_cast<const char*>(kn.data_ptr()) + seq.begin * row, n * row);
+      std::memcpy(static_cast<char*>(st.v.data_ptr()) + past * row,
+                  static_cast<const char*>(vn.data_ptr()) + seq.begin * row, n * row);
+      for (int64_t i = 0; i < n; ++i) rows.push_back({&seq, seq.begin + i, past + i});
     }
     at::Tensor qc = q.contiguous();
     at::Tensor sk = sinks_.defined() ? sinks_.to(at::kFloat).contiguous() : at::Tensor();
     const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
-    if (h.scalar_type() == at::kFloat) {
-      DecodeAttentionCpu(qc.data_ptr<float>(), b, layer, hq, hkv, d, W, scale, sp,
+    if (rows.empty()) {
+      // Every sequence is a long prompt.
+    } else if (h.scalar_type() == at::kFloat) {
+      CachedAttentionCpu(qc.data_ptr<float>(), rows, layer, hq, hkv, d, W, scale, sp,
                          attn.data_ptr<float>());
     } else {
-      DecodeAttentionCpu(qc.data_ptr<at::BFloat16>(), b, layer, hq, hkv, d, W, scale, sp,
+      CachedAttentionCpu(qc.data_ptr<at::BFloat16>(), rows, layer, hq, hkv, d, W, scale, sp,
                          attn.data_ptr<at::BFloat16>());
     }
+  } else {
+    for (const auto& seq : b.seqs) by_aten.push_back(&seq);
   }
-  const std::vector<ForwardBatch::Seq> none;
-  for (const auto& seq : decode ? none : b.seqs) {
+  for (const ForwardBatch::Seq* sq : by_aten) {
+    const ForwardBatch::Seq& seq = *sq;
     LayerState& st = seq.state->layers[layer];
     const int64_t n = seq.count, past = seq.state->len, total = past + n;
     GrowCache(st, total, hkv, d, h.options());
