@@ -4,7 +4,8 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|ep-memory|qwen3_5|a3b] [--device cpu|cuda|cuda:N|cpu-twins]
+//               [--only tiny|medium|ep-memory|qwen3_5|a3b|peer] [--device
+//               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
@@ -392,10 +393,11 @@ struct Case {
   std::vector<int64_t> adapter_of_seq;
 };
 
-// Mean seconds of one decode step for `batch` sequences (best of `repeat`).
+// Mean seconds of one decode step for `batch` sequences (best of `repeat`); *prefill: the best
+// time of the step that prefills their 16-token prompts.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
-                  int64_t* next_id) {
-  double best = 1e30;
+                  int64_t* next_id, double* prefill = nullptr) {
+  double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
     std::vector<int64_t> ids;
@@ -409,13 +411,16 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
       add.push_back(n);
       ids.push_back(n.id);
     }
+    const double tp = Now();
     Check(e.Step(add, {}).status(), "prefill");
+    best_prefill = std::min(best_prefill, Now() - tp);
     for (int w = 0; w < 2; ++w) Check(e.Step({}, {}).status(), "warmup");
     const double t0 = Now();
     for (int s = 0; s < steps; ++s) Check(e.Step({}, {}).status(), "decode");
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
   }
+  if (prefill != nullptr) *prefill = best_prefill;
   return best;
 }
 
@@ -455,15 +460,17 @@ void Run(const std::string& label, const std::string& model,
   for (int b_size : f.batches) {
     std::vector<int64_t> none(b_size, 0), one(b_size, 1), eight(b_size);
     for (int i = 0; i < b_size; ++i) eight[i] = 1 + i % 8;
-    const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id);
+    double prefill = 0;
+    const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
         "%-7s %s %s threads %d batch %3d  (a) no adapter %8.3f ms %9.1f tok/s  (b) one adapter "
         "%8.3f ms  (c) 8 adapters 2D+3D %8.3f ms %9.1f tok/s   (b)/(a) = %.3f   (c)/(b) = %.3f  "
-        "[goal <= 1.15]   (c)/(a) = %.3f\n",
+        "[goal <= 1.15]   (c)/(a) = %.3f   prefill (a) %d x 16 tokens %.1f ms %.0f tok/s\n",
         label.c_str(), f.device.c_str(), f.dtype.c_str(), at::get_num_threads(), b_size, a * 1e3,
-        b_size / a, b * 1e3, c * 1e3, b_size / c, b / a, c / b, c / a);
+        b_size / a, b * 1e3, c * 1e3, b_size / c, b / a, c / b, c / a, b_size, prefill * 1e3,
+        b_size * 16 / prefill);
   }
 }
 
@@ -475,7 +482,7 @@ int main(int argc, char** argv) {
   std::string only;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b] [--device "
+      "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N]\n";
   if (argc == 2) {
@@ -568,6 +575,15 @@ int main(int argc, char** argv) {
     }
     moelora::Run("qwen3.5", dir + "/model", a2, a3, f, 16);
     if (f.device == "cpu") moelora::PrefillChunkedVsTokenByToken(dir + "/model", f.prefill_len);
+  }
+  // bench/peer's model and adapters (top-4 of 32 experts), where a bench/peer run wrote them.
+  if (only == "peer") {
+    const std::string pd = std::filesystem::current_path().string() + "/.cache/peer-model";
+    if (!std::filesystem::exists(pd + "/model")) {
+      std::fprintf(stderr, "decode_step: no %s/model (run bench/peer once)\n", pd.c_str());
+      return 2;
+    }
+    moelora::Run("peer", pd + "/model", {pd + "/adapter_2d"}, {pd + "/adapter_3d"}, f, 16);
   }
   if (only == "a3b") {
     synthetic("a3b", tmp + "/moelora_bench_decode_a3b", {2048, 768, 128, 8, 4, 32, 4, 128, 4096},

@@ -31,7 +31,9 @@ bool AmxGemmAvailable();
 bool AmxGemmSupported();
 
 // Whether y = x · wᵀ of these sizes fits the kernel's tiles.
-inline bool AmxGemmFits(int64_t n, int64_t k) { return k > 0 && n > 0 && k % 32 == 0 && n % 16 == 0; }
+inline bool AmxGemmFits(int64_t n, int64_t k) {
+  return k > 0 && n > 0 && k % 32 == 0 && n % 16 == 0;
+}
 
 // uint16_t elements of x packed for m rows of k columns: 16-row blocks, padded with zero rows.
 inline int64_t AmxPackedXElements(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k; }

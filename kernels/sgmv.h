@@ -42,6 +42,11 @@ struct SgmvParams {
   int64_t out_dim = 0;
   int64_t r_stride = 0;
   SgmvWeight w_type = SgmvWeight::kF32;  // of every segment's a_t and b_t
+  // bf16 activations instead (bf16 models): x_bf16 is read in place of x (widened exactly), and
+  // out_bf16 accumulated into in place of out (each element widened, the f32 sum rounded to
+  // nearest even once). Either may be set alone; strides as above.
+  const uint16_t* x_bf16 = nullptr;
+  uint16_t* out_bf16 = nullptr;
 };
 
 // Runs segments [first, last) of `segs`. Preconditions (checked by the caller, which built the

@@ -58,8 +58,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: C(nb, mb) = tmm(nb + 2 mb) for 2 x 2 accumulators, B(mb) = tmm(4 + mb), A(nb) = tmm(6 + nb).
-// NB weight blocks of 16 rows against MB x blocks of 16 rows; k / 32 steps; yᵀ into c[nb + 2 mb].
+// NB weight blocks of 16 rows against MB x blocks of 16 rows, k / 32 steps, yᵀ into c[nb + 2 mb].
+// Tiles: accumulator C(nb, mb) = tmm(nb + 2 mb), B(mb) = tmm(4 + mb), A(nb) = tmm(6 + nb).
 template <int NB, int MB>
 MOELORA_AMX void Block(const uint16_t* w, int64_t k, const uint16_t* xp, float (*c)[256]) {
   const int64_t steps = k / 32, wstride = k * 2, xblock = 16 * k;
@@ -107,9 +107,9 @@ MOELORA_AMX void Run(const AmxGemmArgs& a, int64_t n0, int64_t n1) {
       }
       // c[j + 2 i] holds yᵀ of weight block j, x block i: element [row of w][row of x]. Row r
       // of y is column r of the tile: one gather of 16 lanes 16 floats apart.
-      const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16),
-                                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                  10, 11, 12, 13, 14, 15));
+      const __m512i column = _mm512_mullo_epi32(
+          _mm512_set1_epi32(16),
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       for (int i = 0; i < nmb; ++i) {
         const int64_t r0 = (mb + i) * 16, rows = std::min<int64_t>(16, a.m - r0);
         for (int j = 0; j < nb; ++j) {
@@ -154,9 +154,9 @@ namespace {
 // gather of pair p from 16 rows of x.
 MOELORA_AMX void Pack(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
   const int64_t steps = k / 32, blocks = (m + 15) / 16;
-  const __m512i rows = _mm512_mullo_epi32(
-      _mm512_set1_epi32(static_cast<int>(ldx * 2)),
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i rows =
+      _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(ldx * 2)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t live = std::min<int64_t>(16, m - b * 16);
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
@@ -164,8 +164,8 @@ MOELORA_AMX void Pack(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint
     for (int64_t s = 0; s < steps; ++s) {
       uint16_t* dst = packed + (b * steps + s) * 512;
       for (int p = 0; p < 16; ++p) {
-        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows,
-                                                      xb + s * 32 + 2 * p, 1);
+        const __m512i v =
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, xb + s * 32 + 2 * p, 1);
         _mm512_storeu_si512(dst + p * 32, v);
       }
     }

@@ -4,6 +4,8 @@
 #include "kernels/sgmv.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "kernels/internal/avx2.h"
 #include "kernels/skinny_gemm.h"
@@ -110,21 +112,65 @@ MOELORA_AVX2 void Block(const SgmvParams& p, const W* a, const W* b, int64_t r,
   Expand<NB>(o, b, p.out_dim, r, y);
 }
 
+uint16_t RoundToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The f32 rows a block reads and writes: p.x / p.out in place, or bf16 rows widened into `buf`
+// (4 x rows of in_dim, then 4 out rows of out_dim), written back by Finish.
+struct Rows {
+  const float* x[4];
+  float* o[4];
+  uint16_t* o_bf16[4];
+};
+
+void Gather(const SgmvParams& p, int64_t i, int nb, std::vector<float>& buf, Rows* r) {
+  const size_t need = static_cast<size_t>(4 * (p.in_dim + p.out_dim));
+  if ((p.x_bf16 || p.out_bf16) && buf.size() < need) buf.resize(need);
+  for (int t = 0; t < nb; ++t) {
+    const int64_t row = p.rows ? p.rows[i + t] : i + t;
+    if (p.x_bf16) {
+      float* xf = buf.data() + t * p.in_dim;
+      const uint16_t* src = p.x_bf16 + row * p.x_stride;
+      for (int64_t k = 0; k < p.in_dim; ++k) xf[k] = ToF32(src[k]);
+      r->x[t] = xf;
+    } else {
+      r->x[t] = p.x + row * p.x_stride;
+    }
+    if (p.out_bf16) {
+      float* of = buf.data() + 4 * p.in_dim + t * p.out_dim;
+      r->o_bf16[t] = p.out_bf16 + row * p.out_stride;
+      for (int64_t c = 0; c < p.out_dim; ++c) of[c] = ToF32(r->o_bf16[t][c]);
+      r->o[t] = of;
+    } else {
+      r->o[t] = p.out + row * p.out_stride;
+    }
+  }
+}
+
+void Finish(const SgmvParams& p, int nb, const Rows& r) {
+  if (!p.out_bf16) return;
+  for (int t = 0; t < nb; ++t) {
+    for (int64_t c = 0; c < p.out_dim; ++c) r.o_bf16[t][c] = RoundToBf16(r.o[t][c]);
+  }
+}
+
 template <typename W>
 MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s) {
   const W* a = static_cast<const W*>(s.a_t);
   const W* b = static_cast<const W*>(s.b_t);
   const int64_t r = s.rank;
   Mid y[4];
+  thread_local std::vector<float> buf;
   for (int64_t i = s.begin; i < s.end; i += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, s.end - i));
-    const float* x[4];
-    float* o[4];
-    for (int t = 0; t < nb; ++t) {
-      const int64_t row = p.rows ? p.rows[i + t] : i + t;
-      x[t] = p.x + row * p.x_stride;
-      o[t] = p.out + row * p.out_stride;
-    }
+    Rows rows;
+    Gather(p, i, nb, buf, &rows);
+    const float* const* x = rows.x;
+    float* const* o = rows.o;
     switch (nb) {
       case 4:
         Block<4>(p, a, b, r, x, o, y);
@@ -139,6 +185,7 @@ MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s) {
         Block<1>(p, a, b, r, x, o, y);
         break;
     }
+    Finish(p, nb, rows);
   }
 }
 
@@ -149,21 +196,24 @@ void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
   const W* b_t = static_cast<const W*>(s.b_t);
   const int64_t r = s.rank;
   float y[kSgmvMaxRank];
+  std::vector<float> buf;
   for (int64_t i = s.begin; i < s.end; ++i) {
-    const int64_t row = p.rows ? p.rows[i] : i;
-    const float* x = p.x + row * p.x_stride;
+    Rows rows;
+    Gather(p, i, 1, buf, &rows);
+    const float* x = rows.x[0];
     for (int64_t j = 0; j < r; ++j) y[j] = 0.0f;
     for (int64_t k = 0; k < p.in_dim; ++k) {
       const float xk = x[k];
       const W* a = a_t + k * p.r_stride;
       for (int64_t j = 0; j < r; ++j) y[j] += ToF32(a[j]) * xk;
     }
-    float* o = p.out + row * p.out_stride;
+    float* o = rows.o[0];
     for (int64_t j = 0; j < r; ++j) {
       const float yj = y[j];
       const W* b = b_t + j * p.out_dim;
       for (int64_t c = 0; c < p.out_dim; ++c) o[c] += ToF32(b[c]) * yj;
     }
+    Finish(p, 1, rows);
   }
 }
 

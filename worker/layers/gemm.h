@@ -21,7 +21,7 @@ inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
 inline constexpr int64_t kSkinnyMaxRowsBf16Dp = 2;
 // bf16 on the native route where the CPU has AMX (kernels/amx_gemm.h): rows up to which the AMX
 // kernel serves a product (experts grouped per layer, dense layers), ahead of both of the above.
-inline constexpr int64_t kAmxMaxRows = 64;
+inline constexpr int64_t kAmxMaxRows = 256;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
 // AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against

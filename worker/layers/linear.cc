@@ -97,6 +97,22 @@ void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_
     RunSgmv(p, segs);
     return;
   }
+  if (x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+      out.stride(1) == 1) {
+    // bf16 rows read and accumulated in place (one rounding per element).
+    SgmvParams p;
+    p.x_bf16 = static_cast<const uint16_t*>(x.data_ptr());
+    p.x_stride = x.stride(0);
+    p.out_bf16 = static_cast<uint16_t*>(out.data_ptr()) + out_col;
+    p.out_stride = out.stride(0);
+    p.rows = rows;
+    p.in_dim = x.size(1);
+    p.out_dim = out_dim;
+    p.r_stride = r_stride;
+    p.w_type = w;
+    RunSgmv(p, segs);
+    return;
+  }
   at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor d32 = at::zeros({out.size(0), out_dim}, x32.options());
   SgmvParams p{x32.data_ptr<float>(),

@@ -75,8 +75,7 @@ TEST_P(AmxGemmTest, MatchesADoubleReference) {
           ASSERT_EQ(got, -7.0) << "wrote past column n at row " << i;
           continue;
         }
-        const double tol = bf16_out ? std::abs(want[i * n + j]) / 128 + 1e-6 * scale
-                                    : 1e-6 * scale;
+        const double tol = bf16_out ? std::abs(want[i * n + j]) / 128 + 1e-6 * scale : 1e-6 * scale;
         ASSERT_NEAR(got, want[i * n + j], tol) << "y[" << i << "][" << j << "]";
       }
     }

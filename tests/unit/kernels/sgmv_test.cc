@@ -109,6 +109,52 @@ TEST_P(SgmvTest, MatchesADoubleReferenceInF32AndBf16) {
   }
 }
 
+// bf16 activations (x_bf16, out_bf16, each alone and both): the same f32 arithmetic as the f32
+// path on the widened rows, so out is exactly the f32 path's result rounded to bf16 once, and
+// untouched elements keep their bits.
+TEST_P(SgmvTest, Bf16ActivationsRoundTheF32PathOnce) {
+  const auto [in_dim, out_dim, R, row_list] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(in_dim * 131 + out_dim + R));
+  std::normal_distribution<float> d;
+  const int64_t T = 20, ldx = in_dim + 2, ldo = out_dim + 3;
+  std::vector<uint16_t> xb(T * ldx), ob(T * ldo), ab(2 * in_dim * R), bb(2 * R * out_dim);
+  for (auto& v : xb) v = ToBf16(d(rng));
+  for (auto& v : ob) v = ToBf16(d(rng));
+  for (auto& v : ab) v = ToBf16(d(rng));
+  for (auto& v : bb) v = ToBf16(d(rng));
+  std::vector<float> xf(xb.size()), of(ob.size());
+  for (size_t i = 0; i < xb.size(); ++i) xf[i] = FromBf16(xb[i]);
+  for (size_t i = 0; i < ob.size(); ++i) of[i] = FromBf16(ob[i]);
+  std::vector<int64_t> rows(T);
+  for (int64_t i = 0; i < T; ++i) rows[i] = (i * 7 + 3) % T;
+  const int32_t r1 = std::min<int32_t>(13, static_cast<int32_t>(R));
+  const std::vector<SgmvSegment> segs = {
+      {0, 7, ab.data(), bb.data(), static_cast<int32_t>(R)},
+      {9, 15, ab.data() + in_dim * R, bb.data() + R * out_dim, r1}};  // rows 7, 8, 15.. untouched
+  std::vector<float> want = of;
+  SgmvParams pf{xf.data(), ldx, want.data(),      ldo, row_list ? rows.data() : nullptr, in_dim,
+                out_dim,   R,   SgmvWeight::kBF16};
+  SgmvCpu(pf, segs.data(), 0, 2);
+  for (int mode = 0; mode < 3; ++mode) {  // 0: both bf16, 1: x only, 2: out only
+    SCOPED_TRACE(mode == 0 ? "x and out bf16" : mode == 1 ? "x bf16" : "out bf16");
+    std::vector<uint16_t> out = ob;
+    std::vector<float> out32 = of;
+    SgmvParams p = pf;
+    p.x = mode == 2 ? xf.data() : nullptr;
+    p.x_bf16 = mode == 2 ? nullptr : xb.data();
+    p.out = mode == 1 ? out32.data() : nullptr;
+    p.out_bf16 = mode == 1 ? nullptr : out.data();
+    SgmvCpu(p, segs.data(), 0, 2);
+    for (int64_t i = 0; i < T * ldo; ++i) {
+      if (mode == 1) {
+        ASSERT_EQ(out32[i], want[i]) << "element " << i;
+      } else {
+        ASSERT_EQ(out[i], ToBf16(want[i])) << "element " << i;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, SgmvTest,
                          ::testing::Values(Case{5, 3, 16, false}, Case{64, 40, 16, true},
                                            Case{100, 129, 24, false}, Case{33, 16, 8, true},
