@@ -1,0 +1,84 @@
+// The hand-written CPU forms of RmsNorm and Rotary::Apply against the ATen expressions they
+// replace (written out here), on f32 and bf16, every norm kind, full and partial rotary.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "worker/layers/attention.h"
+#include "worker/layers/norm.h"
+#include "worker/layers/rotary.h"
+
+namespace moelora {
+namespace {
+
+at::Tensor NormByAten(const at::Tensor& x, const at::Tensor& w, double eps, NormKind kind) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  if (kind == NormKind::kZeroCentred) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
+  if (kind == NormKind::kPlainF32Weight) return (w.to(at::kFloat) * xf).to(x.scalar_type());
+  return w * xf.to(x.scalar_type());
+}
+
+TEST(ElementwiseTest, RmsNormMatchesItsAtenFormInEveryKind) {
+  at::manual_seed(11);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (NormKind kind : {NormKind::kPlain, NormKind::kZeroCentred, NormKind::kPlainF32Weight}) {
+      for (int64_t n : {int64_t{64}, int64_t{1024}, int64_t{37}}) {
+        at::Tensor x = (at::randn({5, 3, n}) * 3).to(dt);
+        at::Tensor w = (at::randn({n}) * 0.5 + 1).to(dt);
+        at::Tensor got = RmsNorm(x, w, 1e-6, kind), want = NormByAten(x, w, 1e-6, kind);
+        ASSERT_EQ(got.scalar_type(), want.scalar_type());
+        ASSERT_EQ(got.sizes(), want.sizes());
+        // The sum of squares runs in another order: the scale may differ in its last f32 bit,
+        // which can move a bf16 result by one unit in the last place.
+        const double tol = dt == at::kFloat ? 1e-5 : 1.0 / 128;
+        EXPECT_TRUE(at::allclose(got.to(at::kFloat), want.to(at::kFloat), tol, 1e-6))
+            << "kind " << static_cast<int>(kind) << " n " << n << " max diff "
+            << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
+        if (dt == at::kBFloat16) {
+          // Nearly every element is bit-identical.
+          const double same = got.eq(want).to(at::kFloat).mean().item<double>();
+          EXPECT_GT(same, 0.99) << "kind " << static_cast<int>(kind);
+        }
+      }
+    }
+  }
+}
+
+TEST(ElementwiseTest, RmsNormOfAStridedInputTakesTheAtenForm) {
+  at::Tensor x = at::randn({4, 96}).narrow(1, 0, 64);
+  at::Tensor w = at::randn({64});
+  EXPECT_TRUE(at::equal(RmsNorm(x, w, 1e-5), NormByAten(x, w, 1e-5, NormKind::kPlain)));
+}
+
+TEST(ElementwiseTest, RotaryApplyIsBitIdenticalToItsAtenForm) {
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (int64_t rd : {int64_t{64}, int64_t{32}}) {  // full and partial rotary, head_dim 64
+      RopeSpec spec;
+      spec.head_dim = 64;
+      spec.partial_rotary_factor = static_cast<double>(rd) / 64;
+      Rotary rope(spec, at::kCPU);
+      ASSERT_EQ(rope.rotary_dim(), rd);
+      const std::vector<int64_t> pos = {0, 1, 7, 300, 4095};
+      const Rotary::Table t = rope.Compute(pos, dt);
+      at::Tensor x = at::randn({5, 3, 64}).to(dt);
+      // The ATen form: x·c + rotate_half(x)·s on the first rd dims, the rest passed through.
+      at::Tensor c = t.cos.unsqueeze(1), s = t.sin.unsqueeze(1);
+      at::Tensor rot = x.narrow(-1, 0, rd);
+      at::Tensor half =
+          at::cat({-rot.narrow(-1, rd / 2, rd / 2), rot.narrow(-1, 0, rd / 2)}, -1);
+      at::Tensor want = at::cat({rot * c + half * s, x.narrow(-1, rd, 64 - rd)}, -1);
+      at::Tensor got = rope.Apply(x, t);
+      EXPECT_TRUE(at::equal(got, want)) << "rd " << rd << (dt == at::kFloat ? " f32" : " bf16")
+                                        << " max diff "
+                                        << (got.to(at::kFloat) - want.to(at::kFloat))
+                                               .abs()
+                                               .max()
+                                               .item<float>();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moelora
