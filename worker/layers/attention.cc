@@ -7,48 +7,55 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/status_macros.h"
+#include "kernels/elementwise.h"
 #include "worker/layers/gemm.h"
 
 namespace moelora {
 
 namespace {
 
-float ToF(float v) { return v; }
-float ToF(at::BFloat16 v) { return static_cast<float>(v); }
+// Rows per parallel task: at least this many elements, so a decode step's small tensors run on
+// the calling thread (waking the pool costs more than the pass).
+int64_t Grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
 
-// Row r of RmsNorm on the CPU: the sum of squares in 16 f32 partial sums (a fixed order, so the
-// compiler vectorises it), then the operations and roundings of the ATen expression in RmsNorm
-// below, element by element: plain w · T(x · r) (the product rounded to T), zero-centred
-// T(x · r · (1 + w)), f32 weight T(w · (x · r)).
-template <typename T, typename W>
-void RmsNormRows(const T* x, const W* w, T* out, int64_t rows, int64_t n, float eps,
+// RmsNorm rows on the CPU: the operations and roundings of the ATen expression in RmsNorm below,
+// element by element (plain w · T(x · r), the product rounded to T; zero-centred
+// T(x · r · (1 + w)); f32 weight T(w · (x · r))), in f32 rows (bf16 widened and rounded 16 at a
+// time, kernels/elementwise.h). The sum of squares runs in another order than ATen's mean.
+template <typename T>
+void RmsNormRows(const T* x, const at::Tensor& w, T* out, int64_t rows, int64_t n, float eps,
                  NormKind kind) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  const at::Tensor wf = w.to(at::kFloat).contiguous();
+  const float* wp = wf.data_ptr<float>();
+  at::parallel_for(0, rows, Grain(n), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(kBf16 ? 2 * n : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * n;
-      T* o = out + r * n;
-      float acc[16] = {};
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16) {
-        for (int j = 0; j < 16; ++j) acc[j] += ToF(xr[i + j]) * ToF(xr[i + j]);
+      const float* xr;
+      float* o;
+      if constexpr (kBf16) {
+        WidenBf16(reinterpret_cast<const uint16_t*>(x + r * n), buf.data(), n);
+        xr = buf.data();
+        o = buf.data() + n;
+      } else {
+        xr = x + r * n;
+        o = out + r * n;
       }
-      for (; i < n; ++i) acc[i % 16] += ToF(xr[i]) * ToF(xr[i]);
-      float ss = 0;
-      for (float a : acc) ss += a;
-      const float rs = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-      for (int64_t c = 0; c < n; ++c) {
-        const float v = ToF(xr[c]) * rs;
-        if (kind == NormKind::kPlain) {
-          o[c] = static_cast<T>(ToF(w[c]) * ToF(static_cast<T>(v)));
-        } else if (kind == NormKind::kZeroCentred) {
-          o[c] = static_cast<T>(v * (1.0f + ToF(w[c])));
-        } else {
-          o[c] = static_cast<T>(ToF(w[c]) * v);
-        }
+      const float rs = 1.0f / std::sqrt(SumSquares(xr, n) / static_cast<float>(n) + eps);
+      if (kind == NormKind::kPlain) {
+        for (int64_t c = 0; c < n; ++c) o[c] = xr[c] * rs;
+        if constexpr (kBf16) RoundTripBf16(o, n);
+        for (int64_t c = 0; c < n; ++c) o[c] = wp[c] * o[c];
+      } else if (kind == NormKind::kZeroCentred) {
+        for (int64_t c = 0; c < n; ++c) o[c] = xr[c] * rs * (1.0f + wp[c]);
+      } else {
+        for (int64_t c = 0; c < n; ++c) o[c] = wp[c] * (xr[c] * rs);
       }
+      if constexpr (kBf16) RoundToBf16(o, reinterpret_cast<uint16_t*>(out + r * n), n);
     }
   });
 }
@@ -66,11 +73,9 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps, NormKin
     at::Tensor out = at::empty_like(x);
     const float e = static_cast<float>(eps);
     if (t == at::kFloat) {
-      RmsNormRows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rows, n, e,
-                  kind);
+      RmsNormRows(x.data_ptr<float>(), w, out.data_ptr<float>(), rows, n, e, kind);
     } else {
-      RmsNormRows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
-                  out.data_ptr<at::BFloat16>(), rows, n, e, kind);
+      RmsNormRows(x.data_ptr<at::BFloat16>(), w, out.data_ptr<at::BFloat16>(), rows, n, e, kind);
     }
     return out;
   }
@@ -196,25 +201,49 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 }  // namespace
 
 namespace {
-// Rotary::Apply on the CPU, element by element with the roundings of its ATen form (x·c and
-// rotate_half(x)·s each rounded to T, then their sum): x [T, heads, hd], cos/sin [T, rd].
+// Rotary::Apply on the CPU with the roundings of its ATen form (x·c and rotate_half(x)·s each
+// rounded to T, then their sum), a token (all its heads) per row: x [T, heads, hd], cos/sin
+// [T, rd].
 template <typename T>
 void RotaryRows(const T* x, const T* cs, const T* sn, T* out, int64_t tokens, int64_t heads,
                 int64_t hd, int64_t rd) {
-  const int64_t half = rd / 2;
-  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, 8192 / hd), [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const T* xr = x + r * hd;
-      const T* c = cs + (r / heads) * rd;
-      const T* s = sn + (r / heads) * rd;
-      T* o = out + r * hd;
-      for (int64_t i = 0; i < rd; ++i) {
-        const float rot = i < half ? -ToF(xr[i + half]) : ToF(xr[i - half]);
-        const T p = static_cast<T>(ToF(xr[i]) * ToF(c[i]));
-        const T q = static_cast<T>(rot * ToF(s[i]));
-        o[i] = static_cast<T>(ToF(p) + ToF(q));
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  const int64_t half = rd / 2, row = heads * hd;
+  at::parallel_for(0, tokens, Grain(row), [&](int64_t t0, int64_t t1) {
+    std::vector<float> f(kBf16 ? row + 2 * rd : 0), p(rd), q(rd);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *xr, *c, *s;
+      if constexpr (kBf16) {
+        WidenBf16(reinterpret_cast<const uint16_t*>(x + t * row), f.data(), row);
+        WidenBf16(reinterpret_cast<const uint16_t*>(cs + t * rd), f.data() + row, rd);
+        WidenBf16(reinterpret_cast<const uint16_t*>(sn + t * rd), f.data() + row + rd, rd);
+        xr = f.data();
+        c = f.data() + row;
+        s = c + rd;
+      } else {
+        xr = x + t * row;
+        c = cs + t * rd;
+        s = sn + t * rd;
       }
-      for (int64_t i = rd; i < hd; ++i) o[i] = xr[i];
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* xh = xr + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          p[i] = xh[i] * c[i];
+          q[i] = -xh[i + half] * s[i];
+          p[i + half] = xh[i + half] * c[i + half];
+          q[i + half] = xh[i] * s[i + half];
+        }
+        T* o = out + t * row + h * hd;
+        if constexpr (kBf16) {
+          RoundTripBf16(p.data(), rd);
+          RoundTripBf16(q.data(), rd);
+          for (int64_t i = 0; i < rd; ++i) p[i] += q[i];
+          RoundToBf16(p.data(), reinterpret_cast<uint16_t*>(o), rd);
+        } else {
+          for (int64_t i = 0; i < rd; ++i) o[i] = p[i] + q[i];
+        }
+        for (int64_t i = rd; i < hd; ++i) o[i] = x[t * row + h * hd + i];
+      }
     }
   });
 }

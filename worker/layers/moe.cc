@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/elementwise.h"
 #include "kernels/moe_lora.h"
 #include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
@@ -18,27 +20,30 @@ namespace {
 constexpr int kW1 = 0, kW3 = 1, kW2 = 2;  // expert LoRA projections (3D wrapper: kW1 = w13)
 const char* const kMixedFlag = "--enable-mixed-moe-lora-format";
 
-float ToF(float v) { return v; }
-float ToF(at::BFloat16 v) { return static_cast<float>(v); }
-
 bool CpuElementwise(const at::Tensor& t) {
   return t.device().is_cpu() && t.is_contiguous() &&
          (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
 }
 
-// act = silu(g) · u for rows [g ; u] of h13 [N, 2 Ip], by hand (the ATen form is 3 ops and a
-// copy), with its roundings: silu rounded to T, then the product.
+// Rows per parallel task: at least this many elements (decode-sized passes stay on the calling
+// thread).
+int64_t Grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
+
+// act = silu(g) · u for rows [g ; u] of h13 [N, 2 Ip], by hand (the ATen form is 2 ops with
+// bf16 converted element by element): silu rounded to T, then the product (kernels/
+// elementwise.h; its exp is within 2 ulp of ATen's).
 template <typename T>
 void SwiGluRows(const T* h13, T* act, int64_t N, int64_t Ip) {
-  at::parallel_for(0, N, std::max<int64_t>(1, 8192 / Ip), [&](int64_t r0, int64_t r1) {
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  at::parallel_for(0, N, Grain(2 * Ip), [&](int64_t r0, int64_t r1) {
+    std::vector<float> f(kBf16 ? 3 * Ip : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const T* g = h13 + r * 2 * Ip;
-      const T* u = g + Ip;
-      T* o = act + r * Ip;
-      for (int64_t c = 0; c < Ip; ++c) {
-        const float gf = ToF(g[c]);
-        const T s = static_cast<T>(gf / (1.0f + std::exp(-gf)));
-        o[c] = static_cast<T>(ToF(s) * ToF(u[c]));
+      if constexpr (kBf16) {
+        WidenBf16(reinterpret_cast<const uint16_t*>(h13 + r * 2 * Ip), f.data(), 2 * Ip);
+        SiluMul(f.data(), f.data() + Ip, f.data() + 2 * Ip, Ip, /*round_silu=*/true);
+        RoundToBf16(f.data() + 2 * Ip, reinterpret_cast<uint16_t*>(act + r * Ip), Ip);
+      } else {
+        SiluMul(h13 + r * 2 * Ip, h13 + r * 2 * Ip + Ip, act + r * Ip, Ip, false);
       }
     }
   });
@@ -48,25 +53,38 @@ void SwiGluRows(const T* h13, T* act, int64_t N, int64_t Ip) {
 // out.index_add_(0, token, ys) compute (each token's rows added in ascending i, the product and
 // each sum rounded to T), in one pass, parallel over tokens.
 template <typename T>
-void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, int64_t T_, int64_t H,
-                 T* out) {
+void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, int64_t tokens,
+                 int64_t H, T* out) {
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const int64_t N = static_cast<int64_t>(token.size());
-  std::vector<int64_t> start(T_ + 1, 0), rows(N);
+  std::vector<int64_t> start(tokens + 1, 0), rows(N);
   for (int64_t i = 0; i < N; ++i) ++start[token[i] + 1];
-  for (int64_t t = 0; t < T_; ++t) start[t + 1] += start[t];
+  for (int64_t t = 0; t < tokens; ++t) start[t + 1] += start[t];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < N; ++i) rows[fill[token[i]]++] = i;  // ascending i per token
-  at::parallel_for(0, T_, std::max<int64_t>(1, 4096 / H), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tokens, Grain(H * 4), [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(H), m(H);
     for (int64_t t = t0; t < t1; ++t) {
-      T* o = out + t * H;
-      for (int64_t c = 0; c < H; ++c) o[c] = static_cast<T>(0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k = start[t]; k < start[t + 1]; ++k) {
         const int64_t i = rows[k];
-        const T* y = ys + i * H;
-        const float w = ToF(ws[i]);
-        for (int64_t c = 0; c < H; ++c) {
-          o[c] = static_cast<T>(ToF(o[c]) + ToF(static_cast<T>(ToF(y[c]) * w)));
+        if constexpr (kBf16) {
+          WidenBf16(reinterpret_cast<const uint16_t*>(ys + i * H), m.data(), H);
+          const float w = static_cast<float>(ws[i]);
+          for (int64_t c = 0; c < H; ++c) m[c] *= w;
+          RoundTripBf16(m.data(), H);
+          for (int64_t c = 0; c < H; ++c) acc[c] += m[c];
+          RoundTripBf16(acc.data(), H);
+        } else {
+          const float* y = ys + i * H;
+          const float w = ws[i];
+          for (int64_t c = 0; c < H; ++c) acc[c] += y[c] * w;
         }
+      }
+      if constexpr (kBf16) {
+        RoundToBf16(acc.data(), reinterpret_cast<uint16_t*>(out + t * H), H);
+      } else {
+        std::copy(acc.begin(), acc.end(), out + t * H);
       }
     }
   });

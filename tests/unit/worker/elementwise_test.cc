@@ -66,16 +66,12 @@ TEST(ElementwiseTest, RotaryApplyIsBitIdenticalToItsAtenForm) {
       // The ATen form: x·c + rotate_half(x)·s on the first rd dims, the rest passed through.
       at::Tensor c = t.cos.unsqueeze(1), s = t.sin.unsqueeze(1);
       at::Tensor rot = x.narrow(-1, 0, rd);
-      at::Tensor half =
-          at::cat({-rot.narrow(-1, rd / 2, rd / 2), rot.narrow(-1, 0, rd / 2)}, -1);
+      at::Tensor half = at::cat({-rot.narrow(-1, rd / 2, rd / 2), rot.narrow(-1, 0, rd / 2)}, -1);
       at::Tensor want = at::cat({rot * c + half * s, x.narrow(-1, rd, 64 - rd)}, -1);
       at::Tensor got = rope.Apply(x, t);
-      EXPECT_TRUE(at::equal(got, want)) << "rd " << rd << (dt == at::kFloat ? " f32" : " bf16")
-                                        << " max diff "
-                                        << (got.to(at::kFloat) - want.to(at::kFloat))
-                                               .abs()
-                                               .max()
-                                               .item<float>();
+      EXPECT_TRUE(at::equal(got, want))
+          << "rd " << rd << (dt == at::kFloat ? " f32" : " bf16") << " max diff "
+          << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
     }
   }
 }

@@ -1,0 +1,152 @@
+#include "kernels/elementwise.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#define MOELORA_AVX512F __attribute__((target("avx512f")))
+
+namespace moelora {
+
+namespace {
+
+bool HasAvx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
+uint16_t Round1(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+float Widen1(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+MOELORA_AVX512F __m512 Widen16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 floats to bf16 bits in the low halves of 32-bit lanes (Round1, 16 at a time).
+MOELORA_AVX512F __m512i Round16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+}
+
+MOELORA_AVX512F void WidenAvx512(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, Widen16(src + i));
+  for (; i < n; ++i) dst[i] = Widen1(src[i]);
+}
+
+MOELORA_AVX512F void RoundAvx512(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtepi32_epi16(Round16(_mm512_loadu_ps(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = Round1(src[i]);
+}
+
+MOELORA_AVX512F void RoundTripAvx512(float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i r = Round16(_mm512_loadu_ps(v + i));
+    _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+  }
+  for (; i < n; ++i) v[i] = Widen1(Round1(v[i]));
+}
+
+// exp(x) for 16 lanes: x = n ln2 + r (Cody–Waite split of ln2), |r| <= ln2 / 2, exp(r) by the
+// Cephes expf polynomial, times 2^n (scalef: overflow to inf, underflow through denormals to 0).
+MOELORA_AVX512F __m512 Exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+MOELORA_AVX512F void SiluMulAvx512(const float* g, const float* u, float* out, int64_t n,
+                                   bool round_silu) {
+  int64_t i = 0;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, Exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    if (round_silu) s = _mm512_castsi512_ps(_mm512_slli_epi32(Round16(s), 16));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) {
+    float s = g[i] / (1.0f + std::exp(-g[i]));
+    if (round_silu) s = Widen1(Round1(s));
+    out[i] = s * u[i];
+  }
+}
+
+}  // namespace
+
+void WidenBf16(const uint16_t* src, float* dst, int64_t n) {
+  if (HasAvx512()) return WidenAvx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = Widen1(src[i]);
+}
+
+void RoundToBf16(const float* src, uint16_t* dst, int64_t n) {
+  if (HasAvx512()) return RoundAvx512(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = Round1(src[i]);
+}
+
+void RoundTripBf16(float* v, int64_t n) {
+  if (HasAvx512()) return RoundTripAvx512(v, n);
+  for (int64_t i = 0; i < n; ++i) v[i] = Widen1(Round1(v[i]));
+}
+
+void SiluMul(const float* g, const float* u, float* out, int64_t n, bool round_silu) {
+  if (HasAvx512()) return SiluMulAvx512(g, u, out, n, round_silu);
+  for (int64_t i = 0; i < n; ++i) {
+    float s = g[i] / (1.0f + std::exp(-g[i]));
+    if (round_silu) s = Widen1(Round1(s));
+    out[i] = s * u[i];
+  }
+}
+
+float SumSquares(const float* x, int64_t n) {
+  // Plain loops over 16 lanes: the compiler vectorises them (SSE2 at least) without changing the
+  // order of the f32 additions.
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  }
+  for (; i < n; ++i) acc[i % 16] += x[i] * x[i];
+  float s = 0;
+  for (float a : acc) s += a;
+  return s;
+}
+
+}  // namespace moelora

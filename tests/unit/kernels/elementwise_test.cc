@@ -1,0 +1,108 @@
+#include "kernels/elementwise.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "tests/testing/bf16.h"
+
+namespace moelora {
+namespace {
+
+using testing::FromBf16;
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Lengths with and without a 16-lane tail; values that round up, down and to even, signed
+// zeros, infinities, NaN, denormals and the largest finite floats (which round to infinity).
+std::vector<float> Values(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0, 10);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  const float special[] = {0.0f,
+                           -0.0f,
+                           std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(),
+                           std::numeric_limits<float>::quiet_NaN(),
+                           std::numeric_limits<float>::denorm_min(),
+                           std::numeric_limits<float>::max(),
+                           1.0f + 1.0f / 256,  // a tie: stays 1.0 (even)
+                           1.0f + 3.0f / 256,  // a tie: rounds up to even
+                           -1.0f - 1.0f / 512};
+  for (size_t i = 0; i < sizeof(special) / sizeof(special[0]) && i < v.size(); ++i) {
+    v[i * 3 % v.size()] = special[i];
+  }
+  return v;
+}
+
+uint16_t ReferenceRound(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t u = Bits(f);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+TEST(ElementwiseKernelTest, RoundsAndWidensBf16LikeC10) {
+  for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{37}, int64_t{1024}}) {
+    const std::vector<float> v = Values(n, static_cast<uint32_t>(n));
+    std::vector<uint16_t> r(n);
+    RoundToBf16(v.data(), r.data(), n);
+    std::vector<float> w(n), trip = v;
+    WidenBf16(r.data(), w.data(), n);
+    RoundTripBf16(trip.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(r[i], ReferenceRound(v[i])) << "element " << i << " value " << v[i];
+      ASSERT_EQ(Bits(w[i]), Bits(FromBf16(r[i]))) << "element " << i;
+      ASSERT_EQ(Bits(trip[i]), Bits(w[i])) << "element " << i;
+    }
+  }
+}
+
+TEST(ElementwiseKernelTest, SiluMulIsWithinTwoUlpOfADoubleReference) {
+  for (int64_t n : {int64_t{7}, int64_t{16}, int64_t{517}}) {
+    std::mt19937 rng(static_cast<uint32_t>(n));
+    std::normal_distribution<float> d(0, 6);
+    std::vector<float> g(n), u(n), out(n), outr(n);
+    for (auto& x : g) x = d(rng);
+    for (auto& x : u) x = d(rng);
+    g[0] = -100.0f;  // exp(100) overflows: silu is -0
+    if (n > 1) g[1] = 100.0f;
+    SiluMul(g.data(), u.data(), out.data(), n, false);
+    SiluMul(g.data(), u.data(), outr.data(), n, true);
+    for (int64_t i = 0; i < n; ++i) {
+      const double s = g[i] / (1.0 + std::exp(-static_cast<double>(g[i])));
+      const double want = s * u[i];
+      ASSERT_NEAR(out[i], want, std::abs(want) * 3e-7 + 1e-30) << "g " << g[i] << " u " << u[i];
+      // round_silu: silu rounded to bf16 first (where it is not within 2 ulp of a rounding
+      // boundary, the rounding is the reference's).
+      const float sf = static_cast<float>(s);
+      const float sb = FromBf16(ReferenceRound(sf));
+      ASSERT_NEAR(outr[i], sb * u[i], std::abs(s * u[i]) / 128 + 1e-30) << "g " << g[i];
+    }
+  }
+}
+
+TEST(ElementwiseKernelTest, SumSquaresMatchesADoubleSum) {
+  for (int64_t n : {int64_t{3}, int64_t{64}, int64_t{1000}}) {
+    const std::vector<float> v = Values(n, 99);
+    std::vector<float> finite;
+    for (float x : v) {
+      if (std::isfinite(x) && std::abs(x) < 1e6f) finite.push_back(x);
+    }
+    double want = 0;
+    for (float x : finite) want += static_cast<double>(x) * x;
+    EXPECT_NEAR(SumSquares(finite.data(), static_cast<int64_t>(finite.size())), want,
+                want * 1e-5);
+  }
+}
+
+}  // namespace
+}  // namespace moelora
