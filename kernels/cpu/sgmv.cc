@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/elementwise.h"
 #include "kernels/internal/avx2.h"
 #include "kernels/skinny_gemm.h"
 
@@ -112,12 +113,6 @@ MOELORA_AVX2 void Block(const SgmvParams& p, const W* a, const W* b, int64_t r,
   Expand<NB>(o, b, p.out_dim, r, y);
 }
 
-uint16_t RoundToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The f32 rows a block reads and writes: p.x / p.out in place, or bf16 rows widened into `buf`
 // (4 x rows of in_dim, then 4 out rows of out_dim), written back by Finish.
@@ -134,8 +129,7 @@ void Gather(const SgmvParams& p, int64_t i, int nb, std::vector<float>& buf, Row
     const int64_t row = p.rows ? p.rows[i + t] : i + t;
     if (p.x_bf16) {
       float* xf = buf.data() + t * p.in_dim;
-      const uint16_t* src = p.x_bf16 + row * p.x_stride;
-      for (int64_t k = 0; k < p.in_dim; ++k) xf[k] = ToF32(src[k]);
+      WidenBf16(p.x_bf16 + row * p.x_stride, xf, p.in_dim);
       r->x[t] = xf;
     } else {
       r->x[t] = p.x + row * p.x_stride;
@@ -143,7 +137,7 @@ void Gather(const SgmvParams& p, int64_t i, int nb, std::vector<float>& buf, Row
     if (p.out_bf16) {
       float* of = buf.data() + 4 * p.in_dim + t * p.out_dim;
       r->o_bf16[t] = p.out_bf16 + row * p.out_stride;
-      for (int64_t c = 0; c < p.out_dim; ++c) of[c] = ToF32(r->o_bf16[t][c]);
+      WidenBf16(r->o_bf16[t], of, p.out_dim);
       r->o[t] = of;
     } else {
       r->o[t] = p.out + row * p.out_stride;
@@ -153,9 +147,7 @@ void Gather(const SgmvParams& p, int64_t i, int nb, std::vector<float>& buf, Row
 
 void Finish(const SgmvParams& p, int nb, const Rows& r) {
   if (!p.out_bf16) return;
-  for (int t = 0; t < nb; ++t) {
-    for (int64_t c = 0; c < p.out_dim; ++c) r.o_bf16[t][c] = RoundToBf16(r.o[t][c]);
-  }
+  for (int t = 0; t < nb; ++t) RoundToBf16(r.o[t], r.o_bf16[t], p.out_dim);
 }
 
 template <typename W>
