@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 
 #include "kernels/amx_gemm.h"
 #include "kernels/skinny_gemm.h"
@@ -24,7 +26,6 @@ bool Skinny(const at::Tensor& x, const at::Tensor& w) {
          SkinnyGemmAvailable();
 }
 
-// One product of a grouped call: the skinny kernel's (f32 x rows) or AMX's (packed bf16 x).
 // bf16 x against a bf16 weight on AMX: the native bf16 route, a CPU with AMX, a weight shape the
 // tiles fit (w [n, k] or experts [E, n, k]).
 bool Amx(const at::Tensor& x, const at::Tensor& w) {
@@ -34,6 +35,7 @@ bool Amx(const at::Tensor& x, const at::Tensor& w) {
          AmxGemmFits(w.size(-2), w.size(-1));
 }
 
+// One product of a grouped call: the skinny kernel's (f32 x rows) or AMX's (packed bf16 x).
 struct Job {
   SkinnyGemmArgs args;
   AmxGemmArgs amx;
@@ -218,15 +220,10 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     auto [i, j] = runs[r];
     at::Tensor w = weights[expert[r]];
     if (!(skinny || amx) || j - i > max_rows) {
-      if (!SlowBf16(x)) {  // below, the experts in parallel
-        long_runs.push_back(r);
-        continue;
-      }
-      at::Tensor dst = out.narrow(0, i, j - i);
       if (SlowBf16(x)) {
-        dst.copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), w.t()));
+        out.narrow(0, i, j - i).copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), w.t()));
       } else {
-        at::mm_out(dst, x.narrow(0, i, j - i), w.t());
+        long_runs.push_back(r);  // below, the experts in parallel
       }
       continue;
     }
@@ -250,13 +247,22 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     // Long runs (prefill): one expert per thread, each GEMM single-threaded inside the region
     // (OpenBLAS and oneDNN do not nest), rather than every expert split over all threads: f32
     // expert GEMMs of the bench/peer prefill at batch 32, 353 -> 306 ms (decode_step --only peer).
+    // An exception must not leave an OpenMP region: the first one is rethrown after it.
     const int64_t nl = static_cast<int64_t>(long_runs.size());
+    std::exception_ptr error;
+    std::mutex error_mu;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
     for (int64_t q = 0; q < nl; ++q) {
-      auto [i, j] = runs[long_runs[q]];
-      at::Tensor dst = out.narrow(0, i, j - i);
-      at::mm_out(dst, x.narrow(0, i, j - i), weights[expert[long_runs[q]]].t());
+      try {
+        auto [i, j] = runs[long_runs[q]];
+        at::Tensor dst = out.narrow(0, i, j - i);
+        at::mm_out(dst, x.narrow(0, i, j - i), weights[expert[long_runs[q]]].t());
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+      }
     }
+    if (error) std::rethrow_exception(error);
   }
   if (jobs.empty()) return;
   RunJobs(jobs, blocks, packs);

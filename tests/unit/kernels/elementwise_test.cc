@@ -99,8 +99,7 @@ TEST(ElementwiseKernelTest, SumSquaresMatchesADoubleSum) {
     }
     double want = 0;
     for (float x : finite) want += static_cast<double>(x) * x;
-    EXPECT_NEAR(SumSquares(finite.data(), static_cast<int64_t>(finite.size())), want,
-                want * 1e-5);
+    EXPECT_NEAR(SumSquares(finite.data(), static_cast<int64_t>(finite.size())), want, want * 1e-5);
   }
 }
 
