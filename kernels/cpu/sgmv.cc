@@ -20,16 +20,41 @@ using avx2::ToF32;
 
 using Mid = float[kSgmvMaxRank];
 
+// The next segment's A and B, fetched into the cache while this one's shrink runs: a decode
+// step's slots arrive cold from memory (the base weights streamed through the caches since the
+// last step), and one segment at a time left the memory idle while the arithmetic ran. The
+// bytes are spread over the in_dim iterations of the shrink loop (a line whenever the share of
+// the iteration crosses into a new one).
+struct Prefetch {
+  const char* a = nullptr;
+  const char* b = nullptr;
+  uint64_t a_step = 0, b_step = 0;  // bytes per shrink iteration, 16.16 fixed point
+
+  Prefetch() = default;
+  Prefetch(const void* next_a, int64_t a_bytes, const void* next_b, int64_t b_bytes,
+           int64_t iterations)
+      : a(static_cast<const char*>(next_a)),
+        b(static_cast<const char*>(next_b)),
+        a_step((static_cast<uint64_t>(a_bytes) << 16) / static_cast<uint64_t>(iterations)),
+        b_step((static_cast<uint64_t>(b_bytes) << 16) / static_cast<uint64_t>(iterations)) {}
+  void At(int64_t k) const {
+    if (a == nullptr) return;
+    _mm_prefetch(a + ((static_cast<uint64_t>(k) * a_step) >> 16), _MM_HINT_T0);
+    _mm_prefetch(b + ((static_cast<uint64_t>(k) * b_step) >> 16), _MM_HINT_T0);
+  }
+};
+
 // y[b][j] = Σ_k a[k, j] · x[b][k] for NB rows, j < r: 16 (then 8) rank columns at a time, the
 // NB rows' sums in registers, so each row of A is read once for all NB rows.
 template <int NB, typename W>
 MOELORA_AVX2 void Shrink(const float* const* x, const W* a, int64_t in_dim, int64_t rs, int64_t r,
-                         Mid* y) {
+                         Mid* y, const Prefetch& pf) {
   int64_t j0 = 0;
   for (; j0 + 16 <= r; j0 += 16) {
     __m256 acc[NB][2];
     for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < in_dim; ++k) {
+      if (j0 == 0) pf.At(k);
       const W* ak = a + k * rs + j0;
       const __m256 a0 = Load8(ak), a1 = Load8(ak + 8);
       for (int b = 0; b < NB; ++b) {
@@ -47,6 +72,7 @@ MOELORA_AVX2 void Shrink(const float* const* x, const W* a, int64_t in_dim, int6
     __m256 acc[NB];
     for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
     for (int64_t k = 0; k < in_dim; ++k) {
+      if (j0 == 0) pf.At(k);
       const __m256 a0 = Load8(a + k * rs + j0);
       for (int b = 0; b < NB; ++b)
         acc[b] = _mm256_fmadd_ps(a0, _mm256_broadcast_ss(x[b] + k), acc[b]);
@@ -108,11 +134,10 @@ MOELORA_AVX2 void Expand(float* const* o, const W* bm, int64_t out_dim, int64_t 
 
 template <int NB, typename W>
 MOELORA_AVX2 void Block(const SgmvParams& p, const W* a, const W* b, int64_t r,
-                        const float* const* x, float* const* o, Mid* y) {
-  Shrink<NB>(x, a, p.in_dim, p.r_stride, r, y);
+                        const float* const* x, float* const* o, Mid* y, const Prefetch& pf) {
+  Shrink<NB>(x, a, p.in_dim, p.r_stride, r, y, pf);
   Expand<NB>(o, b, p.out_dim, r, y);
 }
-
 
 // The f32 rows a block reads and writes: p.x / p.out in place, or bf16 rows widened into `buf`
 // (4 x rows of in_dim, then 4 out rows of out_dim), written back by Finish.
@@ -150,13 +175,21 @@ void Finish(const SgmvParams& p, int nb, const Rows& r) {
   for (int t = 0; t < nb; ++t) RoundToBf16(r.o[t], r.o_bf16[t], p.out_dim);
 }
 
+// `next`: the segment this thread runs after this one (nullptr: none), whose weights the first
+// block's shrink prefetches.
 template <typename W>
-MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s) {
+MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s, const SgmvSegment* next) {
   const W* a = static_cast<const W*>(s.a_t);
   const W* b = static_cast<const W*>(s.b_t);
   const int64_t r = s.rank;
   Mid y[4];
   thread_local std::vector<float> buf;
+  Prefetch pf;
+  if (next != nullptr && next->a_t != s.a_t && p.in_dim > 0) {
+    const int64_t nr = next->rank;
+    pf = Prefetch(next->a_t, p.in_dim * p.r_stride * static_cast<int64_t>(sizeof(W)), next->b_t,
+                  nr * p.out_dim * static_cast<int64_t>(sizeof(W)), p.in_dim);
+  }
   for (int64_t i = s.begin; i < s.end; i += 4) {
     const int nb = static_cast<int>(std::min<int64_t>(4, s.end - i));
     Rows rows;
@@ -165,19 +198,20 @@ MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s) {
     float* const* o = rows.o;
     switch (nb) {
       case 4:
-        Block<4>(p, a, b, r, x, o, y);
+        Block<4>(p, a, b, r, x, o, y, pf);
         break;
       case 3:
-        Block<3>(p, a, b, r, x, o, y);
+        Block<3>(p, a, b, r, x, o, y, pf);
         break;
       case 2:
-        Block<2>(p, a, b, r, x, o, y);
+        Block<2>(p, a, b, r, x, o, y, pf);
         break;
       default:
-        Block<1>(p, a, b, r, x, o, y);
+        Block<1>(p, a, b, r, x, o, y, pf);
         break;
     }
     Finish(p, nb, rows);
+    pf = Prefetch();  // the next segment's weights are on their way after the first block
   }
 }
 
@@ -215,7 +249,11 @@ void Run(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t la
   for (int64_t s = first; s < last; ++s) {
     if (segs[s].rank <= 0 || segs[s].end <= segs[s].begin) continue;
     if (avx2) {
-      SegmentAvx2<W>(p, segs[s]);
+      const SgmvSegment* next = nullptr;
+      for (int64_t t = s + 1; t < last && next == nullptr; ++t) {
+        if (segs[t].rank > 0 && segs[t].end > segs[t].begin) next = &segs[t];
+      }
+      SegmentAvx2<W>(p, segs[s], next);
     } else {
       SegmentPortable<W>(p, segs[s]);
     }
