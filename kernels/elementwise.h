@@ -26,6 +26,14 @@ void SiluMul(const float* g, const float* u, float* out, int64_t n, bool round_s
 // Σ x[i]², in 16 partial sums added in a fixed order (the same on both paths).
 float SumSquares(const float* x, int64_t n);
 
+// Rows per parallel task for a pass over rows of `row` elements: at least 32768 elements a task,
+// so a decode step's small tensors stay on the calling thread (waking the thread pool costs more
+// than such a pass).
+inline int64_t ElementwiseGrain(int64_t row) {
+  const int64_t rows = 32768 / (row > 0 ? row : 1);
+  return rows > 0 ? rows : 1;
+}
+
 }  // namespace moelora
 
 #endif  // MOELORA_KERNELS_ELEMENTWISE_H_

@@ -18,10 +18,6 @@ namespace moelora {
 
 namespace {
 
-// Rows per parallel task: at least this many elements, so a decode step's small tensors run on
-// the calling thread (waking the pool costs more than the pass).
-int64_t Grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
-
 // RmsNorm rows on the CPU: the operations and roundings of the ATen expression in RmsNorm below,
 // element by element (plain w · T(x · r), the product rounded to T; zero-centred
 // T(x · r · (1 + w)); f32 weight T(w · (x · r))), in f32 rows (bf16 widened and rounded 16 at a
@@ -32,7 +28,7 @@ void RmsNormRows(const T* x, const at::Tensor& w, T* out, int64_t rows, int64_t 
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const at::Tensor wf = w.to(at::kFloat).contiguous();
   const float* wp = wf.data_ptr<float>();
-  at::parallel_for(0, rows, Grain(n), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, ElementwiseGrain(n), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(kBf16 ? 2 * n : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr;
@@ -251,7 +247,7 @@ void RotaryRows(const T* x, const T* cs, const T* sn, T* out, int64_t tokens, in
                 int64_t hd, int64_t rd) {
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const int64_t half = rd / 2, row = heads * hd;
-  at::parallel_for(0, tokens, Grain(row), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tokens, ElementwiseGrain(row), [&](int64_t t0, int64_t t1) {
     std::vector<float> f(kBf16 ? row + 2 * rd : 0), p(rd), q(rd);
     for (int64_t t = t0; t < t1; ++t) {
       const float *xr, *c, *s;

@@ -25,17 +25,13 @@ bool CpuElementwise(const at::Tensor& t) {
          (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
 }
 
-// Rows per parallel task: at least this many elements (decode-sized passes stay on the calling
-// thread).
-int64_t Grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
-
 // act = silu(g) · u for rows [g ; u] of h13 [N, 2 Ip], by hand (the ATen form is 2 ops with
 // bf16 converted element by element): silu rounded to T, then the product (kernels/
 // elementwise.h; its exp is within 2 ulp of ATen's).
 template <typename T>
 void SwiGluRows(const T* h13, T* act, int64_t N, int64_t Ip) {
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  at::parallel_for(0, N, Grain(2 * Ip), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, N, ElementwiseGrain(2 * Ip), [&](int64_t r0, int64_t r1) {
     std::vector<float> f(kBf16 ? 3 * Ip : 0);
     for (int64_t r = r0; r < r1; ++r) {
       if constexpr (kBf16) {
@@ -62,7 +58,7 @@ void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, in
   for (int64_t t = 0; t < tokens; ++t) start[t + 1] += start[t];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < N; ++i) rows[fill[token[i]]++] = i;  // ascending i per token
-  at::parallel_for(0, tokens, Grain(H * 4), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tokens, ElementwiseGrain(H * 4), [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(H), m(H);
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
