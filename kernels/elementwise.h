@@ -13,6 +13,10 @@
 
 namespace moelora {
 
+// Whether the vectorised (AVX-512) paths run on this CPU. Where they do not, SiluMul's exp is
+// std::exp one element at a time, slower than ATen's own vectorised silu: callers keep ATen's.
+bool ElementwiseVectorised();
+
 // dst[i] = the f32 value of bf16 src[i] (exact).
 void WidenBf16(const uint16_t* src, float* dst, int64_t n);
 // dst[i] = src[i] rounded to bf16, to nearest even; NaN becomes 0x7FC0 (as c10::BFloat16 does).

@@ -112,6 +112,8 @@ MOELORA_AVX512F void SiluMulAvx512(const float* g, const float* u, float* out, i
 
 }  // namespace
 
+bool ElementwiseVectorised() { return HasAvx512(); }
+
 void WidenBf16(const uint16_t* src, float* dst, int64_t n) {
   if (HasAvx512()) return WidenAvx512(src, dst, n);
   for (int64_t i = 0; i < n; ++i) dst[i] = Widen1(src[i]);

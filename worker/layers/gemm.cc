@@ -146,7 +146,11 @@ at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b) {
 }
 
 int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
-  if (x_dtype != at::kBFloat16) return kSkinnyMaxRows;
+  if (x_dtype != at::kBFloat16) {
+    const SkinnyIsa isa = SkinnyGemmIsa();
+    return isa == SkinnyIsa::kAvx512 || isa == SkinnyIsa::kAvx512Bf16 ? kSkinnyMaxRowsAvx512
+                                                                      : kSkinnyMaxRows;
+  }
   if (CpuBf16Gemm() == Bf16Gemm::kWidened) return kSkinnyMaxRowsBf16;
   return SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16 ? kSkinnyMaxRowsBf16Dp : 0;
 }

@@ -10,12 +10,14 @@
 namespace moelora {
 
 // Rows of x up to which the skinny kernel beats at::matmul on the weights it serves (bench/
-// skinny_gemm measures the crossover; docs/performance.md has the figures). f32 on the Xeon
-// (AVX-512): a dense [m, 1024] x [4096, 1024]ᵀ 1.5x OpenBLAS at 32 rows, 1.13x at 64, even at
-// 96; a layer's experts grouped 1.26x at 32 rows each, 1.03x at 64, 0.96x at 96. bf16 on the
-// widened route goes as far: its alternative is f32 BLAS on widened copies of the weight
-// (CpuMatmul), which reads and writes the weight twice more.
-inline constexpr int64_t kSkinnyMaxRows = 64;
+// skinny_gemm measures the crossover; docs/performance.md has the figures). f32 with the AVX2
+// kernel: 24 (an AMD EPYC against OpenBLAS). f32 with the AVX-512 kernel (a Xeon): a dense
+// [m, 1024] x [4096, 1024]ᵀ 1.5x OpenBLAS at 32 rows, 1.13x at 64, even at 96; a layer's experts
+// grouped 1.26x at 32 rows each, 1.03x at 64, 0.96x at 96. bf16 on the widened route goes to 64:
+// its alternative is f32 BLAS on widened copies of the weight (CpuMatmul), which reads and
+// writes the weight twice more.
+inline constexpr int64_t kSkinnyMaxRows = 24;
+inline constexpr int64_t kSkinnyMaxRowsAvx512 = 64;
 inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
 // bf16 on the native route with the kernel's AVX512-BF16 path (vdpbf16ps): it beat oneDNN's
 // per-expert GEMM at 1 row (3.1–3.8 against 4.7–5.3 ms per layer) and 2 (3.9–4.3 against

@@ -415,7 +415,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     act = (at::silu(h13.narrow(1, 0, Ip)).clamp_max(act_.limit) *
            h13.narrow(1, Ip, Ip).clamp(-act_.limit, act_.limit))
               .contiguous();
-  } else if (CpuElementwise(h13)) {
+  } else if (CpuElementwise(h13) && ElementwiseVectorised()) {
     act = at::empty({N, Ip}, h13.options());
     if (h13.scalar_type() == at::kFloat) {
       SwiGluRows(h13.data_ptr<float>(), act.data_ptr<float>(), N, Ip);

@@ -28,9 +28,9 @@ TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
   at::manual_seed(3);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
     // Both sides of every crossover: f32, bf16 widened, bf16 native (AVX512-BF16 up to 2 rows).
-    for (int64_t m :
-         {int64_t{1}, kSkinnyMaxRowsBf16Dp, kSkinnyMaxRowsBf16Dp + 1, int64_t{5}, kSkinnyMaxRows,
-          kSkinnyMaxRows + 1, kSkinnyMaxRowsBf16, kSkinnyMaxRowsBf16 + 1}) {
+    for (int64_t m : {int64_t{1}, kSkinnyMaxRowsBf16Dp, kSkinnyMaxRowsBf16Dp + 1, int64_t{5},
+                      kSkinnyMaxRows, kSkinnyMaxRows + 1, kSkinnyMaxRowsAvx512,
+                      kSkinnyMaxRowsAvx512 + 1, kSkinnyMaxRowsBf16, kSkinnyMaxRowsBf16 + 1}) {
       at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
       ExpectClose(MatmulWt(x, w), Reference(x, w), dt == at::kFloat ? "f32" : "bf16");
     }
