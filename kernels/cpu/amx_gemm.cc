@@ -18,7 +18,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-// AMX CPUs (Sapphire Rapids and later) all have AVX-512 with BF16, used for the stores.
+// AMX CPUs (Sapphire Rapids and later) all have AVX-512 with BF16, used for packing and stores.
 #define MOELORA_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -31,10 +31,14 @@ namespace {
 // until then the first tile instruction faults.
 constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
 
+// AMX-TILE and AMX-BF16, and the AVX-512 (F, BW, VL, BF16) that the packing and the stores use
+// (every AMX CPU has it, but a virtual machine may hide it).
 bool CpuHasAmx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d & (1u << 24)) != 0 && (d & (1u << 22)) != 0;  // AMX-TILE, AMX-BF16
+  if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
 bool GrantTiles() {
