@@ -27,7 +27,9 @@ void RoundTripBf16(float* v, int64_t n);
 // `round_silu` (what a bf16 ATen silu then mul computes) and is the identity otherwise. exp is
 // a Cephes-style polynomial on AVX-512 (within 2 ulp of f32 exp) and std::exp elsewhere.
 void SiluMul(const float* g, const float* u, float* out, int64_t n, bool round_silu);
-// Σ x[i]², in 16 partial sums added in a fixed order (the same on both paths).
+// Σ a[i] · b[i], in 16 partial sums added in a fixed order (a loop the compiler vectorises).
+float Dot(const float* a, const float* b, int64_t n);
+// Dot(x, x, n).
 float SumSquares(const float* x, int64_t n);
 
 // Rows per parallel task for a pass over rows of `row` elements: at least 32768 elements a task,

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/internal/avx2.h"
+
 // gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -29,13 +31,6 @@ uint16_t Round1(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-float Widen1(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 MOELORA_AVX512F __m512 Widen16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -54,7 +49,7 @@ MOELORA_AVX512F __m512i Round16(__m512 v) {
 MOELORA_AVX512F void WidenAvx512(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, Widen16(src + i));
-  for (; i < n; ++i) dst[i] = Widen1(src[i]);
+  for (; i < n; ++i) dst[i] = avx2::ToF32(src[i]);
 }
 
 MOELORA_AVX512F void RoundAvx512(const float* src, uint16_t* dst, int64_t n) {
@@ -72,7 +67,7 @@ MOELORA_AVX512F void RoundTripAvx512(float* v, int64_t n) {
     const __m512i r = Round16(_mm512_loadu_ps(v + i));
     _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
   }
-  for (; i < n; ++i) v[i] = Widen1(Round1(v[i]));
+  for (; i < n; ++i) v[i] = avx2::ToF32(Round1(v[i]));
 }
 
 // exp(x) for 16 lanes: x = n ln2 + r (Cody–Waite split of ln2), |r| <= ln2 / 2, exp(r) by the
@@ -105,7 +100,7 @@ MOELORA_AVX512F void SiluMulAvx512(const float* g, const float* u, float* out, i
   }
   for (; i < n; ++i) {
     float s = g[i] / (1.0f + std::exp(-g[i]));
-    if (round_silu) s = Widen1(Round1(s));
+    if (round_silu) s = avx2::ToF32(Round1(s));
     out[i] = s * u[i];
   }
 }
@@ -116,7 +111,7 @@ bool ElementwiseVectorised() { return HasAvx512(); }
 
 void WidenBf16(const uint16_t* src, float* dst, int64_t n) {
   if (HasAvx512()) return WidenAvx512(src, dst, n);
-  for (int64_t i = 0; i < n; ++i) dst[i] = Widen1(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = avx2::ToF32(src[i]);
 }
 
 void RoundToBf16(const float* src, uint16_t* dst, int64_t n) {
@@ -126,30 +121,32 @@ void RoundToBf16(const float* src, uint16_t* dst, int64_t n) {
 
 void RoundTripBf16(float* v, int64_t n) {
   if (HasAvx512()) return RoundTripAvx512(v, n);
-  for (int64_t i = 0; i < n; ++i) v[i] = Widen1(Round1(v[i]));
+  for (int64_t i = 0; i < n; ++i) v[i] = avx2::ToF32(Round1(v[i]));
 }
 
 void SiluMul(const float* g, const float* u, float* out, int64_t n, bool round_silu) {
   if (HasAvx512()) return SiluMulAvx512(g, u, out, n, round_silu);
   for (int64_t i = 0; i < n; ++i) {
     float s = g[i] / (1.0f + std::exp(-g[i]));
-    if (round_silu) s = Widen1(Round1(s));
+    if (round_silu) s = avx2::ToF32(Round1(s));
     out[i] = s * u[i];
   }
 }
 
-float SumSquares(const float* x, int64_t n) {
+float Dot(const float* a, const float* b, int64_t n) {
   // Plain loops over 16 lanes: the compiler vectorises them (SSE2 at least) without changing the
   // order of the f32 additions.
   float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += x[i + j] * x[i + j];
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += a[c + j] * b[c + j];
   }
-  for (; i < n; ++i) acc[i % 16] += x[i] * x[i];
+  for (; c < n; ++c) acc[c % 16] += a[c] * b[c];
   float s = 0;
-  for (float a : acc) s += a;
+  for (float v : acc) s += v;
   return s;
 }
+
+float SumSquares(const float* x, int64_t n) { return Dot(x, x, n); }
 
 }  // namespace moelora

@@ -126,19 +126,6 @@ struct QueryRow {
   int64_t pos;  // its position: the last key it sees
 };
 
-// Σ a[c] · b[c] in 16 partial sums (a fixed order the compiler vectorises).
-float Dot(const float* a, const float* b, int64_t n) {
-  float acc[16] = {};
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += a[c + j] * b[c + j];
-  }
-  for (; c < n; ++c) acc[c % 16] += a[c] * b[c];
-  float s = 0;
-  for (float v : acc) s += v;
-  return s;
-}
-
 // One task per (query, KV head): the KV head's key and value rows are widened to f32 once (bf16)
 // and serve the hq / hkv query heads that share them.
 template <typename T>

@@ -23,6 +23,17 @@ void ExpectClose(const at::Tensor& got, const at::Tensor& want, const char* what
       << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
 }
 
+// Every run's rows of `out` against the reference product with its expert.
+void ExpectEachRun(const at::Tensor& x, const at::Tensor& weights,
+                   const std::vector<std::pair<int64_t, int64_t>>& runs,
+                   const std::vector<int64_t>& experts, const at::Tensor& out) {
+  for (size_t r = 0; r < runs.size(); ++r) {
+    auto [i, j] = runs[r];
+    ExpectClose(out.narrow(0, i, j - i), Reference(x.narrow(0, i, j - i), weights[experts[r]]),
+                "run");
+  }
+}
+
 TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA: MatmulWt is at::matmul";
   at::manual_seed(3);
@@ -62,11 +73,7 @@ TEST(GemmTest, GroupedMatmulWtOnAmxShapesWritesEachRunWithItsExpert) {
   at::Tensor x = at::randn({rows, 64}).to(at::kBFloat16);
   at::Tensor out = at::full({rows, 48}, 99.0, x.options());
   GroupedMatmulWt(x, weights, runs, experts, out);
-  for (size_t r = 0; r < runs.size(); ++r) {
-    auto [i, j] = runs[r];
-    ExpectClose(out.narrow(0, i, j - i), Reference(x.narrow(0, i, j - i), weights[experts[r]]),
-                "run");
-  }
+  ExpectEachRun(x, weights, runs, experts, out);
 }
 
 TEST(GemmTest, GroupedMatmulWtWritesEachRunWithItsExpert) {
@@ -84,11 +91,7 @@ TEST(GemmTest, GroupedMatmulWtWritesEachRunWithItsExpert) {
     at::Tensor x = at::randn({rows, 40}).to(dt);
     at::Tensor out = at::full({rows, 19}, 99.0, x.options());
     GroupedMatmulWt(x, weights, runs, experts, out);
-    for (size_t r = 0; r < runs.size(); ++r) {
-      auto [i, j] = runs[r];
-      ExpectClose(out.narrow(0, i, j - i), Reference(x.narrow(0, i, j - i), weights[experts[r]]),
-                  "run");
-    }
+    ExpectEachRun(x, weights, runs, experts, out);
   }
 }
 
