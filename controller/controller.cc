@@ -33,7 +33,8 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
           [this] { scheduler_.Wake(); }),
       scheduler_(
           options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
-          [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms)) {}
+          [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms),
+          std::chrono::milliseconds(options_.batch_window_max_ms)) {}
 
 Controller::~Controller() { Stop(); }
 

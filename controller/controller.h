@@ -32,8 +32,10 @@ struct ControllerOptions {
   int max_lora_rank = 16;
   bool mixed = false;
   int max_num_seqs = 256;
-  // An idle engine's wait for a burst to gather into one first step (Scheduler).
+  // An idle engine's wait for a burst to gather into one first step (Scheduler): a quiet gap,
+  // and its cap after the first arrival.
   int batch_window_ms = 0;
+  int batch_window_max_ms = 0;
   ModelInfo model;  // from --model's config.json: dims for adapter validation
   // The model's tokenizer (null: none; text prompts and stop strings are then refused).
   std::shared_ptr<const tok::Tokenizer> tokenizer;

@@ -59,8 +59,11 @@ ABSL_FLAG(int, max_cpu_loras, 8,
           "demand, from the workers' host cache of as many)");
 ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch");
 ABSL_FLAG(int, batch_window_ms, 2,
-          "When nothing is running, how long (ms, 0-1000) the first queued request waits for "
-          "others to join its prefill step (a burst then runs as one step; 0: start at once)");
+          "When nothing is running, the first prefill step starts once no request has arrived "
+          "for this long (ms, 0-1000), so that a burst runs as one step (0: start at once)");
+ABSL_FLAG(int, batch_window_max_ms, 10,
+          "The longest (ms, --batch-window-ms..1000) the first queued request of an idle engine "
+          "waits while others keep arriving");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
 ABSL_FLAG(std::string, device, "cpu",
           "Worker device: cpu | cuda (rank r uses GPU r % visible GPUs; TP over NCCL) | cpu-twins "
@@ -121,6 +124,10 @@ int main(int argc, char** argv) {
   if (tp < 1) return fail("--tensor-parallel-size must be >= 1");
   if (absl::GetFlag(FLAGS_batch_window_ms) < 0 || absl::GetFlag(FLAGS_batch_window_ms) > 1000) {
     return fail("--batch-window-ms must be in 0..1000");
+  }
+  if (absl::GetFlag(FLAGS_batch_window_max_ms) < absl::GetFlag(FLAGS_batch_window_ms) ||
+      absl::GetFlag(FLAGS_batch_window_max_ms) > 1000) {
+    return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
   }
   if (absl::GetFlag(FLAGS_max_loras) < 1 ||
       absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
@@ -188,6 +195,7 @@ int main(int argc, char** argv) {
   co.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
   co.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
+  co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.model = *info;
   // The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present
   // and cannot be loaded is an error, not a silent fallback.

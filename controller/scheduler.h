@@ -33,11 +33,12 @@ namespace moelora {
 class Scheduler {
  public:
   // `serving`: whether steps may run (the group is ready and its adapters reloaded).
-  // `batch_window`: how long an idle engine waits after a request arrives for others to join
-  // its first step (0: not at all).
+  // `batch_window`: an idle engine starts its first step once no request has arrived for this
+  // long (0: at once), and at the latest `batch_window_max` after the first of them arrived.
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
             ControllerMetrics* metrics, std::function<bool()> serving,
-            std::chrono::milliseconds batch_window = std::chrono::milliseconds(0));
+            std::chrono::milliseconds batch_window = std::chrono::milliseconds(0),
+            std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0));
   ~Scheduler();
 
   void Start();
@@ -60,6 +61,7 @@ class Scheduler {
 
   const int max_num_seqs_;
   const std::chrono::milliseconds batch_window_;
+  const std::chrono::milliseconds batch_window_max_;  // at least batch_window_
   const int max_loras_;
   AdapterManager* const adapters_;
   WorkerGroupInterface* const group_;

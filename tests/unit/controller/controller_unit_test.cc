@@ -85,7 +85,7 @@ struct Harness {
   std::unique_ptr<Controller> c;
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
-                   int batch_window_ms = 0)
+                   int batch_window_ms = 0, int batch_window_max_ms = 0)
       : group(max_loras) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -98,6 +98,7 @@ struct Harness {
     o.mixed = true;
     o.max_num_seqs = max_num_seqs;
     o.batch_window_ms = batch_window_ms;
+    o.batch_window_max_ms = batch_window_max_ms;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -228,20 +229,24 @@ TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewO
 
 // A burst arriving at an idle engine starts as one step with --batch-window-ms; without it the
 // first request starts alone (the fake's steps are instant, so it is already running when the
-// next arrives).
+// next arrives). The window is a quiet gap: requests 100 ms apart keep a 150 ms window open past
+// the first's 150 ms, up to --batch-window-max-ms after the first arrival.
 TEST(ControllerUnitTest, BatchWindowGathersABurstIntoOneFirstStep) {
-  for (int window_ms : {0, 400}) {
-    SCOPED_TRACE(window_ms);
-    Harness h(4, 64, "", window_ms);
+  struct Case {
+    int window_ms, max_ms, requests, first_step;
+  };
+  for (const Case& c : {Case{0, 0, 3, 1}, Case{150, 1000, 3, 3}, Case{150, 250, 4, 3}}) {
+    SCOPED_TRACE(::testing::Message() << c.window_ms << " / " << c.max_ms);
+    Harness h(4, 64, "", c.window_ms, c.max_ms);
     std::vector<std::shared_ptr<GenRequest>> rs;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < c.requests; ++i) {
+      if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       rs.push_back(h.Submit("", 2));
-      std::this_thread::sleep_for(std::chrono::milliseconds(40));
     }
     for (auto& r : rs) EXPECT_OK(Harness::Wait(r));
     const std::vector<int> adds = h.group.adds_per_step();
     ASSERT_FALSE(adds.empty());
-    EXPECT_EQ(adds.front(), window_ms == 0 ? 1 : 3);
+    EXPECT_EQ(adds.front(), c.first_step);
   }
 }
 
