@@ -57,11 +57,17 @@ double Since(std::chrono::steady_clock::time_point t0) {
       absl::StrCat("--dtype \"", dtype, "\": use float32 or bfloat16"));
 }
 
-// One thread runs every Step. libgomp keeps one OpenMP team per thread that opens a parallel
-// region, and a team's idle threads spin after each region: with Step on whichever gRPC thread
-// took the call, several teams spun on the same cores, and 73% of a decode step's samples (perf,
-// batch 32) were in libgomp's spin loop. One compute thread means one team, of --cpu-threads
-// threads (its OpenMP thread count is set on it: the setting is per thread).
+// One thread runs everything of the engine that computes on tensors: the model load, adapter
+// staging, unloads and every Step. libgomp keeps one OpenMP team per thread that opens a parallel
+// region, and a team's idle threads spin after each region:
+// - with Step on whichever gRPC thread took the call, several teams spun on the same cores, and
+//   73% of a decode step's samples (perf, batch 32) were in libgomp's spin loop;
+// - with only Step here, the model load (main thread) and adapter staging (gRPC threads) still
+//   left teams behind. Once libgomp manages more threads than there are CPUs it spins 100 times
+//   instead of about 3 ms before sleeping, so every parallel region of a step woke a sleeping
+//   thread: 60-125 us for an empty region on this VM against 1 us, about 50 regions a step.
+// One compute thread means one team, of --cpu-threads threads (its OpenMP thread count is set on
+// it: the setting is per thread). The price: a step waits while an adapter is staged.
 class ComputeThread {
  public:
   explicit ComputeThread(int threads) : thread_([this, threads] { Loop(threads); }) {}
@@ -73,9 +79,10 @@ class ComputeThread {
     cv_.notify_all();
     thread_.join();
   }
-  // Runs f there and waits for it.
+  // Runs f there and waits for it (at once when called from there).
   template <typename F>
   auto Run(F&& f) -> decltype(f()) {
+    if (std::this_thread::get_id() == thread_.get_id()) return f();
     std::packaged_task<decltype(f())()> task(std::forward<F>(f));
     auto result = task.get_future();
     {
@@ -203,7 +210,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.mixed_moe_lora_format = o.enable_mixed_moe_lora_format;
   mo.expert_parallel = o.enable_expert_parallel;
   mo.fully_sharded_loras = o.fully_sharded_loras;
-  MOELORA_ASSIGN_OR_RETURN(impl->model, LoadCausalLM(o.model_dir, mo, comm));
+  MOELORA_ASSIGN_OR_RETURN(impl->model,
+                           impl->compute->Run([&] { return LoadCausalLM(o.model_dir, mo, comm); }));
   const int cfg_len = impl->model->config().max_position_embeddings;
   impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;
   if (impl->max_model_len <= 1) {
@@ -216,6 +224,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
 
 absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& path,
                                                  std::optional<AdapterFormat> expected) {
+  return impl_->compute->Run([&] { return StageOnComputeThread(id, path, expected); });
+}
+
+absl::StatusOr<StageResult> Engine::StageOnComputeThread(int64_t id, const std::string& path,
+                                                         std::optional<AdapterFormat> expected) {
   Impl& m = *impl_;
   if (id <= 0) return absl::InvalidArgumentError(absl::StrCat("adapter id ", id, " must be > 0"));
   int slot = -1;
@@ -307,6 +320,10 @@ absl::StatusOr<int> Engine::CommitAdapter(int64_t id) {
 }
 
 absl::Status Engine::AbortAdapter(int64_t id) {
+  return impl_->compute->Run([&] { return AbortOnComputeThread(id); });
+}
+
+absl::Status Engine::AbortOnComputeThread(int64_t id) {
   Impl& m = *impl_;
   int slot = -1;
   {
@@ -324,6 +341,10 @@ absl::Status Engine::AbortAdapter(int64_t id) {
 }
 
 absl::StatusOr<HostCacheStats> Engine::UnloadAdapter(int64_t id, bool keep_in_host_cache) {
+  return impl_->compute->Run([&] { return UnloadOnComputeThread(id, keep_in_host_cache); });
+}
+
+absl::StatusOr<HostCacheStats> Engine::UnloadOnComputeThread(int64_t id, bool keep_in_host_cache) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   int slot = -1;

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -414,6 +415,60 @@ TEST(EngineTest, SlotsAndRanksAreBounded) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--max-loras")));
   ASSERT_OK(h->engine->UnloadAdapter(2));
   EXPECT_THAT(h->engine->UnloadAdapter(2), StatusIs(absl::StatusCode::kNotFound));
+}
+
+// Threads of this process (Linux: /proc/self/task).
+int ThreadCount() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// ThreadCount once it has not changed for 100 ms (threads of a finished OpenMP team exit after
+// their owner does, asynchronously); at most 5 s.
+int SettledThreadCount() {
+  int n = ThreadCount();
+  for (int same = 0, i = 0; same < 10 && i < 500; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const int m = ThreadCount();
+    same = m == n ? same + 1 : 0;
+    n = m;
+  }
+  return n;
+}
+
+// The load, staging (the 3D-to-2D conversion is an OpenMP region), unloads and steps all run on
+// the engine's compute thread: a caller that opened regions itself would keep an OpenMP team of
+// its own, and with more libgomp threads than cores every region of a step waits for a sleeping
+// thread to wake (engine.cc). So the engine adds its compute thread and that one team only.
+TEST(EngineTest, TensorWorkRunsOnTheComputeThreadOnly) {
+  // Each round from a fresh caller thread. The first one also starts libtorch's process-wide
+  // pools (its pthreadpool keeps a thread), which the second round's count then includes.
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    std::thread caller([round] {
+      const int before = SettledThreadCount();
+      auto comm = MakeLocalCommunicator();
+      EngineOptions o;
+      o.model_dir = Data("qwen3_moe/model");
+      o.enable_mixed_moe_lora_format = true;
+      o.num_threads = 2;
+      auto e = Engine::Create(o, comm.get());
+      ASSERT_OK(e.status());
+      Engine& eng = **e;
+      ASSERT_OK(Load(eng, 1, "qwen3_moe/adapter_3d"));
+      ASSERT_OK(Load(eng, 2, "qwen3_moe/adapter_2d"));
+      GenerateBatch(eng, {1, 2, 0}, {{1, 2, 3}, {4, 5}, {6}}, 3);
+      ASSERT_OK(eng.UnloadAdapter(1, /*keep_in_host_cache=*/true));
+      ASSERT_OK(Load(eng, 1, "qwen3_moe/adapter_3d"));  // from the host cache
+      EXPECT_THAT(Load(eng, 3, "qwen3_moe/no_such_adapter"), StatusIs(absl::StatusCode::kNotFound));
+      // The compute thread and the one other thread of its 2-thread team.
+      if (round == 1) {
+        EXPECT_EQ(ThreadCount() - before, 2);
+      }
+    });
+    caller.join();
+  }
 }
 
 // The host cache: a swapped-out adapter (UnloadAdapter keeping it) comes back from host memory
