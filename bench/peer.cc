@@ -16,7 +16,8 @@
 // router, LM head and the experts the batch is expected to touch under uniform routing, divided
 // by the read bandwidth measured here); and whether the greedy outputs are identical. Goals
 // (issue 14): base >= 1.5x at batch 8 and 32, mixed >= 0.85x moelora's base, prefill >= 1x,
-// step <= 1.3x the bound at batch 32. Exits 1 when an f32 greedy output differs from
+// step <= 1.3x the bound at batch 32. The decode step is also split into the worker's own share
+// (its moelora_step_seconds over the same waves) and the rest (controller, RPCs). Exits 1 when an f32 greedy output differs from
 // transformers' (bf16 outputs are counted, not required: the two round differently).
 // --quick (CI): batches 1,8, 8 new tokens, float32 only. --reuse-peer: the peer's figures from the
 // last run in DIR (same flags), to iterate on moelora alone.
@@ -35,11 +36,15 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
 #include "tests/integration/controller_process.h"
+#include "tests/testing/http_get.h"
 #include "tests/testing/temp_dir.h"
 
 namespace moelora {
@@ -116,12 +121,41 @@ double StepBytes(const ModelDims& d, int batch, int elem) {
 
 struct Side {
   double tok_s = 0, prefill_tok_s = 0, seconds = 0;
+  // The worker's moelora_step_seconds (sum, count) over the prefill wave and the generate wave.
+  double pf_step_sum = 0, gen_step_sum = 0;
+  int64_t pf_steps = 0, gen_steps = 0;
   std::vector<std::vector<int32_t>> outputs;
 };
 
+// The sum of every series of `name` in a Prometheus text page (0 when absent).
+double MetricSum(const std::string& page, const std::string& name) {
+  double v = 0;
+  for (absl::string_view line : absl::StrSplit(page, '\n')) {
+    if (!absl::StartsWith(line, name) || line.size() <= name.size()) continue;
+    const char next = line[name.size()];
+    if (next != ' ' && next != '{') continue;
+    const size_t sp = line.rfind(' ');
+    double x = 0;
+    if (sp != absl::string_view::npos && absl::SimpleAtod(line.substr(sp + 1), &x)) v += x;
+  }
+  return v;
+}
+
+// The worker's (rank 0 of the first group) step seconds so far: (sum, count).
+std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
+  std::ifstream f(state_dir + "/run/group.1/port.0");
+  if (!f) return {0, 0};
+  const auto j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("metrics_port")) return {0, 0};
+  const std::string page = testing::HttpGet(j["metrics_port"].get<int>(), "/metrics");
+  return {MetricSum(page, "moelora_step_seconds_sum"),
+          static_cast<int64_t>(MetricSum(page, "moelora_step_seconds_count"))};
+}
+
 // `batch` concurrent Generate calls; rows get adapters[i % adapters.size()].
-bool RunMoelora(testing::ControllerProcess& c, const std::vector<std::vector<int32_t>>& prompts,
-                int batch, int new_tokens, const std::vector<std::string>& adapters, Side* out) {
+bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
+                const std::vector<std::vector<int32_t>>& prompts, int batch, int new_tokens,
+                const std::vector<std::string>& adapters, Side* out) {
   auto wave = [&](int max_tokens, std::vector<std::vector<int32_t>>* outs) {
     std::vector<std::thread> ts;
     std::atomic<bool> ok{true};
@@ -151,9 +185,16 @@ bool RunMoelora(testing::ControllerProcess& c, const std::vector<std::vector<int
   };
   std::vector<std::vector<int32_t>> scratch;
   if (wave(2, &scratch) < 0) return false;  // warm (this batch's shapes, slots)
+  const auto s0 = WorkerSteps(state_dir);
   const double pf = wave(1, &scratch);
+  const auto s1 = WorkerSteps(state_dir);
   const double gen = wave(new_tokens, &out->outputs);
+  const auto s2 = WorkerSteps(state_dir);
   if (pf < 0 || gen < 0) return false;
+  out->pf_step_sum = s1.first - s0.first;
+  out->pf_steps = s1.second - s0.second;
+  out->gen_step_sum = s2.first - s1.first;
+  out->gen_steps = s2.second - s1.second;
   out->seconds = gen;
   out->tok_s = static_cast<double>(batch) * new_tokens / gen;
   out->prefill_tok_s = static_cast<double>(batch) * prompts[0].size() / pf;
@@ -289,7 +330,7 @@ int main(int argc, char** argv) {
         Side s;
         const std::vector<std::string> ad =
             cs == "base" ? std::vector<std::string>{""} : std::vector<std::string>{"a2d", "a3d"};
-        if (!RunMoelora(c, prompts, b, new_tokens, ad, &s)) return 1;
+        if (!RunMoelora(c, state.path(), prompts, b, new_tokens, ad, &s)) return 1;
         const std::string key = absl::StrCat(cs, "/", b);
         if (!peer["cases"].contains(key)) {
           std::printf("| %s | %d | %.0f | - | - | - |\n", cs.c_str(), b, s.tok_s);
@@ -314,6 +355,16 @@ int main(int argc, char** argv) {
               b, s.prefill_tok_s, p["prefill_tok_s"].get<double>(),
               s.prefill_tok_s / p["prefill_tok_s"].get<double>(), step * 1e3, bound * 1e3,
               StepBytes(dims, b, dt == "float32" ? 4 : 2) / 1e6, bw, step / bound));
+          // The worker's share: the generate wave's steps less its prefill steps (those of the
+          // max_tokens 1 wave stand for them).
+          if (s.gen_steps > s.pf_steps && s.pf_steps > 0) {
+            const double worker = (s.gen_step_sum - s.pf_step_sum) /
+                                  static_cast<double>(s.gen_steps - s.pf_steps);
+            extra.push_back(absl::StrFormat(
+                "batch %d: of the decode step, the worker's step %.1f ms (%lld prefill step(s) "
+                "per wave), the rest (controller, RPCs) %.1f ms",
+                b, worker * 1e3, static_cast<long long>(s.pf_steps), (step - worker) * 1e3));
+          }
         } else {
           extra.push_back(
               absl::StrFormat("batch %d: mixed / moelora base = %.2f", b, s.tok_s / base[b].tok_s));
