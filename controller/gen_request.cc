@@ -15,8 +15,10 @@ void GenRequest::SetQueueSeconds(double s) {
 
 GenRequest::TokenTiming GenRequest::AddToken(int32_t token, float logprob, Clock::time_point now) {
   TokenTiming t;
+  bool wake;
   {
     MutexLock lock(&mu_);
+    wake = progress_waiters_ > 0;
     t.first = tokens_.empty();
     if (t.first) {
       ttft_seconds_ = Seconds(now - arrival);
@@ -28,7 +30,7 @@ GenRequest::TokenTiming GenRequest::AddToken(int32_t token, float logprob, Clock
     tokens_.push_back(token);
     if (req.return_logprobs()) logprobs_.push_back(logprob);
   }
-  cv_.SignalAll();
+  if (wake) cv_.SignalAll();
   return t;
 }
 
@@ -49,7 +51,11 @@ GenRequest::Progress GenRequest::WaitForProgress(size_t seen, size_t limit,
                                                  std::chrono::milliseconds timeout) {
   MutexLock lock(&mu_);
   auto avail = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return std::min(tokens_.size(), limit); };
-  if (avail() <= seen && !done_) cv_.WaitFor(&mu_, timeout);
+  if (avail() <= seen && !done_) {
+    ++progress_waiters_;
+    cv_.WaitFor(&mu_, timeout);
+    --progress_waiters_;
+  }
   Progress p;
   const size_t n = avail();
   if (n > seen) {

@@ -90,6 +90,9 @@ class GenRequest {
   double queue_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double ttft_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double total_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  // Threads in WaitForProgress: only they are woken per token (a unary Generate waits for the end
+  // only, and waking its thread for each of the batch's tokens cost the worker CPU time).
+  int progress_waiters_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace moelora
