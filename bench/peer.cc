@@ -17,8 +17,9 @@
 // by the read bandwidth measured here); and whether the greedy outputs are identical. Goals
 // (issue 14): base >= 1.5x at batch 8 and 32, mixed >= 0.85x moelora's base, prefill >= 1x,
 // step <= 1.3x the bound at batch 32. The decode step is also split into the worker's own share
-// (its moelora_step_seconds over the same waves) and the rest (controller, RPCs). Exits 1 when an f32 greedy output differs from
-// transformers' (bf16 outputs are counted, not required: the two round differently).
+// (its moelora_step_seconds over the same waves) and the rest (controller, RPCs). Exits 1 when an
+// f32 greedy output differs from transformers' (bf16 outputs are counted, not required: the two
+// round differently).
 // --quick (CI): batches 1,8, 8 new tokens, float32 only. --reuse-peer: the peer's figures from the
 // last run in DIR (same flags), to iterate on moelora alone.
 #include <algorithm>
@@ -358,8 +359,8 @@ int main(int argc, char** argv) {
           // The worker's share: the generate wave's steps less its prefill steps (those of the
           // max_tokens 1 wave stand for them).
           if (s.gen_steps > s.pf_steps && s.pf_steps > 0) {
-            const double worker = (s.gen_step_sum - s.pf_step_sum) /
-                                  static_cast<double>(s.gen_steps - s.pf_steps);
+            const double worker =
+                (s.gen_step_sum - s.pf_step_sum) / static_cast<double>(s.gen_steps - s.pf_steps);
             extra.push_back(absl::StrFormat(
                 "batch %d: of the decode step, the worker's step %.1f ms (%lld prefill step(s) "
                 "per wave), the rest (controller, RPCs) %.1f ms",
