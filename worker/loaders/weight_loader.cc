@@ -1,5 +1,8 @@
 #include "worker/loaders/weight_loader.h"
 
+#include <sys/mman.h>
+
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -72,6 +75,23 @@ int64_t PiecesOf(const std::string& param, int num_experts) {
 
 }  // namespace
 
+at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(shape)) * c10::elementSize(dtype);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes >= kHuge) {
+    const size_t cap = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = nullptr;
+    if (posix_memalign(&p, kHuge, cap) == 0) {
+      ::madvise(p, cap, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KB
+      return at::from_blob(
+          p, shape, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
+    }
+  }
+#endif
+  return at::empty(shape, at::TensorOptions().dtype(dtype));
+}
+
 [[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt,
                                                         const ArchTable& table,
                                                         const ModelConfig& config,
@@ -138,7 +158,7 @@ int64_t PiecesOf(const std::string& param, int num_experts) {
           local[2] = I / tp;
         break;
     }
-    out.params[s.name] = at::empty(local, at::TensorOptions().dtype(opt.dtype));
+    out.params[s.name] = EmptyWeight(local, opt.dtype);
     spec_of[s.name] = &s;
     coverage[s.name].setter.assign(
         PiecesOf(s.name, s.split == TpSplit::kExperts && opt.expert_parallel ? E / tp : E), "");

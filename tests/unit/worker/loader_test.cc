@@ -133,6 +133,22 @@ INSTANTIATE_TEST_SUITE_P(
                  "model.layers.45.moe.experts.w2_weight", -1, kW2, false}),
     NameCaseName);
 
+// Weights of 2 MB and more are 2 MB-aligned (so transparent huge pages can back them); smaller
+// ones come from the usual allocator. Both hold what is written into them (and free cleanly,
+// which the ASan tree checks).
+TEST(EmptyWeightTest, LargeWeightsAre2MbAligned) {
+  at::Tensor big = EmptyWeight({3, 1024, 700}, at::kBFloat16);  // 4.1 MB
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data_ptr()) % (uintptr_t{2} << 20), 0u);
+  EXPECT_EQ(big.sizes(), (std::vector<int64_t>{3, 1024, 700}));
+  EXPECT_EQ(big.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(big.is_contiguous());
+  big.fill_(1.5);
+  EXPECT_TRUE(big.eq(1.5).all().item<bool>());
+  at::Tensor small = EmptyWeight({16, 16}, at::kFloat);
+  small.fill_(2.0);
+  EXPECT_EQ(small.sum().item<float>(), 512.0f);
+}
+
 TEST(NameTableTest, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_THAT(FindArchTable("LlamaForCausalLM").status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
