@@ -62,14 +62,15 @@ struct Pack {
 };
 
 void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pack>& packs = {}) {
-  // A static split: each thread takes one contiguous run of blocks, so it streams one contiguous
-  // stretch of the weights (the jobs are in weight order) and the hardware prefetcher keeps
-  // going from one block into the next. Dynamic scheduling (one block at a time) balanced rows
-  // better but interleaved the threads' blocks. With one OpenMP team (engine.cc), static was
-  // 3-5 % faster per decode step of bench/peer's model: bf16 batch 32 22.2 / 21.9 -> 21.3 / 20.7
-  // ms, batch 8 13.2 / 13.1 -> 12.7 / 12.8, f32 batch 32 43.8 / 43.3 -> 42.1 / 41.9; prefill
-  // unchanged. (Measured under the old throttled team, the two were within noise.) AMX's x
-  // packing runs first in the same parallel region.
+  // Guided scheduling: each thread first takes one long contiguous run of blocks (it streams one
+  // contiguous stretch of the weights; the jobs are in weight order, so the hardware prefetcher
+  // keeps going from one block into the next), then ever smaller runs balance the end. Against
+  // dynamic (one block at a time: interleaved streams) static was 3-5 % faster per decode step
+  // of bench/peer's model; guided is another 2-4 % faster than static, whose threads waited for
+  // each other at the end of each product: decode_step --only peer, two runs each, f32 batch 8
+  // 23.3 / 23.7 -> 22.7 / 22.8 ms, batch 32 41.7 / 41.9 -> 40.5 / 40.6; bf16 batch 8 13.4 / 13.0
+  // -> 12.5 / 12.6, batch 32 21.3 / 21.1 -> 20.4 / 20.8. AMX's x packing runs first in the same
+  // parallel region.
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
   const int64_t npacks = static_cast<int64_t>(packs.size());
 #pragma omp parallel num_threads(threads)
@@ -78,7 +79,7 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
     for (int64_t p = 0; p < npacks; ++p) {
       AmxPackX(packs[p].x, packs[p].ldx, packs[p].m, packs[p].k, packs[p].dst);
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t b = 0; b < blocks; ++b) {
       // The job holding block b: the last one that starts at or before it.
       const auto it = std::upper_bound(jobs.begin(), jobs.end(), b,
