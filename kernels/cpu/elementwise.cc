@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "kernels/internal/avx2.h"
+#include "kernels/internal/avx512.h"
 
 // gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -13,11 +14,12 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-#define MOELORA_AVX512F __attribute__((target("avx512f")))
-
 namespace moelora {
 
 namespace {
+
+using avx512::Exp16;
+using avx512::Widen16;
 
 bool HasAvx512() {
   static const bool ok = __builtin_cpu_supports("avx512f");
@@ -29,11 +31,6 @@ uint16_t Round1(float f) {
   std::memcpy(&u, &f, sizeof(u));
   if (std::isnan(f)) return 0x7FC0;
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-MOELORA_AVX512F __m512 Widen16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // 16 floats to bf16 bits in the low halves of 32-bit lanes (Round1, 16 at a time).
@@ -68,24 +65,6 @@ MOELORA_AVX512F void RoundTripAvx512(float* v, int64_t n) {
     _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
   }
   for (; i < n; ++i) v[i] = avx2::ToF32(Round1(v[i]));
-}
-
-// exp(x) for 16 lanes: x = n ln2 + r (Cody–Waite split of ln2), |r| <= ln2 / 2, exp(r) by the
-// Cephes expf polynomial, times 2^n (scalef: overflow to inf, underflow through denormals to 0).
-MOELORA_AVX512F __m512 Exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 MOELORA_AVX512F void SiluMulAvx512(const float* g, const float* u, float* out, int64_t n,

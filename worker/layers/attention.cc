@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "kernels/decode_attention.h"
 #include "kernels/elementwise.h"
 #include "worker/layers/gemm.h"
 
@@ -134,6 +135,10 @@ void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer
                         T* out) {
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const int64_t groups = hq / hkv, Q = static_cast<int64_t>(rows.size());
+  // kernels/decode_attention.h where the CPU has AVX-512, the loop below elsewhere. Decode step
+  // of bench/peer's model (decode_step --only peer, two runs each): bf16 batch 32 20.4 / 20.3 ->
+  // 19.8 / 19.6 ms, f32 batch 32 40.9 / 40.9 -> 40.3 / 40.2.
+  const bool fast = DecodeAttentionAvailable(d);
 #pragma omp parallel
   {
     std::vector<float> kf, vf, scores, acc(d), qf(d);
@@ -147,6 +152,38 @@ void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer
       const int64_t n = total - k0, stride = hkv * d;
       const T* K = st.k.data_ptr<T>() + (k0 * hkv + g) * d;
       const T* V = st.v.data_ptr<T>() + (k0 * hkv + g) * d;
+      if (fast) {
+        // The group's query heads (widened from bf16) against the rows in place.
+        DecodeAttentionArgs a;
+        const T* q0 = q + (qr.row * hq + g * groups) * d;
+        if constexpr (kBf16) {
+          qf.resize(groups * d);
+          WidenBf16(reinterpret_cast<const uint16_t*>(q0), qf.data(), groups * d);
+          a.q = qf.data();
+          acc.resize(groups * d);
+          a.out = acc.data();
+        } else {
+          a.q = q0;
+          a.out = out + (qr.row * hq + g * groups) * d;
+        }
+        a.q_stride = a.out_stride = d;
+        a.k = K;
+        a.v = V;
+        a.kv_bf16 = kBf16;
+        a.kv_stride = stride;
+        a.n = n;
+        a.d = d;
+        a.heads = groups;
+        a.scale = static_cast<float>(scale);
+        a.sinks = sinks != nullptr ? sinks + g * groups : nullptr;
+        scores.resize(groups * (n + 16));
+        DecodeAttention(a, scores.data());
+        if constexpr (kBf16) {
+          RoundToBf16(acc.data(), reinterpret_cast<uint16_t*>(out + (qr.row * hq + g * groups) * d),
+                      groups * d);
+        }
+        continue;
+      }
       const float *kb, *vb;
       int64_t kstride;
       if constexpr (kBf16) {

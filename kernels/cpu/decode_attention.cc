@@ -1,0 +1,128 @@
+#include "kernels/decode_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/internal/avx512.h"
+
+// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace moelora {
+
+namespace {
+
+using avx512::Exp16;
+using avx512::Load16;
+using avx512::Sums16;
+
+constexpr int64_t kMaxChunks = 16;  // d up to 256
+
+// scores[j] = scale · q · k[j] for j < n: each key's d products in one 16-lane vector, then 16
+// keys' vectors summed at once.
+template <typename T>
+MOELORA_AVX512F void Scores(const float* q, const T* k, int64_t stride, int64_t n, int64_t d,
+                            float scale, float* scores) {
+  const int64_t chunks = d / 16;
+  __m512 qv[kMaxChunks];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - j0);
+    __m512 part[16];
+    for (int64_t t = 0; t < cnt; ++t) {
+      const T* kr = k + (j0 + t) * stride;
+      // Two accumulators: the chain of d / 16 dependent FMAs halved.
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t c = 0;
+      for (; c + 2 <= chunks; c += 2) {
+        a0 = _mm512_fmadd_ps(qv[c], Load16(kr + 16 * c), a0);
+        a1 = _mm512_fmadd_ps(qv[c + 1], Load16(kr + 16 * (c + 1)), a1);
+      }
+      if (c < chunks) a0 = _mm512_fmadd_ps(qv[c], Load16(kr + 16 * c), a0);
+      part[t] = _mm512_add_ps(a0, a1);
+    }
+    for (int64_t t = cnt; t < 16; ++t) part[t] = _mm512_setzero_ps();
+    const __m512 s = _mm512_mul_ps(Sums16(part), sv);
+    _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << cnt) - 1u), s);
+  }
+}
+
+// scores[j] <- exp(scores[j] - max), over n; returns their sum plus the sink's share.
+MOELORA_AVX512F float Softmax(float* scores, int64_t n, const float* sink) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(scores + j));
+  float mx = _mm512_reduce_max_ps(mv);
+  for (; j < n; ++j) mx = std::max(mx, scores[j]);
+  if (sink != nullptr) mx = std::max(mx, *sink);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
+    _mm512_storeu_ps(scores + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, scores + j), m));
+    _mm512_mask_storeu_ps(scores + j, rest, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(rest, e));
+  }
+  float denom = _mm512_reduce_add_ps(sum);
+  if (sink != nullptr) denom += std::exp(*sink - mx);
+  return denom;
+}
+
+// out = (Σ_j p[j] · v[j]) / denom.
+template <typename T>
+MOELORA_AVX512F void Weighted(const float* p, const T* v, int64_t stride, int64_t n, int64_t d,
+                              float denom, float* out) {
+  const int64_t chunks = d / 16;
+  __m512 acc[kMaxChunks];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const T* vr = v + j * stride;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(pj, Load16(vr + 16 * c), acc[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / denom);
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+template <typename T>
+MOELORA_AVX512F void Run(const DecodeAttentionArgs& a, float* scratch) {
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  for (int64_t h = 0; h < a.heads; ++h) {
+    float* scores = scratch + h * (a.n + 16);
+    Scores(a.q + h * a.q_stride, k, a.kv_stride, a.n, a.d, a.scale, scores);
+    const float denom = Softmax(scores, a.n, a.sinks != nullptr ? a.sinks + h : nullptr);
+    Weighted(scores, v, a.kv_stride, a.n, a.d, denom, a.out + h * a.out_stride);
+  }
+}
+
+}  // namespace
+
+bool DecodeAttentionAvailable(int64_t d) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512 && d > 0 && d % 16 == 0 && d <= 16 * kMaxChunks;
+}
+
+void DecodeAttention(const DecodeAttentionArgs& a, float* scratch) {
+  if (a.n <= 0) {  // no keys: nothing to attend to
+    for (int64_t h = 0; h < a.heads; ++h) std::fill(a.out + h * a.out_stride, a.out + h * a.out_stride + a.d, 0.0f);
+    return;
+  }
+  if (a.kv_bf16) {
+    Run<uint16_t>(a, scratch);
+  } else {
+    Run<float>(a, scratch);
+  }
+}
+
+}  // namespace moelora

@@ -1,0 +1,42 @@
+// Attention of one KV head's query heads against that head's cached keys, for the CPU engine's
+// decode and short prefill rows (worker/layers/attention.cc): the heads that share a K/V head
+// (grouped-query attention) read each key and value row once, all in f32, AVX-512.
+//
+// Why by hand: a decode query has a few dozen to a few thousand keys of 64-256 values; per
+// (sequence, head) ATen GEMMs cost more in dispatch than the arithmetic, and the scalar loop
+// this replaces (one dot product call per key, one exp per key) was 5-7 % of bench/peer's
+// decode step.
+#ifndef MOELORA_KERNELS_DECODE_ATTENTION_H_
+#define MOELORA_KERNELS_DECODE_ATTENTION_H_
+
+#include <cstdint>
+
+namespace moelora {
+
+struct DecodeAttentionArgs {
+  const float* q = nullptr;  // heads rows of d f32 values, q_stride apart
+  int64_t q_stride = 0;
+  // n key rows and n value rows of d values each, kv_stride elements apart: f32, or bf16 bits
+  // when kv_bf16.
+  const void* k = nullptr;
+  const void* v = nullptr;
+  bool kv_bf16 = false;
+  int64_t kv_stride = 0;
+  int64_t n = 0, d = 0, heads = 0;
+  float scale = 1.0f;             // applied to q · k
+  const float* sinks = nullptr;   // heads logits that join each softmax's denominator, or null
+  float* out = nullptr;           // heads rows of d f32 values, out_stride apart
+  int64_t out_stride = 0;
+};
+
+// Whether DecodeAttention runs here: a CPU with AVX-512F, d a multiple of 16 up to 256.
+bool DecodeAttentionAvailable(int64_t d);
+
+// out[h] = Σ_j softmax_j(scale · q[h] · k[j]) · v[j] (a sink, when given, joins the
+// denominator only). scratch: at least heads · (n + 16) floats. Sums run in 16-lane partial sums
+// and exp is a polynomial within 2 ulp, so results differ from a scalar loop in the last bits.
+void DecodeAttention(const DecodeAttentionArgs& a, float* scratch);
+
+}  // namespace moelora
+
+#endif  // MOELORA_KERNELS_DECODE_ATTENTION_H_

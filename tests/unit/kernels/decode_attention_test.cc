@@ -1,0 +1,138 @@
+#include "kernels/decode_attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "tests/testing/bf16.h"
+
+namespace moelora {
+namespace {
+
+using testing::FromBf16;
+using testing::ToBf16;
+
+struct Case {
+  int64_t n, d, heads;
+  bool bf16, sinks;
+};
+
+// The kernel against the definition in double precision, row by row: keys interleaved with
+// other heads' rows (kv_stride > d), as in the cache.
+void Check(const Case& c) {
+  SCOPED_TRACE(::testing::Message() << "n " << c.n << " d " << c.d << " heads " << c.heads
+                                    << " bf16 " << c.bf16 << " sinks " << c.sinks);
+  std::mt19937 rng(static_cast<uint32_t>(c.n * 131 + c.d * 7 + c.heads));
+  std::normal_distribution<float> dist(0, 1);
+  const int64_t stride = 3 * c.d;
+  std::vector<float> q(c.heads * c.d), k(c.n * stride), v(c.n * stride), sinks(c.heads);
+  for (auto& x : q) x = 2 * dist(rng);
+  for (auto& x : k) x = dist(rng);
+  for (auto& x : v) x = dist(rng);
+  for (auto& x : sinks) x = dist(rng);
+  std::vector<uint16_t> kb(k.size()), vb(v.size());
+  if (c.bf16) {
+    for (size_t i = 0; i < k.size(); ++i) {
+      kb[i] = ToBf16(k[i]);
+      vb[i] = ToBf16(v[i]);
+      k[i] = FromBf16(kb[i]);
+      v[i] = FromBf16(vb[i]);
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  DecodeAttentionArgs a;
+  a.q = q.data();
+  a.q_stride = c.d;
+  a.k = c.bf16 ? static_cast<const void*>(kb.data()) : k.data();
+  a.v = c.bf16 ? static_cast<const void*>(vb.data()) : v.data();
+  a.kv_bf16 = c.bf16;
+  a.kv_stride = stride;
+  a.n = c.n;
+  a.d = c.d;
+  a.heads = c.heads;
+  a.scale = scale;
+  a.sinks = c.sinks ? sinks.data() : nullptr;
+  std::vector<float> out(c.heads * (c.d + 5), -7.0f), scratch(c.heads * (c.n + 16));
+  a.out = out.data();
+  a.out_stride = c.d + 5;
+  DecodeAttention(a, scratch.data());
+  for (int64_t h = 0; h < c.heads; ++h) {
+    std::vector<double> s(c.n);
+    double mx = c.sinks ? sinks[h] : -INFINITY;
+    for (int64_t j = 0; j < c.n; ++j) {
+      double dot = 0;
+      for (int64_t e = 0; e < c.d; ++e) dot += static_cast<double>(q[h * c.d + e]) * k[j * stride + e];
+      s[j] = dot * scale;
+      mx = std::max(mx, s[j]);
+    }
+    double denom = c.sinks ? std::exp(sinks[h] - mx) : 0.0;
+    for (auto& x : s) {
+      x = std::exp(x - mx);
+      denom += x;
+    }
+    for (int64_t e = 0; e < c.d; ++e) {
+      double o = 0;
+      for (int64_t j = 0; j < c.n; ++j) o += s[j] * v[j * stride + e];
+      o /= denom;
+      EXPECT_NEAR(out[h * (c.d + 5) + e], o, 2e-5 + 2e-5 * std::fabs(o)) << "head " << h << " e " << e;
+    }
+    // Past d in the row: untouched.
+    for (int64_t e = c.d; e < c.d + 5; ++e) EXPECT_EQ(out[h * (c.d + 5) + e], -7.0f);
+  }
+}
+
+TEST(DecodeAttentionTest, MatchesTheDefinition) {
+  if (!DecodeAttentionAvailable(64)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  // Key counts below, at and past one and several 16-key blocks; head dims of one to 16 chunks.
+  for (int64_t n : {1, 5, 16, 17, 40, 300}) {
+    for (int64_t d : {16, 64, 128, 256}) {
+      for (bool bf16 : {false, true}) {
+        Check({n, d, 4, bf16, false});
+        Check({n, d, 1, bf16, true});
+      }
+    }
+  }
+}
+
+TEST(DecodeAttentionTest, LargeLogitsDoNotOverflow) {
+  if (!DecodeAttentionAvailable(64)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  // q · k of several hundred: exp would overflow without the max subtracted.
+  const int64_t n = 20, d = 64;
+  std::vector<float> q(d, 3.0f), k(n * d), v(n * d), out(d), scratch(n + 16);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t e = 0; e < d; ++e) {
+      k[j * d + e] = static_cast<float>(j);  // scores 0, 24, 48, ... · scale 8
+      v[j * d + e] = static_cast<float>(j);
+    }
+  }
+  DecodeAttentionArgs a;
+  a.q = q.data();
+  a.q_stride = d;
+  a.k = k.data();
+  a.v = v.data();
+  a.kv_stride = d;
+  a.n = n;
+  a.d = d;
+  a.heads = 1;
+  a.scale = 1.0f;
+  a.out = out.data();
+  a.out_stride = d;
+  DecodeAttention(a, scratch.data());
+  // The last key dominates by exp(192) over the one before.
+  for (float o : out) EXPECT_FLOAT_EQ(o, 19.0f);
+}
+
+TEST(DecodeAttentionTest, Availability) {
+  // Whatever the CPU: head dims the kernel cannot take are refused.
+  EXPECT_FALSE(DecodeAttentionAvailable(0));
+  EXPECT_FALSE(DecodeAttentionAvailable(72));
+  EXPECT_FALSE(DecodeAttentionAvailable(272));
+  EXPECT_EQ(DecodeAttentionAvailable(64), DecodeAttentionAvailable(128));
+}
+
+}  // namespace
+}  // namespace moelora
