@@ -23,9 +23,9 @@ struct DecodeAttentionArgs {
   bool kv_bf16 = false;
   int64_t kv_stride = 0;
   int64_t n = 0, d = 0, heads = 0;
-  float scale = 1.0f;             // applied to q · k
-  const float* sinks = nullptr;   // heads logits that join each softmax's denominator, or null
-  float* out = nullptr;           // heads rows of d f32 values, out_stride apart
+  float scale = 1.0f;            // applied to q · k
+  const float* sinks = nullptr;  // heads logits that join each softmax's denominator, or null
+  float* out = nullptr;          // heads rows of d f32 values, out_stride apart
   int64_t out_stride = 0;
 };
 

@@ -9,10 +9,11 @@
 // Only the first `rank` columns/rows are read. The rank-sized intermediate is kept in f32
 // (FORMATS.md §1.7).
 //
-// Where the CPU has AVX2 + FMA (checked at run time; the build needs no -mavx2) a segment's rows
-// go four at a time, so A and B are read once per four rows, with the four rows' sums in
-// registers; elsewhere a portable loop does one row at a time. The sum over the input dim and
-// over the rank run in order in both, so the two differ only by FMA rounding.
+// Where the CPU has AVX-512 (else AVX2 + FMA; checked at run time, the build needs neither) a
+// segment's rows go four at a time, so A and B are read once per four rows, with the four rows'
+// sums in registers (16 or 8 lanes); elsewhere a portable loop does one row at a time. The sum
+// over the input dim and over the rank run in order in all three, so the vector paths agree bit
+// for bit and differ from the portable one only by FMA rounding.
 //
 // Thread-safety: no shared state. Segments that write disjoint rows may run on different threads.
 #ifndef MOELORA_KERNELS_SGMV_H_
@@ -52,6 +53,13 @@ struct SgmvParams {
 // Runs segments [first, last) of `segs`. Preconditions (checked by the caller, which built the
 // segments): pointers valid for the dims given, rank <= r_stride <= kSgmvMaxRank.
 void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last);
+
+// The instruction sets SgmvCpu may take, the best this CPU has first (SgmvBestIsa). SgmvCpuWith
+// runs a given one (tests of each path; it must be at most SgmvBestIsa()).
+enum class SgmvIsa { kPortable, kAvx2, kAvx512 };
+SgmvIsa SgmvBestIsa();
+void SgmvCpuWith(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first,
+                 int64_t last);
 
 inline constexpr int64_t kSgmvMaxRank = 512;
 

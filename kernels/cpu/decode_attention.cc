@@ -115,7 +115,8 @@ bool DecodeAttentionAvailable(int64_t d) {
 
 void DecodeAttention(const DecodeAttentionArgs& a, float* scratch) {
   if (a.n <= 0) {  // no keys: nothing to attend to
-    for (int64_t h = 0; h < a.heads; ++h) std::fill(a.out + h * a.out_stride, a.out + h * a.out_stride + a.d, 0.0f);
+    for (int64_t h = 0; h < a.heads; ++h)
+      std::fill(a.out + h * a.out_stride, a.out + h * a.out_stride + a.d, 0.0f);
     return;
   }
   if (a.kv_bf16) {

@@ -4,12 +4,22 @@
 #include "kernels/sgmv.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "kernels/elementwise.h"
 #include "kernels/internal/avx2.h"
+#include "kernels/internal/avx512.h"
 #include "kernels/skinny_gemm.h"
+
+// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {
 
@@ -43,101 +53,6 @@ struct Prefetch {
     _mm_prefetch(b + ((static_cast<uint64_t>(k) * b_step) >> 16), _MM_HINT_T0);
   }
 };
-
-// y[b][j] = Σ_k a[k, j] · x[b][k] for NB rows, j < r: 16 (then 8) rank columns at a time, the
-// NB rows' sums in registers, so each row of A is read once for all NB rows.
-template <int NB, typename W>
-MOELORA_AVX2 void Shrink(const float* const* x, const W* a, int64_t in_dim, int64_t rs, int64_t r,
-                         Mid* y, const Prefetch& pf) {
-  int64_t j0 = 0;
-  for (; j0 + 16 <= r; j0 += 16) {
-    __m256 acc[NB][2];
-    for (int b = 0; b < NB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in_dim; ++k) {
-      if (j0 == 0) pf.At(k);
-      const W* ak = a + k * rs + j0;
-      const __m256 a0 = Load8(ak), a1 = Load8(ak + 8);
-      for (int b = 0; b < NB; ++b) {
-        const __m256 xb = _mm256_broadcast_ss(x[b] + k);
-        acc[b][0] = _mm256_fmadd_ps(a0, xb, acc[b][0]);
-        acc[b][1] = _mm256_fmadd_ps(a1, xb, acc[b][1]);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      _mm256_storeu_ps(y[b] + j0, acc[b][0]);
-      _mm256_storeu_ps(y[b] + j0 + 8, acc[b][1]);
-    }
-  }
-  if (j0 + 8 <= r) {
-    __m256 acc[NB];
-    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in_dim; ++k) {
-      if (j0 == 0) pf.At(k);
-      const __m256 a0 = Load8(a + k * rs + j0);
-      for (int b = 0; b < NB; ++b)
-        acc[b] = _mm256_fmadd_ps(a0, _mm256_broadcast_ss(x[b] + k), acc[b]);
-    }
-    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(y[b] + j0, acc[b]);
-    j0 += 8;
-  }
-  for (; j0 < r; ++j0) {  // a rank that is not a multiple of 8
-    for (int b = 0; b < NB; ++b) {
-      float s = 0.0f;
-      for (int64_t k = 0; k < in_dim; ++k) s += ToF32(a[k * rs + j0]) * x[b][k];
-      y[b][j0] = s;
-    }
-  }
-}
-
-// o[b][c] += Σ_j bm[j, c] · y[b][j] for NB rows: 16 (then 8) output columns at a time, the NB
-// rows' columns in registers, so each row of B is read once for all NB rows.
-template <int NB, typename W>
-MOELORA_AVX2 void Expand(float* const* o, const W* bm, int64_t out_dim, int64_t r, const Mid* y) {
-  int64_t c = 0;
-  for (; c + 16 <= out_dim; c += 16) {
-    __m256 acc[NB][2];
-    for (int b = 0; b < NB; ++b) {
-      acc[b][0] = _mm256_loadu_ps(o[b] + c);
-      acc[b][1] = _mm256_loadu_ps(o[b] + c + 8);
-    }
-    for (int64_t j = 0; j < r; ++j) {
-      const W* bj = bm + j * out_dim + c;
-      const __m256 b0 = Load8(bj), b1 = Load8(bj + 8);
-      for (int b = 0; b < NB; ++b) {
-        const __m256 yb = _mm256_set1_ps(y[b][j]);
-        acc[b][0] = _mm256_fmadd_ps(b0, yb, acc[b][0]);
-        acc[b][1] = _mm256_fmadd_ps(b1, yb, acc[b][1]);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      _mm256_storeu_ps(o[b] + c, acc[b][0]);
-      _mm256_storeu_ps(o[b] + c + 8, acc[b][1]);
-    }
-  }
-  for (; c + 8 <= out_dim; c += 8) {
-    __m256 acc[NB];
-    for (int b = 0; b < NB; ++b) acc[b] = _mm256_loadu_ps(o[b] + c);
-    for (int64_t j = 0; j < r; ++j) {
-      const __m256 b0 = Load8(bm + j * out_dim + c);
-      for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(b0, _mm256_set1_ps(y[b][j]), acc[b]);
-    }
-    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(o[b] + c, acc[b]);
-  }
-  for (; c < out_dim; ++c) {
-    for (int b = 0; b < NB; ++b) {
-      float s = o[b][c];
-      for (int64_t j = 0; j < r; ++j) s += ToF32(bm[j * out_dim + c]) * y[b][j];
-      o[b][c] = s;
-    }
-  }
-}
-
-template <int NB, typename W>
-MOELORA_AVX2 void Block(const SgmvParams& p, const W* a, const W* b, int64_t r,
-                        const float* const* x, float* const* o, Mid* y, const Prefetch& pf) {
-  Shrink<NB>(x, a, p.in_dim, p.r_stride, r, y, pf);
-  Expand<NB>(o, b, p.out_dim, r, y);
-}
 
 // The f32 rows a block reads and writes: p.x / p.out in place, or bf16 rows widened into `buf`
 // (4 x rows of in_dim, then 4 out rows of out_dim), written back by Finish.
@@ -175,45 +90,53 @@ void Finish(const SgmvParams& p, int nb, const Rows& r) {
   for (int t = 0; t < nb; ++t) RoundToBf16(r.o[t], r.o_bf16[t], p.out_dim);
 }
 
-// `next`: the segment this thread runs after this one (nullptr: none), whose weights the first
-// block's shrink prefetches.
-template <typename W>
-MOELORA_AVX2 void SegmentAvx2(const SgmvParams& p, const SgmvSegment& s, const SgmvSegment* next) {
-  const W* a = static_cast<const W*>(s.a_t);
-  const W* b = static_cast<const W*>(s.b_t);
-  const int64_t r = s.rank;
-  Mid y[4];
-  thread_local std::vector<float> buf;
-  Prefetch pf;
-  if (next != nullptr && next->a_t != s.a_t && p.in_dim > 0) {
-    const int64_t nr = next->rank;
-    pf = Prefetch(next->a_t, p.in_dim * p.r_stride * static_cast<int64_t>(sizeof(W)), next->b_t,
-                  nr * p.out_dim * static_cast<int64_t>(sizeof(W)), p.in_dim);
+#define MOELORA_SEGMENT_TARGET MOELORA_AVX2
+namespace isa_avx2 {
+// 8 f32 lanes.
+struct Vec {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static constexpr bool kMasked = false;  // tails of fewer than 8 columns go one by one
+  MOELORA_AVX2 static V Zero() { return _mm256_setzero_ps(); }
+  MOELORA_AVX2 static V Load(const float* p) { return Load8(p); }
+  MOELORA_AVX2 static V Load(const uint16_t* p) { return Load8(p); }
+  MOELORA_AVX2 static V Set1(float v) { return _mm256_set1_ps(v); }
+  MOELORA_AVX2 static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  MOELORA_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#include "kernels/internal/sgmv_segment.inc"  // NOLINT(build/include)
+}  // namespace isa_avx2
+#undef MOELORA_SEGMENT_TARGET
+
+#define MOELORA_SEGMENT_TARGET MOELORA_AVX512
+namespace isa_avx512 {
+// 16 f32 lanes; tails of fewer than 16 columns under a mask.
+struct Vec {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static constexpr bool kMasked = true;
+  MOELORA_AVX512 static V Zero() { return _mm512_setzero_ps(); }
+  MOELORA_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  MOELORA_AVX512 static V Load(const uint16_t* p) { return avx512::Widen16(p); }
+  MOELORA_AVX512 static V Set1(float v) { return _mm512_set1_ps(v); }
+  MOELORA_AVX512 static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  MOELORA_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // The first n (< 16) lanes; the rest zero (loads) or untouched (stores).
+  MOELORA_AVX512 static __mmask16 Mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  MOELORA_AVX512 static V Load(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(Mask(n), p);
   }
-  for (int64_t i = s.begin; i < s.end; i += 4) {
-    const int nb = static_cast<int>(std::min<int64_t>(4, s.end - i));
-    Rows rows;
-    Gather(p, i, nb, buf, &rows);
-    const float* const* x = rows.x;
-    float* const* o = rows.o;
-    switch (nb) {
-      case 4:
-        Block<4>(p, a, b, r, x, o, y, pf);
-        break;
-      case 3:
-        Block<3>(p, a, b, r, x, o, y, pf);
-        break;
-      case 2:
-        Block<2>(p, a, b, r, x, o, y, pf);
-        break;
-      default:
-        Block<1>(p, a, b, r, x, o, y, pf);
-        break;
-    }
-    Finish(p, nb, rows);
-    pf = Prefetch();  // the next segment's weights are on their way after the first block
+  MOELORA_AVX512 static V Load(const uint16_t* p, int64_t n) {
+    const __m256i h = _mm256_maskz_loadu_epi16(Mask(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-}
+  MOELORA_AVX512 static void Store(float* p, V v, int64_t n) {
+    _mm512_mask_storeu_ps(p, Mask(n), v);
+  }
+};
+#include "kernels/internal/sgmv_segment.inc"  // NOLINT(build/include)
+}  // namespace isa_avx512
+#undef MOELORA_SEGMENT_TARGET
 
 // One row at a time, for CPUs without AVX2 + FMA.
 template <typename W>
@@ -244,30 +167,46 @@ void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
 }
 
 template <typename W>
-void Run(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
-  const bool avx2 = SkinnyGemmAvailable();  // the same AVX2 + FMA check
+void Run(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
   for (int64_t s = first; s < last; ++s) {
     if (segs[s].rank <= 0 || segs[s].end <= segs[s].begin) continue;
-    if (avx2) {
-      const SgmvSegment* next = nullptr;
-      for (int64_t t = s + 1; t < last && next == nullptr; ++t) {
-        if (segs[t].rank > 0 && segs[t].end > segs[t].begin) next = &segs[t];
-      }
-      SegmentAvx2<W>(p, segs[s], next);
-    } else {
+    if (isa == SgmvIsa::kPortable) {
       SegmentPortable<W>(p, segs[s]);
+      continue;
+    }
+    const SgmvSegment* next = nullptr;
+    for (int64_t t = s + 1; t < last && next == nullptr; ++t) {
+      if (segs[t].rank > 0 && segs[t].end > segs[t].begin) next = &segs[t];
+    }
+    if (isa == SgmvIsa::kAvx512) {
+      isa_avx512::Segment<W>(p, segs[s], next);
+    } else {
+      isa_avx2::Segment<W>(p, segs[s], next);
     }
   }
 }
 
 }  // namespace
 
-void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
+SgmvIsa SgmvBestIsa() {
+  static const SgmvIsa isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                                 ? SgmvIsa::kAvx512
+                             : SkinnyGemmAvailable() ? SgmvIsa::kAvx2  // the same AVX2 + FMA check
+                                                     : SgmvIsa::kPortable;
+  return isa;
+}
+
+void SgmvCpuWith(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first,
+                 int64_t last) {
   if (p.w_type == SgmvWeight::kBF16) {
-    Run<uint16_t>(p, segs, first, last);
+    Run<uint16_t>(isa, p, segs, first, last);
   } else {
-    Run<float>(p, segs, first, last);
+    Run<float>(isa, p, segs, first, last);
   }
+}
+
+void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
+  SgmvCpuWith(SgmvBestIsa(), p, segs, first, last);
 }
 
 }  // namespace moelora

@@ -65,7 +65,8 @@ void Check(const Case& c) {
     double mx = c.sinks ? sinks[h] : -INFINITY;
     for (int64_t j = 0; j < c.n; ++j) {
       double dot = 0;
-      for (int64_t e = 0; e < c.d; ++e) dot += static_cast<double>(q[h * c.d + e]) * k[j * stride + e];
+      for (int64_t e = 0; e < c.d; ++e)
+        dot += static_cast<double>(q[h * c.d + e]) * k[j * stride + e];
       s[j] = dot * scale;
       mx = std::max(mx, s[j]);
     }
@@ -78,7 +79,8 @@ void Check(const Case& c) {
       double o = 0;
       for (int64_t j = 0; j < c.n; ++j) o += s[j] * v[j * stride + e];
       o /= denom;
-      EXPECT_NEAR(out[h * (c.d + 5) + e], o, 2e-5 + 2e-5 * std::fabs(o)) << "head " << h << " e " << e;
+      EXPECT_NEAR(out[h * (c.d + 5) + e], o, 2e-5 + 2e-5 * std::fabs(o))
+          << "head " << h << " e " << e;
     }
     // Past d in the row: untouched.
     for (int64_t e = c.d; e < c.d + 5; ++e) EXPECT_EQ(out[h * (c.d + 5) + e], -7.0f);

@@ -23,7 +23,8 @@ struct Case {
 class SgmvTest : public ::testing::TestWithParam<Case> {};
 
 // Segments of 1–9 rows (blocks of four and every tail), ranks below, at and not a multiple of
-// 8 and 16, output widths with 16-, 8- and 1-column tails, strided x and out, in f32 and bf16:
+// 8 and 16, output widths with 16-, 8- and 1-column tails, strided x and out, in f32 and bf16,
+// on every instruction set the CPU has (the AVX2 and AVX-512 paths giving the same bits):
 // out += B (A x) per row against a double-precision reference on the same (widened) weights;
 // columns past out_dim and rows of no segment stay untouched.
 TEST_P(SgmvTest, MatchesADoubleReferenceInF32AndBf16) {
@@ -63,47 +64,64 @@ TEST_P(SgmvTest, MatchesADoubleReferenceInF32AndBf16) {
                       r});
       begin += lens[s];
     }
-    std::vector<float> out = out0;
-    SgmvParams p{x.data(), ldx,     out.data(), ldo, row_list ? rows.data() : nullptr,
-                 in_dim,   out_dim, R,          t};
-    SgmvCpu(p, segs.data(), 0, 4);  // two calls, as two threads make them
-    SgmvCpu(p, segs.data(), 4, S);
-    auto av = [&](size_t i) { return t == SgmvWeight::kF32 ? a[i] : FromBf16(ab[i]); };
-    auto bv = [&](size_t i) { return t == SgmvWeight::kF32 ? b[i] : FromBf16(bb[i]); };
-    std::vector<bool> touched(T, false);
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t r = segs[s].rank;
-      for (int64_t i = segs[s].begin; i < segs[s].end; ++i) {
-        const int64_t row = row_list ? rows[i] : i;
-        touched[row] = true;
-        std::vector<double> mid(r, 0.0), mag_mid(r, 0.0);
-        for (int64_t j = 0; j < r; ++j) {
-          for (int64_t k = 0; k < in_dim; ++k) {
-            const double v = av(s * in_dim * R + k * R + j) * x[row * ldx + k];
-            mid[j] += v;
-            mag_mid[j] += std::abs(v);
-          }
-        }
-        for (int64_t c = 0; c < out_dim; ++c) {
-          double ref = out0[row * ldo + c], mag = std::abs(ref);
-          for (int64_t j = 0; j < r; ++j) {
-            const double bj = bv(s * R * out_dim + j * out_dim + c);
-            ref += bj * mid[j];
-            mag += std::abs(bj) * mag_mid[j];
-          }
-          ASSERT_NEAR(out[row * ldo + c], ref, 2e-6 * mag + 1e-6)
-              << "segment " << s << " row " << row << " col " << c
-              << (t == SgmvWeight::kF32 ? " f32" : " bf16");
-        }
-        for (int64_t c = out_dim; c < ldo; ++c) {
-          ASSERT_EQ(out[row * ldo + c], out0[row * ldo + c]) << "wrote past out_dim";
+    // Every instruction set this CPU has; the vector ones must agree bit for bit.
+    std::vector<float> vector_out;
+    for (SgmvIsa isa : {SgmvIsa::kPortable, SgmvIsa::kAvx2, SgmvIsa::kAvx512}) {
+      if (isa > SgmvBestIsa()) continue;
+      SCOPED_TRACE(isa == SgmvIsa::kPortable ? "portable"
+                   : isa == SgmvIsa::kAvx2   ? "avx2"
+                                             : "avx512");
+      std::vector<float> out = out0;
+      SgmvParams p{x.data(), ldx,     out.data(), ldo, row_list ? rows.data() : nullptr,
+                   in_dim,   out_dim, R,          t};
+      SgmvCpuWith(isa, p, segs.data(), 0, 4);  // two calls, as two threads make them
+      SgmvCpuWith(isa, p, segs.data(), 4, S);
+      if (isa != SgmvIsa::kPortable) {
+        if (vector_out.empty()) {
+          vector_out = out;
+        } else {
+          for (size_t i = 0; i < out.size(); ++i)
+            ASSERT_EQ(out[i], vector_out[i]) << "element " << i;
         }
       }
-    }
-    for (int64_t row = 0; row < T; ++row) {
-      if (touched[row]) continue;
-      for (int64_t c = 0; c < ldo; ++c) {
-        ASSERT_EQ(out[row * ldo + c], out0[row * ldo + c]) << "row " << row << " is in no segment";
+      auto av = [&](size_t i) { return t == SgmvWeight::kF32 ? a[i] : FromBf16(ab[i]); };
+      auto bv = [&](size_t i) { return t == SgmvWeight::kF32 ? b[i] : FromBf16(bb[i]); };
+      std::vector<bool> touched(T, false);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t r = segs[s].rank;
+        for (int64_t i = segs[s].begin; i < segs[s].end; ++i) {
+          const int64_t row = row_list ? rows[i] : i;
+          touched[row] = true;
+          std::vector<double> mid(r, 0.0), mag_mid(r, 0.0);
+          for (int64_t j = 0; j < r; ++j) {
+            for (int64_t k = 0; k < in_dim; ++k) {
+              const double v = av(s * in_dim * R + k * R + j) * x[row * ldx + k];
+              mid[j] += v;
+              mag_mid[j] += std::abs(v);
+            }
+          }
+          for (int64_t c = 0; c < out_dim; ++c) {
+            double ref = out0[row * ldo + c], mag = std::abs(ref);
+            for (int64_t j = 0; j < r; ++j) {
+              const double bj = bv(s * R * out_dim + j * out_dim + c);
+              ref += bj * mid[j];
+              mag += std::abs(bj) * mag_mid[j];
+            }
+            ASSERT_NEAR(out[row * ldo + c], ref, 2e-6 * mag + 1e-6)
+                << "segment " << s << " row " << row << " col " << c
+                << (t == SgmvWeight::kF32 ? " f32" : " bf16");
+          }
+          for (int64_t c = out_dim; c < ldo; ++c) {
+            ASSERT_EQ(out[row * ldo + c], out0[row * ldo + c]) << "wrote past out_dim";
+          }
+        }
+      }
+      for (int64_t row = 0; row < T; ++row) {
+        if (touched[row]) continue;
+        for (int64_t c = 0; c < ldo; ++c) {
+          ASSERT_EQ(out[row * ldo + c], out0[row * ldo + c])
+              << "row " << row << " is in no segment";
+        }
       }
     }
   }
