@@ -95,7 +95,7 @@ MOELORA_AVX512F void Weighted(const float* p, const T* v, int64_t stride, int64_
 }
 
 template <typename T>
-MOELORA_AVX512F void Run(const DecodeAttentionArgs& a, float* scratch) {
+MOELORA_AVX512F void AttendGroup(const DecodeAttentionArgs& a, float* scratch) {
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
   for (int64_t h = 0; h < a.heads; ++h) {
@@ -120,9 +120,9 @@ void DecodeAttention(const DecodeAttentionArgs& a, float* scratch) {
     return;
   }
   if (a.kv_bf16) {
-    Run<uint16_t>(a, scratch);
+    AttendGroup<uint16_t>(a, scratch);
   } else {
-    Run<float>(a, scratch);
+    AttendGroup<float>(a, scratch);
   }
 }
 

@@ -91,7 +91,7 @@ void Finish(const SgmvParams& p, int nb, const Rows& r) {
 }
 
 #define MOELORA_SEGMENT_TARGET MOELORA_AVX2
-namespace isa_avx2 {
+namespace sgmv_avx2 {
 // 8 f32 lanes.
 struct Vec {
   using V = __m256;
@@ -105,11 +105,11 @@ struct Vec {
   MOELORA_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 };
 #include "kernels/internal/sgmv_segment.inc"  // NOLINT(build/include)
-}  // namespace isa_avx2
+}  // namespace sgmv_avx2
 #undef MOELORA_SEGMENT_TARGET
 
 #define MOELORA_SEGMENT_TARGET MOELORA_AVX512
-namespace isa_avx512 {
+namespace sgmv_avx512 {
 // 16 f32 lanes; tails of fewer than 16 columns under a mask.
 struct Vec {
   using V = __m512;
@@ -135,7 +135,7 @@ struct Vec {
   }
 };
 #include "kernels/internal/sgmv_segment.inc"  // NOLINT(build/include)
-}  // namespace isa_avx512
+}  // namespace sgmv_avx512
 #undef MOELORA_SEGMENT_TARGET
 
 // One row at a time, for CPUs without AVX2 + FMA.
@@ -167,7 +167,8 @@ void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
 }
 
 template <typename W>
-void Run(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last) {
+void RunSegments(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first,
+                 int64_t last) {
   for (int64_t s = first; s < last; ++s) {
     if (segs[s].rank <= 0 || segs[s].end <= segs[s].begin) continue;
     if (isa == SgmvIsa::kPortable) {
@@ -179,9 +180,9 @@ void Run(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t firs
       if (segs[t].rank > 0 && segs[t].end > segs[t].begin) next = &segs[t];
     }
     if (isa == SgmvIsa::kAvx512) {
-      isa_avx512::Segment<W>(p, segs[s], next);
+      sgmv_avx512::Segment<W>(p, segs[s], next);
     } else {
-      isa_avx2::Segment<W>(p, segs[s], next);
+      sgmv_avx2::Segment<W>(p, segs[s], next);
     }
   }
 }
@@ -199,9 +200,9 @@ SgmvIsa SgmvBestIsa() {
 void SgmvCpuWith(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first,
                  int64_t last) {
   if (p.w_type == SgmvWeight::kBF16) {
-    Run<uint16_t>(isa, p, segs, first, last);
+    RunSegments<uint16_t>(isa, p, segs, first, last);
   } else {
-    Run<float>(isa, p, segs, first, last);
+    RunSegments<float>(isa, p, segs, first, last);
   }
 }
 
