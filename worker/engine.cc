@@ -493,21 +493,34 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     return logits.status();
   }
   const float* L = logits->data_ptr<float>();
-  int64_t row = 0;
+  // Each sequence's row of logits (its last; all_logits sequences have one per prompt token
+  // before it), then the tokens: sequences in parallel (each has its own sampler), a task at
+  // least 32768 logits, so a small vocabulary stays on this thread.
+  const int64_t n = static_cast<int64_t>(m.running.size());
+  std::vector<int64_t> last_row(n);
+  for (int64_t i = 0, row = 0; i < n; ++i) {
+    row += b.seqs[i].all_logits ? b.seqs[i].count : 1;
+    last_row[i] = row - 1;
+  }
+  std::vector<int32_t> tokens(n);
+  std::vector<float> logprobs(n, 0.0f);
+  at::parallel_for(
+      0, n, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, vocab)), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          Impl::Sequence& s = m.running[i];
+          tokens[i] = s.sampler->Sample(L + last_row[i] * vocab, vocab,
+                                        s.spec.return_logprobs ? &logprobs[i] : nullptr);
+        }
+      });
   for (size_t i = 0; i < m.running.size(); ++i) {
     Impl::Sequence& s = m.running[i];
     TokenOut t;
     t.sequence_id = s.spec.id;
     const ForwardBatch::Seq& fs = b.seqs[i];
-    if (fs.all_logits) {
-      t.prompt_logits.assign(L + row * vocab, L + (row + fs.count) * vocab);
-      row += fs.count - 1;
-    }
-    const float* r = L + row * vocab;
-    ++row;
-    float lp = 0;
-    t.token = s.sampler->Sample(r, vocab, &lp);
-    if (s.spec.return_logprobs) t.logprob = lp;
+    const float* r = L + last_row[i] * vocab;
+    if (fs.all_logits) t.prompt_logits.assign(r - (fs.count - 1) * vocab, r + vocab);
+    t.token = tokens[i];
+    if (s.spec.return_logprobs) t.logprob = logprobs[i];
     if (s.spec.return_logits) t.logits.assign(r, r + vocab);
     s.pending = t.token;
     ++s.generated;

@@ -9,15 +9,11 @@ namespace moelora {
 double Sampler::Uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
 int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
-  // log-sum-exp of the raw logits, for the logprob.
   float mx = -std::numeric_limits<float>::infinity();
   int32_t best = 0;
   for (int64_t i = 0; i < vocab; ++i) {
     if (logits[i] > mx) mx = logits[i], best = static_cast<int32_t>(i);
   }
-  double z = 0;
-  for (int64_t i = 0; i < vocab; ++i) z += std::exp(static_cast<double>(logits[i]) - mx);
-  const double lse = mx + std::log(z);
   int32_t token = best;
   if (p_.temperature > 0) {
     scratch_.clear();
@@ -56,7 +52,15 @@ int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
       }
     }
   }
-  if (logprob) *logprob = static_cast<float>(logits[token] - lse);
+  if (logprob) {
+    // log-sum-exp of the raw logits, only when asked: one exp per vocabulary entry, which at
+    // batch 32 and a 4096-token vocabulary was about 0.4 ms of a decode step (2 %), and grows
+    // with the vocabulary.
+    double z = 0;
+    for (int64_t i = 0; i < vocab; ++i) z += std::exp(static_cast<double>(logits[i]) - mx);
+    const double lse = mx + std::log(z);
+    *logprob = static_cast<float>(logits[token] - lse);
+  }
   return token;
 }
 

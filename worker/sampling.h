@@ -22,8 +22,9 @@ struct SamplingParams {
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
-  // Picks a token from `logits[0, vocab)`; `logprob` gets its log-probability under the model's
-  // unmodified distribution (log_softmax of the raw logits).
+  // Picks a token from `logits[0, vocab)`; `logprob`, when not null, gets its log-probability
+  // under the model's unmodified distribution (log_softmax of the raw logits). The token does not
+  // depend on whether `logprob` is asked for.
   int32_t Sample(const float* logits, int64_t vocab, float* logprob);
 
  private:
