@@ -190,7 +190,10 @@ void RunSegments(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int6
 }  // namespace
 
 SgmvIsa SgmvBestIsa() {
-  static const SgmvIsa isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+  // AVX-512 F, BW and VL: the masked 16-bit loads of the bf16 tails need all three.
+  static const SgmvIsa isa = __builtin_cpu_supports("avx512f") &&
+                                     __builtin_cpu_supports("avx512bw") &&
+                                     __builtin_cpu_supports("avx512vl")
                                  ? SgmvIsa::kAvx512
                              : SkinnyGemmAvailable() ? SgmvIsa::kAvx2  // the same AVX2 + FMA check
                                                      : SgmvIsa::kPortable;
