@@ -54,8 +54,8 @@ struct SgmvParams {
 // segments): pointers valid for the dims given, rank <= r_stride <= kSgmvMaxRank.
 void SgmvCpu(const SgmvParams& p, const SgmvSegment* segs, int64_t first, int64_t last);
 
-// The instruction sets SgmvCpu may take, the best this CPU has first (SgmvBestIsa). SgmvCpuWith
-// runs a given one (tests of each path; it must be at most SgmvBestIsa()).
+// The instruction sets SgmvCpu may take. SgmvBestIsa: the best one this CPU has (the one SgmvCpu
+// runs). SgmvCpuWith runs a given one, at most SgmvBestIsa() (tests of each path).
 enum class SgmvIsa { kPortable, kAvx2, kAvx512 };
 SgmvIsa SgmvBestIsa();
 void SgmvCpuWith(SgmvIsa isa, const SgmvParams& p, const SgmvSegment* segs, int64_t first,
