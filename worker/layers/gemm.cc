@@ -66,12 +66,11 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
   // contiguous stretch of the weights; the jobs are in weight order, so the hardware prefetcher
   // keeps going from one block into the next), then ever smaller runs balance the end. Against
   // dynamic (one block at a time: interleaved streams) static was 3-5 % faster per decode step
-  // of bench/peer's model; guided is another 2-4 % faster than static, where one thread could
-  // wait for the other at the end of each product: decode_step --only peer, two runs each, f32
-  // batch 8 23.3 / 23.7 -> 22.7 / 22.8 ms, batch 32 41.7 / 41.9 -> 40.5 / 40.6; bf16 batch 8 13.4
-  // / 13.0
-  // -> 12.5 / 12.6, batch 32 21.3 / 21.1 -> 20.4 / 20.8. AMX's x packing runs first in the same
-  // parallel region.
+  // of bench/peer's model. Guided is another 2-4 % faster than static, where one thread could
+  // wait for the other at the end of each product. decode_step --only peer, two runs each:
+  //   f32 batch 8    23.3 / 23.7 -> 22.7 / 22.8 ms    f32 batch 32   41.7 / 41.9 -> 40.5 / 40.6
+  //   bf16 batch 8   13.4 / 13.0 -> 12.5 / 12.6       bf16 batch 32  21.3 / 21.1 -> 20.4 / 20.8
+  // AMX's x packing runs first in the same parallel region.
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
   const int64_t npacks = static_cast<int64_t>(packs.size());
 #pragma omp parallel num_threads(threads)
