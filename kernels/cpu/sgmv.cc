@@ -19,8 +19,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-#define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-
 namespace moelora {
 
 namespace {

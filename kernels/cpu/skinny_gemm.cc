@@ -5,6 +5,7 @@
 #include <initializer_list>
 
 #include "kernels/internal/avx2.h"
+#include "kernels/internal/avx512.h"
 
 // gcc 12 warns inside its own AVX-512 headers wherever they are inlined in this file (their
 // "undefined" vectors are self-initialised: GCC bug 105593, fixed in gcc 13), so the two
@@ -15,7 +16,6 @@
 #endif
 
 #define MOELORA_AVX512_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
-#define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {
 

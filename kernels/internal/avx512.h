@@ -1,7 +1,7 @@
-// AVX-512 helpers shared by the hand-written CPU kernels (elementwise.cc, decode_attention.cc):
-// bf16 widening, exp, and the horizontal sums of 16 vectors at once. Functions marked
-// MOELORA_AVX512F are compiled for AVX-512F whatever the build's -march, so callers must check
-// the CPU first (__builtin_cpu_supports("avx512f")). Internal to kernels/.
+// AVX-512 helpers shared by the hand-written CPU kernels (elementwise.cc, decode_attention.cc,
+// sgmv.cc, skinny_gemm.cc): bf16 widening, exp, the horizontal sums of 16 vectors at once, and
+// the target macros. Functions marked MOELORA_AVX512F / MOELORA_AVX512 are compiled for those
+// sets whatever the build's -march, so callers must check the CPU first. Internal to kernels/.
 #ifndef MOELORA_KERNELS_INTERNAL_AVX512_H_
 #define MOELORA_KERNELS_INTERNAL_AVX512_H_
 
@@ -10,6 +10,9 @@
 #include <cstdint>
 
 #define MOELORA_AVX512F __attribute__((target("avx512f")))
+// AVX-512 F, BW and VL with AVX2 + FMA: the skinny GEMM's and SGMV's 512-bit paths (16-bit
+// masked loads, 256-bit helpers inlined into them).
+#define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {
 namespace avx512 {
