@@ -32,6 +32,28 @@ float Dot(const float* a, const float* b, int64_t n);
 // Dot(x, x, n).
 float SumSquares(const float* x, int64_t n);
 
+// The forms of RmsNorm the served architectures use (the worker's NormKind): with
+// r = 1 / sqrt(SumSquares(x, n) / n + eps),
+//   kPlain:       out = w · R(x · r), R rounding to bf16 when round_bf16 (else the identity);
+//   kZeroCentred: out = (x · r) · (1 + w);
+//   kF32Weight:   out = w · (x · r).
+enum class NormForm { kPlain, kZeroCentred, kF32Weight };
+// One row of n; out may be x.
+void RmsNormRow(const float* x, const float* w, float* out, int64_t n, float eps, NormForm form,
+                bool round_bf16);
+// RmsNormRow on a bf16 row (bf16 model: round_bf16), out rounded to bf16; where delta is given,
+// x is first replaced by bf16(x + delta), which is also written to `sum` (a residual add and the
+// next norm in one pass). The same bits as widening, AddRows, RmsNormRow and RoundToBf16.
+void RmsNormRowBf16(const uint16_t* x, const uint16_t* delta, const float* w, uint16_t* sum,
+                    uint16_t* out, int64_t n, float eps, NormForm form);
+// acc[i] = R(acc[i] + R(y[i] · w)): one expert's share of a token's MoE output, as ATen's mul
+// then index_add compute it (R as above).
+void AddScaledRow(const float* y, float w, float* acc, int64_t n, bool round_bf16);
+// out[i] = R(a[i] + b[i]); out may be a or b.
+void AddRows(const float* a, const float* b, float* out, int64_t n, bool round_bf16);
+// (These three and the rounding helpers give the same bits on every path: each product and sum
+// is rounded on its own, never fused into an FMA; SumSquares sums in the same order.)
+
 // Rows per parallel task for a pass over rows of `row` elements: at least 32768 elements a task,
 // so a decode step's small tensors stay on the calling thread (waking the thread pool costs more
 // than such a pass).

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels/internal/avx2.h"
 #include "kernels/internal/avx512.h"
@@ -84,9 +85,191 @@ MOELORA_AVX512F void SiluMulAvx512(const float* g, const float* u, float* out, i
   }
 }
 
+// acc += v · v in lanes, Dot's order (a lane per column modulo 16), then the lanes in order.
+MOELORA_AVX512F float SumSquaresAvx512(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  if (c < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - c)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + c);
+    acc = _mm512_mask_add_ps(acc, m, acc, _mm512_mul_ps(v, v));
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  float s = 0;
+  for (float v : lanes) s += v;
+  return s;
+}
+
+// Lanes [0, n - c) of a row's 16 from c (all 16 when n - c >= 16).
+MOELORA_AVX512F __mmask16 TailMask(int64_t n, int64_t c) {
+  return n - c >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << (n - c)) - 1u);
+}
+
+MOELORA_AVX512F __m512 RoundTrip16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(Round16(v), 16));
+}
+
+MOELORA_AVX512F void RmsNormRowAvx512(const float* x, const float* w, float* out, int64_t n,
+                                      float eps, NormForm form, bool round_bf16) {
+  const float r = 1.0f / std::sqrt(SumSquaresAvx512(x, n) / static_cast<float>(n) + eps);
+  const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = TailMask(n, c);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + c), wv = _mm512_maskz_loadu_ps(m, w + c);
+    __m512 o = _mm512_mul_ps(xv, rv);
+    if (form == NormForm::kPlain) {
+      if (round_bf16) o = RoundTrip16(o);
+      o = _mm512_mul_ps(wv, o);
+    } else if (form == NormForm::kZeroCentred) {
+      o = _mm512_mul_ps(o, _mm512_add_ps(one, wv));
+    } else {
+      o = _mm512_mul_ps(wv, o);
+    }
+    _mm512_mask_storeu_ps(out + c, m, o);
+  }
+}
+
+// 16 bf16 (fewer at a row's tail, the rest read as 0) widened; rounded and stored. AVX-512F
+// alone has no masked 16-bit loads and stores: the tail goes through a 16-element copy.
+MOELORA_AVX512F __m512 LoadBf16(const uint16_t* p, int64_t left) {
+  if (left >= 16) return Widen16(p);
+  uint16_t t[16] = {};
+  std::memcpy(t, p, static_cast<size_t>(left) * sizeof(uint16_t));
+  return Widen16(t);
+}
+
+MOELORA_AVX512F void StoreBf16(uint16_t* p, int64_t left, __m512 v) {
+  const __m256i h = _mm512_cvtepi32_epi16(Round16(v));
+  if (left >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return;
+  }
+  uint16_t t[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), h);
+  std::memcpy(p, t, static_cast<size_t>(left) * sizeof(uint16_t));
+}
+
+// Two passes over the row where the composition takes six: widen (and add the residual, rounded
+// and stored) while summing squares in Dot's lane order; then widen again from L1 and normalise.
+MOELORA_AVX512F void RmsNormRowBf16Avx512(const uint16_t* x, const uint16_t* delta, const float* w,
+                                          uint16_t* sum, uint16_t* out, int64_t n, float eps,
+                                          NormForm form) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    __m512 v = LoadBf16(x + c, n - c);
+    if (delta != nullptr) {
+      v = RoundTrip16(_mm512_add_ps(v, LoadBf16(delta + c, n - c)));
+      StoreBf16(sum + c, n - c, v);
+    }
+    const __mmask16 m = TailMask(n, c);
+    acc = _mm512_mask_add_ps(acc, m, acc, _mm512_mul_ps(v, v));
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  float ss = 0;
+  for (float v : lanes) ss += v;
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+  const uint16_t* src = delta != nullptr ? sum : x;
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512 wv = _mm512_maskz_loadu_ps(TailMask(n, c), w + c);
+    __m512 o = _mm512_mul_ps(LoadBf16(src + c, n - c), rv);
+    if (form == NormForm::kPlain) {
+      o = _mm512_mul_ps(wv, RoundTrip16(o));
+    } else if (form == NormForm::kZeroCentred) {
+      o = _mm512_mul_ps(o, _mm512_add_ps(one, wv));
+    } else {
+      o = _mm512_mul_ps(wv, o);
+    }
+    StoreBf16(out + c, n - c, o);
+  }
+}
+
+MOELORA_AVX512F void AddScaledRowAvx512(const float* y, float w, float* acc, int64_t n,
+                                        bool round_bf16) {
+  const __m512 wv = _mm512_set1_ps(w);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = TailMask(n, c);
+    __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, y + c), wv);
+    if (round_bf16) p = RoundTrip16(p);
+    __m512 s = _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + c), p);
+    if (round_bf16) s = RoundTrip16(s);
+    _mm512_mask_storeu_ps(acc + c, m, s);
+  }
+}
+
+MOELORA_AVX512F void AddRowsAvx512(const float* a, const float* b, float* out, int64_t n,
+                                   bool round_bf16) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = TailMask(n, c);
+    __m512 s = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + c), _mm512_maskz_loadu_ps(m, b + c));
+    if (round_bf16) s = RoundTrip16(s);
+    _mm512_mask_storeu_ps(out + c, m, s);
+  }
+}
+
+float RoundTrip1(float v) { return avx2::ToF32(Round1(v)); }
+
 }  // namespace
 
 bool ElementwiseVectorised() { return HasAvx512(); }
+
+void RmsNormRow(const float* x, const float* w, float* out, int64_t n, float eps, NormForm form,
+                bool round_bf16) {
+  if (HasAvx512()) return RmsNormRowAvx512(x, w, out, n, eps, form, round_bf16);
+  const float r = 1.0f / std::sqrt(SumSquares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t c = 0; c < n; ++c) {
+    float o = x[c] * r;
+    if (form == NormForm::kPlain) {
+      if (round_bf16) o = RoundTrip1(o);
+      o = w[c] * o;
+    } else if (form == NormForm::kZeroCentred) {
+      o = o * (1.0f + w[c]);
+    } else {
+      o = w[c] * o;
+    }
+    out[c] = o;
+  }
+}
+
+void RmsNormRowBf16(const uint16_t* x, const uint16_t* delta, const float* w, uint16_t* sum,
+                    uint16_t* out, int64_t n, float eps, NormForm form) {
+  if (HasAvx512()) return RmsNormRowBf16Avx512(x, delta, w, sum, out, n, eps, form);
+  std::vector<float> f(2 * n);
+  WidenBf16(x, f.data(), n);
+  if (delta != nullptr) {
+    WidenBf16(delta, f.data() + n, n);
+    AddRows(f.data(), f.data() + n, f.data(), n, true);
+    RoundToBf16(f.data(), sum, n);
+  }
+  RmsNormRow(f.data(), w, f.data(), n, eps, form, true);
+  RoundToBf16(f.data(), out, n);
+}
+
+void AddScaledRow(const float* y, float w, float* acc, int64_t n, bool round_bf16) {
+  if (HasAvx512()) return AddScaledRowAvx512(y, w, acc, n, round_bf16);
+  for (int64_t c = 0; c < n; ++c) {
+    float p = y[c] * w;
+    if (round_bf16) p = RoundTrip1(p);
+    float s = acc[c] + p;
+    if (round_bf16) s = RoundTrip1(s);
+    acc[c] = s;
+  }
+}
+
+void AddRows(const float* a, const float* b, float* out, int64_t n, bool round_bf16) {
+  if (HasAvx512()) return AddRowsAvx512(a, b, out, n, round_bf16);
+  for (int64_t c = 0; c < n; ++c) {
+    const float s = a[c] + b[c];
+    out[c] = round_bf16 ? RoundTrip1(s) : s;
+  }
+}
 
 void WidenBf16(const uint16_t* src, float* dst, int64_t n) {
   if (HasAvx512()) return WidenAvx512(src, dst, n);

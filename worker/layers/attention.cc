@@ -20,59 +20,64 @@ namespace moelora {
 namespace {
 
 // RmsNorm rows on the CPU: the operations and roundings of the ATen expression in RmsNorm below,
-// element by element (plain w · T(x · r), the product rounded to T; zero-centred
-// T(x · r · (1 + w)); f32 weight T(w · (x · r))), in f32 rows (bf16 widened and rounded 16 at a
-// time, kernels/elementwise.h). The sum of squares runs in another order than ATen's mean.
+// element by element (kernels/elementwise.h, RmsNormRow), in f32 rows (bf16 widened and rounded
+// 16 at a time). The sum of squares runs in another order than ATen's mean. With `delta`, each
+// row of x is first replaced by x + delta, rounded to T (ATen's add), and that sum written to
+// `sum` too.
+NormForm FormOf(NormKind kind) {
+  return kind == NormKind::kPlain         ? NormForm::kPlain
+         : kind == NormKind::kZeroCentred ? NormForm::kZeroCentred
+                                          : NormForm::kF32Weight;
+}
+
 template <typename T>
-void RmsNormRows(const T* x, const at::Tensor& w, T* out, int64_t rows, int64_t n, float eps,
-                 NormKind kind) {
+void RmsNormRows(const T* x, const T* delta, const at::Tensor& w, T* sum, T* out, int64_t rows,
+                 int64_t n, float eps, NormKind kind) {
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const at::Tensor wf = w.to(at::kFloat).contiguous();
   const float* wp = wf.data_ptr<float>();
+  const NormForm form = FormOf(kind);
+  auto u16 = [](const T* p) { return reinterpret_cast<const uint16_t*>(p); };
   at::parallel_for(0, rows, ElementwiseGrain(n), [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(kBf16 ? 2 * n : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr;
-      float* o;
       if constexpr (kBf16) {
-        WidenBf16(reinterpret_cast<const uint16_t*>(x + r * n), buf.data(), n);
-        xr = buf.data();
-        o = buf.data() + n;
+        auto* s = sum != nullptr ? reinterpret_cast<uint16_t*>(sum + r * n) : nullptr;
+        RmsNormRowBf16(u16(x + r * n), delta != nullptr ? u16(delta + r * n) : nullptr, wp, s,
+                       reinterpret_cast<uint16_t*>(out + r * n), n, eps, form);
       } else {
-        xr = x + r * n;
-        o = out + r * n;
+        const float* xr = x + r * n;
+        if (delta != nullptr) {
+          AddRows(x + r * n, delta + r * n, sum + r * n, n, false);
+          xr = sum + r * n;
+        }
+        RmsNormRow(xr, wp, out + r * n, n, eps, form, false);
       }
-      const float rs = 1.0f / std::sqrt(SumSquares(xr, n) / static_cast<float>(n) + eps);
-      if (kind == NormKind::kPlain) {
-        for (int64_t c = 0; c < n; ++c) o[c] = xr[c] * rs;
-        if constexpr (kBf16) RoundTripBf16(o, n);
-        for (int64_t c = 0; c < n; ++c) o[c] = wp[c] * o[c];
-      } else if (kind == NormKind::kZeroCentred) {
-        for (int64_t c = 0; c < n; ++c) o[c] = xr[c] * rs * (1.0f + wp[c]);
-      } else {
-        for (int64_t c = 0; c < n; ++c) o[c] = wp[c] * (xr[c] * rs);
-      }
-      if constexpr (kBf16) RoundToBf16(o, reinterpret_cast<uint16_t*>(out + r * n), n);
     }
   });
+}
+
+bool NormByHand(const at::Tensor& x, const at::Tensor& w) {
+  const at::ScalarType t = x.scalar_type();
+  return x.device().is_cpu() && x.is_contiguous() && w.is_contiguous() && x.dim() >= 1 &&
+         w.dim() == 1 && w.size(0) == x.size(-1) && x.numel() > 0 &&
+         (t == at::kFloat || t == at::kBFloat16) && w.scalar_type() == t;
 }
 
 }  // namespace
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps, NormKind kind) {
-  const at::ScalarType t = x.scalar_type();
-  if (x.device().is_cpu() && x.is_contiguous() && w.is_contiguous() && x.dim() >= 1 &&
-      w.dim() == 1 && w.size(0) == x.size(-1) && x.numel() > 0 &&
-      (t == at::kFloat || t == at::kBFloat16) && w.scalar_type() == t) {
+  if (NormByHand(x, w)) {
     // By hand: the ATen form below is 7–9 ops per call (2 per layer, 2 more with q/k norms),
     // each a pass over the rows; this is one.
     const int64_t n = x.size(-1), rows = x.numel() / n;
     at::Tensor out = at::empty_like(x);
     const float e = static_cast<float>(eps);
-    if (t == at::kFloat) {
-      RmsNormRows(x.data_ptr<float>(), w, out.data_ptr<float>(), rows, n, e, kind);
+    if (x.scalar_type() == at::kFloat) {
+      RmsNormRows<float>(x.data_ptr<float>(), nullptr, w, nullptr, out.data_ptr<float>(), rows, n,
+                         e, kind);
     } else {
-      RmsNormRows(x.data_ptr<at::BFloat16>(), w, out.data_ptr<at::BFloat16>(), rows, n, e, kind);
+      RmsNormRows<at::BFloat16>(x.data_ptr<at::BFloat16>(), nullptr, w, nullptr,
+                                out.data_ptr<at::BFloat16>(), rows, n, e, kind);
     }
     return out;
   }
@@ -82,6 +87,45 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps, NormKin
   if (kind == NormKind::kZeroCentred) return (xf * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
   if (kind == NormKind::kPlainF32Weight) return (w.to(at::kFloat) * xf).to(x.scalar_type());
   return w * xf.to(x.scalar_type());
+}
+
+AddNormed AddRmsNorm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps,
+                     NormKind kind) {
+  if (!NormByHand(x, w) || !delta.is_contiguous() || delta.sizes() != x.sizes() ||
+      delta.scalar_type() != x.scalar_type() || !delta.device().is_cpu()) {
+    at::Tensor sum = x + delta;
+    return {sum, RmsNorm(sum, w, eps, kind)};
+  }
+  // One pass where x + delta and RmsNorm were two ops (a decode step at batch 32 spent about
+  // 30 µs on each ATen add of [32, 1024] bf16).
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  AddNormed r{at::empty_like(x), at::empty_like(x)};
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kFloat) {
+    RmsNormRows<float>(x.data_ptr<float>(), delta.data_ptr<float>(), w, r.sum.data_ptr<float>(),
+                       r.normed.data_ptr<float>(), rows, n, e, kind);
+  } else {
+    RmsNormRows<at::BFloat16>(x.data_ptr<at::BFloat16>(), delta.data_ptr<at::BFloat16>(), w,
+                              r.sum.data_ptr<at::BFloat16>(), r.normed.data_ptr<at::BFloat16>(),
+                              rows, n, e, kind);
+  }
+  return r;
+}
+
+at::Tensor ResidualStream::Norm(const at::Tensor& w, double eps, NormKind kind) {
+  if (!pending_.defined()) return RmsNorm(x_, w, eps, kind);
+  AddNormed r = AddRmsNorm(x_, pending_, w, eps, kind);
+  x_ = std::move(r.sum);
+  pending_ = at::Tensor();
+  return r.normed;
+}
+
+const at::Tensor& ResidualStream::Sum() {
+  if (pending_.defined()) {
+    x_ = x_ + pending_;
+    pending_ = at::Tensor();
+  }
+  return x_;
 }
 
 Rotary::Rotary(const RopeSpec& spec, const at::Device& device)

@@ -59,22 +59,16 @@ void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, in
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < N; ++i) rows[fill[token[i]]++] = i;  // ascending i per token
   at::parallel_for(0, tokens, ElementwiseGrain(H * 4), [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(H), m(H);
+    std::vector<float> acc(H), m(kBf16 ? H : 0);
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k = start[t]; k < start[t + 1]; ++k) {
         const int64_t i = rows[k];
         if constexpr (kBf16) {
           WidenBf16(reinterpret_cast<const uint16_t*>(ys + i * H), m.data(), H);
-          const float w = static_cast<float>(ws[i]);
-          for (int64_t c = 0; c < H; ++c) m[c] *= w;
-          RoundTripBf16(m.data(), H);
-          for (int64_t c = 0; c < H; ++c) acc[c] += m[c];
-          RoundTripBf16(acc.data(), H);
+          AddScaledRow(m.data(), static_cast<float>(ws[i]), acc.data(), H, true);
         } else {
-          const float* y = ys + i * H;
-          const float w = ws[i];
-          for (int64_t c = 0; c < H; ++c) acc[c] += y[c] * w;
+          AddScaledRow(ys + i * H, ws[i], acc.data(), H, false);
         }
       }
       if constexpr (kBf16) {

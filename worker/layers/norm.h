@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 namespace moelora {
 
 // kPlainF32Weight (GPT-OSS): dtype(w · (x / rms(x))), the weight applied in f32 before the cast.
@@ -13,6 +15,33 @@ enum class NormKind { kPlain, kZeroCentred, kPlainF32Weight };
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps,
                    NormKind kind = NormKind::kPlain);
+
+// The residual add and the next norm: sum = x + delta (in x's dtype, as ATen's add rounds it) and
+// normed = RmsNorm(sum, w, eps, kind), in one pass over the rows where RmsNorm runs by hand.
+struct AddNormed {
+  at::Tensor sum, normed;
+};
+AddNormed AddRmsNorm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps,
+                     NormKind kind = NormKind::kPlain);
+
+// A pre-norm decoder's residual stream: each block's output is added when the next norm reads the
+// stream, in the same pass (AddRmsNorm).
+//   ResidualStream s(embeddings);
+//   per layer: a = mixer(s.Norm(in_norm, ...)); s.Add(a); f = ffn(s.Norm(post_norm, ...));
+//   s.Add(f); then s.Sum() for the final norm.
+class ResidualStream {
+ public:
+  explicit ResidualStream(at::Tensor x) : x_(std::move(x)) {}
+  // Queues a block's output (the previous one must have been read by Norm or Sum).
+  void Add(at::Tensor delta) { pending_ = std::move(delta); }
+  // RmsNorm of the stream with the queued output added.
+  at::Tensor Norm(const at::Tensor& w, double eps, NormKind kind);
+  // The stream with the queued output added.
+  const at::Tensor& Sum();
+
+ private:
+  at::Tensor x_, pending_;
+};
 
 }  // namespace moelora
 

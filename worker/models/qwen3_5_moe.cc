@@ -227,23 +227,23 @@ absl::StatusOr<at::Tensor> Qwen35Moe::Forward(const ForwardBatch& b) {
   MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
-  at::Tensor x = ends_.embed.index_select(0, in.tokens);
+  ResidualStream x(ends_.embed.index_select(0, in.tokens));
   const double eps = config_.rms_norm_eps;
   const NormKind zc = NormKind::kZeroCentred;
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
-    at::Tensor hn = RmsNorm(x, L.in_norm, eps, zc);
+    at::Tensor hn = x.Norm(L.in_norm, eps, zc);
     absl::StatusOr<at::Tensor> mixed =
         L.gdn ? L.gdn->Forward(hn, b, static_cast<int>(l), lb)
               : L.attn->Forward(hn, b, static_cast<int>(l), rope_, table, lb);
     if (!mixed.ok()) return mixed.status();
     MOELORA_RETURN_IF_ERROR(AllReduce(*mixed));
-    x = x + *mixed;
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(RmsNorm(x, L.post_norm, eps, zc), lb));
+    x.Add(*mixed);
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(x.Norm(L.post_norm, eps, zc), lb));
     MOELORA_RETURN_IF_ERROR(AllReduce(mo));
-    x = x + mo;
+    x.Add(mo);
   }
-  return ends_.Finish(b, x, eps, zc);
+  return ends_.Finish(b, x.Sum(), eps, zc);
 }
 
 }  // namespace

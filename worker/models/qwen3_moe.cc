@@ -148,19 +148,20 @@ absl::StatusOr<at::Tensor> Qwen3Moe::Forward(const ForwardBatch& b) {
   MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
-  at::Tensor x = ends_.embed.index_select(0, in.tokens);
+  ResidualStream x(ends_.embed.index_select(0, in.tokens));
   const double eps = config_.rms_norm_eps;
+  const NormKind nk = NormKind::kPlain;
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(RmsNorm(x, L.in_norm, eps), b,
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(x.Norm(L.in_norm, eps, nk), b,
                                                            static_cast<int>(l), rope_, table, lb));
     MOELORA_RETURN_IF_ERROR(AllReduce(a));
-    x = x + a;
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(RmsNorm(x, L.post_norm, eps), lb));
+    x.Add(a);
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(x.Norm(L.post_norm, eps, nk), lb));
     MOELORA_RETURN_IF_ERROR(AllReduce(mo));
-    x = x + mo;
+    x.Add(mo);
   }
-  return ends_.Finish(b, x, eps, NormKind::kPlain);
+  return ends_.Finish(b, x.Sum(), eps, nk);
 }
 
 }  // namespace

@@ -184,21 +184,22 @@ absl::StatusOr<at::Tensor> Step3Text::Forward(const ForwardBatch& b) {
   MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
-  at::Tensor x = ends_.embed.index_select(0, in.tokens);
+  ResidualStream x(ends_.embed.index_select(0, in.tokens));
   const double eps = config_.rms_norm_eps;
+  const NormKind nk = NormKind::kPlain;
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(RmsNorm(x, L.in_norm, eps), b,
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(x.Norm(L.in_norm, eps, nk), b,
                                                            static_cast<int>(l), rope_, table, lb));
     MOELORA_RETURN_IF_ERROR(AllReduce(a));
-    x = x + a;
-    const at::Tensor hn = RmsNorm(x, L.post_norm, eps);
+    x.Add(a);
+    const at::Tensor hn = x.Norm(L.post_norm, eps, nk);
     absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(hn, lb) : L.mlp->Forward(hn, lb);
     if (!f.ok()) return f.status();
     MOELORA_RETURN_IF_ERROR(AllReduce(*f));
-    x = x + *f;
+    x.Add(*f);
   }
-  return ends_.Finish(b, x, eps, NormKind::kPlain);
+  return ends_.Finish(b, x.Sum(), eps, nk);
 }
 
 }  // namespace

@@ -379,23 +379,23 @@ absl::StatusOr<at::Tensor> Step3p5::Forward(const ForwardBatch& b) {
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   std::vector<Rotary::Table> tables;
   for (const Rotary& r : rotaries_) tables.push_back(r.Compute(in.positions, options_.dtype));
-  at::Tensor x = ends_.embed.index_select(0, in.tokens);
+  ResidualStream x(ends_.embed.index_select(0, in.tokens));
   const double eps = config_.rms_norm_eps;
   const NormKind zc = NormKind::kZeroCentred;
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
     MOELORA_ASSIGN_OR_RETURN(at::Tensor a,
-                             L.attn->Forward(RmsNorm(x, L.in_norm, eps, zc), b, static_cast<int>(l),
+                             L.attn->Forward(x.Norm(L.in_norm, eps, zc), b, static_cast<int>(l),
                                              rotaries_[L.rope], tables[L.rope], lb));
     MOELORA_RETURN_IF_ERROR(AllReduce(a));
-    x = x + a;
-    const at::Tensor hn = RmsNorm(x, L.post_norm, eps, zc);
+    x.Add(a);
+    const at::Tensor hn = x.Norm(L.post_norm, eps, zc);
     absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(hn, lb) : L.mlp->Forward(hn, lb);
     if (!f.ok()) return f.status();
     MOELORA_RETURN_IF_ERROR(AllReduce(*f));
-    x = x + *f;
+    x.Add(*f);
   }
-  return ends_.Finish(b, x, eps, zc);
+  return ends_.Finish(b, x.Sum(), eps, zc);
 }
 
 }  // namespace

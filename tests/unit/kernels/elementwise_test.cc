@@ -103,5 +103,107 @@ TEST(ElementwiseKernelTest, SumSquaresMatchesADoubleSum) {
   }
 }
 
+// Each product and sum rounded on its own (f32, then bf16 where asked): the bits of a reference
+// written element by element.
+TEST(ElementwiseKernelTest, AddRowsAndAddScaledRowRoundEachStepLikeAScalarReference) {
+  auto r = [](float v, bool bf16) { return bf16 ? FromBf16(ReferenceRound(v)) : v; };
+  for (bool bf16 : {false, true}) {
+    for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{37}, int64_t{1024}}) {
+      const std::vector<float> a = Values(n, 5), b = Values(n, 6);
+      std::vector<float> sum(n), acc = Values(n, 7);
+      const std::vector<float> acc0 = acc;
+      AddRows(a.data(), b.data(), sum.data(), n, bf16);
+      const float w = 0.37f;
+      AddScaledRow(a.data(), w, acc.data(), n, bf16);
+      for (int64_t i = 0; i < n; ++i) {
+        const float want_sum = r(a[i] + b[i], bf16);
+        const float want_acc = r(acc0[i] + r(a[i] * w, bf16), bf16);
+        if (std::isnan(want_sum)) {
+          ASSERT_TRUE(std::isnan(sum[i])) << i;
+        } else {
+          ASSERT_EQ(Bits(sum[i]), Bits(want_sum)) << "n " << n << " element " << i;
+        }
+        if (std::isnan(want_acc)) {
+          ASSERT_TRUE(std::isnan(acc[i])) << i;
+        } else {
+          ASSERT_EQ(Bits(acc[i]), Bits(want_acc)) << "n " << n << " element " << i;
+        }
+      }
+    }
+  }
+}
+
+// RmsNormRow in each form against a double-precision definition; the plain form with bf16
+// rounding of x · r against that rounding applied to the f32 scale (what ATen computes).
+TEST(ElementwiseKernelTest, RmsNormRowMatchesItsDefinitionInEveryForm) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{64}, int64_t{1024}}) {
+    std::mt19937 rng(static_cast<uint32_t>(n));
+    std::normal_distribution<float> d(0, 3);
+    std::vector<float> x(n), w(n), out(n);
+    for (auto& v : x) v = d(rng);
+    for (auto& v : w) v = 1 + d(rng) / 6;
+    const float eps = 1e-6f;
+    double ss = 0;
+    for (float v : x) ss += static_cast<double>(v) * v;
+    const double rs = 1 / std::sqrt(ss / n + eps);
+    for (NormForm form : {NormForm::kPlain, NormForm::kZeroCentred, NormForm::kF32Weight}) {
+      for (bool bf16 : {false, true}) {
+        if (bf16 && form != NormForm::kPlain) continue;  // the rounding is the plain form's
+        RmsNormRow(x.data(), w.data(), out.data(), n, eps, form, bf16);
+        for (int64_t i = 0; i < n; ++i) {
+          double want = x[i] * rs;
+          if (bf16) want = FromBf16(ReferenceRound(static_cast<float>(want)));
+          want *= form == NormForm::kZeroCentred ? 1.0 + w[i] : w[i];
+          // bf16: x · r may sit on the other side of a rounding boundary than the double value.
+          const double tol = bf16 ? std::abs(want) / 128 + 1e-6 : std::abs(want) * 1e-5 + 1e-6;
+          ASSERT_NEAR(out[i], want, tol) << "n " << n << " form " << static_cast<int>(form);
+        }
+        // In place gives the same.
+        std::vector<float> in_place = x;
+        RmsNormRow(in_place.data(), w.data(), in_place.data(), n, eps, form, bf16);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(Bits(in_place[i]), Bits(out[i])) << i;
+      }
+    }
+  }
+}
+
+// The fused bf16 row: the same bits as its composition from the f32 helpers, with and without
+// the residual, tails included.
+TEST(ElementwiseKernelTest, RmsNormRowBf16IsItsCompositionBitForBit) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{64}, int64_t{1024}}) {
+    std::mt19937 rng(static_cast<uint32_t>(n) + 3);
+    std::normal_distribution<float> d(0, 3);
+    std::vector<float> xf(n), df(n), w(n);
+    for (auto& v : xf) v = d(rng);
+    for (auto& v : df) v = d(rng);
+    for (auto& v : w) v = 1 + d(rng) / 6;
+    std::vector<uint16_t> x(n), delta(n);
+    RoundToBf16(xf.data(), x.data(), n);
+    RoundToBf16(df.data(), delta.data(), n);
+    for (NormForm form : {NormForm::kPlain, NormForm::kZeroCentred, NormForm::kF32Weight}) {
+      for (bool with_delta : {false, true}) {
+        std::vector<float> f(n), g(n);
+        WidenBf16(x.data(), f.data(), n);
+        std::vector<uint16_t> want_sum(n), want(n), sum(n, 0xFFFF), out(n);
+        if (with_delta) {
+          WidenBf16(delta.data(), g.data(), n);
+          AddRows(f.data(), g.data(), f.data(), n, true);
+          RoundToBf16(f.data(), want_sum.data(), n);
+        }
+        RmsNormRow(f.data(), w.data(), f.data(), n, 1e-6f, form, true);
+        RoundToBf16(f.data(), want.data(), n);
+        RmsNormRowBf16(x.data(), with_delta ? delta.data() : nullptr, w.data(), sum.data(),
+                       out.data(), n, 1e-6f, form);
+        EXPECT_EQ(out, want) << "n " << n << " form " << static_cast<int>(form);
+        if (with_delta) {
+          EXPECT_EQ(sum, want_sum) << "n " << n;
+        } else {
+          EXPECT_EQ(sum, std::vector<uint16_t>(n, 0xFFFF)) << "sum written without a delta";
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moelora

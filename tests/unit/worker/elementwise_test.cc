@@ -48,6 +48,47 @@ TEST(ElementwiseTest, RmsNormMatchesItsAtenFormInEveryKind) {
   }
 }
 
+// AddRmsNorm: the sum bit for bit ATen's add, the norm that of RmsNorm on that sum (bit for bit:
+// the same row code). ResidualStream folds each queued output into the next norm.
+TEST(ElementwiseTest, AddRmsNormIsTheAtenAddThenRmsNorm) {
+  at::manual_seed(12);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (NormKind kind : {NormKind::kPlain, NormKind::kZeroCentred, NormKind::kPlainF32Weight}) {
+      for (int64_t n : {int64_t{64}, int64_t{1024}, int64_t{37}}) {
+        at::Tensor x = (at::randn({7, n}) * 3).to(dt), d = at::randn({7, n}).to(dt);
+        at::Tensor w = (at::randn({n}) * 0.5 + 1).to(dt);
+        const AddNormed got = AddRmsNorm(x, d, w, 1e-6, kind);
+        const at::Tensor sum = x + d;
+        EXPECT_TRUE(at::equal(got.sum, sum)) << "kind " << static_cast<int>(kind) << " n " << n;
+        EXPECT_TRUE(at::equal(got.normed, RmsNorm(sum, w, 1e-6, kind)))
+            << "kind " << static_cast<int>(kind) << " n " << n;
+        EXPECT_TRUE(at::allclose(got.normed.to(at::kFloat),
+                                 NormByAten(sum, w, 1e-6, kind).to(at::kFloat),
+                                 dt == at::kFloat ? 1e-5 : 1.0 / 128, 1e-6));
+      }
+    }
+    // A strided delta takes the ATen add.
+    at::Tensor x = at::randn({4, 64}).to(dt), d = at::randn({4, 96}).to(dt).narrow(1, 0, 64);
+    at::Tensor w = at::randn({64}).to(dt);
+    const AddNormed got = AddRmsNorm(x, d, w, 1e-6);
+    EXPECT_TRUE(at::equal(got.sum, x + d));
+    EXPECT_TRUE(at::equal(got.normed, RmsNorm(x + d, w, 1e-6)));
+  }
+}
+
+TEST(ElementwiseTest, ResidualStreamAddsEachOutputBeforeTheNextNorm) {
+  at::manual_seed(13);
+  at::Tensor x0 = at::randn({3, 64}), a = at::randn({3, 64}), f = at::randn({3, 64});
+  at::Tensor w1 = at::randn({64}), w2 = at::randn({64});
+  ResidualStream s(x0);
+  EXPECT_TRUE(at::equal(s.Norm(w1, 1e-6, NormKind::kPlain), RmsNorm(x0, w1, 1e-6)));
+  s.Add(a);
+  EXPECT_TRUE(at::equal(s.Norm(w2, 1e-6, NormKind::kPlain), RmsNorm(x0 + a, w2, 1e-6)));
+  s.Add(f);
+  EXPECT_TRUE(at::equal(s.Sum(), x0 + a + f));
+  EXPECT_TRUE(at::equal(s.Sum(), x0 + a + f));  // read twice: added once
+}
+
 TEST(ElementwiseTest, RmsNormOfAStridedInputTakesTheAtenForm) {
   at::Tensor x = at::randn({4, 96}).narrow(1, 0, 64);
   at::Tensor w = at::randn({64});
