@@ -11,9 +11,10 @@
 //
 // Where the CPU has AVX-512 (else AVX2 + FMA; checked at run time, the build needs neither) a
 // segment's rows go four at a time, so A and B are read once per four rows, with the four rows'
-// sums in registers (16 or 8 lanes); elsewhere a portable loop does one row at a time. The sum
-// over the input dim and over the rank run in order in all three, so the vector paths agree bit
-// for bit and differ from the portable one only by FMA rounding.
+// sums in registers (16 or 8 lanes); elsewhere a portable loop does one row at a time. The vector
+// paths sum over the rank in order and over the input dim in 2 or 4 interleaved partial sums
+// (several chains of FMAs, so a one-row shrink is not bound by FMA latency), the same on both, so
+// they agree bit for bit; the portable loop sums in order and differs from them by rounding.
 //
 // Thread-safety: no shared state. Segments that write disjoint rows may run on different threads.
 #ifndef MOELORA_KERNELS_SGMV_H_

@@ -101,6 +101,7 @@ struct Vec {
   MOELORA_AVX2 static V Set1(float v) { return _mm256_set1_ps(v); }
   MOELORA_AVX2 static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
   MOELORA_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  MOELORA_AVX2 static V Add(V a, V b) { return _mm256_add_ps(a, b); }
 };
 #include "kernels/internal/sgmv_segment.inc"  // NOLINT(build/include)
 }  // namespace sgmv_avx2
@@ -119,6 +120,7 @@ struct Vec {
   MOELORA_AVX512 static V Set1(float v) { return _mm512_set1_ps(v); }
   MOELORA_AVX512 static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
   MOELORA_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  MOELORA_AVX512 static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   // The first n (< 16) lanes; the rest zero (loads) or untouched (stores).
   MOELORA_AVX512 static __mmask16 Mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
   MOELORA_AVX512 static V Load(const float* p, int64_t n) {

@@ -10,6 +10,7 @@
 #include "kernels/bgmv.h"
 #include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
+#include "worker/loaders/weight_loader.h"
 
 namespace moelora {
 
@@ -27,6 +28,11 @@ at::Tensor ToFloat(const HostTensor& h) {
 
 DType KernelDType(at::ScalarType t) {
   return t == at::kBFloat16 ? DType::kBF16 : t == at::kHalf ? DType::kF16 : DType::kF32;
+}
+
+at::Tensor SlotZeros(at::IntArrayRef shape, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) return at::zeros(shape, options);
+  return EmptyWeight(shape, options.dtype().toScalarType()).zero_();
 }
 
 at::Tensor Scratch(size_t bytes, const at::Device& dev) {
@@ -230,8 +236,8 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
     m->fs_out_ = *cols;
     b_cols = TotalSize(m->fs_out_);
   }
-  m->la_ = at::zeros({S, m->shard_.in_local, a_cols}, shape.slot_options);
-  m->lb_ = at::zeros({S, R, b_cols}, shape.slot_options);
+  m->la_ = SlotZeros({S, m->shard_.in_local, a_cols}, shape.slot_options);
+  m->lb_ = SlotZeros({S, R, b_cols}, shape.slot_options);
   m->rank_.assign(S, 0);
   if (shape.kernels != LoraKernels::kCpuSgmv) m->rank_t_ = at::zeros({S}, shape.rank_options);
   return m;

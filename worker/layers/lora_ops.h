@@ -18,6 +18,10 @@ namespace moelora {
 // A HostTensor as an f32 ATen tensor (copied).
 at::Tensor ToFloat(const HostTensor& h);
 DType KernelDType(at::ScalarType t);
+// Zeroed storage for LoRA slots (long-lived; a decode step reads a slot in small pieces, one per
+// segment). On the CPU it takes transparent huge pages as the model's weights do (EmptyWeight):
+// on 4 KB pages a segment's 32–48 KB of A and B cost 8–12 page walks.
+at::Tensor SlotZeros(at::IntArrayRef shape, const at::TensorOptions& options);
 // Device scratch for a kernel, from the tensor allocator (cached on CUDA).
 at::Tensor Scratch(size_t bytes, const at::Device& dev);
 // The CPU path's LoRA slot dtype for a model dtype: bf16 slots for a bf16 model (half the bytes a

@@ -104,15 +104,15 @@ MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t 
   const int64_t Ra = fs_ ? R / shape.tp_size : R, Hb = fs_ ? H / shape.tp_size : H;
   if (wrapper_ == AdapterFormat::k2D) {
     for (int k : {kW1, kW3}) {
-      ea_[k] = at::zeros({S, E, H, Ra}, f);
-      eb_[k] = at::zeros({S, E, R, Ip}, f);
+      ea_[k] = SlotZeros({S, E, H, Ra}, f);
+      eb_[k] = SlotZeros({S, E, R, Ip}, f);
     }
   } else {
-    ea_[kW1] = at::zeros({S, E, H, Ra}, f);
-    eb_[kW1] = at::zeros({S, E, R, 2 * Ip}, f);
+    ea_[kW1] = SlotZeros({S, E, H, Ra}, f);
+    eb_[kW1] = SlotZeros({S, E, R, 2 * Ip}, f);
   }
-  ea_[kW2] = at::zeros({S, E, Ip, R}, f);
-  eb_[kW2] = at::zeros({S, E, R, Hb}, f);
+  ea_[kW2] = SlotZeros({S, E, Ip, R}, f);
+  eb_[kW2] = SlotZeros({S, E, R, Hb}, f);
   const bool kernels = shape.kernels != LoraKernels::kCpuSgmv;
   for (int k = 0; k < 3; ++k) {
     erank_[k].assign(S * E, 0);
