@@ -349,10 +349,25 @@ int main(int argc, char** argv) {
             cs == "base" ? std::vector<std::string>{""} : std::vector<std::string>{"a2d", "a3d"};
         if (!RunMoelora(c, state.path(), prompts, b, new_tokens, ad, &s)) return 1;
         const std::string key = absl::StrCat(cs, "/", b);
+        // Decode step: the generate wave less its prefill, over the remaining steps.
+        const double step =
+            (s.seconds - b * 16.0 / s.prefill_tok_s) / std::max(1, new_tokens - 1);
+        // The worker's share: the generate wave's steps less its prefill steps (those of the
+        // max_tokens 1 wave stand for them).
+        const bool split = s.gen_steps > s.pf_steps && s.pf_steps > 0;
+        const double worker =
+            split ? (s.gen_step_sum - s.pf_step_sum) / static_cast<double>(s.gen_steps - s.pf_steps)
+                  : 0.0;
+        auto mixed_line = [&] {
+          return absl::StrFormat(
+              "batch %d: mixed / moelora base = %.2f (prefill %.0f tok/s, %.2f of base; decode "
+              "step %.1f ms, the worker's %.1f ms)",
+              b, s.tok_s / base[b].tok_s, s.prefill_tok_s,
+              s.prefill_tok_s / base[b].prefill_tok_s, step * 1e3, worker * 1e3);
+        };
         if (!peer["cases"].contains(key)) {
           std::printf("| %s | %d | %.0f | - | - | - |\n", cs.c_str(), b, s.tok_s);
-          extra.push_back(
-              absl::StrFormat("batch %d: mixed / moelora base = %.2f", b, s.tok_s / base[b].tok_s));
+          extra.push_back(mixed_line());
           continue;
         }
         const auto& p = peer["cases"][key];
@@ -362,9 +377,6 @@ int main(int argc, char** argv) {
                     p["tok_s"].get<double>(), s.tok_s / p["tok_s"].get<double>(), m, b);
         if (cs == "base") {
           base[b] = s;
-          // Decode step: the generate wave less its prefill, over the remaining steps.
-          const double step =
-              (s.seconds - b * 16.0 / s.prefill_tok_s) / std::max(1, new_tokens - 1);
           const double bound = StepBytes(dims, b, dt == "float32" ? 4 : 2) / (bw * 1e9);
           extra.push_back(absl::StrFormat(
               "batch %d: prefill %.0f vs %.0f tok/s (ratio %.2f); decode step %.1f ms, bound "
@@ -372,19 +384,14 @@ int main(int argc, char** argv) {
               b, s.prefill_tok_s, p["prefill_tok_s"].get<double>(),
               s.prefill_tok_s / p["prefill_tok_s"].get<double>(), step * 1e3, bound * 1e3,
               StepBytes(dims, b, dt == "float32" ? 4 : 2) / 1e6, bw, step / bound));
-          // The worker's share: the generate wave's steps less its prefill steps (those of the
-          // max_tokens 1 wave stand for them).
-          if (s.gen_steps > s.pf_steps && s.pf_steps > 0) {
-            const double worker =
-                (s.gen_step_sum - s.pf_step_sum) / static_cast<double>(s.gen_steps - s.pf_steps);
+          if (split) {
             extra.push_back(absl::StrFormat(
                 "batch %d: of the decode step, the worker's step %.1f ms (%lld prefill step(s) "
                 "per wave), the rest (controller, RPCs) %.1f ms",
                 b, worker * 1e3, static_cast<long long>(s.pf_steps), (step - worker) * 1e3));
           }
         } else {
-          extra.push_back(
-              absl::StrFormat("batch %d: mixed / moelora base = %.2f", b, s.tok_s / base[b].tok_s));
+          extra.push_back(mixed_line());
         }
       }
     }
