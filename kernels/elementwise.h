@@ -51,8 +51,13 @@ void RmsNormRowBf16(const uint16_t* x, const uint16_t* delta, const float* w, ui
 void AddScaledRow(const float* y, float w, float* acc, int64_t n, bool round_bf16);
 // out[i] = R(a[i] + b[i]); out may be a or b.
 void AddRows(const float* a, const float* b, float* out, int64_t n, bool round_bf16);
-// (These three and the rounding helpers give the same bits on every path: each product and sum
-// is rounded on its own, never fused into an FMA; SumSquares sums in the same order.)
+// Rotary embedding of one head's first rd dims (rd even, h = rd / 2): for i < h,
+// out[i] = R(R(x[i] · c[i]) + R(-x[i + h] · s[i])) and out[i + h] = R(R(x[i + h] · c[i + h]) +
+// R(x[i] · s[i + h])), transformers' x · cos + rotate_half(x) · sin (R as above). out != x.
+void RotaryRow(const float* x, const float* c, const float* s, float* out, int64_t rd,
+               bool round_bf16);
+// (These and the rounding helpers give the same bits on every path: each product and sum is
+// rounded on its own, never fused into an FMA; SumSquares sums in the same order.)
 
 // Rows per parallel task for a pass over rows of `row` elements: at least 32768 elements a task,
 // so a decode step's small tensors stay on the calling thread (waking the thread pool costs more

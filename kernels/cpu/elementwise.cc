@@ -214,6 +214,25 @@ MOELORA_AVX512F void AddRowsAvx512(const float* a, const float* b, float* out, i
   }
 }
 
+MOELORA_AVX512F void RotaryRowAvx512(const float* x, const float* c, const float* s, float* out,
+                                     int64_t rd, bool round_bf16) {
+  const int64_t h = rd / 2;
+  auto r = [round_bf16](__m512 v) MOELORA_AVX512F { return round_bf16 ? RoundTrip16(v) : v; };
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = TailMask(h, i);
+    const __m512 xa = _mm512_maskz_loadu_ps(m, x + i), xb = _mm512_maskz_loadu_ps(m, x + h + i);
+    const __m512 neg_xb =
+        _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(xb), _mm512_castps_si512(sign)));
+    const __m512 lo = r(_mm512_add_ps(r(_mm512_mul_ps(xa, _mm512_maskz_loadu_ps(m, c + i))),
+                                      r(_mm512_mul_ps(neg_xb, _mm512_maskz_loadu_ps(m, s + i)))));
+    const __m512 hi = r(_mm512_add_ps(r(_mm512_mul_ps(xb, _mm512_maskz_loadu_ps(m, c + h + i))),
+                                      r(_mm512_mul_ps(xa, _mm512_maskz_loadu_ps(m, s + h + i)))));
+    _mm512_mask_storeu_ps(out + i, m, lo);
+    _mm512_mask_storeu_ps(out + h + i, m, hi);
+  }
+}
+
 float RoundTrip1(float v) { return avx2::ToF32(Round1(v)); }
 
 }  // namespace
@@ -260,6 +279,17 @@ void AddScaledRow(const float* y, float w, float* acc, int64_t n, bool round_bf1
     float s = acc[c] + p;
     if (round_bf16) s = RoundTrip1(s);
     acc[c] = s;
+  }
+}
+
+void RotaryRow(const float* x, const float* c, const float* s, float* out, int64_t rd,
+               bool round_bf16) {
+  if (HasAvx512()) return RotaryRowAvx512(x, c, s, out, rd, round_bf16);
+  auto r = [round_bf16](float v) { return round_bf16 ? RoundTrip1(v) : v; };
+  const int64_t h = rd / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    out[i] = r(r(x[i] * c[i]) + r(-x[i + h] * s[i]));
+    out[i + h] = r(r(x[i + h] * c[i + h]) + r(x[i] * s[i + h]));
   }
 }
 

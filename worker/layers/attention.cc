@@ -314,9 +314,9 @@ template <typename T>
 void RotaryRows(const T* x, const T* cs, const T* sn, T* out, int64_t tokens, int64_t heads,
                 int64_t hd, int64_t rd) {
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  const int64_t half = rd / 2, row = heads * hd;
+  const int64_t row = heads * hd;
   at::parallel_for(0, tokens, ElementwiseGrain(row), [&](int64_t t0, int64_t t1) {
-    std::vector<float> f(kBf16 ? row + 2 * rd : 0), p(rd), q(rd);
+    std::vector<float> f(kBf16 ? row + 2 * rd : 0), o32(rd);
     for (int64_t t = t0; t < t1; ++t) {
       const float *xr, *c, *s;
       if constexpr (kBf16) {
@@ -332,21 +332,12 @@ void RotaryRows(const T* x, const T* cs, const T* sn, T* out, int64_t tokens, in
         s = sn + t * rd;
       }
       for (int64_t h = 0; h < heads; ++h) {
-        const float* xh = xr + h * hd;
-        for (int64_t i = 0; i < half; ++i) {
-          p[i] = xh[i] * c[i];
-          q[i] = -xh[i + half] * s[i];
-          p[i + half] = xh[i + half] * c[i + half];
-          q[i + half] = xh[i] * s[i + half];
-        }
         T* o = out + t * row + h * hd;
         if constexpr (kBf16) {
-          RoundTripBf16(p.data(), rd);
-          RoundTripBf16(q.data(), rd);
-          for (int64_t i = 0; i < rd; ++i) p[i] += q[i];
-          RoundToBf16(p.data(), reinterpret_cast<uint16_t*>(o), rd);
+          RotaryRow(xr + h * hd, c, s, o32.data(), rd, true);
+          RoundToBf16(o32.data(), reinterpret_cast<uint16_t*>(o), rd);
         } else {
-          for (int64_t i = 0; i < rd; ++i) o[i] = p[i] + q[i];
+          RotaryRow(xr + h * hd, c, s, o, rd, false);
         }
         for (int64_t i = rd; i < hd; ++i) o[i] = x[t * row + h * hd + i];
       }

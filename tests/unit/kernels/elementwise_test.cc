@@ -167,6 +167,29 @@ TEST(ElementwiseKernelTest, RmsNormRowMatchesItsDefinitionInEveryForm) {
   }
 }
 
+// RotaryRow against its formula written element by element, f32 and bf16 roundings, with
+// half-widths that fill no, one and several 16-lane vectors.
+TEST(ElementwiseKernelTest, RotaryRowIsItsFormulaBitForBit) {
+  auto r = [](float v, bool bf16) { return bf16 ? FromBf16(ReferenceRound(v)) : v; };
+  for (bool bf16 : {false, true}) {
+    for (int64_t rd : {int64_t{2}, int64_t{34}, int64_t{64}, int64_t{128}}) {
+      std::mt19937 rng(static_cast<uint32_t>(rd));
+      std::normal_distribution<float> d(0, 2);
+      std::vector<float> x(rd), c(rd), s(rd), out(rd);
+      for (auto& v : x) v = d(rng);
+      for (auto& v : c) v = d(rng) / 2;
+      for (auto& v : s) v = d(rng) / 2;
+      RotaryRow(x.data(), c.data(), s.data(), out.data(), rd, bf16);
+      const int64_t h = rd / 2;
+      for (int64_t i = 0; i < rd; ++i) {
+        const float rot = i < h ? -x[i + h] : x[i - h];
+        const float want = r(r(x[i] * c[i], bf16) + r(rot * s[i], bf16), bf16);
+        ASSERT_EQ(Bits(out[i]), Bits(want)) << "rd " << rd << " element " << i;
+      }
+    }
+  }
+}
+
 // The fused bf16 row: the same bits as its composition from the f32 helpers, with and without
 // the residual, tails included.
 TEST(ElementwiseKernelTest, RmsNormRowBf16IsItsCompositionBitForBit) {
