@@ -79,7 +79,59 @@ void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, in
     }
   });
 }
+
 }  // namespace
+
+// By hand: at::softmax(·, kFloat), at::topk, the division, the scaling and the cast were 5-6 ATen
+// ops a layer, each its own pass and dispatch (0.15-0.33 ms of a decode step of bench/peer's
+// model); here one pass. p[e] = exp(l[e] - max) · (1 / Σ), as ATen's softmax computes it; its
+// exp (Sleef) and std::exp differ by an ulp at most.
+void SoftmaxTopKCpu(const at::Tensor& logits, int k, bool norm, double scale, at::Tensor& wts,
+                    at::Tensor& idx) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const at::Tensor l32 = logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
+  const float* lp = l32.data_ptr<float>();
+  at::Tensor w32 = at::empty({T, k}, at::kFloat);
+  idx = at::empty({T, k}, at::kLong);
+  float* wp = w32.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T, ElementwiseGrain(8 * E), [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(E);
+    std::vector<char> taken(E);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* l = lp + t * E;
+      float mx = l[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, l[e]);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) {
+        p[e] = std::exp(l[e] - mx);
+        sum += p[e];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+      std::fill(taken.begin(), taken.end(), 0);
+      float top_sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e) {
+          if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        }
+        taken[best] = 1;
+        ip[t * k + j] = best;
+        wp[t * k + j] = p[best];
+        top_sum += p[best];
+      }
+      for (int j = 0; j < k; ++j) {
+        float w = wp[t * k + j];
+        if (norm) w = w / top_sum;
+        if (scale != 1.0) w = w * sc;
+        wp[t * k + j] = w;
+      }
+    }
+  });
+  wts = w32;
+}
 
 MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t inter_full,
                        AdapterFormat wrapper, std::string architecture, const SlotShape& shape,
@@ -561,6 +613,7 @@ MoeBlock::MoeBlock(at::Tensor router, RouterKind kind, int top_k, bool norm_topk
 
 absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatch& lb) const {
   at::Tensor wts, idx;
+  bool scaled = false;  // wts already carry routed_scaling_
   switch (kind_) {
     case RouterKind::kSigmoidBiasTopK: {
       // In f32 (vLLM's need_fp32_gate; transformers computes the logits in the weight dtype,
@@ -574,6 +627,12 @@ absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatc
     }
     case RouterKind::kSoftmaxTopK: {
       at::Tensor logits = MatmulWt(h, router_);
+      if (!lb.kernel_path() && logits.device().is_cpu() && logits.dim() == 2 &&
+          logits.size(1) >= top_k_) {
+        SoftmaxTopKCpu(logits.contiguous(), top_k_, norm_topk_prob_, routed_scaling_, wts, idx);
+        scaled = true;
+        break;
+      }
       at::Tensor probs = at::softmax(logits, 1, at::kFloat);
       std::tie(wts, idx) = at::topk(probs, top_k_, -1);
       if (norm_topk_prob_) wts = wts / wts.sum(-1, true);
@@ -588,7 +647,7 @@ absl::StatusOr<at::Tensor> MoeBlock::Forward(const at::Tensor& h, const LoraBatc
       break;
     }
   }
-  if (routed_scaling_ != 1.0) wts = wts * routed_scaling_;
+  if (routed_scaling_ != 1.0 && !scaled) wts = wts * routed_scaling_;
   // The CPU path scales in the activation dtype (as transformers does); the fused kernel takes
   // f32 weights.
   if (!lb.kernel_path()) wts = wts.to(h.scalar_type());

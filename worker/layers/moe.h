@@ -120,6 +120,13 @@ enum class RouterKind {
   kSigmoidBiasTopK,
 };
 
+// kSoftmaxTopK's routing on the CPU path, by hand (MoeBlock uses it; declared for its test):
+// per row of logits [T, E] (f32 or bf16), p = softmax in f32, the k largest (ties to the lower
+// expert id) into idx [T, k] (int64), their p into wts [T, k] (f32), divided by their sum when
+// `norm`, times `scale`.
+void SoftmaxTopKCpu(const at::Tensor& logits, int k, bool norm, double scale, at::Tensor& wts,
+                    at::Tensor& idx);
+
 // down(act(gate(x)) · up(x)) of LoRA linears (column, column, row): a shared expert or a dense
 // layer's MLP. `limit` > 0: Step3.5's clamp, min(silu(g), limit) · clamp(u, ±limit).
 // `gate_weight` [1, H]: Qwen3.5's sigmoid gate on the output. This rank's part (the caller

@@ -161,5 +161,46 @@ TEST(ElementwiseTest, MoeExpertsMatchAPerTokenAtenForm) {
   }
 }
 
+// The CPU router against at::softmax(·, kFloat), at::topk, the division and the scaling: the same
+// experts (no ties in random logits), weights within an ulp or two of f32.
+TEST(ElementwiseTest, SoftmaxTopKMatchesItsAtenForm) {
+  at::manual_seed(14);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (bool norm : {true, false}) {
+      for (double scale : {1.0, 2.5}) {
+        const int64_t T = 37, E = 48;
+        const int k = 6;
+        at::Tensor logits = (at::randn({T, E}) * 3).to(dt);
+        at::Tensor wts, idx;
+        SoftmaxTopKCpu(logits, k, norm, scale, wts, idx);
+        ASSERT_EQ(wts.sizes(), (std::vector<int64_t>{T, k}));
+        ASSERT_EQ(idx.scalar_type(), at::kLong);
+        const at::Tensor probs = at::softmax(logits, 1, at::kFloat);
+        auto [want_w, want_i] = at::topk(probs, k, -1);
+        // bf16 logits tie often: then any of the tied experts is a right choice (ATen's order
+        // among them is its sort's), so the choice is checked by the probabilities it picks.
+        if (dt == at::kFloat) {
+          EXPECT_TRUE(at::equal(idx, want_i)) << "norm " << norm;
+        }
+        EXPECT_TRUE(at::allclose(probs.gather(1, idx), want_w, 1e-6, 0));
+        EXPECT_TRUE(at::equal(std::get<0>(at::sort(idx, 1)).diff(1, 1).gt(0).all(),
+                              at::ones({}, at::kBool)))
+            << "an expert chosen twice";
+        if (norm) want_w = want_w / want_w.sum(-1, true);
+        if (scale != 1.0) want_w = want_w * scale;
+        EXPECT_TRUE(at::allclose(wts, want_w, 1e-6, 0))
+            << "norm " << norm << " max diff " << (wts - want_w).abs().max().item<float>();
+      }
+    }
+  }
+  // Ties go to the lower expert id.
+  at::Tensor flat = at::zeros({1, 8});
+  at::Tensor wts, idx;
+  SoftmaxTopKCpu(flat, 3, true, 1.0, wts, idx);
+  EXPECT_EQ(idx[0][0].item<int64_t>(), 0);
+  EXPECT_EQ(idx[0][2].item<int64_t>(), 2);
+  EXPECT_NEAR(wts[0][0].item<float>(), 1.0f / 3, 1e-7);
+}
+
 }  // namespace
 }  // namespace moelora
