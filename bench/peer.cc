@@ -350,8 +350,7 @@ int main(int argc, char** argv) {
         if (!RunMoelora(c, state.path(), prompts, b, new_tokens, ad, &s)) return 1;
         const std::string key = absl::StrCat(cs, "/", b);
         // Decode step: the generate wave less its prefill, over the remaining steps.
-        const double step =
-            (s.seconds - b * 16.0 / s.prefill_tok_s) / std::max(1, new_tokens - 1);
+        const double step = (s.seconds - b * 16.0 / s.prefill_tok_s) / std::max(1, new_tokens - 1);
         // The worker's share: the generate wave's steps less its prefill steps (those of the
         // max_tokens 1 wave stand for them).
         const bool split = s.gen_steps > s.pf_steps && s.pf_steps > 0;
@@ -362,8 +361,8 @@ int main(int argc, char** argv) {
           return absl::StrFormat(
               "batch %d: mixed / moelora base = %.2f (prefill %.0f tok/s, %.2f of base; decode "
               "step %.1f ms, the worker's %.1f ms)",
-              b, s.tok_s / base[b].tok_s, s.prefill_tok_s,
-              s.prefill_tok_s / base[b].prefill_tok_s, step * 1e3, worker * 1e3);
+              b, s.tok_s / base[b].tok_s, s.prefill_tok_s, s.prefill_tok_s / base[b].prefill_tok_s,
+              step * 1e3, worker * 1e3);
         };
         if (!peer["cases"].contains(key)) {
           std::printf("| %s | %d | %.0f | - | - | - |\n", cs.c_str(), b, s.tok_s);

@@ -96,8 +96,8 @@ AddNormed AddRmsNorm(const at::Tensor& x, const at::Tensor& delta, const at::Ten
     at::Tensor sum = x + delta;
     return {sum, RmsNorm(sum, w, eps, kind)};
   }
-  // One pass where x + delta and RmsNorm were two ops (a decode step at batch 32 spent about
-  // 30 µs on each ATen add of [32, 1024] bf16).
+  // One pass where x + delta and RmsNorm were two ops (a bf16 decode step at batch 32 spent
+  // about 23 µs on each ATen add of [32, 1024]).
   const int64_t n = x.size(-1), rows = x.numel() / n;
   AddNormed r{at::empty_like(x), at::empty_like(x)};
   const float e = static_cast<float>(eps);

@@ -32,8 +32,11 @@ AddNormed AddRmsNorm(const at::Tensor& x, const at::Tensor& delta, const at::Ten
 class ResidualStream {
  public:
   explicit ResidualStream(at::Tensor x) : x_(std::move(x)) {}
-  // Queues a block's output (the previous one must have been read by Norm or Sum).
-  void Add(at::Tensor delta) { pending_ = std::move(delta); }
+  // Queues a block's output (one still queued is added first).
+  void Add(at::Tensor delta) {
+    Sum();
+    pending_ = std::move(delta);
+  }
   // RmsNorm of the stream with the queued output added.
   at::Tensor Norm(const at::Tensor& w, double eps, NormKind kind);
   // The stream with the queued output added.

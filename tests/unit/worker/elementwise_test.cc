@@ -87,6 +87,9 @@ TEST(ElementwiseTest, ResidualStreamAddsEachOutputBeforeTheNextNorm) {
   s.Add(f);
   EXPECT_TRUE(at::equal(s.Sum(), x0 + a + f));
   EXPECT_TRUE(at::equal(s.Sum(), x0 + a + f));  // read twice: added once
+  s.Add(a);
+  s.Add(f);  // two queued: both added
+  EXPECT_TRUE(at::equal(s.Sum(), x0 + a + f + a + f));
 }
 
 TEST(ElementwiseTest, RmsNormOfAStridedInputTakesTheAtenForm) {
