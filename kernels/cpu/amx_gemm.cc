@@ -6,16 +6,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/internal/avx512.h"  // also: gcc 12's AVX-512 header warnings off
+
 #if defined(__linux__) && defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#endif
-
-// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 // AMX CPUs (Sapphire Rapids and later) all have AVX-512 with BF16, used for packing and stores.

@@ -6,12 +6,6 @@
 
 #include "kernels/internal/avx512.h"
 
-// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
 namespace moelora {
 
 namespace {

@@ -9,12 +9,6 @@
 #include "kernels/internal/avx2.h"
 #include "kernels/internal/avx512.h"
 
-// gcc 12 warns inside its own AVX-512 headers (GCC bug 105593, as in skinny_gemm.cc).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
 namespace moelora {
 
 namespace {
@@ -85,6 +79,15 @@ MOELORA_AVX512F void SiluMulAvx512(const float* g, const float* u, float* out, i
   }
 }
 
+// The 16 lanes added in order, lane 0 first (Dot's final sum).
+MOELORA_AVX512F float LaneSumInOrder(__m512 acc) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  float s = 0;
+  for (float v : lanes) s += v;
+  return s;
+}
+
 // acc += v · v in lanes, Dot's order (a lane per column modulo 16), then the lanes in order.
 MOELORA_AVX512F float SumSquaresAvx512(const float* x, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -98,11 +101,7 @@ MOELORA_AVX512F float SumSquaresAvx512(const float* x, int64_t n) {
     const __m512 v = _mm512_maskz_loadu_ps(m, x + c);
     acc = _mm512_mask_add_ps(acc, m, acc, _mm512_mul_ps(v, v));
   }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc);
-  float s = 0;
-  for (float v : lanes) s += v;
-  return s;
+  return LaneSumInOrder(acc);
 }
 
 // Lanes [0, n - c) of a row's 16 from c (all 16 when n - c >= 16).
@@ -170,11 +169,7 @@ MOELORA_AVX512F void RmsNormRowBf16Avx512(const uint16_t* x, const uint16_t* del
     const __mmask16 m = TailMask(n, c);
     acc = _mm512_mask_add_ps(acc, m, acc, _mm512_mul_ps(v, v));
   }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc);
-  float ss = 0;
-  for (float v : lanes) ss += v;
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const float r = 1.0f / std::sqrt(LaneSumInOrder(acc) / static_cast<float>(n) + eps);
   const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
   const uint16_t* src = delta != nullptr ? sum : x;
   for (int64_t c = 0; c < n; c += 16) {

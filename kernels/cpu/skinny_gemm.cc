@@ -7,14 +7,6 @@
 #include "kernels/internal/avx2.h"
 #include "kernels/internal/avx512.h"
 
-// gcc 12 warns inside its own AVX-512 headers wherever they are inlined in this file (their
-// "undefined" vectors are self-initialised: GCC bug 105593, fixed in gcc 13), so the two
-// uninitialised-use warnings are off in this file only.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
 #define MOELORA_AVX512_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {

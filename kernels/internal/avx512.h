@@ -1,13 +1,22 @@
 // AVX-512 helpers shared by the hand-written CPU kernels (elementwise.cc, decode_attention.cc,
-// sgmv.cc, skinny_gemm.cc): bf16 widening, exp, the horizontal sums of 16 vectors at once, and
-// the target macros. Functions marked MOELORA_AVX512F / MOELORA_AVX512 are compiled for those
-// sets whatever the build's -march, so callers must check the CPU first. Internal to kernels/.
+// sgmv.cc, skinny_gemm.cc, amx_gemm.cc): bf16 widening, exp, the horizontal sums of 16 vectors at
+// once, and the target macros. Functions marked MOELORA_AVX512F / MOELORA_AVX512 are compiled for
+// those sets whatever the build's -march, so callers must check the CPU first. Internal to
+// kernels/.
 #ifndef MOELORA_KERNELS_INTERNAL_AVX512_H_
 #define MOELORA_KERNELS_INTERNAL_AVX512_H_
 
 #include <immintrin.h>
 
 #include <cstdint>
+
+// gcc 12 warns inside its own AVX-512 headers wherever they are inlined (their "undefined"
+// vectors are self-initialised: GCC bug 105593, fixed in gcc 13), so every kernel file that
+// includes this one has the two uninitialised-use warnings off.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #define MOELORA_AVX512F __attribute__((target("avx512f")))
 // AVX-512 F, BW and VL with AVX2 + FMA: the skinny GEMM's and SGMV's 512-bit paths (16-bit
