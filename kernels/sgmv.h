@@ -1,7 +1,8 @@
 // Segmented gather matrix-vector LoRA (Punica/S-LoRA "SGMV", shrink + expand in one pass) on the
 // CPU: out[row] += B_s · (A_s · x[row]) for every row of every segment, where a segment is a run
 // of rows that share one LoRA (an adapter slot, and for MoE an expert). Cost grows with the
-// number of rows, not with the number of distinct adapters.
+// number of rows, not with the number of distinct adapters. A segment writes columns
+// [out_col, out_col + out_dim) of out, or [out_col, out_col + 2 out_dim) with a second B.
 //
 // Layouts (outermost first, row-major): x and out f32; A is stored transposed, a_t [in_dim,
 // r_stride] (column j = lora_A row j), B transposed, b_t [r_stride, out_dim] (row j = lora_B
@@ -16,7 +17,8 @@
 // (several chains of FMAs, so a one-row shrink is not bound by FMA latency), the same on both, so
 // they agree bit for bit; the portable loop sums in order and differs from them by rounding.
 //
-// Thread-safety: no shared state. Segments that write disjoint rows may run on different threads.
+// Thread-safety: no shared state. Segments that write disjoint rows, or disjoint columns of the
+// same rows, may run on different threads.
 #ifndef MOELORA_KERNELS_SGMV_H_
 #define MOELORA_KERNELS_SGMV_H_
 
@@ -32,6 +34,11 @@ struct SgmvSegment {
   const void* a_t = nullptr;  // [in_dim, r_stride], of SgmvParams::w_type
   const void* b_t = nullptr;  // [r_stride, out_dim], of SgmvParams::w_type
   int32_t rank = 0;           // 0 < rank <= r_stride; 0 = nothing to add
+  // A second B sharing this A (nullptr: none), [r_stride, out_dim]: its expand adds into the
+  // out_dim columns after the first B's. One shrink serves both, so A is read once: a 3D
+  // adapter's fused gate/up A, converted to 2D, is both gate's and up's (FORMATS.md §1.5).
+  const void* b2_t = nullptr;
+  int64_t out_col = 0;  // this segment's first column of out (added to every out row)
 };
 
 struct SgmvParams {

@@ -33,32 +33,44 @@ using Mid = float[kSgmvMaxRank];
 struct Prefetch {
   const char* a = nullptr;
   const char* b = nullptr;
+  const char* b2 = nullptr;         // the second B, when the segment has one
   uint64_t a_step = 0, b_step = 0;  // bytes per shrink iteration, 16.16 fixed point
 
   Prefetch() = default;
-  Prefetch(const void* next_a, int64_t a_bytes, const void* next_b, int64_t b_bytes,
-           int64_t iterations)
+  // B and the second B (b2 may be null) are b_bytes each.
+  Prefetch(const void* next_a, int64_t a_bytes, const void* next_b, const void* next_b2,
+           int64_t b_bytes, int64_t iterations)
       : a(static_cast<const char*>(next_a)),
         b(static_cast<const char*>(next_b)),
+        b2(static_cast<const char*>(next_b2)),
         a_step((static_cast<uint64_t>(a_bytes) << 16) / static_cast<uint64_t>(iterations)),
         b_step((static_cast<uint64_t>(b_bytes) << 16) / static_cast<uint64_t>(iterations)) {}
   void At(int64_t k) const {
     if (a == nullptr) return;
+    const uint64_t bo = (static_cast<uint64_t>(k) * b_step) >> 16;
     _mm_prefetch(a + ((static_cast<uint64_t>(k) * a_step) >> 16), _MM_HINT_T0);
-    _mm_prefetch(b + ((static_cast<uint64_t>(k) * b_step) >> 16), _MM_HINT_T0);
+    _mm_prefetch(b + bo, _MM_HINT_T0);
+    if (b2 != nullptr) _mm_prefetch(b2 + bo, _MM_HINT_T0);
   }
 };
 
 // The f32 rows a block reads and writes: p.x / p.out in place, or bf16 rows widened into `buf`
-// (4 x rows of in_dim, then 4 out rows of out_dim), written back by Finish.
+// (4 x rows of in_dim, then 4 out rows of the segment's columns), written back by Finish.
 struct Rows {
   const float* x[4];
-  float* o[4];
+  float* o[4];  // at the segment's first column
   uint16_t* o_bf16[4];
 };
 
-void Gather(const SgmvParams& p, int64_t i, int nb, std::vector<float>& buf, Rows* r) {
-  const size_t need = static_cast<size_t>(4 * (p.in_dim + p.out_dim));
+// The columns of out a segment writes.
+int64_t OutCols(const SgmvParams& p, const SgmvSegment& s) {
+  return s.b2_t != nullptr ? 2 * p.out_dim : p.out_dim;
+}
+
+void Gather(const SgmvParams& p, const SgmvSegment& s, int64_t i, int nb, std::vector<float>& buf,
+            Rows* r) {
+  const int64_t cols = OutCols(p, s);
+  const size_t need = static_cast<size_t>(4 * (p.in_dim + 2 * p.out_dim));
   if ((p.x_bf16 || p.out_bf16) && buf.size() < need) buf.resize(need);
   for (int t = 0; t < nb; ++t) {
     const int64_t row = p.rows ? p.rows[i + t] : i + t;
@@ -70,19 +82,19 @@ void Gather(const SgmvParams& p, int64_t i, int nb, std::vector<float>& buf, Row
       r->x[t] = p.x + row * p.x_stride;
     }
     if (p.out_bf16) {
-      float* of = buf.data() + 4 * p.in_dim + t * p.out_dim;
-      r->o_bf16[t] = p.out_bf16 + row * p.out_stride;
-      WidenBf16(r->o_bf16[t], of, p.out_dim);
+      float* of = buf.data() + 4 * p.in_dim + t * cols;
+      r->o_bf16[t] = p.out_bf16 + row * p.out_stride + s.out_col;
+      WidenBf16(r->o_bf16[t], of, cols);
       r->o[t] = of;
     } else {
-      r->o[t] = p.out + row * p.out_stride;
+      r->o[t] = p.out + row * p.out_stride + s.out_col;
     }
   }
 }
 
-void Finish(const SgmvParams& p, int nb, const Rows& r) {
+void Finish(const SgmvParams& p, const SgmvSegment& s, int nb, const Rows& r) {
   if (!p.out_bf16) return;
-  for (int t = 0; t < nb; ++t) RoundToBf16(r.o[t], r.o_bf16[t], p.out_dim);
+  for (int t = 0; t < nb; ++t) RoundToBf16(r.o[t], r.o_bf16[t], OutCols(p, s));
 }
 
 #define MOELORA_SEGMENT_TARGET MOELORA_AVX2
@@ -139,13 +151,12 @@ struct Vec {
 template <typename W>
 void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
   const W* a_t = static_cast<const W*>(s.a_t);
-  const W* b_t = static_cast<const W*>(s.b_t);
   const int64_t r = s.rank;
   float y[kSgmvMaxRank];
   std::vector<float> buf;
   for (int64_t i = s.begin; i < s.end; ++i) {
     Rows rows;
-    Gather(p, i, 1, buf, &rows);
+    Gather(p, s, i, 1, buf, &rows);
     const float* x = rows.x[0];
     for (int64_t j = 0; j < r; ++j) y[j] = 0.0f;
     for (int64_t k = 0; k < p.in_dim; ++k) {
@@ -153,13 +164,17 @@ void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
       const W* a = a_t + k * p.r_stride;
       for (int64_t j = 0; j < r; ++j) y[j] += ToF32(a[j]) * xk;
     }
-    float* o = rows.o[0];
-    for (int64_t j = 0; j < r; ++j) {
-      const float yj = y[j];
-      const W* b = b_t + j * p.out_dim;
-      for (int64_t c = 0; c < p.out_dim; ++c) o[c] += ToF32(b[c]) * yj;
+    for (int h = 0; h < 2; ++h) {  // B, then the second B into the next out_dim columns
+      const W* b_t = static_cast<const W*>(h == 0 ? s.b_t : s.b2_t);
+      if (b_t == nullptr) break;
+      float* o = rows.o[0] + h * p.out_dim;
+      for (int64_t j = 0; j < r; ++j) {
+        const float yj = y[j];
+        const W* b = b_t + j * p.out_dim;
+        for (int64_t c = 0; c < p.out_dim; ++c) o[c] += ToF32(b[c]) * yj;
+      }
     }
-    Finish(p, 1, rows);
+    Finish(p, s, 1, rows);
   }
 }
 

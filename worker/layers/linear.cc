@@ -119,19 +119,24 @@ void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_
     RunSgmv(p, segs);
     return;
   }
+  // The columns the segments write, past out_col (a segment's own offset, a second B).
+  int64_t span = 0;
+  for (const SgmvSegment& s : segs) {
+    span = std::max(span, s.out_col + (s.b2_t != nullptr ? 2 : 1) * out_dim);
+  }
   at::Tensor x32 = x.to(at::kFloat).contiguous();
-  at::Tensor d32 = at::zeros({out.size(0), out_dim}, x32.options());
+  at::Tensor d32 = at::zeros({out.size(0), span}, x32.options());
   SgmvParams p{x32.data_ptr<float>(),
                x32.size(1),
                d32.data_ptr<float>(),
-               out_dim,
+               span,
                rows,
                x32.size(1),
                out_dim,
                r_stride,
                w};
   RunSgmv(p, segs);
-  out.narrow(1, out_col, out_dim).add_(d32.to(out.scalar_type()));
+  out.narrow(1, out_col, span).add_(d32.to(out.scalar_type()));
 }
 
 // ---- LoraModule defaults ----

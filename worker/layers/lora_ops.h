@@ -30,9 +30,10 @@ at::ScalarType CpuSlotDType(at::ScalarType model_dtype);
 // The SGMV weight type of a slot tensor (f32 or bf16) and the address of its element `offset`.
 SgmvWeight SgmvWeightOf(const at::Tensor& slots);
 const void* SlotElement(const at::Tensor& slots, int64_t offset);
-// Accumulates LoRA into `out` columns [out_col, out_col + out_dim) (rows given by `rows` or all)
-// through the SGMV kernel on slots of type `w` (f32 or bf16). When x or out is not f32 the LoRA
-// sum is formed in f32 and added once.
+// Accumulates LoRA into `out` columns [out_col, out_col + out_dim) (rows given by `rows` or all;
+// a segment's own out_col and second B move and widen that) through the SGMV kernel on slots of
+// type `w` (f32 or bf16). bf16 x and out are read and rounded in place; other dtypes form the
+// LoRA sum in f32 and add it once.
 void AddLora(const at::Tensor& x, at::Tensor& out, int64_t out_col, int64_t out_dim,
              const int64_t* rows, int64_t r_stride, SgmvWeight w,
              const std::vector<SgmvSegment>& segs);

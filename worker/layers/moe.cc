@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <type_traits>
 
@@ -170,6 +171,26 @@ MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t 
     erank_[k].assign(S * E, 0);
     if (kernels && ea_[k].defined()) erank_t_[k] = at::zeros({S * E}, shape.rank_options);
   }
+  if (wrapper_ == AdapterFormat::k2D && !fs_ && !kernels) shared_a_.assign(S * E, 0);
+}
+
+void MoeExperts::NoteSharedA(int slot) {
+  if (shared_a_.empty()) return;
+  const int64_t E = E_, n = H_ * shape_.max_rank;
+  const int64_t bytes = n * static_cast<int64_t>(ea_[kW1].element_size());
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t se = slot * E + e;
+    const int32_t r = erank_[kW1][se];
+    shared_a_[se] = r > 0 && r == erank_[kW3][se] &&
+                    std::memcmp(SlotElement(ea_[kW1], se * n), SlotElement(ea_[kW3], se * n),
+                                static_cast<size_t>(bytes)) == 0;
+  }
+}
+
+int64_t MoeExperts::SharedGateUpA(int slot) const {
+  if (shared_a_.empty()) return 0;
+  const auto first = shared_a_.begin() + slot * E_;
+  return std::count(first, first + E_, 1);
 }
 
 absl::Status MoeExperts::CheckExperts(const LoraAdapter& a, const MoeLayerLora& ml) const {
@@ -252,7 +273,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
         erank_[kW2][slot * E + e] = r;
       }
     }
-    return;
+    return;  // the 3D wrapper: gate and up are one projection already
   }
   for (int64_t e = 0; e < E && e0 + e < static_cast<int64_t>(ml.experts.size()); ++e) {
     for (int k : {kW1, kW3, kW2}) {
@@ -277,6 +298,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       erank_[k][slot * E + e] = r;
     }
   }
+  NoteSharedA(slot);
 }
 
 int64_t MoeExperts::ExpertBytes(const MoeLayerLora& ml, int64_t elem) const {
@@ -333,6 +355,7 @@ void MoeExperts::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
     (fs_ && k != kW2 ? da : da.narrow(2, 0, r)).copy_(a);
     w.dst(eb_[k]).narrow(1, 0, r).copy_(b);
   }
+  NoteSharedA(w.slot);
 }
 
 void MoeExperts::Reset(int slot) {
@@ -343,6 +366,7 @@ void MoeExperts::Reset(int slot) {
     std::fill_n(erank_[k].begin() + slot * E_, E_, 0);
     if (erank_t_[k].defined()) erank_t_[k].narrow(0, slot * E_, E_).zero_();
   }
+  if (!shared_a_.empty()) std::fill_n(shared_a_.begin() + slot * E_, E_, 0);
 }
 
 void MoeExperts::SyncRanks(int slot) {
@@ -396,23 +420,47 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     run_expert.push_back(ip[order[i]]);
     i = j;
   }
-  auto lora_segments = [&](int k, int64_t in_dim, int64_t out_dim) {
-    std::vector<SgmvSegment> segs;
-    if (!ea_[k].defined() || !lb.any) return segs;
+  // fn(begin, end, slot * E + expert) for each (expert, slot) run of the sorted assignments
+  // that carries a slot.
+  auto for_each_lora_run = [&](auto&& fn) {
     for (int64_t i = 0; i < N;) {
       const int64_t e = ip[order[i]];
       const int32_t slot = slots[token[i]];
       int64_t j = i;
       while (j < N && ip[order[j]] == e && slots[token[j]] == slot) ++j;
-      if (slot >= 0) {
-        const int32_t r = erank_[k][slot * E + e];
-        if (r > 0) {
-          segs.push_back({i, j, SlotElement(ea_[k], (slot * E + e) * in_dim * R),
-                          SlotElement(eb_[k], (slot * E + e) * R * out_dim), r});
-        }
-      }
+      if (slot >= 0) fn(i, j, slot * E + e);
       i = j;
     }
+  };
+  auto lora_segments = [&](int k, int64_t in_dim, int64_t out_dim) {
+    std::vector<SgmvSegment> segs;
+    if (!ea_[k].defined() || !lb.any) return segs;
+    for_each_lora_run([&](int64_t i, int64_t j, int64_t se) {
+      const int32_t r = erank_[k][se];
+      if (r > 0) {
+        segs.push_back(
+            {i, j, SlotElement(ea_[k], se * in_dim * R), SlotElement(eb_[k], se * R * out_dim), r});
+      }
+    });
+    return segs;
+  };
+  // 2D wrapper: gate into h13's columns [0, I_p), up into [I_p, 2 I_p), one call; where the two
+  // share A, one segment with up's B as the second B.
+  auto gate_up_segments = [&]() {
+    std::vector<SgmvSegment> segs;
+    if (!lb.any) return segs;
+    for_each_lora_run([&](int64_t i, int64_t j, int64_t se) {
+      const int32_t r1 = erank_[kW1][se], r3 = erank_[kW3][se];
+      const void* a1 = SlotElement(ea_[kW1], se * H * R);
+      const void* b1 = SlotElement(eb_[kW1], se * R * Ip);
+      const void* b3 = SlotElement(eb_[kW3], se * R * Ip);
+      if (!shared_a_.empty() && shared_a_[se]) {
+        segs.push_back({i, j, a1, b1, r1, b3, 0});
+        return;
+      }
+      if (r1 > 0) segs.push_back({i, j, a1, b1, r1});
+      if (r3 > 0) segs.push_back({i, j, SlotElement(ea_[kW3], se * H * R), b3, r3, nullptr, Ip});
+    });
     return segs;
   };
   at::Tensor h13 = at::empty({N, 2 * Ip}, h.options());
@@ -439,8 +487,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
       MOELORA_RETURN_IF_ERROR(AddFullyShardedLora(kW1, xs, h13, 0, false, fs_segs));
     }
   } else if (wrapper_ == AdapterFormat::k2D) {
-    AddLora(xs, h13, 0, Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), lora_segments(kW1, H, Ip));
-    AddLora(xs, h13, Ip, Ip, nullptr, R, SgmvWeightOf(ea_[kW3]), lora_segments(kW3, H, Ip));
+    AddLora(xs, h13, 0, Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), gate_up_segments());
   } else {
     AddLora(xs, h13, 0, 2 * Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), lora_segments(kW1, H, 2 * Ip));
   }

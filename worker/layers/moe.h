@@ -75,8 +75,12 @@ class MoeExperts final : public LoraModule {
   void RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) override;
   void Reset(int slot) override;
   void SyncRanks(int slot) override;
+  // The experts of `slot` whose gate and up LoRA run as one shrink (tests).
+  int64_t SharedGateUpA(int slot) const;
 
  private:
+  // Marks the experts of `slot` whose gate and up A are the same (after every write of the slot).
+  void NoteSharedA(int slot);
   [[nodiscard]] absl::StatusOr<at::Tensor> CpuForward(const at::Tensor& h, const at::Tensor& ids,
                                                       const at::Tensor& weights,
                                                       const LoraBatch& lb) const;
@@ -110,6 +114,12 @@ class MoeExperts final : public LoraModule {
   mutable at::Tensor ea_[3], eb_[3];
   std::vector<int32_t> erank_[3];
   at::Tensor erank_t_[3];  // kernel paths
+  // 2D wrapper on the CPU path, not fully sharded: per (slot, expert), 1 where gate's and up's A
+  // are equal and of one rank: then one SGMV shrink feeds both expands (SgmvSegment::b2_t). A
+  // 3D adapter converted to 2D shares its fused gate_up A between gate and up (FORMATS.md
+  // §1.5), so this saves a fifth of its expert LoRA reads. Found by comparing the slot's bytes
+  // after every write (WriteExperts, RestoreSlot, Reset), so it follows the slot whatever wrote it.
+  std::vector<uint8_t> shared_a_;
 };
 
 enum class RouterKind {

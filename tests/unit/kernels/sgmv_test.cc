@@ -173,6 +173,95 @@ TEST_P(SgmvTest, Bf16ActivationsRoundTheF32PathOnce) {
   }
 }
 
+// A segment with a second B (b2_t) and an out_col: exactly what two segments give, one with
+// B at out_col and one with the second B at out_col + out_dim, on every instruction set, with f32
+// and bf16 weights, f32 rows and bf16 rows in place; the columns outside stay untouched. Mixed
+// with plain segments at other offsets over the same rows, split across two calls as two threads
+// make them.
+TEST_P(SgmvTest, ASecondBSharesTheShrinkBitForBit) {
+  const auto [in_dim, out_dim, R, row_list] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(in_dim * 17 + out_dim * 3 + R));
+  std::normal_distribution<float> d;
+  const int64_t T = 24, ldx = in_dim + 1, ldo = 3 * out_dim + 5;  // out_col 2, then 2 out_dim
+  std::vector<float> x(T * ldx), a(2 * in_dim * R), b(3 * R * out_dim), out0(T * ldo);
+  for (auto& v : x) v = d(rng);
+  for (auto& v : a) v = d(rng);
+  for (auto& v : b) v = d(rng);
+  for (auto& v : out0) v = d(rng);
+  std::vector<uint16_t> ab(a.size()), bb(b.size()), xb(x.size()), ob(out0.size());
+  for (size_t i = 0; i < a.size(); ++i) ab[i] = ToBf16(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) bb[i] = ToBf16(b[i]);
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = ToBf16(x[i]);
+  for (size_t i = 0; i < out0.size(); ++i) ob[i] = ToBf16(out0[i]);
+  std::vector<int64_t> rows(T);
+  for (int64_t i = 0; i < T; ++i) rows[i] = (i * 5 + 1) % T;
+  const int32_t r = std::min<int32_t>(11, static_cast<int32_t>(R));
+  for (SgmvWeight t : {SgmvWeight::kF32, SgmvWeight::kBF16}) {
+    const bool f32 = t == SgmvWeight::kF32;
+    auto A = [&](int64_t i) -> const void* {
+      return f32 ? static_cast<const void*>(a.data() + i * in_dim * R) : ab.data() + i * in_dim * R;
+    };
+    auto B = [&](int64_t i) -> const void* {
+      return f32 ? static_cast<const void*>(b.data() + i * R * out_dim)
+                 : bb.data() + i * R * out_dim;
+    };
+    // Entries 0-8: A0 into B0 | B1 from column 2; entries 13-20: A1 into B2 | B0 from column 2;
+    // the rest untouched.
+    const std::vector<SgmvSegment> fused = {{0, 9, A(0), B(0), r, B(1), 2},
+                                            {13, 21, A(1), B(2), r, B(0), 2}};
+    const std::vector<SgmvSegment> split = {{0, 9, A(0), B(0), r, nullptr, 2},
+                                            {0, 9, A(0), B(1), r, nullptr, 2 + out_dim},
+                                            {13, 21, A(1), B(2), r, nullptr, 2},
+                                            {13, 21, A(1), B(0), r, nullptr, 2 + out_dim}};
+    for (SgmvIsa isa : {SgmvIsa::kPortable, SgmvIsa::kAvx2, SgmvIsa::kAvx512}) {
+      if (isa > SgmvBestIsa()) continue;
+      for (bool bf16_rows : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "isa " << static_cast<int>(isa) << (f32 ? " f32" : " bf16")
+                     << (bf16_rows ? " weights, bf16 rows" : " weights"));
+        SgmvParams p{x.data(), ldx,     out0.data(), ldo, row_list ? rows.data() : nullptr,
+                     in_dim,   out_dim, R,           t};
+        if (bf16_rows) {
+          p.x = nullptr;
+          p.out = nullptr;
+          p.x_bf16 = xb.data();
+        }
+        auto run = [&](const std::vector<SgmvSegment>& segs) {
+          std::vector<float> out = out0;
+          std::vector<uint16_t> outb = ob;
+          SgmvParams q = p;
+          if (bf16_rows) {
+            q.out_bf16 = outb.data();
+          } else {
+            q.out = out.data();
+          }
+          const int64_t n = static_cast<int64_t>(segs.size());
+          SgmvCpuWith(isa, q, segs.data(), 0, n / 2);
+          SgmvCpuWith(isa, q, segs.data(), n / 2, n);
+          std::vector<float> got(out.size());
+          for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_rows ? FromBf16(outb[i]) : out[i];
+          return got;
+        };
+        const std::vector<float> want = run(split), got = run(fused);
+        int64_t changed = 0;
+        for (int64_t i = 0; i < T * ldo; ++i) {
+          ASSERT_EQ(got[i], want[i]) << "element " << i;
+          const float before = bf16_rows ? FromBf16(ob[i]) : out0[i];
+          const int64_t row = row_list ? -1 : i / ldo, col = i % ldo;
+          if (got[i] != before) {
+            ++changed;
+            ASSERT_TRUE(col >= 2 && col < 2 + 2 * out_dim) << "column " << col << " written";
+            if (row >= 0) {
+              ASSERT_TRUE(row < 9 || (row >= 13 && row < 21)) << "row " << row;
+            }
+          }
+        }
+        EXPECT_GT(changed, 17 * out_dim) << "the segments added next to nothing";
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, SgmvTest,
                          ::testing::Values(Case{5, 3, 16, false}, Case{64, 40, 16, true},
                                            Case{100, 129, 24, false}, Case{33, 16, 8, true},

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "worker/layers/attention.h"
@@ -161,6 +163,115 @@ TEST(ElementwiseTest, MoeExpertsMatchAPerTokenAtenForm) {
     EXPECT_TRUE(at::allclose(got->to(at::kDouble), want, tol, tol))
         << (dt == at::kFloat ? "f32" : "bf16") << " max diff "
         << (got->to(at::kDouble) - want).abs().max().item<double>();
+  }
+}
+
+HostTensor HostFromAten(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  HostTensor h;
+  h.dtype = DType::kF32;
+  h.shape = c.sizes().vec();
+  h.storage = std::make_shared<HostBuffer>(c.nbytes());
+  std::memcpy(h.storage->bytes.get(), c.data_ptr(), c.nbytes());
+  return h;
+}
+
+// Expert LoRA on the CPU path in the 2D wrapper, where gate and up share lora_A in three experts
+// of four (as a 3D adapter converted to 2D does): those run one shrink for both (SharedGateUpA
+// counts them), the fourth two; the block matches the per-token ATen form with LoRA, rows of no
+// slot get none. The sharing follows the slot through the host cache's save, reset and restore
+// (into another slot), which gives the same bits.
+TEST(ElementwiseTest, ExpertLoraWithSharedGateUpAMatchesAPerTokenAtenForm) {
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(dt == at::kFloat ? "f32" : "bf16");
+    at::manual_seed(23);
+    const int64_t E = 4, H = 64, I = 32, T = 11, K = 2, r = 4;
+    const double scaling = 0.5;
+    at::Tensor w13 = (at::randn({E, 2 * I, H}) * 0.1).to(dt);
+    at::Tensor w2 = (at::randn({E, H, I}) * 0.1).to(dt);
+    SlotShape shape;
+    shape.num_slots = 2;
+    shape.max_rank = 8;
+    shape.slot_options = at::TensorOptions().dtype(dt);
+    shape.rank_options = at::TensorOptions().dtype(at::kInt);
+    MoeExperts experts("model.layers.0.mlp.experts", w13, w2, I, AdapterFormat::k2D, "test", shape);
+    MoeLayerLora ml;
+    ml.prefix = "model.layers.0.mlp.experts";
+    ml.format = AdapterFormat::k2D;
+    ml.num_experts = static_cast<int>(E);
+    ml.experts.resize(E);
+    // [e][proj]: A [r, in], B [out, r] (f32, rounded to the slot dtype as the slot does).
+    std::vector<std::array<at::Tensor, 3>> A(E), B(E);
+    for (int64_t e = 0; e < E; ++e) {
+      A[e][0] = at::randn({r, H}) * 0.3;
+      A[e][1] = e == 3 ? at::randn({r, H}) * 0.3 : A[e][0];
+      A[e][2] = at::randn({r, I}) * 0.3;
+      B[e][0] = at::randn({I, r}) * 0.3;
+      B[e][1] = at::randn({I, r}) * 0.3;
+      B[e][2] = at::randn({H, r}) * 0.3;
+      for (int k = 0; k < 3; ++k) {
+        LoraPair p;
+        p.a = HostFromAten(A[e][k]);
+        p.b = HostFromAten(B[e][k]);
+        p.rank = static_cast<int>(r);
+        p.scaling = scaling;
+        ml.experts[e][k] = p;
+        A[e][k] = A[e][k].to(dt).to(at::kDouble);
+        B[e][k] = (B[e][k] * scaling).to(dt).to(at::kDouble);
+      }
+    }
+    auto write_to = [](int slot) {
+      SlotWrite w;
+      w.slot = slot;
+      w.dst = [slot](at::Tensor& full) { return full[slot]; };
+      return w;
+    };
+    experts.WriteExperts(ml, write_to(0));
+    EXPECT_EQ(experts.SharedGateUpA(0), 3);
+    EXPECT_EQ(experts.SharedGateUpA(1), 0);
+    at::Tensor h = at::randn({T, H}).to(dt);
+    at::Tensor ids = at::randint(0, E, {T, K}, at::kLong);
+    ids.select(1, 1).copy_((ids.select(1, 0) + 1 + at::randint(0, E - 1, {T}, at::kLong)) % E);
+    ids[0][0] = 3;  // the expert that does not share, with a slot
+    at::Tensor wts = at::rand({T, K}).to(dt);
+    std::vector<int32_t> slots(T);
+    for (int64_t t = 0; t < T; ++t) slots[t] = t % 3 == 2 ? -1 : 0;
+    LoraBatch lb = LoraBatch::Make(ModelOptions{}, slots, at::kCPU);
+    ASSERT_TRUE(lb.any);
+    auto got = experts.Forward(h, ids, wts, lb);
+    ASSERT_TRUE(got.ok()) << got.status();
+    at::Tensor want = at::zeros({T, H}, at::kDouble);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = ids[t][k].item<int64_t>();
+        at::Tensor x = h[t].to(at::kDouble);
+        at::Tensor g = at::matmul(w13[e].narrow(0, 0, I).to(at::kDouble), x);
+        at::Tensor u = at::matmul(w13[e].narrow(0, I, I).to(at::kDouble), x);
+        if (slots[t] >= 0) {
+          g = g + at::matmul(B[e][0], at::matmul(A[e][0], x));
+          u = u + at::matmul(B[e][1], at::matmul(A[e][1], x));
+        }
+        at::Tensor a = at::silu(g) * u;
+        at::Tensor y = at::matmul(w2[e].to(at::kDouble), a);
+        if (slots[t] >= 0) y = y + at::matmul(B[e][2], at::matmul(A[e][2], a));
+        want[t] += wts[t][k].to(at::kDouble) * y;
+      }
+    }
+    const double tol = dt == at::kFloat ? 1e-5 : 3e-2;
+    EXPECT_TRUE(at::allclose(got->to(at::kDouble), want, tol, tol))
+        << "max diff " << (got->to(at::kDouble) - want).abs().max().item<double>();
+    // Through the host cache into slot 1.
+    ModuleSlotImage image;
+    ASSERT_TRUE(experts.SaveSlot(0, &image));
+    experts.Reset(0);
+    EXPECT_EQ(experts.SharedGateUpA(0), 0);
+    experts.RestoreSlot(image, write_to(1));
+    EXPECT_EQ(experts.SharedGateUpA(1), 3);
+    for (auto& s : slots) s = s == 0 ? 1 : s;
+    lb = LoraBatch::Make(ModelOptions{}, slots, at::kCPU);
+    auto again = experts.Forward(h, ids, wts, lb);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(at::equal(*again, *got));
   }
 }
 
