@@ -2,7 +2,7 @@
 // medium Qwen3-MoE, prompts, batch and threads, in one run.
 //
 //   peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
-//        [--new-tokens 32] [--threads 2] [--quick]
+//        [--new-tokens 32] [--threads 2] [--decode-steps 4] [--quick]
 //
 // PY (default .cache/peer-venv/bin/python, made by tools/peer_venv.sh) runs tools/peer_bench.py:
 // `make` writes the model, a 2D and a 3D rank-16 adapter and 32 prompts of 16 tokens into DIR
@@ -21,7 +21,8 @@
 // f32 greedy output differs from transformers' (bf16 outputs are counted, not required: the two
 // round differently).
 // --quick (CI): batches 1,8, 8 new tokens, float32 only. --reuse-peer: the peer's figures from the
-// last run in DIR (same flags), to iterate on moelora alone.
+// last run in DIR (same flags), to iterate on moelora alone. --decode-steps: the controller's
+// flag (its default, 4, unless given).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -58,7 +59,7 @@ double Sec(Clock::duration d) { return std::chrono::duration<double>(d).count();
 
 constexpr const char* kUsage =
     "usage: peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]\n"
-    "            [--new-tokens 32] [--threads 2] [--quick] [--reuse-peer]\n";
+    "            [--new-tokens 32] [--threads 2] [--decode-steps 4] [--quick] [--reuse-peer]\n";
 
 // Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
 // that streams its weights once can reach at most. `huge_pages`: the buffer is 2 MB-aligned and
@@ -229,6 +230,7 @@ int main(int argc, char** argv) {
   std::string python = src + "/.cache/peer-venv/bin/python", dir = src + "/.cache/peer-model";
   std::string batches_s = "1,8,32", dtypes_s = "float32,bfloat16";
   int new_tokens = 32, threads = 2;
+  int decode_steps = 4;  // the controller's default
   bool reuse_peer = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -254,6 +256,8 @@ int main(int argc, char** argv) {
       new_tokens = std::atoi(value().c_str());
     } else if (f == "--threads") {
       threads = std::atoi(value().c_str());
+    } else if (f == "--decode-steps") {
+      decode_steps = std::atoi(value().c_str());
     } else if (f == "--reuse-peer") {
       reuse_peer = true;
     } else if (f == "--quick") {
@@ -324,8 +328,8 @@ int main(int argc, char** argv) {
     testing::TempDir state;
     testing::ControllerProcess c(
         state.path(), dir,
-        {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64", "--dtype", dt, "--worker-args",
-         absl::StrCat("--cpu-threads ", threads)},
+        {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64", "--dtype", dt, "--decode-steps",
+         std::to_string(decode_steps), "--worker-args", absl::StrCat("--cpu-threads ", threads)},
         dir + "/model");
     if (!c.WaitHealth(grpc::health::v1::HealthCheckResponse::SERVING, std::chrono::seconds(300))) {
       std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
@@ -336,10 +340,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf(
-        "\n%s, %d new tokens, %d threads each, torch %s on the peer side\n"
+        "\n%s, %d new tokens, %d threads each, --decode-steps %d, torch %s on the peer side\n"
         "| case | batch | moelora tok/s | transformers+PEFT tok/s | ratio | greedy identical |\n"
         "|---|---|---|---|---|---|\n",
-        dt.c_str(), new_tokens, threads, peer["torch"].get<std::string>().c_str());
+        dt.c_str(), new_tokens, threads, decode_steps, peer["torch"].get<std::string>().c_str());
     std::map<int, Side> base;
     std::vector<std::string> extra;
     for (int b : batches) {

@@ -36,6 +36,8 @@ struct ControllerOptions {
   // and its cap after the first arrival.
   int batch_window_ms = 0;
   int batch_window_max_ms = 0;
+  // Decode steps per worker call while no request waits to join (Scheduler).
+  int decode_steps = 1;
   ModelInfo model;  // from --model's config.json: dims for adapter validation
   // The model's tokenizer (null: none; text prompts and stop strings are then refused).
   std::shared_ptr<const tok::Tokenizer> tokenizer;

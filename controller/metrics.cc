@@ -48,6 +48,11 @@ ControllerMetrics::ControllerMetrics()
               .Help("Distinct adapters in one step (base not counted)")
               .Register(*registry_)
               .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 4, 8, 16, 32})),
+      steps_per_call(prometheus::BuildHistogram()
+                         .Name("moelora_steps_per_call")
+                         .Help("Steps the workers ran in one call (--decode-steps)")
+                         .Register(*registry_)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16})),
       queue_depth(prometheus::BuildGauge()
                       .Name("moelora_queue_depth")
                       .Help("Requests waiting for a batch slot")

@@ -29,6 +29,7 @@ class ControllerMetrics {
   prometheus::Histogram& inter_token;
   prometheus::Histogram& batch_size;
   prometheus::Histogram& batch_distinct_adapters;
+  prometheus::Histogram& steps_per_call;
   prometheus::Gauge& queue_depth;
   prometheus::Gauge& running;
   prometheus::Family<prometheus::Gauge>& worker_up;  // {rank}

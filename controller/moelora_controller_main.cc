@@ -64,6 +64,11 @@ ABSL_FLAG(int, batch_window_ms, 2,
 ABSL_FLAG(int, batch_window_max_ms, 10,
           "The longest (ms, --batch-window-ms..1000) the first queued request of an idle engine "
           "waits while others keep arriving");
+ABSL_FLAG(int, decode_steps, 4,
+          "Decode steps the workers run per call while no request waits to join (1-16): fewer "
+          "round trips (about 0.6 ms each on a 2-core machine), at the price of tokens streamed "
+          "in bursts of this many and of a request arriving meanwhile waiting up to this many "
+          "steps to join");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
 ABSL_FLAG(std::string, device, "cpu",
           "Worker device: cpu | cuda (rank r uses GPU r % visible GPUs; TP over NCCL) | cpu-twins "
@@ -128,6 +133,9 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_batch_window_max_ms) < absl::GetFlag(FLAGS_batch_window_ms) ||
       absl::GetFlag(FLAGS_batch_window_max_ms) > 1000) {
     return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
+  }
+  if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
+    return fail("--decode-steps must be in 1..16");
   }
   if (absl::GetFlag(FLAGS_max_loras) < 1 ||
       absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
@@ -196,6 +204,7 @@ int main(int argc, char** argv) {
   co.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
+  co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   co.model = *info;
   // The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present
   // and cannot be loaded is an error, not a silent fallback.

@@ -28,10 +28,11 @@ absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* wher
 Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
                      WorkerGroupInterface* group, ControllerMetrics* metrics,
                      std::function<bool()> serving, std::chrono::milliseconds batch_window,
-                     std::chrono::milliseconds batch_window_max)
+                     std::chrono::milliseconds batch_window_max, int decode_steps)
     : max_num_seqs_(max_num_seqs),
       batch_window_(batch_window),
       batch_window_max_(std::max(batch_window, batch_window_max)),
+      decode_steps_(std::max(decode_steps, 1)),
       max_loras_(max_loras),
       adapters_(adapters),
       group_(group),
@@ -251,12 +252,19 @@ void Scheduler::Loop() {
       }
     }
     int nseq;
+    bool queued;
     {
       MutexLock lock(&mu_);
       nseq = static_cast<int>(running_.size());
+      queued = !pending_.empty();
     }
     if (nseq == 0 && step.remove().empty()) continue;
     step.set_step(++step_no_);
+    // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
+    // returns its first token at once, and a queued request is not held back by up to
+    // decode_steps_ steps. Stop strings and cancellations are seen between calls; the tokens a
+    // sequence produced past them are dropped (GenRequest keeps the text up to the stop).
+    if (decode_steps_ > 1 && admitted.empty() && !queued) step.set_decode_steps(decode_steps_);
     absl::StatusOr<v1::StepResponse> resp = group_->StepAll(step);
     if (!resp.ok()) {
       const absl::StatusCode c = resp.status().code();
@@ -286,8 +294,19 @@ void Scheduler::Loop() {
       for (auto& r : victims) Finish(r, s, "");
       continue;
     }
-    metrics_->batch_size.Observe(resp->tokens_size());
+    {
+      // Per step: a step's tokens run until a sequence comes again.
+      std::set<int64_t> seen;
+      for (const v1::SequenceToken& t : resp->tokens()) {
+        if (!seen.insert(t.sequence_id()).second) {
+          metrics_->batch_size.Observe(static_cast<double>(seen.size()));
+          seen = {t.sequence_id()};
+        }
+      }
+      metrics_->batch_size.Observe(static_cast<double>(seen.size()));
+    }
     metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
+    metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
     const auto now = Clock::now();
     std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
     {

@@ -35,10 +35,13 @@ class Scheduler {
   // `serving`: whether steps may run (the group is ready and its adapters reloaded).
   // `batch_window`: an idle engine starts its first step once no request has arrived for this
   // long (0: at once), and at the latest `batch_window_max` after the first of them arrived.
+  // `decode_steps`: steps per worker call (StepRequest.decode_steps) while no request is queued
+  // and none joins; 1 otherwise.
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
             ControllerMetrics* metrics, std::function<bool()> serving,
             std::chrono::milliseconds batch_window = std::chrono::milliseconds(0),
-            std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0));
+            std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0),
+            int decode_steps = 1);
   ~Scheduler();
 
   void Start();
@@ -62,6 +65,7 @@ class Scheduler {
   const int max_num_seqs_;
   const std::chrono::milliseconds batch_window_;
   const std::chrono::milliseconds batch_window_max_;  // at least batch_window_
+  const int decode_steps_;
   const int max_loras_;
   AdapterManager* const adapters_;
   WorkerGroupInterface* const group_;

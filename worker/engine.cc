@@ -401,6 +401,25 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
   return impl_->compute->Run([&] { return StepOnComputeThread(add, remove); });
 }
 
+absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSequence>& add,
+                                                      const std::vector<int64_t>& remove,
+                                                      int steps) {
+  return impl_->compute->Run([&]() -> absl::StatusOr<std::vector<StepOutput>> {
+    std::vector<StepOutput> outs;
+    for (int i = 0; i < std::max(steps, 1); ++i) {
+      if (i > 0) {
+        std::lock_guard<std::mutex> lock(impl_->step_mu);
+        if (impl_->running.empty()) break;
+      }
+      absl::StatusOr<StepOutput> out =
+          i == 0 ? StepOnComputeThread(add, remove) : StepOnComputeThread({}, {});
+      if (!out.ok()) return out.status();
+      outs.push_back(std::move(*out));
+    }
+    return outs;
+  });
+}
+
 absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequence>& add,
                                                        const std::vector<int64_t>& remove) {
   Impl& m = *impl_;

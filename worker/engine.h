@@ -138,6 +138,13 @@ class Engine {
   // thread calls (see ComputeThread in engine.cc).
   [[nodiscard]] absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,
                                                 const std::vector<int64_t>& remove);
+  // Step(add, remove), then further decode steps of the same batch, back to back on the compute
+  // thread, while a sequence runs, up to `steps` in all: one StepOutput per step run. A step
+  // that fails ends the call with its error (the earlier steps' tokens are lost: the caller
+  // fails the batch, as for one failed step).
+  [[nodiscard]] absl::StatusOr<std::vector<StepOutput>> Steps(const std::vector<NewSequence>& add,
+                                                              const std::vector<int64_t>& remove,
+                                                              int steps);
 
   EngineInfo Info() const;
 

@@ -117,7 +117,7 @@ grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* re
   }
   std::vector<int64_t> remove(req->remove().begin(), req->remove().end());
   if (step_delay_.count() > 0) std::this_thread::sleep_for(step_delay_);
-  auto out = e->Step(add, remove);
+  auto out = e->Steps(add, remove, req->decode_steps());
   if (!out.ok()) {
     if (out.status().code() == absl::StatusCode::kUnavailable && comm_ && comm_->world_size() > 1) {
       // A failed collective leaves this rank out of step with its peers for good: exit so the
@@ -127,23 +127,35 @@ grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* re
     }
     return ToGrpc(out.status());
   }
-  for (const TokenOut& t : out->tokens) {
-    v1::SequenceToken* p = resp->add_tokens();
-    p->set_sequence_id(t.sequence_id);
-    p->set_token_id(t.token);
-    p->set_logprob(t.logprob);
-    p->set_finished(t.finished);
-    p->set_finish_reason(t.finish_reason);
-    p->mutable_logits()->Add(t.logits.begin(), t.logits.end());
-    p->mutable_prompt_logits()->Add(t.prompt_logits.begin(), t.prompt_logits.end());
+  int batch_tokens = 0;
+  double seconds = 0;
+  for (size_t i = 0; i < out->size(); ++i) {
+    const StepOutput& o = (*out)[i];
+    for (const TokenOut& t : o.tokens) {
+      v1::SequenceToken* p = resp->add_tokens();
+      p->set_sequence_id(t.sequence_id);
+      p->set_token_id(t.token);
+      p->set_logprob(t.logprob);
+      p->set_finished(t.finished);
+      p->set_finish_reason(t.finish_reason);
+      p->mutable_logits()->Add(t.logits.begin(), t.logits.end());
+      p->mutable_prompt_logits()->Add(t.prompt_logits.begin(), t.prompt_logits.end());
+    }
+    batch_tokens += o.batch_tokens;
+    seconds += o.seconds;
+    if (!o.tokens.empty()) {
+      // The sequences still running after this step: the next step's tokens (or, after the
+      // last, the engine's count).
+      const int running =
+          i + 1 < out->size() ? static_cast<int>((*out)[i + 1].tokens.size()) : e->Info().running;
+      metrics_->StepDone(o.batch_tokens, o.distinct_adapters, o.seconds,
+                         static_cast<int>(o.tokens.size()), running);
+    }
   }
-  resp->set_batch_tokens(out->batch_tokens);
-  resp->set_distinct_adapters(out->distinct_adapters);
-  resp->set_seconds(out->seconds);
-  if (!out->tokens.empty()) {
-    metrics_->StepDone(out->batch_tokens, out->distinct_adapters, out->seconds,
-                       static_cast<int>(out->tokens.size()), e->Info().running);
-  }
+  resp->set_batch_tokens(batch_tokens);
+  resp->set_distinct_adapters(out->empty() ? 0 : out->front().distinct_adapters);
+  resp->set_seconds(seconds);
+  resp->set_steps(static_cast<int>(out->size()));
   return grpc::Status::OK;
 }
 

@@ -6,7 +6,10 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <random>
+#include <sstream>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_join.h"
@@ -186,6 +189,98 @@ TEST_F(ControllerTest, EndToEndMixedAdaptersAtTp2) {
   EXPECT_EQ(c.List().size(), 1u);
   // SIGTERM: exits 0 and takes its workers along.
   EXPECT_EQ(c.process().Stop(), 0) << c.Log();
+}
+
+// The value of the Prometheus sample `name` (the whole name with its labels), -1 when absent.
+double Sample(const std::string& metrics, const std::string& name) {
+  std::istringstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+  }
+  return -1;
+}
+
+// --decode-steps: several steps per worker call change no token. Three requests of different
+// adapters and lengths run together (one finishes inside a call while the others go on) and a
+// fourth joins while they decode; each gets the tokens that one step per call gives, and the
+// steps-per-call histogram shows the calls that ran several.
+TEST_F(ControllerTest, DecodeStepsChangeNoTokenAndJoinersStillJoin) {
+  struct Req {
+    std::string adapter;
+    std::vector<int32_t> prompt;
+    int max_tokens;
+  };
+  const std::vector<Req> reqs = {
+      {"a2d", kPrompts[0], 13}, {"a3d", kPrompts[1], 5}, {"", kPrompts[2], 9}};
+  const Req joiner = {"a3d", kPrompts[0], 7};
+  std::map<std::string, std::vector<std::vector<int32_t>>> got;
+  for (const std::string steps : {"1", "8"}) {
+    SCOPED_TRACE("--decode-steps " + steps);
+    TempDir state;
+    ControllerProcess c(state.path(), adapters_.root,
+                        {"--enable-mixed-moe-lora-format", "--decode-steps", steps});
+    ASSERT_TRUE(c.started()) << c.Log();
+    ASSERT_TRUE(c.WaitServing()) << c.Log();
+    ASSERT_TRUE(c.Load("a2d", "adapter_2d").ok());
+    ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
+    auto request = [](const Req& r) {
+      v1::GenerateRequest q;
+      q.set_adapter(r.adapter);
+      q.mutable_prompt_token_ids()->Add(r.prompt.begin(), r.prompt.end());
+      q.set_max_tokens(r.max_tokens);
+      return q;
+    };
+    std::vector<std::future<std::vector<int32_t>>> fs;
+    for (size_t i = 1; i < reqs.size(); ++i) {
+      fs.push_back(std::async(std::launch::async, [&, i] {
+        v1::GenerateResponse r;
+        const grpc::Status s = c.Generate(request(reqs[i]), &r);
+        EXPECT_TRUE(s.ok()) << s.error_message();
+        EXPECT_EQ(r.usage().completion_tokens(), reqs[i].max_tokens);
+        return Tokens(r);
+      }));
+    }
+    // The first streams; the joiner starts once its first tokens are out.
+    std::future<std::vector<int32_t>> late;
+    std::vector<int32_t> first;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      auto reader = c.stub().GenerateStream(&ctx, request(reqs[0]));
+      v1::GenerateResponse chunk;
+      while (reader->Read(&chunk)) {
+        first.insert(first.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+        if (!late.valid() && !first.empty()) {
+          late = std::async(std::launch::async, [&] {
+            v1::GenerateResponse r;
+            const grpc::Status s = c.Generate(request(joiner), &r);
+            EXPECT_TRUE(s.ok()) << s.error_message();
+            return Tokens(r);
+          });
+        }
+      }
+      ASSERT_TRUE(reader->Finish().ok());
+    }
+    std::vector<std::vector<int32_t>>& out = got[steps];
+    out.push_back(first);
+    for (auto& f : fs) out.push_back(f.get());
+    ASSERT_TRUE(late.valid());
+    out.push_back(late.get());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(out[i].size(), static_cast<size_t>(reqs[i].max_tokens)) << "request " << i;
+    }
+    EXPECT_EQ(out.back().size(), static_cast<size_t>(joiner.max_tokens));
+    const std::string m = c.Metrics();
+    const double calls = Sample(m, "moelora_steps_per_call_count");
+    const double single = Sample(m, "moelora_steps_per_call_bucket{le=\"1\"}");
+    ASSERT_GT(calls, 0) << m;
+    if (steps == "1") {
+      EXPECT_EQ(single, calls);
+    } else {
+      EXPECT_LT(single, calls) << "no call ran several steps";
+    }
+  }
+  EXPECT_EQ(got["8"], got["1"]);
 }
 
 // The upstream change's test through the public API with real processes, at TP=2: plain TP,

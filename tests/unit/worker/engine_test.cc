@@ -584,6 +584,59 @@ TEST(EngineTest, FlagThatContradictsTheFileIsInvalidArgument) {
   ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
 }
 
+// Steps(add, remove, k): the same tokens, finishes and per-step outputs as k calls of Step, one
+// StepOutput per step; it stops early once every sequence has finished.
+TEST(EngineTest, StepsEqualsThatManyStepCalls) {
+  auto one = MakeEngine("qwen3_moe/model", true);
+  auto many = MakeEngine("qwen3_moe/model", true);
+  for (auto* h : {one.get(), many.get()}) {
+    ASSERT_OK(Load(*h->engine, 1, "qwen3_moe/adapter_2d"));
+    ASSERT_OK(Load(*h->engine, 2, "qwen3_moe/adapter_3d"));
+  }
+  const std::vector<NewSequence> add = {
+      {.id = 1, .adapter_id = 1, .prompt = {1, 17, 42}, .max_tokens = 3},
+      {.id = 2, .adapter_id = 2, .prompt = {3, 9, 27, 81}, .max_tokens = 6},
+      {.id = 3, .prompt = {7, 2, 95}, .max_tokens = 9}};
+  std::vector<StepOutput> want;
+  for (int i = 0; i < 5; ++i) {
+    auto o = i == 0 ? one->engine->Step(add, {}) : one->engine->Step({}, {});
+    ASSERT_OK(o);
+    want.push_back(*o);
+  }
+  auto got = many->engine->Steps(add, {}, 5);
+  ASSERT_OK(got);
+  ASSERT_EQ(got->size(), want.size());
+  auto same = [](const std::vector<StepOutput>& a, const std::vector<StepOutput>& b) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(a[i].batch_tokens, b[i].batch_tokens) << "step " << i;
+      ASSERT_EQ(a[i].tokens.size(), b[i].tokens.size()) << "step " << i;
+      for (size_t j = 0; j < a[i].tokens.size(); ++j) {
+        const TokenOut &x = a[i].tokens[j], &y = b[i].tokens[j];
+        EXPECT_EQ(x.sequence_id, y.sequence_id);
+        EXPECT_EQ(x.token, y.token) << "step " << i << " sequence " << x.sequence_id;
+        EXPECT_EQ(x.finished, y.finished);
+        EXPECT_EQ(x.finish_reason, y.finish_reason);
+      }
+    }
+  };
+  same(*got, want);
+  EXPECT_EQ(want[2].tokens.size(), 3u);  // sequence 1 finishes at its third token
+  EXPECT_EQ(want[3].tokens.size(), 2u);
+  // The rest: 6 more steps asked, 4 run (sequence 3's last token is its 9th).
+  want.clear();
+  for (int i = 0; i < 4; ++i) {
+    auto o = one->engine->Step({}, {});
+    ASSERT_OK(o);
+    want.push_back(*o);
+  }
+  got = many->engine->Steps({}, {}, 6);
+  ASSERT_OK(got);
+  ASSERT_EQ(got->size(), 4u);
+  same(*got, want);
+  EXPECT_TRUE(got->back().tokens.at(0).finished);
+  EXPECT_EQ(many->engine->Info().running, 0);
+}
+
 TEST(EngineTest, InvalidJoinerFailsTheStepAndChangesNothing) {
   auto h = MakeEngine("qwen3_moe/model", false);
   NewSequence a{.id = 1, .prompt = {1, 17, 42}, .max_tokens = 4};
