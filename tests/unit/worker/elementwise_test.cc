@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -124,6 +125,53 @@ TEST(ElementwiseTest, RotaryApplyIsBitIdenticalToItsAtenForm) {
   }
 }
 
+// CPU-path LoRA slots of `dt` for a MoeExperts under test.
+SlotShape CpuSlots(int slots, int rank, at::ScalarType dt) {
+  SlotShape shape;
+  shape.num_slots = slots;
+  shape.max_rank = rank;
+  shape.slot_options = at::TensorOptions().dtype(dt);
+  shape.rank_options = at::TensorOptions().dtype(at::kInt);
+  return shape;
+}
+
+// Random routing [T, 2] over E experts, two distinct experts per token.
+at::Tensor TwoDistinctExperts(int64_t T, int64_t E) {
+  at::Tensor ids = at::randint(0, E, {T, 2}, at::kLong);
+  ids.select(1, 1).copy_((ids.select(1, 0) + 1 + at::randint(0, E - 1, {T}, at::kLong)) % E);
+  return ids;
+}
+
+// Σ_k w · down(silu(gate) · up) per token and choice in double, as ATen ops; with `slots`, a
+// token of slot ≥ 0 adds B·(A·x) to gate, up and down (A[e][p] [r, in], B[e][p] [out, r], p =
+// gate, up, down, scaling folded into B).
+at::Tensor ExpertsByAten(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& wts,
+                         const at::Tensor& w13, const at::Tensor& w2,
+                         const std::vector<int32_t>* slots = nullptr,
+                         const std::vector<std::array<at::Tensor, 3>>* A = nullptr,
+                         const std::vector<std::array<at::Tensor, 3>>* B = nullptr) {
+  const int64_t T = h.size(0), H = h.size(1), I = w2.size(2);
+  auto lora = [&](int64_t t, int64_t e, int p, const at::Tensor& v) {
+    if (slots == nullptr || (*slots)[t] < 0) return at::zeros({(*B)[e][p].size(0)}, at::kDouble);
+    return at::matmul((*B)[e][p], at::matmul((*A)[e][p], v));
+  };
+  at::Tensor want = at::zeros({T, H}, at::kDouble);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < ids.size(1); ++k) {
+      const int64_t e = ids[t][k].item<int64_t>();
+      const at::Tensor x = h[t].to(at::kDouble);
+      at::Tensor g = at::matmul(w13[e].narrow(0, 0, I).to(at::kDouble), x);
+      at::Tensor u = at::matmul(w13[e].narrow(0, I, I).to(at::kDouble), x);
+      if (slots != nullptr) g = g + lora(t, e, 0, x), u = u + lora(t, e, 1, x);
+      const at::Tensor a = at::silu(g) * u;
+      at::Tensor y = at::matmul(w2[e].to(at::kDouble), a);
+      if (slots != nullptr) y = y + lora(t, e, 2, a);
+      want[t] += wts[t][k].to(at::kDouble) * y;
+    }
+  }
+  return want;
+}
+
 // The routed experts' CPU path (the grouped GEMMs, the SwiGLU pass and the combine by hand)
 // against the same block written as ATen ops per token and choice: Σ_k w · down(silu(g) · u).
 // Shapes the AMX tiles fit, so bf16 takes AMX where the CPU has it.
@@ -133,32 +181,17 @@ TEST(ElementwiseTest, MoeExpertsMatchAPerTokenAtenForm) {
     const int64_t E = 4, H = 64, I = 32, T = 9, K = 2;
     at::Tensor w13 = (at::randn({E, 2 * I, H}) * 0.1).to(dt);
     at::Tensor w2 = (at::randn({E, H, I}) * 0.1).to(dt);
-    SlotShape shape;
-    shape.num_slots = 1;
-    shape.max_rank = 4;
-    shape.slot_options = at::TensorOptions().dtype(dt);
-    shape.rank_options = at::TensorOptions().dtype(at::kInt);
-    MoeExperts experts("model.layers.0.mlp.experts", w13, w2, I, AdapterFormat::k2D, "test", shape);
+    MoeExperts experts("model.layers.0.mlp.experts", w13, w2, I, AdapterFormat::k2D, "test",
+                       CpuSlots(1, 4, dt));
     at::Tensor h = at::randn({T, H}).to(dt);
-    // Every expert, one chosen twice by no token, token 3 on experts 0 and 3, etc.
-    at::Tensor ids = at::randint(0, E, {T, K}, at::kLong);
-    ids.select(1, 1).copy_((ids.select(1, 0) + 1 + at::randint(0, E - 1, {T}, at::kLong)) % E);
+    at::Tensor ids = TwoDistinctExperts(T, E);
     at::Tensor wts = at::rand({T, K}).to(dt);
     const std::vector<int32_t> slots(T, -1);
     LoraBatch lb;
     lb.slots = &slots;
     auto got = experts.Forward(h, ids, wts, lb);
     ASSERT_TRUE(got.ok()) << got.status();
-    at::Tensor want = at::zeros({T, H}, at::kDouble);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = ids[t][k].item<int64_t>();
-        at::Tensor x = h[t].to(at::kDouble);
-        at::Tensor gu = at::matmul(w13[e].to(at::kDouble), x);
-        at::Tensor a = at::silu(gu.narrow(0, 0, I)) * gu.narrow(0, I, I);
-        want[t] += wts[t][k].to(at::kDouble) * at::matmul(w2[e].to(at::kDouble), a);
-      }
-    }
+    const at::Tensor want = ExpertsByAten(h, ids, wts, w13, w2);
     const double tol = dt == at::kFloat ? 1e-5 : 3e-2;
     EXPECT_TRUE(at::allclose(got->to(at::kDouble), want, tol, tol))
         << (dt == at::kFloat ? "f32" : "bf16") << " max diff "
@@ -189,12 +222,8 @@ TEST(ElementwiseTest, ExpertLoraWithSharedGateUpAMatchesAPerTokenAtenForm) {
     const double scaling = 0.5;
     at::Tensor w13 = (at::randn({E, 2 * I, H}) * 0.1).to(dt);
     at::Tensor w2 = (at::randn({E, H, I}) * 0.1).to(dt);
-    SlotShape shape;
-    shape.num_slots = 2;
-    shape.max_rank = 8;
-    shape.slot_options = at::TensorOptions().dtype(dt);
-    shape.rank_options = at::TensorOptions().dtype(at::kInt);
-    MoeExperts experts("model.layers.0.mlp.experts", w13, w2, I, AdapterFormat::k2D, "test", shape);
+    MoeExperts experts("model.layers.0.mlp.experts", w13, w2, I, AdapterFormat::k2D, "test",
+                       CpuSlots(2, 8, dt));
     MoeLayerLora ml;
     ml.prefix = "model.layers.0.mlp.experts";
     ml.format = AdapterFormat::k2D;
@@ -230,9 +259,9 @@ TEST(ElementwiseTest, ExpertLoraWithSharedGateUpAMatchesAPerTokenAtenForm) {
     EXPECT_EQ(experts.SharedGateUpA(0), 3);
     EXPECT_EQ(experts.SharedGateUpA(1), 0);
     at::Tensor h = at::randn({T, H}).to(dt);
-    at::Tensor ids = at::randint(0, E, {T, K}, at::kLong);
-    ids.select(1, 1).copy_((ids.select(1, 0) + 1 + at::randint(0, E - 1, {T}, at::kLong)) % E);
-    ids[0][0] = 3;  // the expert that does not share, with a slot
+    at::Tensor ids = TwoDistinctExperts(T, E);
+    ids[0][0] = 3;  // the expert that does not share, with a slot (token 0 has slot 0)
+    if (ids[0][1].item<int64_t>() == 3) ids[0][1] = 0;
     at::Tensor wts = at::rand({T, K}).to(dt);
     std::vector<int32_t> slots(T);
     for (int64_t t = 0; t < T; ++t) slots[t] = t % 3 == 2 ? -1 : 0;
@@ -240,23 +269,7 @@ TEST(ElementwiseTest, ExpertLoraWithSharedGateUpAMatchesAPerTokenAtenForm) {
     ASSERT_TRUE(lb.any);
     auto got = experts.Forward(h, ids, wts, lb);
     ASSERT_TRUE(got.ok()) << got.status();
-    at::Tensor want = at::zeros({T, H}, at::kDouble);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = ids[t][k].item<int64_t>();
-        at::Tensor x = h[t].to(at::kDouble);
-        at::Tensor g = at::matmul(w13[e].narrow(0, 0, I).to(at::kDouble), x);
-        at::Tensor u = at::matmul(w13[e].narrow(0, I, I).to(at::kDouble), x);
-        if (slots[t] >= 0) {
-          g = g + at::matmul(B[e][0], at::matmul(A[e][0], x));
-          u = u + at::matmul(B[e][1], at::matmul(A[e][1], x));
-        }
-        at::Tensor a = at::silu(g) * u;
-        at::Tensor y = at::matmul(w2[e].to(at::kDouble), a);
-        if (slots[t] >= 0) y = y + at::matmul(B[e][2], at::matmul(A[e][2], a));
-        want[t] += wts[t][k].to(at::kDouble) * y;
-      }
-    }
+    const at::Tensor want = ExpertsByAten(h, ids, wts, w13, w2, &slots, &A, &B);
     const double tol = dt == at::kFloat ? 1e-5 : 3e-2;
     EXPECT_TRUE(at::allclose(got->to(at::kDouble), want, tol, tol))
         << "max diff " << (got->to(at::kDouble) - want).abs().max().item<double>();
