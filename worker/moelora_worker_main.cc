@@ -61,7 +61,8 @@ ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
 ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
 ABSL_FLAG(int, debug_step_delay_ms, 0,
-          "Testing only: sleep this long in every Step (to interrupt generations on purpose)");
+          "Testing only: sleep this long before every step, each of a call's decode_steps (to "
+          "interrupt generations on purpose)");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens at most (0: from config.json)");
 
 namespace {
