@@ -77,7 +77,9 @@ ABSL_FLAG(std::string, dtype, "float32", "Worker compute dtype: float32 | bfloat
 ABSL_FLAG(int, drain_timeout_s, 30, "On SIGTERM: seconds in-flight requests may still take");
 ABSL_FLAG(int, dist_timeout_s, 120,
           "Local mode: the spawned workers' --dist-timeout-s (rendezvous and each collective)");
-ABSL_FLAG(int, step_timeout_s, 60, "A step that takes longer fails its requests (UNAVAILABLE)");
+ABSL_FLAG(int, step_timeout_s, 60,
+          "A step that takes longer fails its requests (UNAVAILABLE); a call of several decode "
+          "steps (--decode-steps) has this much per step");
 ABSL_FLAG(std::string, worker_args, "",
           "Extra flags for spawned workers, space-separated (e.g. \"--cpu-threads 1\")");
 ABSL_FLAG(std::string, preload, "",

@@ -448,7 +448,9 @@ absl::StatusOr<std::vector<int64_t>> WorkerGroup::CommittedAdapterIds() {
 }
 
 absl::StatusOr<v1::StepResponse> WorkerGroup::StepAll(const v1::StepRequest& req) {
-  auto r = CallAll(&v1::Worker::Stub::PrepareAsyncStep, req, options_.step_timeout, true);
+  // A call of several decode steps gets the timeout once per step.
+  auto r = CallAll(&v1::Worker::Stub::PrepareAsyncStep, req,
+                   options_.step_timeout * std::max(1, req.decode_steps()), true);
   if (!r.ok()) return r.status();
   return (*r)[0];
 }
