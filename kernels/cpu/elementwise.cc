@@ -114,23 +114,23 @@ MOELORA_AVX512F __m512 RoundTrip16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(Round16(v), 16));
 }
 
+// The norm's output from xr = x · r and the weight, in `form` (RmsNormRow's header).
+MOELORA_AVX512F __m512 NormOut(__m512 xr, __m512 wv, NormForm form, bool round_bf16) {
+  if (form == NormForm::kPlain) return _mm512_mul_ps(wv, round_bf16 ? RoundTrip16(xr) : xr);
+  if (form == NormForm::kZeroCentred) {
+    return _mm512_mul_ps(xr, _mm512_add_ps(_mm512_set1_ps(1.0f), wv));
+  }
+  return _mm512_mul_ps(wv, xr);
+}
+
 MOELORA_AVX512F void RmsNormRowAvx512(const float* x, const float* w, float* out, int64_t n,
                                       float eps, NormForm form, bool round_bf16) {
   const float r = 1.0f / std::sqrt(SumSquaresAvx512(x, n) / static_cast<float>(n) + eps);
-  const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+  const __m512 rv = _mm512_set1_ps(r);
   for (int64_t c = 0; c < n; c += 16) {
     const __mmask16 m = TailMask(n, c);
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + c), wv = _mm512_maskz_loadu_ps(m, w + c);
-    __m512 o = _mm512_mul_ps(xv, rv);
-    if (form == NormForm::kPlain) {
-      if (round_bf16) o = RoundTrip16(o);
-      o = _mm512_mul_ps(wv, o);
-    } else if (form == NormForm::kZeroCentred) {
-      o = _mm512_mul_ps(o, _mm512_add_ps(one, wv));
-    } else {
-      o = _mm512_mul_ps(wv, o);
-    }
-    _mm512_mask_storeu_ps(out + c, m, o);
+    _mm512_mask_storeu_ps(out + c, m, NormOut(_mm512_mul_ps(xv, rv), wv, form, round_bf16));
   }
 }
 
@@ -170,19 +170,11 @@ MOELORA_AVX512F void RmsNormRowBf16Avx512(const uint16_t* x, const uint16_t* del
     acc = _mm512_mask_add_ps(acc, m, acc, _mm512_mul_ps(v, v));
   }
   const float r = 1.0f / std::sqrt(LaneSumInOrder(acc) / static_cast<float>(n) + eps);
-  const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+  const __m512 rv = _mm512_set1_ps(r);
   const uint16_t* src = delta != nullptr ? sum : x;
   for (int64_t c = 0; c < n; c += 16) {
     const __m512 wv = _mm512_maskz_loadu_ps(TailMask(n, c), w + c);
-    __m512 o = _mm512_mul_ps(LoadBf16(src + c, n - c), rv);
-    if (form == NormForm::kPlain) {
-      o = _mm512_mul_ps(wv, RoundTrip16(o));
-    } else if (form == NormForm::kZeroCentred) {
-      o = _mm512_mul_ps(o, _mm512_add_ps(one, wv));
-    } else {
-      o = _mm512_mul_ps(wv, o);
-    }
-    StoreBf16(out + c, n - c, o);
+    StoreBf16(out + c, n - c, NormOut(_mm512_mul_ps(LoadBf16(src + c, n - c), rv), wv, form, true));
   }
 }
 
