@@ -402,8 +402,8 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
 }
 
 absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSequence>& add,
-                                                      const std::vector<int64_t>& remove,
-                                                      int steps) {
+                                                      const std::vector<int64_t>& remove, int steps,
+                                                      const std::function<void()>& before_step) {
   return impl_->compute->Run([&]() -> absl::StatusOr<std::vector<StepOutput>> {
     std::vector<StepOutput> outs;
     for (int i = 0; i < std::max(steps, 1); ++i) {
@@ -411,6 +411,7 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSeque
         std::lock_guard<std::mutex> lock(impl_->step_mu);
         if (impl_->running.empty()) break;
       }
+      if (before_step) before_step();
       absl::StatusOr<StepOutput> out =
           i == 0 ? StepOnComputeThread(add, remove) : StepOnComputeThread({}, {});
       if (!out.ok()) return out.status();

@@ -13,6 +13,7 @@
 #define MOELORA_WORKER_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -141,10 +142,11 @@ class Engine {
   // Step(add, remove), then further decode steps of the same batch, back to back on the compute
   // thread, while a sequence runs, up to `steps` in all: one StepOutput per step run. A step
   // that fails ends the call with its error (the earlier steps' tokens are lost: the caller
-  // fails the batch, as for one failed step).
-  [[nodiscard]] absl::StatusOr<std::vector<StepOutput>> Steps(const std::vector<NewSequence>& add,
-                                                              const std::vector<int64_t>& remove,
-                                                              int steps);
+  // fails the batch, as for one failed step). `before_step` (optional) runs on the compute thread
+  // before each step (the worker's --debug-step-delay-ms).
+  [[nodiscard]] absl::StatusOr<std::vector<StepOutput>> Steps(
+      const std::vector<NewSequence>& add, const std::vector<int64_t>& remove, int steps,
+      const std::function<void()>& before_step = nullptr);
 
   EngineInfo Info() const;
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -116,23 +117,11 @@ grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* re
     add.push_back(std::move(n));
   }
   std::vector<int64_t> remove(req->remove().begin(), req->remove().end());
-  absl::StatusOr<std::vector<StepOutput>> out = std::vector<StepOutput>{};
-  if (step_delay_.count() == 0) {
-    out = e->Steps(add, remove, req->decode_steps());
-  } else {
-    // Testing: the delay before every step, so a call of several steps lasts as long as that
-    // many calls of one.
-    for (int i = 0; i < std::max(1, req->decode_steps()) && out.ok(); ++i) {
-      if (i > 0 && e->Info().running == 0) break;
-      std::this_thread::sleep_for(step_delay_);
-      auto one = i == 0 ? e->Steps(add, remove, 1) : e->Steps({}, {}, 1);
-      if (one.ok()) {
-        out->insert(out->end(), one->begin(), one->end());
-      } else {
-        out = one.status();
-      }
-    }
-  }
+  // Testing: the delay before every step, so a call of several steps lasts as long as that
+  // many calls of one.
+  std::function<void()> delay;
+  if (step_delay_.count() > 0) delay = [d = step_delay_] { std::this_thread::sleep_for(d); };
+  auto out = e->Steps(add, remove, req->decode_steps(), delay);
   if (!out.ok()) {
     if (out.status().code() == absl::StatusCode::kUnavailable && comm_ && comm_->world_size() > 1) {
       // A failed collective leaves this rank out of step with its peers for good: exit so the
