@@ -1,10 +1,13 @@
 // bench/skinny_gemm: the expert GEMMs of one MoE layer in a decode step, grouped through the
 // skinny kernel (worker/layers/gemm.h) vs one at::mm_out per expert (the BLAS under libtorch),
 // next to the time to read the same weights at the bandwidth measured in the same run. Rows per
-// expert sweep the crossover (kSkinnyMaxRows).
+// expert sweep the crossover (kSkinnyMaxRows). The weights sit on huge pages, as the worker's do
+// (EmptyWeight). The table also gives the gate/up and the down products alone, each against its
+// own bytes at the measured read rate; --dense M1,M2 times the dense products of a decode step
+// at M rows (q / o [H, H], k / v [H / 4, H], the LM head [4 H, H]).
 //
 //   skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype float32|bfloat16]
-//               [--threads 2] [--rows 1,2,4,8,16,24,32,64]
+//               [--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +20,7 @@
 
 #include "absl/strings/str_split.h"
 #include "worker/layers/gemm.h"
+#include "worker/loaders/weight_loader.h"
 
 namespace {
 double Now() {
@@ -37,13 +41,13 @@ double Best(F f, int reps = 7) {
 int main(int argc, char** argv) {
   int64_t E = 32, H = 1024, I = 512;
   int threads = 2;
-  std::string dtype = "float32", rows_s = "1,2,4,8,16,24,32,64";
+  std::string dtype = "float32", rows_s = "1,2,4,8,16,24,32,64", dense_s;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || i + 1 >= argc) {
       std::printf(
           "usage: skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype D] "
-          "[--threads 2] [--rows 1,2,4,8,16,24,32,64]\n");
+          "[--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32]\n");
       return f == "--help" ? 0 : 2;
     }
     const std::string v = argv[++i];
@@ -59,6 +63,8 @@ int main(int argc, char** argv) {
       threads = std::atoi(v.c_str());
     else if (f == "--rows")
       rows_s = v;
+    else if (f == "--dense")
+      dense_s = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", f.c_str());
       return 2;
@@ -66,19 +72,26 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(threads);
   const at::ScalarType dt = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-  at::Tensor w13 = (at::randn({E, 2 * I, H}) * 0.02).to(dt);
-  at::Tensor w2 = (at::randn({E, H, I}) * 0.02).to(dt);
+  auto weight = [&](at::IntArrayRef shape) {
+    at::Tensor w = moelora::EmptyWeight(shape, dt);
+    w.copy_(at::randn(shape) * 0.02);
+    return w;
+  };
+  at::Tensor w13 = weight({E, 2 * I, H});
+  at::Tensor w2 = weight({E, H, I});
   const double bytes = static_cast<double>(w13.numel() + w2.numel()) * w13.element_size();
   // Read bandwidth: sum of the same weights (at::sum streams them once, threaded).
-  at::Tensor flat = at::randn({static_cast<int64_t>(bytes / 4)});
+  at::Tensor flat = moelora::EmptyWeight({static_cast<int64_t>(bytes / 4)}, at::kFloat).normal_();
   const double read = Best([&] { (void)flat.sum().item<float>(); });
   std::printf(
       "%ld experts, H %ld, I %ld, %s, %d threads: weights %.0f MB, read at %.1f GB/s = %.2f ms\n",
       static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), dtype.c_str(), threads,
       bytes / 1e6, flat.numel() * 4 / read / 1e9, bytes / (flat.numel() * 4 / read) * 1e3);
+  const double rate = flat.numel() * 4 / read;  // bytes per second
   std::printf(
-      "| rows/expert | grouped skinny ms | per-expert at::mm_out ms | mm/skinny | skinny/read |\n"
-      "|---|---|---|---|---|\n");
+      "| rows/expert | grouped skinny ms | per-expert at::mm_out ms | mm/skinny | skinny/read | "
+      "gate/up alone ms, /read | down alone ms, /read |\n"
+      "|---|---|---|---|---|---|---|\n");
   for (absl::string_view r : absl::StrSplit(rows_s, ',')) {
     const int64_t m = std::atol(std::string(r).c_str());
     at::Tensor x = at::randn({E * m, H}).to(dt);
@@ -107,8 +120,44 @@ int main(int argc, char** argv) {
       }
     };
     const double g = Best(grouped), p = Best(per_expert);
-    std::printf("| %ld | %.2f | %.2f | %.2f | %.2f |\n", static_cast<long>(m), g * 1e3, p * 1e3,
-                p / g, g / (bytes / (flat.numel() * 4 / read)));
+    const double gu = Best([&] { moelora::GroupedMatmulWt(x, w13, runs, experts, h13); });
+    act = h13.narrow(1, 0, I).contiguous();
+    const double dn = Best([&] { moelora::GroupedMatmulWt(act, w2, runs, experts, y); });
+    const double half = bytes / 3;  // w2's bytes; w13 has twice as many
+    std::printf("| %ld | %.2f | %.2f | %.2f | %.2f | %.2f, %.2f | %.2f, %.2f |\n",
+                static_cast<long>(m), g * 1e3, p * 1e3, p / g, g / (bytes / rate), gu * 1e3,
+                gu / (2 * half / rate), dn * 1e3, dn / (half / rate));
+  }
+  if (!dense_s.empty()) {
+    // A decode step's dense products of one layer and the LM head, at M rows each, from memory:
+    // enough copies of each weight (512 MB or more) that a pass over them cannot sit in the L3.
+    auto copies = [&](at::IntArrayRef shape) {
+      std::vector<at::Tensor> ws;
+      const double each = static_cast<double>(c10::multiply_integers(shape)) * w13.element_size();
+      for (int i = 0; i < std::max(1, static_cast<int>(512e6 / each)); ++i)
+        ws.push_back(weight(shape));
+      return ws;
+    };
+    const std::vector<at::Tensor> wq = copies({H, H}), wk = copies({H / 4, H}),
+                                  wlm = copies({4 * H, H});
+    std::printf(
+        "| dense rows | q or o [%ld, %ld] ms, /read | k or v ms, /read | LM head ms, /read |\n"
+        "|---|---|---|---|\n",
+        static_cast<long>(H), static_cast<long>(H));
+    for (absl::string_view r : absl::StrSplit(dense_s, ',')) {
+      const int64_t m = std::atol(std::string(r).c_str());
+      at::Tensor x = at::randn({m, H}).to(dt);
+      auto row = [&](const std::vector<at::Tensor>& ws) {
+        const double t = Best([&] {
+                           for (const at::Tensor& w : ws) (void)moelora::MatmulWt(x, w);
+                         }) /
+                         ws.size();
+        return std::make_pair(t * 1e3, t / (ws[0].numel() * ws[0].element_size() / rate));
+      };
+      const auto q = row(wq), k = row(wk), lm = row(wlm);
+      std::printf("| %ld | %.3f, %.2f | %.3f, %.2f | %.3f, %.2f |\n", static_cast<long>(m), q.first,
+                  q.second, k.first, k.second, lm.first, lm.second);
+    }
   }
   // A prefill GEMM, as tools/torch_ops_bench.py times it with the PyTorch wheel.
   at::Tensor px = at::randn({512, H}).to(dt), pw = (at::randn({H, H}) * 0.02).to(dt);

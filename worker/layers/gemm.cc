@@ -107,21 +107,25 @@ at::Tensor PaddedF32(const at::Tensor& x) {
   return v;
 }
 
-// x: the rows xf was made from; bf16 x with unit column stride lets the kernel multiply in bf16.
-SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& x, const at::Tensor& w, float* y,
-                    int64_t ldy) {
+// Rows [i, i + m) of xf (f32) against w [n, k] (the weight of `wt`'s dtype at `w`), into f32
+// rows y (row stride ldy); x: the rows xf was made from, whose bf16 rows with unit column stride
+// let the kernel multiply in bf16. Pointers, not tensor views: a decode step builds a job per
+// expert and product (about 170 at batch 8 in f32), and each narrow or select of a tensor costs
+// microseconds of ATen dispatch on the thread that the other threads wait for.
+SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& x, int64_t i, int64_t m, const void* w,
+                    at::ScalarType wt, int64_t n, int64_t k, float* y, int64_t ldy) {
   SkinnyGemmArgs a;
-  a.x = xf.data_ptr<float>();
+  a.x = xf.data_ptr<float>() + i * xf.stride(0);
   a.ldx = xf.stride(0);
-  a.w = w.data_ptr();
-  a.w_type = w.scalar_type() == at::kFloat ? SkinnyWeight::kF32 : SkinnyWeight::kBF16;
+  a.w = w;
+  a.w_type = wt == at::kFloat ? SkinnyWeight::kF32 : SkinnyWeight::kBF16;
   a.y = y;
   a.ldy = ldy;
-  a.m = xf.size(0);
-  a.n = w.size(0);
-  a.k = w.size(1);
+  a.m = m;
+  a.n = n;
+  a.k = k;
   if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
-    a.x_bf16_rows = static_cast<const uint16_t*>(x.data_ptr());
+    a.x_bf16_rows = static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0);
     a.ldx_bf16 = x.stride(0);
   }
   return a;
@@ -165,21 +169,20 @@ int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
 static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }
 
 // The AMX product of x rows [i, i + m) (packed into `packed` from element `at`, by `pack`) with
-// w into bf16 rows y (row stride ldy).
-static AmxGemmArgs AmxJob(const at::Tensor& x, int64_t i, int64_t m, const at::Tensor& w,
-                          at::Tensor& packed, int64_t at, at::BFloat16* y, int64_t ldy,
+// the bf16 weight w [n, k] into bf16 rows y (row stride ldy).
+static AmxGemmArgs AmxJob(const at::Tensor& x, int64_t i, int64_t m, const uint16_t* w, int64_t n,
+                          int64_t k, at::Tensor& packed, int64_t at, at::BFloat16* y, int64_t ldy,
                           Pack* pack) {
   auto* p = static_cast<uint16_t*>(packed.data_ptr()) + at;
-  *pack = Pack{static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m,
-               w.size(1), p};
+  *pack = Pack{static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m, k, p};
   AmxGemmArgs a;
   a.x_packed = p;
-  a.w = static_cast<const uint16_t*>(w.data_ptr());
+  a.w = w;
   a.y_bf16 = reinterpret_cast<uint16_t*>(y);
   a.ldy = ldy;
   a.m = m;
-  a.n = w.size(0);
-  a.k = w.size(1);
+  a.n = n;
+  a.k = k;
   return a;
 }
 
@@ -192,14 +195,19 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
     Job job;
     job.on_amx = true;
     std::vector<Pack> packs(1);
-    job.amx = AmxJob(xc, 0, m, w, packed, 0, y.data_ptr<at::BFloat16>(), y.stride(0), &packs[0]);
+    job.amx = AmxJob(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), w.size(0), w.size(1),
+                     packed, 0, y.data_ptr<at::BFloat16>(), y.stride(0), &packs[0]);
     RunJobs({job}, BlocksOf(job), packs);
     return y;
   }
   if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
   at::Tensor xf = PaddedF32(x);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  RunJobs({Job{Args(xf, x, w, y.data_ptr<float>(), y.stride(0)), {}, false, 0}},
+  RunJobs({Job{Args(xf, x, 0, x.size(0), w.data_ptr(), w.scalar_type(), w.size(0), w.size(1),
+                    y.data_ptr<float>(), y.stride(0)),
+               {},
+               false,
+               0}},
           (w.size(0) + kBlock - 1) / kBlock);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -227,28 +235,33 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   std::vector<size_t> long_runs;
   std::vector<Job> jobs;
   int64_t blocks = 0;
+  // Each expert's weight by pointer arithmetic (see Args).
+  const int64_t wn = weights.size(1), wk = weights.size(2);
+  const auto* wbase = static_cast<const char*>(weights.data_ptr());
+  const int64_t wbytes = weights.stride(0) * weights.element_size();
   for (size_t r = 0; r < runs.size(); ++r) {
     auto [i, j] = runs[r];
-    at::Tensor w = weights[expert[r]];
     if (!(skinny || amx) || j - i > max_rows) {
       if (SlowBf16(x)) {
-        out.narrow(0, i, j - i).copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), w.t()));
+        out.narrow(0, i, j - i)
+            .copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), weights[expert[r]].t()));
       } else {
         long_runs.push_back(r);  // below, the experts in parallel
       }
       continue;
     }
+    const char* w = wbase + expert[r] * wbytes;
     Job job;
     job.first_block = blocks;
     if (amx) {
       job.on_amx = true;
       packs.emplace_back();
       job.amx =
-          AmxJob(x, i, j - i, w, packed, packed_at,
+          AmxJob(x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
                  out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
       packed_at += AmxPackedXElements(j - i, x.size(1));
     } else {
-      job.args = Args(xf.narrow(0, i, j - i), x.narrow(0, i, j - i), w,
+      job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk,
                       yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0));
     }
     blocks += BlocksOf(job);
@@ -277,7 +290,9 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   }
   if (jobs.empty()) return;
   RunJobs(jobs, blocks, packs);
-  if (skinny && !f32) {
+  if (skinny && !f32 && long_runs.empty()) {
+    out.copy_(yf);  // every row came from the kernel: one conversion
+  } else if (skinny && !f32) {
     for (const Job& job : jobs) {
       const int64_t i = (job.args.y - yf.data_ptr<float>()) / yf.stride(0);
       out.narrow(0, i, job.args.m).copy_(yf.narrow(0, i, job.args.m));

@@ -95,5 +95,21 @@ TEST(GemmTest, GroupedMatmulWtWritesEachRunWithItsExpert) {
   }
 }
 
+// An expert-parallel rank holds a view of some experts (weights starting past element 0), and a
+// decode step's runs are all short (every row from the kernel, converted back in one piece).
+TEST(GemmTest, GroupedMatmulWtOnAViewOfSomeExpertsWithShortRuns) {
+  at::manual_seed(7);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    at::Tensor all = at::randn({6, 33, 64}).to(dt);
+    at::Tensor weights = all.narrow(0, 2, 3);
+    const std::vector<std::pair<int64_t, int64_t>> runs = {{0, 2}, {2, 3}, {3, 5}, {5, 6}};
+    const std::vector<int64_t> experts = {2, 0, 1, 2};
+    at::Tensor x = at::randn({6, 64}).to(dt);
+    at::Tensor out = at::full({6, 33}, 99.0, x.options());
+    GroupedMatmulWt(x, weights, runs, experts, out);
+    ExpectEachRun(x, weights, runs, experts, out);
+  }
+}
+
 }  // namespace
 }  // namespace moelora
