@@ -235,6 +235,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   std::vector<size_t> long_runs;
   std::vector<Job> jobs;
   int64_t blocks = 0;
+  bool all_from_kernel = true;  // every run's rows through the kernel (into yf)
   // Each expert's weight by pointer arithmetic (see Args).
   const int64_t wn = weights.size(1), wk = weights.size(2);
   const auto* wbase = static_cast<const char*>(weights.data_ptr());
@@ -242,6 +243,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   for (size_t r = 0; r < runs.size(); ++r) {
     auto [i, j] = runs[r];
     if (!(skinny || amx) || j - i > max_rows) {
+      all_from_kernel = false;
       if (SlowBf16(x)) {
         out.narrow(0, i, j - i)
             .copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), weights[expert[r]].t()));
@@ -290,7 +292,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   }
   if (jobs.empty()) return;
   RunJobs(jobs, blocks, packs);
-  if (skinny && !f32 && long_runs.empty()) {
+  if (skinny && !f32 && all_from_kernel) {
     out.copy_(yf);  // every row came from the kernel: one conversion
   } else if (skinny && !f32) {
     for (const Job& job : jobs) {
