@@ -50,11 +50,17 @@ struct AmxGemmArgs {
   uint16_t* y_bf16 = nullptr;          // [m, n] bf16 (the f32 sums rounded to nearest even)
   int64_t ldy = 0;
   int64_t m = 0, n = 0, k = 0;
+  // Optional: the weight rows read after this product's last block (the next product's w, e.g.
+  // the next expert's), prefetched while that block computes; next_rows of them, k columns each.
+  const uint16_t* next_w = nullptr;
+  int64_t next_rows = 0;
 };
 
 // Output columns [n0, n1) of y = x · wᵀ (overwritten), n0 and n1 multiples of 16; calls on
 // disjoint column ranges may run concurrently, on any thread (each call sets up and releases
-// its thread's tiles). Needs AmxGemmSupported() and AmxGemmFits(n, k).
+// its thread's tiles). While a block of 32 weight rows computes, the next 32 rows (of w, or of
+// next_w after w's last block) are prefetched into L2. Needs AmxGemmSupported() and
+// AmxGemmFits(n, k).
 void AmxGemmRows(const AmxGemmArgs& a, int64_t n0, int64_t n1);
 
 }  // namespace moelora

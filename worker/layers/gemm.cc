@@ -291,6 +291,14 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     if (error) std::rethrow_exception(error);
   }
   if (jobs.empty()) return;
+  // Each AMX product's last block prefetches the next product's first rows (the jobs are in
+  // expert order; a thread's guided run of blocks continues into the next job).
+  for (size_t q = 0; q + 1 < jobs.size(); ++q) {
+    if (jobs[q].on_amx && jobs[q + 1].on_amx) {
+      jobs[q].amx.next_w = jobs[q + 1].amx.w;
+      jobs[q].amx.next_rows = jobs[q + 1].amx.n;
+    }
+  }
   RunJobs(jobs, blocks, packs);
   if (skinny && !f32 && all_from_kernel) {
     out.copy_(yf);  // every row came from the kernel: one conversion
