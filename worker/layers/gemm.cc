@@ -7,9 +7,11 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 
 #include "kernels/amx_gemm.h"
 #include "kernels/skinny_gemm.h"
+#include "kernels/wide_gemm.h"
 
 namespace moelora {
 
@@ -37,28 +39,43 @@ bool Amx(const at::Tensor& x, const at::Tensor& w) {
          AmxGemmFits(w.size(-2), w.size(-1));
 }
 
-// One product of a grouped call: the skinny kernel's (f32 x rows) or AMX's (packed bf16 x).
+// f32 x against an f32 weight with kWideMinRows..kWideMaxRows rows on the wide kernel.
+bool Wide(const at::Tensor& x, const at::Tensor& w) {
+  return x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
+         w.scalar_type() == at::kFloat && w.is_contiguous() && x.stride(1) == 1 &&
+         WideGemmAvailable();
+}
+
+bool WideRows(int64_t m) { return m >= kWideMinRows && m <= kWideMaxRows; }
+
+// One product of a grouped call: the skinny kernel's (f32 x rows), AMX's (packed bf16 x) or the
+// wide kernel's (packed f32 x).
+enum class Kernel { kSkinny, kAmx, kWide };
 struct Job {
   SkinnyGemmArgs args;
   AmxGemmArgs amx;
-  bool on_amx = false;
+  WideGemmArgs wide;
+  Kernel kernel = Kernel::kSkinny;
   int64_t first_block = 0;
 };
 
 // Output columns per AMX task: two 16-row weight tiles per step (64 KB of bf16 rows of 1024).
 constexpr int64_t kAmxBlock = 32;
 
-int64_t BlockOf(const Job& j) { return j.on_amx ? kAmxBlock : kBlock; }
+int64_t BlockOf(const Job& j) { return j.kernel == Kernel::kAmx ? kAmxBlock : kBlock; }
 int64_t BlocksOf(const Job& j) {
-  const int64_t n = j.on_amx ? j.amx.n : j.args.n;
+  const int64_t n = j.kernel == Kernel::kAmx    ? j.amx.n
+                    : j.kernel == Kernel::kWide ? j.wide.n
+                                                : j.args.n;
   return (n + BlockOf(j) - 1) / BlockOf(j);
 }
 
-// x rows packed for AMX before the products that read them.
+// x rows packed for AMX (bf16) or the wide kernel (f32) before the products that read them.
 struct Pack {
-  const uint16_t* x;
+  const void* x;
   int64_t ldx, m, k;
-  uint16_t* dst;
+  void* dst;
+  bool wide = false;
 };
 
 void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pack>& packs = {}) {
@@ -77,7 +94,12 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
   {
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < npacks; ++p) {
-      AmxPackX(packs[p].x, packs[p].ldx, packs[p].m, packs[p].k, packs[p].dst);
+      const Pack& q = packs[p];
+      if (q.wide) {
+        WidePackX(static_cast<const float*>(q.x), q.ldx, q.m, q.k, static_cast<float*>(q.dst));
+      } else {
+        AmxPackX(static_cast<const uint16_t*>(q.x), q.ldx, q.m, q.k, static_cast<uint16_t*>(q.dst));
+      }
     }
 #pragma omp for schedule(guided)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -86,8 +108,10 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
                                        [](int64_t v, const Job& j) { return v < j.first_block; });
       const Job& job = *(it - 1);
       const int64_t n0 = (b - job.first_block) * BlockOf(job);
-      if (job.on_amx) {
+      if (job.kernel == Kernel::kAmx) {
         AmxGemmRows(job.amx, n0, std::min(job.amx.n, n0 + kAmxBlock));
+      } else if (job.kernel == Kernel::kWide) {
+        WideGemmRows(job.wide, n0, std::min(job.wide.n, n0 + kBlock));
       } else {
         SkinnyGemmRows(job.args, n0, std::min(job.args.n, n0 + kBlock));
       }
@@ -174,11 +198,30 @@ static AmxGemmArgs AmxJob(const at::Tensor& x, int64_t i, int64_t m, const uint1
                           int64_t k, at::Tensor& packed, int64_t at, at::BFloat16* y, int64_t ldy,
                           Pack* pack) {
   auto* p = static_cast<uint16_t*>(packed.data_ptr()) + at;
-  *pack = Pack{static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m, k, p};
+  *pack = Pack{
+      static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m, k, p, false};
   AmxGemmArgs a;
   a.x_packed = p;
   a.w = w;
   a.y_bf16 = reinterpret_cast<uint16_t*>(y);
+  a.ldy = ldy;
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  return a;
+}
+
+// The wide kernel's product of f32 x rows [i, i + m) (packed into `packed` from element `at`, by
+// `pack`) with the f32 weight w [n, k] into f32 rows y (row stride ldy).
+static WideGemmArgs WideJob(const at::Tensor& x, int64_t i, int64_t m, const float* w, int64_t n,
+                            int64_t k, at::Tensor& packed, int64_t at, float* y, int64_t ldy,
+                            Pack* pack) {
+  float* p = packed.data_ptr<float>() + at;
+  *pack = Pack{x.data_ptr<float>() + i * x.stride(0), x.stride(0), m, k, p, true};
+  WideGemmArgs a;
+  a.x_packed = p;
+  a.w = w;
+  a.y = y;
   a.ldy = ldy;
   a.m = m;
   a.n = n;
@@ -193,10 +236,21 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
     at::Tensor packed = at::empty({AmxPackedXElements(m, w.size(1))}, x.options());
     at::Tensor y = at::empty({m, w.size(0)}, x.options());
     Job job;
-    job.on_amx = true;
+    job.kernel = Kernel::kAmx;
     std::vector<Pack> packs(1);
     job.amx = AmxJob(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), w.size(0), w.size(1),
                      packed, 0, y.data_ptr<at::BFloat16>(), y.stride(0), &packs[0]);
+    RunJobs({job}, BlocksOf(job), packs);
+    return y;
+  }
+  if (WideRows(m) && Wide(x, w)) {
+    at::Tensor packed = at::empty({WidePackedXElements(m, w.size(1))}, x.options());
+    at::Tensor y = at::empty({m, w.size(0)}, x.options());
+    Job job;
+    job.kernel = Kernel::kWide;
+    std::vector<Pack> packs(1);
+    job.wide = WideJob(x, 0, m, w.data_ptr<float>(), w.size(0), w.size(1), packed, 0,
+                       y.data_ptr<float>(), y.stride(0), &packs[0]);
     RunJobs({job}, BlocksOf(job), packs);
     return y;
   }
@@ -206,7 +260,8 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
   RunJobs({Job{Args(xf, x, 0, x.size(0), w.data_ptr(), w.scalar_type(), w.size(0), w.size(1),
                     y.data_ptr<float>(), y.stride(0)),
                {},
-               false,
+               {},
+               Kernel::kSkinny,
                0}},
           (w.size(0) + kBlock - 1) / kBlock);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
@@ -216,21 +271,33 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
                      const std::vector<std::pair<int64_t, int64_t>>& runs,
                      const std::vector<int64_t>& expert, at::Tensor& out) {
   const bool amx = Amx(x, weights) && x.stride(1) == 1;
+  const bool wide = !amx && Wide(x, weights[0]);
   const bool skinny = !amx && Skinny(x, weights[0]) && MaxRows(x) > 0;
-  const int64_t max_rows = amx ? kAmxMaxRows : MaxRows(x);
   const bool f32 = x.scalar_type() == at::kFloat;
-  at::Tensor xf = skinny ? PaddedF32(x) : x;
-  // The skinny kernel writes f32 rows; for bf16, into a scratch of out's shape, converted once at
-  // the end. AMX writes bf16 rows into out.
-  at::Tensor yf = skinny && !f32 ? at::empty(out.sizes(), out.options().dtype(at::kFloat)) : out;
-  // AMX: every kernel run's x rows packed into one buffer.
+  // Which kernel takes a run of m rows; none: at::mm_out (long runs) or the widened bf16 route.
+  auto kernel_of = [&](int64_t m) -> std::optional<Kernel> {
+    if (amx && m <= kAmxMaxRows) return Kernel::kAmx;
+    if (wide && WideRows(m)) return Kernel::kWide;
+    if (skinny && m <= MaxRows(x)) return Kernel::kSkinny;
+    return std::nullopt;
+  };
+  // AMX and the wide kernel: every kernel run's x rows packed into one buffer.
   at::Tensor packed;
   std::vector<Pack> packs;
-  if (amx) {
-    int64_t elems = 0;
-    for (auto [i, j] : runs) elems += j - i <= max_rows ? AmxPackedXElements(j - i, x.size(1)) : 0;
-    packed = at::empty({elems}, x.options());
+  int64_t elems = 0;
+  bool any_skinny = false;
+  for (auto [i, j] : runs) {
+    const auto kernel = kernel_of(j - i);
+    if (kernel == Kernel::kAmx) elems += AmxPackedXElements(j - i, x.size(1));
+    if (kernel == Kernel::kWide) elems += WidePackedXElements(j - i, x.size(1));
+    any_skinny = any_skinny || kernel == Kernel::kSkinny;
   }
+  if (elems > 0) packed = at::empty({elems}, x.options());
+  at::Tensor xf = any_skinny ? PaddedF32(x) : x;
+  // The skinny kernel writes f32 rows; for bf16, into a scratch of out's shape, converted once at
+  // the end. AMX writes bf16 rows into out.
+  at::Tensor yf =
+      any_skinny && !f32 ? at::empty(out.sizes(), out.options().dtype(at::kFloat)) : out;
   int64_t packed_at = 0;
   std::vector<size_t> long_runs;
   std::vector<Job> jobs;
@@ -242,7 +309,8 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   const int64_t wbytes = weights.stride(0) * weights.element_size();
   for (size_t r = 0; r < runs.size(); ++r) {
     auto [i, j] = runs[r];
-    if (!(skinny || amx) || j - i > max_rows) {
+    const auto kernel = kernel_of(j - i);
+    if (!kernel) {
       all_from_kernel = false;
       if (SlowBf16(x)) {
         out.narrow(0, i, j - i)
@@ -255,13 +323,18 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     const char* w = wbase + expert[r] * wbytes;
     Job job;
     job.first_block = blocks;
-    if (amx) {
-      job.on_amx = true;
+    job.kernel = *kernel;
+    if (*kernel == Kernel::kAmx) {
       packs.emplace_back();
       job.amx =
           AmxJob(x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
                  out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
       packed_at += AmxPackedXElements(j - i, x.size(1));
+    } else if (*kernel == Kernel::kWide) {
+      packs.emplace_back();
+      job.wide = WideJob(x, i, j - i, reinterpret_cast<const float*>(w), wn, wk, packed, packed_at,
+                         out.data_ptr<float>() + i * out.stride(0), out.stride(0), &packs.back());
+      packed_at += WidePackedXElements(j - i, x.size(1));
     } else {
       job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk,
                       yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0));
@@ -291,18 +364,21 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     if (error) std::rethrow_exception(error);
   }
   if (jobs.empty()) return;
-  // Each AMX product's last block prefetches the next product's first rows (the jobs are in
-  // expert order; a thread's guided run of blocks continues into the next job).
+  // Each AMX or wide product's last block prefetches the next product's first rows (the jobs are
+  // in expert order; a thread's guided run of blocks continues into the next job).
   for (size_t q = 0; q + 1 < jobs.size(); ++q) {
-    if (jobs[q].on_amx && jobs[q + 1].on_amx) {
+    if (jobs[q].kernel == Kernel::kAmx && jobs[q + 1].kernel == Kernel::kAmx) {
       jobs[q].amx.next_w = jobs[q + 1].amx.w;
       jobs[q].amx.next_rows = jobs[q + 1].amx.n;
     }
+    if (jobs[q].kernel == Kernel::kWide && jobs[q + 1].kernel == Kernel::kWide) {
+      jobs[q].wide.next_w = jobs[q + 1].wide.w;
+    }
   }
   RunJobs(jobs, blocks, packs);
-  if (skinny && !f32 && all_from_kernel) {
+  if (any_skinny && !f32 && all_from_kernel) {
     out.copy_(yf);  // every row came from the kernel: one conversion
-  } else if (skinny && !f32) {
+  } else if (any_skinny && !f32) {
     for (const Job& job : jobs) {
       const int64_t i = (job.args.y - yf.data_ptr<float>()) / yf.stride(0);
       out.narrow(0, i, job.args.m).copy_(yf.narrow(0, i, job.args.m));

@@ -1,4 +1,5 @@
-// y = x · wᵀ on the CPU: the skinny kernel (kernels/skinny_gemm.h) for few rows, ATen otherwise.
+// y = x · wᵀ on the CPU: the skinny kernel (kernels/skinny_gemm.h) for few rows, the wide kernel
+// (kernels/wide_gemm.h) for more rows in f32, AMX (kernels/amx_gemm.h) in bf16, ATen otherwise.
 #ifndef MOELORA_WORKER_LAYERS_GEMM_H_
 #define MOELORA_WORKER_LAYERS_GEMM_H_
 
@@ -26,6 +27,14 @@ inline constexpr int64_t kSkinnyMaxRowsBf16Dp = 2;
 // bf16 on the native route where the CPU has AMX (kernels/amx_gemm.h): rows up to which the AMX
 // kernel serves a product (experts grouped per layer, dense layers), ahead of both of the above.
 inline constexpr int64_t kAmxMaxRows = 256;
+// f32 on a CPU with AVX-512: rows of x from which the wide kernel takes a product ahead of the
+// skinny kernel, and up to which it takes it ahead of ATen (OpenBLAS). bench/skinny_gemm, a
+// layer's 32 experts grouped, 2 threads: 16 rows 7.0 against the skinny kernel's 8.8 ms, 32
+// rows 9.8 against 14.4, 64 rows 18.0 against 26.1 (and OpenBLAS 30.6); at 8–12 rows the
+// skinny kernel was as fast or faster. A 512-row dense product in OpenBLAS runs at about the
+// wide kernel's rate (380 GFLOP/s), so ATen keeps those.
+inline constexpr int64_t kWideMinRows = 16;
+inline constexpr int64_t kWideMaxRows = 256;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
 // AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against
@@ -50,8 +59,8 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w);
 
 // For each run r: out rows [begin, end) = x rows [begin, end) · weights[expert[r]]ᵀ, where
 // weights is [E, n, k] and out [rows, n] (contiguous, x's dtype). Runs with few rows go through
-// the skinny kernel in one parallel region (the grouped expert GEMM); longer ones through
-// at::mm_out.
+// the skinny, wide or AMX kernel in one parallel region (the grouped expert GEMM); longer ones
+// through at::mm_out.
 void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
                      const std::vector<std::pair<int64_t, int64_t>>& runs,
                      const std::vector<int64_t>& expert, at::Tensor& out);

@@ -39,9 +39,10 @@ TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
   at::manual_seed(3);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
     // Both sides of every crossover: f32, bf16 widened, bf16 native (AVX512-BF16 up to 2 rows).
-    for (int64_t m : {int64_t{1}, kSkinnyMaxRowsBf16Dp, kSkinnyMaxRowsBf16Dp + 1, int64_t{5},
-                      kSkinnyMaxRows, kSkinnyMaxRows + 1, kSkinnyMaxRowsAvx512,
-                      kSkinnyMaxRowsAvx512 + 1, kSkinnyMaxRowsBf16, kSkinnyMaxRowsBf16 + 1}) {
+    for (int64_t m :
+         {int64_t{1}, kSkinnyMaxRowsBf16Dp, kSkinnyMaxRowsBf16Dp + 1, int64_t{5}, kSkinnyMaxRows,
+          kSkinnyMaxRows + 1, kSkinnyMaxRowsAvx512, kSkinnyMaxRowsAvx512 + 1, kSkinnyMaxRowsBf16,
+          kSkinnyMaxRowsBf16 + 1, kWideMinRows - 1, kWideMinRows, kWideMaxRows, kWideMaxRows + 1}) {
       at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
       ExpectClose(MatmulWt(x, w), Reference(x, w), dt == at::kFloat ? "f32" : "bf16");
     }
@@ -109,6 +110,27 @@ TEST(GemmTest, GroupedMatmulWtOnAViewOfSomeExpertsWithShortRuns) {
     GroupedMatmulWt(x, weights, runs, experts, out);
     ExpectEachRun(x, weights, runs, experts, out);
   }
+}
+
+// f32 runs on every route in one call: the skinny kernel (under kWideMinRows rows), the wide
+// kernel (up to kWideMaxRows; a weight of 37 rows: a tail of 5 after its 8-row tiles) and
+// at::mm_out past it, on a view of some experts, each run's product next to the others'.
+TEST(GemmTest, GroupedMatmulWtTakesEveryF32RouteInOneCall) {
+  at::manual_seed(8);
+  at::Tensor all = at::randn({6, 37, 72});
+  at::Tensor weights = all.narrow(0, 1, 4);
+  const std::vector<int64_t> sizes = {3, kWideMinRows, 40, kWideMaxRows + 1, 1, kWideMaxRows};
+  const std::vector<int64_t> experts = {2, 0, 3, 1, 2, 3};
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t rows = 0;
+  for (int64_t s : sizes) {
+    runs.emplace_back(rows, rows + s);
+    rows += s;
+  }
+  at::Tensor x = at::randn({rows, 72});
+  at::Tensor out = at::full({rows, 37}, 99.0, x.options());
+  GroupedMatmulWt(x, weights, runs, experts, out);
+  ExpectEachRun(x, weights, runs, experts, out);
 }
 
 }  // namespace

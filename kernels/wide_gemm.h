@@ -1,0 +1,57 @@
+// y = x · wᵀ in f32 for 16 to a few hundred rows of x (prefill expert runs, the dense layers of a
+// decode batch of 16 or more): the counterpart of the skinny kernel (few rows) on AVX-512.
+//
+// The skinny kernel takes dot products along k: every step loads one line of each weight row and
+// of each x row of its tile (10 lines per 24 FMAs), ends with horizontal sums, and from about 16
+// rows on it is bound by those loads from L2 (250 GFLOP/s of the 470 two cores can do here).
+// This kernel broadcasts instead: x is packed once per call, transposed in blocks of 16 rows
+// (WidePackX: for each column c, the 16 rows' x[·, c] in one line), and a register tile of 8
+// weight rows by up to 48 x rows (24 accumulators) takes, per column, 8 broadcasts of w[·, c]
+// (each weight line serves 16 columns) and up to 3 lines of packed x. The weight is read in place
+// (its rows stay the layout every other path reads); the next 8 weight rows are prefetched into
+// L1 while the first x block passes over the current ones. Written by hand because the BLAS under
+// Debian's libtorch 1.13 (OpenBLAS) packs the whole weight on each call, which for one expert's
+// 16–256 rows costs about a third of the product (perf of an f32 prefill, docs/performance.md).
+//
+// Layouts (row-major): x [m, k] f32 (row stride ldx); w [n, k] f32, contiguous rows; y [m, n] f32
+// (row stride ldy). Accumulation in f32, in column order c = 0, 1, ..., k - 1 for every output.
+#ifndef MOELORA_KERNELS_WIDE_GEMM_H_
+#define MOELORA_KERNELS_WIDE_GEMM_H_
+
+#include <cstdint>
+
+namespace moelora {
+
+// True when this CPU has AVX-512 (F, BW, VL) and the skinny kernel's instruction set is an
+// AVX-512 one (MOELORA_SKINNY_ISA=avx2 turns this kernel off too), and MOELORA_WIDE_GEMM is not
+// "0" (benchmarks and tests of the other paths). Read once.
+bool WideGemmAvailable();
+// Whether the CPU can run the kernel at all, whatever the variables say (its tests).
+bool WideGemmSupported();
+
+// f32 elements of x packed for m rows of k columns: 16-row blocks, padded with zero rows.
+inline int64_t WidePackedXElements(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k; }
+
+// Packs x [m, k] (row stride ldx) into `packed` (WidePackedXElements(m, k) floats): per block of
+// 16 rows, k lines of 16 floats (line c: x[r, c] of the block's rows r; rows past m are 0).
+// Needs WideGemmSupported().
+void WidePackX(const float* x, int64_t ldx, int64_t m, int64_t k, float* packed);
+
+struct WideGemmArgs {
+  const float* x_packed = nullptr;  // WidePackX of x [m, k]
+  const float* w = nullptr;         // [n, k] f32
+  float* y = nullptr;               // [m, n] f32
+  int64_t ldy = 0;
+  int64_t m = 0, n = 0, k = 0;
+  // Optional: the weight rows read after this product's last rows (the next product's w, e.g. the
+  // next expert's), whose first 8 rows of k columns are prefetched while the last ones compute.
+  const float* next_w = nullptr;
+};
+
+// Output columns [n0, n1) of y = x · wᵀ (overwritten); 0 <= n0 <= n1 <= n. Calls on disjoint
+// column ranges may run concurrently. Needs WideGemmSupported().
+void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1);
+
+}  // namespace moelora
+
+#endif  // MOELORA_KERNELS_WIDE_GEMM_H_
