@@ -30,10 +30,13 @@ inline constexpr int64_t kAmxMaxRows = 256;
 // f32 on a CPU with AVX-512: rows of x from which the wide kernel takes a product ahead of the
 // skinny kernel, and up to which it takes it ahead of ATen (OpenBLAS). bench/skinny_gemm, a
 // layer's 32 experts grouped, 2 threads: 16 rows 7.0 against the skinny kernel's 8.8 ms, 32
-// rows 9.8 against 14.4, 64 rows 18.0 against 26.1 (and OpenBLAS 30.6); at 8–12 rows the
-// skinny kernel was as fast or faster. A 512-row dense product in OpenBLAS runs at about the
-// wide kernel's rate (380 GFLOP/s), so ATen keeps those.
-inline constexpr int64_t kWideMinRows = 16;
+// rows 9.8 against 14.4, 64 rows 18.0 against 26.1 (and OpenBLAS 30.6). From memory (128
+// experts, two paired runs): 12 rows 30.3, 30.9 against 31.6, 32.5 ms, and a dense [12, 1024] x
+// [4096, 1024]ᵀ 0.60 against 0.65 ms; 8 rows even (29.9, 31.1 against 31.6, 30.7); 2 and 4 rows
+// 8–15 % slower (the skinny kernel streams its rows at the read rate, the wide one multiplies
+// zero rows). A 512-row dense product in OpenBLAS runs at about the wide kernel's rate (380
+// GFLOP/s), so ATen keeps those.
+inline constexpr int64_t kWideMinRows = 9;
 inline constexpr int64_t kWideMaxRows = 256;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
