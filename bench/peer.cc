@@ -427,8 +427,10 @@ int main(int argc, char** argv) {
           if (split) {
             extra.push_back(absl::StrFormat(
                 "batch %d: of the decode step, the worker's step %.1f ms (%lld prefill step(s) "
-                "per wave), the rest (controller, RPCs) %.1f ms",
-                b, worker * 1e3, static_cast<long long>(s.pf_steps), (step - worker) * 1e3));
+                "per wave), the rest (controller, RPCs) %.1f ms; the prefill wave %.1f ms, the "
+                "worker's prefill step(s) %.1f ms",
+                b, worker * 1e3, static_cast<long long>(s.pf_steps), (step - worker) * 1e3,
+                b * 16e3 / s.wave_prefill_tok_s, s.pf_step_sum * 1e3));
           }
         } else {
           extra.push_back(mixed_line());

@@ -156,7 +156,9 @@ inline void ExpectBitIdentical(const std::vector<Generation>& a, const std::vect
 }
 
 // Greedy generations of `prompts` together (adapter ids in each of `orders`) equal each run
-// alone: the same tokens, logits within 1e-5. Then the first sequence's decode steps equal a
+// alone: the same tokens, logits within 5e-5 (f32: a batch's products of 9 or more rows go
+// through the wide GEMM, a request alone through the skinny one: two summation orders, 1.02e-5
+// apart seen on Step3.5; a row with another adapter's delta would be off by far more). Then the first sequence's decode steps equal a
 // prefill of the same tokens (the KV cache and masks of single-token steps). The engine must
 // have the orders' adapters loaded.
 inline void ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
@@ -168,7 +170,7 @@ inline void ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
       auto alone = GenerateBatch(e, {order[i]}, {prompts[i]}, max_tokens, 300);
       EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "adapter " << order[i];
       for (size_t t = 0; t < alone[0].logits.size() && t < batch[i].logits.size(); ++t) {
-        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 1e-5f)
+        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 5e-5f)
             << "adapter " << order[i] << " token " << t;
       }
     }
