@@ -80,8 +80,9 @@ MOELORA_AVX512 void Tile(const float* w, int64_t k, const float* xt, int64_t xs,
     for (int r = 0; r < NR; ++r) _mm512_store_ps(buf[r], acc[r][v]);
     const int64_t rows = std::min<int64_t>(16, m - (row0 + v * 16));
     const __mmask16 cols = static_cast<__mmask16>((1u << NR) - 1);
-    const __m512i idx = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+    const __m512i idx =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(16));
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, idx, &buf[0][i], 4);
       _mm512_mask_storeu_ps(y + (row0 + v * 16 + i) * ldy + n, cols, row);
@@ -124,14 +125,30 @@ MOELORA_AVX512 void Run(const WideGemmArgs& a, int64_t n0, int64_t n1) {
       p = Prefetch{a.next_w, kRows};
     }
     switch (std::min<int64_t>(kRows, n1 - n)) {
-      case 8: RowsOfW<8>(a, n, p); break;
-      case 7: RowsOfW<7>(a, n, p); break;
-      case 6: RowsOfW<6>(a, n, p); break;
-      case 5: RowsOfW<5>(a, n, p); break;
-      case 4: RowsOfW<4>(a, n, p); break;
-      case 3: RowsOfW<3>(a, n, p); break;
-      case 2: RowsOfW<2>(a, n, p); break;
-      default: RowsOfW<1>(a, n, p); break;
+      case 8:
+        RowsOfW<8>(a, n, p);
+        break;
+      case 7:
+        RowsOfW<7>(a, n, p);
+        break;
+      case 6:
+        RowsOfW<6>(a, n, p);
+        break;
+      case 5:
+        RowsOfW<5>(a, n, p);
+        break;
+      case 4:
+        RowsOfW<4>(a, n, p);
+        break;
+      case 3:
+        RowsOfW<3>(a, n, p);
+        break;
+      case 2:
+        RowsOfW<2>(a, n, p);
+        break;
+      default:
+        RowsOfW<1>(a, n, p);
+        break;
     }
   }
 }
@@ -164,10 +181,10 @@ bool Enabled() {
 bool WideGemmSupported() { return SkinnyGemmSupports(SkinnyIsa::kAvx512); }
 
 bool WideGemmAvailable() {
-  static const bool ok = WideGemmSupported() &&
-                         (SkinnyGemmIsa() == SkinnyIsa::kAvx512 ||
-                          SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16) &&
-                         Enabled();
+  static const bool ok =
+      WideGemmSupported() &&
+      (SkinnyGemmIsa() == SkinnyIsa::kAvx512 || SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16) &&
+      Enabled();
   return ok;
 }
 

@@ -388,14 +388,15 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
                                               const Rotary& rope, const Rotary::Table& table,
                                               const LoraBatch& lb) {
   const int64_t T = h.size(0), hq = spec_.heads, hkv = spec_.kv_heads, d = spec_.head_dim;
-  at::Tensor qin = h;
+  // The projections of h in one grouped GEMM: q (or Step3's q_down), k and v.
+  MOELORA_ASSIGN_OR_RETURN(
+      std::vector<at::Tensor> hp,
+      LoraLinear::ForwardEach({q_down_ ? q_down_.get() : q_.get(), k_.get(), v_.get()}, h, lb));
+  at::Tensor qg = hp[0], k = hp[1], v = hp[2];
   if (q_down_) {
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor lat, q_down_->Forward(h, lb));
-    qin = RmsNorm(lat, latent_norm_, spec_.eps, NormKind::kPlain);
+    at::Tensor qin = RmsNorm(hp[0], latent_norm_, spec_.eps, NormKind::kPlain);
+    MOELORA_ASSIGN_OR_RETURN(qg, q_->Forward(qin, lb));
   }
-  MOELORA_ASSIGN_OR_RETURN(at::Tensor qg, q_->Forward(qin, lb));
-  MOELORA_ASSIGN_OR_RETURN(at::Tensor k, k_->Forward(h, lb));
-  MOELORA_ASSIGN_OR_RETURN(at::Tensor v, v_->Forward(h, lb));
   at::Tensor q, gate;
   if (spec_.output_gate) {
     // Per head [q_h ; gate_h] (Qwen3.5: q_proj emits heads · 2 · head_dim).

@@ -229,43 +229,68 @@ static WideGemmArgs WideJob(const at::Tensor& x, int64_t i, int64_t m, const flo
   return a;
 }
 
-at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) {
+std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
   const int64_t m = x.dim() == 2 ? x.size(0) : 0;
-  if (m > 0 && m <= kAmxMaxRows && Amx(x, w)) {
-    at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-    at::Tensor packed = at::empty({AmxPackedXElements(m, w.size(1))}, x.options());
-    at::Tensor y = at::empty({m, w.size(0)}, x.options());
-    Job job;
-    job.kernel = Kernel::kAmx;
-    std::vector<Pack> packs(1);
-    job.amx = AmxJob(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), w.size(0), w.size(1),
-                     packed, 0, y.data_ptr<at::BFloat16>(), y.stride(0), &packs[0]);
-    RunJobs({job}, BlocksOf(job), packs);
-    return y;
+  auto all = [&](auto&& pred) { return std::all_of(ws.begin(), ws.end(), pred); };
+  std::optional<Kernel> kernel;
+  if (m > 0 && m <= kAmxMaxRows && all([&](const at::Tensor& w) { return Amx(x, w); })) {
+    kernel = Kernel::kAmx;
+  } else if (WideRows(m) && all([&](const at::Tensor& w) { return Wide(x, w); })) {
+    kernel = Kernel::kWide;
+  } else if (m > 0 && m <= MaxRows(x) && all([&](const at::Tensor& w) { return Skinny(x, w); })) {
+    kernel = Kernel::kSkinny;
   }
-  if (WideRows(m) && Wide(x, w)) {
-    at::Tensor packed = at::empty({WidePackedXElements(m, w.size(1))}, x.options());
-    at::Tensor y = at::empty({m, w.size(0)}, x.options());
-    Job job;
-    job.kernel = Kernel::kWide;
-    std::vector<Pack> packs(1);
-    job.wide = WideJob(x, 0, m, w.data_ptr<float>(), w.size(0), w.size(1), packed, 0,
-                       y.data_ptr<float>(), y.stride(0), &packs[0]);
-    RunJobs({job}, BlocksOf(job), packs);
-    return y;
+  std::vector<at::Tensor> ys;
+  if (!kernel) {
+    for (const at::Tensor& w : ws) ys.push_back(CpuMatmul(x, w.t()));
+    return ys;
   }
-  if (!Skinny(x, w) || x.size(0) > MaxRows(x) || x.size(0) == 0) return CpuMatmul(x, w.t());
-  at::Tensor xf = PaddedF32(x);
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  RunJobs({Job{Args(xf, x, 0, x.size(0), w.data_ptr(), w.scalar_type(), w.size(0), w.size(1),
-                    y.data_ptr<float>(), y.stride(0)),
-               {},
-               {},
-               Kernel::kSkinny,
-               0}},
-          (w.size(0) + kBlock - 1) / kBlock);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  // One x for every product: packed once (AMX, wide) or copied to padded f32 rows once (skinny).
+  const int64_t k = x.size(1);
+  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor packed, xf;
+  if (*kernel == Kernel::kAmx) packed = at::empty({AmxPackedXElements(m, k)}, x.options());
+  if (*kernel == Kernel::kWide) packed = at::empty({WidePackedXElements(m, k)}, x.options());
+  if (*kernel == Kernel::kSkinny) xf = PaddedF32(x);
+  std::vector<Pack> packs(1);
+  std::vector<Job> jobs;
+  int64_t blocks = 0;
+  for (const at::Tensor& w : ws) {
+    const int64_t n = w.size(0);
+    Job job;
+    job.kernel = *kernel;
+    job.first_block = blocks;
+    Pack pack;  // the same for every product: packs[0]
+    if (*kernel == Kernel::kAmx) {
+      ys.push_back(at::empty({m, n}, x.options()));
+      job.amx = AmxJob(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
+                       ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
+    } else if (*kernel == Kernel::kWide) {
+      ys.push_back(at::empty({m, n}, x.options()));
+      job.wide = WideJob(xc, 0, m, w.data_ptr<float>(), n, k, packed, 0,
+                         ys.back().data_ptr<float>(), ys.back().stride(0), &pack);
+    } else {
+      ys.push_back(at::empty({m, n}, x.options().dtype(at::kFloat)));
+      job.args = Args(xf, x, 0, m, w.data_ptr(), w.scalar_type(), n, k, ys.back().data_ptr<float>(),
+                      ys.back().stride(0));
+    }
+    packs[0] = pack;
+    blocks += BlocksOf(job);
+    jobs.push_back(job);
+  }
+  for (size_t q = 0; q + 1 < jobs.size(); ++q) {  // the next product's first rows (see below)
+    jobs[q].amx.next_w = jobs[q + 1].amx.w;
+    jobs[q].amx.next_rows = jobs[q + 1].amx.n;
+    jobs[q].wide.next_w = jobs[q + 1].wide.w;
+  }
+  RunJobs(jobs, blocks, *kernel == Kernel::kSkinny ? std::vector<Pack>{} : packs);
+  if (*kernel == Kernel::kSkinny && x.scalar_type() != at::kFloat) {
+    for (at::Tensor& y : ys) y = y.to(x.scalar_type());
+  }
+  return ys;
 }
+
+at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) { return MatmulWtEach(x, {w})[0]; }
 
 void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
                      const std::vector<std::pair<int64_t, int64_t>>& runs,

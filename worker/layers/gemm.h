@@ -59,6 +59,11 @@ at::Tensor CpuMatmul(const at::Tensor& a, const at::Tensor& b);
 
 // x [m, k] · w [n, k]ᵀ -> [m, n] in x's dtype.
 at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w);
+// MatmulWt(x, w) for each w of ws. On the CPU, where every product takes the same kernel, in one
+// parallel region with x packed once, each product prefetching the next one's first rows (an
+// attention layer's q, k and v: k and v are small, and alone each paid a region's start and
+// its streams' ramp-up).
+std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::Tensor>& ws);
 
 // For each run r: out rows [begin, end) = x rows [begin, end) · weights[expert[r]]ᵀ, where
 // weights is [E, n, k] and out [rows, n] (contiguous, x's dtype). Runs with few rows go through

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/bgmv.h"
 #include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
@@ -249,7 +250,22 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
 }
 
 absl::StatusOr<at::Tensor> LoraLinear::Forward(const at::Tensor& x, const LoraBatch& lb) const {
-  at::Tensor y = MatmulWt(x, w_);
+  return Finish(x, MatmulWt(x, w_), lb);
+}
+
+absl::StatusOr<std::vector<at::Tensor>> LoraLinear::ForwardEach(
+    const std::vector<const LoraLinear*>& layers, const at::Tensor& x, const LoraBatch& lb) {
+  std::vector<at::Tensor> ws;
+  for (const LoraLinear* l : layers) ws.push_back(l->w_);
+  std::vector<at::Tensor> ys = MatmulWtEach(x, ws);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    MOELORA_ASSIGN_OR_RETURN(ys[i], layers[i]->Finish(x, std::move(ys[i]), lb));
+  }
+  return ys;
+}
+
+absl::StatusOr<at::Tensor> LoraLinear::Finish(const at::Tensor& x, at::Tensor y,
+                                              const LoraBatch& lb) const {
   if (bias_.defined() && (mode_ != TpMode::kRow || shape_.tp_rank == 0)) y.add_(bias_);
   y = y.contiguous();
   if (!lb.any) return y;

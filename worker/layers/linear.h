@@ -49,6 +49,9 @@ class LoraLinear final : public LoraModule {
       std::vector<int64_t> out_sections, const SlotShape& shape);
 
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& x, const LoraBatch& lb) const;
+  // Forward of each layer on the same x, their base products in one MatmulWtEach call.
+  [[nodiscard]] static absl::StatusOr<std::vector<at::Tensor>> ForwardEach(
+      const std::vector<const LoraLinear*>& layers, const at::Tensor& x, const LoraBatch& lb);
   const at::Tensor& weight() const { return w_; }
   int64_t out_local() const { return shard_.out_local; }
 
@@ -69,6 +72,9 @@ class LoraLinear final : public LoraModule {
   int64_t in_full_ = 0, out_full_ = 0;
   LoraShard shard_;
   SlotShape shape_;
+  // Forward after the base product y = x · wᵀ: the bias and the adapters' deltas.
+  [[nodiscard]] absl::StatusOr<at::Tensor> Finish(const at::Tensor& x, at::Tensor y,
+                                                  const LoraBatch& lb) const;
   // The CPU path of --fully-sharded-loras: ATen GEMMs per slot run around the collective.
   [[nodiscard]] absl::Status AddFullyShardedLora(const at::Tensor& x, at::Tensor& y,
                                                  const LoraBatch& lb) const;

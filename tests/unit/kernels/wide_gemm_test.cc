@@ -71,9 +71,8 @@ TEST_P(WideGemmTest, MatchesADoubleReference) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WideGemmTest,
                          ::testing::Values(Case{1, 8, 16}, Case{5, 13, 24}, Case{16, 32, 64},
-                                           Case{17, 40, 100}, Case{32, 9, 1024},
-                                           Case{48, 64, 33}, Case{49, 23, 512},
-                                           Case{100, 70, 96}, Case{256, 16, 7}));
+                                           Case{17, 40, 100}, Case{32, 9, 1024}, Case{48, 64, 33},
+                                           Case{49, 23, 512}, Case{100, 70, 96}, Case{256, 16, 7}));
 
 // The packed layout itself: line c of block b holds x[16 b + r, c] in lane r, zeros past m.
 TEST(WideGemmPackTest, TransposesBlocksOfSixteenRowsAndZeroPads) {
@@ -89,7 +88,8 @@ TEST(WideGemmPackTest, TransposesBlocksOfSixteenRowsAndZeroPads) {
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = b * 16 + r;
         const float want = row < m ? x[row * ldx + c] : 0.0f;
-        ASSERT_EQ(p[(b * k + c) * 16 + r], want) << "block " << b << " column " << c << " row " << r;
+        ASSERT_EQ(p[(b * k + c) * 16 + r], want)
+            << "block " << b << " column " << c << " row " << r;
       }
     }
   }

@@ -158,9 +158,9 @@ inline void ExpectBitIdentical(const std::vector<Generation>& a, const std::vect
 // Greedy generations of `prompts` together (adapter ids in each of `orders`) equal each run
 // alone: the same tokens, logits within 5e-5 (f32: a batch's products of 9 or more rows go
 // through the wide GEMM, a request alone through the skinny one: two summation orders, 1.02e-5
-// apart seen on Step3.5; a row with another adapter's delta would be off by far more). Then the first sequence's decode steps equal a
-// prefill of the same tokens (the KV cache and masks of single-token steps). The engine must
-// have the orders' adapters loaded.
+// apart seen on Step3.5; a row with another adapter's delta would be off by far more). Then the
+// first sequence's decode steps equal a prefill of the same tokens (the KV cache and masks of
+// single-token steps). The engine must have the orders' adapters loaded.
 inline void ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
     Engine& e, const std::vector<std::vector<int64_t>>& orders,
     const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {

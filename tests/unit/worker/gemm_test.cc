@@ -133,5 +133,27 @@ TEST(GemmTest, GroupedMatmulWtTakesEveryF32RouteInOneCall) {
   ExpectEachRun(x, weights, runs, experts, out);
 }
 
+// Several weights on one x (an attention layer's q, k and v): each product the same bits as
+// MatmulWt on its own, on every route (skinny, wide and ATen in f32; AMX or the other bf16
+// routes), with weights of different heights, one of them a row tail for the wide kernel.
+TEST(GemmTest, MatmulWtEachEqualsMatmulWtOnEveryWeight) {
+  at::manual_seed(9);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    const std::vector<at::Tensor> ws = {at::randn({64, 96}).to(dt), at::randn({16, 96}).to(dt),
+                                        at::randn({48, 96}).to(dt)};
+    for (int64_t m : {int64_t{1}, int64_t{3}, kWideMinRows, int64_t{40}, kWideMaxRows + 1}) {
+      at::Tensor x = at::randn({m, 96}).to(dt);
+      const std::vector<at::Tensor> ys = MatmulWtEach(x, ws);
+      ASSERT_EQ(ys.size(), ws.size());
+      for (size_t i = 0; i < ws.size(); ++i) {
+        at::Tensor want = MatmulWt(x, ws[i]);
+        ASSERT_EQ(ys[i].sizes(), want.sizes());
+        EXPECT_TRUE(at::equal(ys[i], want)) << "rows " << m << ", weight " << i;
+        ExpectClose(ys[i], Reference(x, ws[i]), "each");
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moelora
