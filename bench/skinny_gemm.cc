@@ -141,8 +141,9 @@ int main(int argc, char** argv) {
     const std::vector<at::Tensor> wq = copies({H, H}), wk = copies({H / 4, H}),
                                   wlm = copies({4 * H, H});
     std::printf(
-        "| dense rows | q or o [%ld, %ld] ms, /read | k or v ms, /read | LM head ms, /read |\n"
-        "|---|---|---|---|\n",
+        "| dense rows | q or o [%ld, %ld] ms, /read | k or v ms, /read | LM head ms, /read | q, k, "
+        "v apart / grouped (MatmulWtEach) ms |\n"
+        "|---|---|---|---|---|\n",
         static_cast<long>(H), static_cast<long>(H));
     for (absl::string_view r : absl::StrSplit(dense_s, ',')) {
       const int64_t m = std::atol(std::string(r).c_str());
@@ -155,8 +156,25 @@ int main(int argc, char** argv) {
         return std::make_pair(t * 1e3, t / (ws[0].numel() * ws[0].element_size() / rate));
       };
       const auto q = row(wq), k = row(wk), lm = row(wlm);
-      std::printf("| %ld | %.3f, %.2f | %.3f, %.2f | %.3f, %.2f |\n", static_cast<long>(m), q.first,
-                  q.second, k.first, k.second, lm.first, lm.second);
+      // An attention layer's q, k and v on the same x: three calls against one grouped call.
+      const size_t nq = wq.size(), nk = wk.size();
+      const double apart = Best([&] {
+                             for (size_t i = 0; i < nq; ++i) {
+                               (void)moelora::MatmulWt(x, wq[i]);
+                               (void)moelora::MatmulWt(x, wk[2 * i % nk]);
+                               (void)moelora::MatmulWt(x, wk[(2 * i + 1) % nk]);
+                             }
+                           }) /
+                           nq;
+      const double grouped =
+          Best([&] {
+            for (size_t i = 0; i < nq; ++i)
+              (void)moelora::MatmulWtEach(x, {wq[i], wk[2 * i % nk], wk[(2 * i + 1) % nk]});
+          }) /
+          nq;
+      std::printf("| %ld | %.3f, %.2f | %.3f, %.2f | %.3f, %.2f | %.3f / %.3f |\n",
+                  static_cast<long>(m), q.first, q.second, k.first, k.second, lm.first, lm.second,
+                  apart * 1e3, grouped * 1e3);
     }
   }
   // A prefill GEMM, as tools/torch_ops_bench.py times it with the PyTorch wheel.
