@@ -88,6 +88,7 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
   //   f32 batch 8    23.3 / 23.7 -> 22.7 / 22.8 ms    f32 batch 32   41.7 / 41.9 -> 40.5 / 40.6
   //   bf16 batch 8   13.4 / 13.0 -> 12.5 / 12.6       bf16 batch 32  21.3 / 21.1 -> 20.4 / 20.8
   // AMX's x packing runs first in the same parallel region.
+  if (blocks == 0) return;  // no output columns (nothing reads the packed x)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
   const int64_t npacks = static_cast<int64_t>(packs.size());
 #pragma omp parallel num_threads(threads)
@@ -230,6 +231,7 @@ static WideGemmArgs WideJob(const at::Tensor& x, int64_t i, int64_t m, const flo
 }
 
 std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
+  if (ws.empty()) return {};
   const int64_t m = x.dim() == 2 ? x.size(0) : 0;
   auto all = [&](auto&& pred) { return std::all_of(ws.begin(), ws.end(), pred); };
   std::optional<Kernel> kernel;

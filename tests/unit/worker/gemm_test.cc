@@ -153,6 +153,14 @@ TEST(GemmTest, MatmulWtEachEqualsMatmulWtOnEveryWeight) {
       }
     }
   }
+  // Edge shapes: no weights; a weight of no rows (an empty product on every route).
+  at::Tensor x = at::randn({20, 96});
+  EXPECT_TRUE(MatmulWtEach(x, {}).empty());
+  for (int64_t m : {int64_t{3}, int64_t{20}}) {
+    const std::vector<at::Tensor> ys = MatmulWtEach(x.narrow(0, 0, m), {at::randn({0, 96})});
+    ASSERT_EQ(ys.size(), 1u);
+    EXPECT_EQ(ys[0].sizes(), (std::vector<int64_t>{m, 0}));
+  }
 }
 
 }  // namespace
