@@ -10,6 +10,9 @@
 namespace moelora {
 
 namespace {
+// Named apart from the other kernel files' helpers (Prefetch, Enabled, ...): CI's unity build
+// compiles them into one translation unit.
+namespace wide {
 
 constexpr int kRows = 8;  // weight rows per register tile
 
@@ -176,6 +179,7 @@ bool Enabled() {
   return e == nullptr || std::strcmp(e, "0") != 0;
 }
 
+}  // namespace wide
 }  // namespace
 
 bool WideGemmSupported() { return SkinnyGemmSupports(SkinnyIsa::kAvx512); }
@@ -184,14 +188,14 @@ bool WideGemmAvailable() {
   static const bool ok =
       WideGemmSupported() &&
       (SkinnyGemmIsa() == SkinnyIsa::kAvx512 || SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16) &&
-      Enabled();
+      wide::Enabled();
   return ok;
 }
 
 void WidePackX(const float* x, int64_t ldx, int64_t m, int64_t k, float* packed) {
-  PackX(x, ldx, m, k, packed);
+  wide::PackX(x, ldx, m, k, packed);
 }
 
-void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1) { Run(a, n0, n1); }
+void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1) { wide::Run(a, n0, n1); }
 
 }  // namespace moelora

@@ -280,7 +280,8 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
     blocks += BlocksOf(job);
     jobs.push_back(job);
   }
-  for (size_t q = 0; q + 1 < jobs.size(); ++q) {  // the next product's first rows (see below)
+  // Each product prefetches the next one's first rows, as in GroupedMatmulWt.
+  for (size_t q = 0; q + 1 < jobs.size(); ++q) {
     jobs[q].amx.next_w = jobs[q + 1].amx.w;
     jobs[q].amx.next_rows = jobs[q + 1].amx.n;
     jobs[q].wide.next_w = jobs[q + 1].wide.w;
