@@ -14,8 +14,9 @@ namespace moelora {
 // skinny_gemm measures the crossover; docs/performance.md has the figures). f32 with the AVX2
 // kernel: 24 (an AMD EPYC against OpenBLAS). f32 with the AVX-512 kernel (a Xeon): a dense
 // [m, 1024] x [4096, 1024]ᵀ 1.5x OpenBLAS at 32 rows, 1.13x at 64, even at 96; a layer's experts
-// grouped 1.26x at 32 rows each, 1.03x at 64, 0.96x at 96. bf16 on the widened route goes to 64:
-// its alternative is f32 BLAS on widened copies of the weight (CpuMatmul), which reads and
+// grouped 1.26x at 32 rows each, 1.03x at 64, 0.96x at 96 (where the wide kernel below is on, it
+// takes f32 products from kWideMinRows rows, ahead of this bound). bf16 on the widened route goes
+// to 64: its alternative is f32 BLAS on widened copies of the weight (CpuMatmul), which reads and
 // writes the weight twice more.
 inline constexpr int64_t kSkinnyMaxRows = 24;
 inline constexpr int64_t kSkinnyMaxRowsAvx512 = 64;
