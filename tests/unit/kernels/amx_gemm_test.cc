@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tests/testing/bf16.h"
+#include "tests/testing/gemm_reference.h"
 
 namespace moelora {
 namespace {
@@ -14,9 +15,7 @@ namespace {
 using testing::FromBf16;
 using testing::ToBf16;
 
-struct Case {
-  int64_t m, n, k;
-};
+using Case = testing::GemmCase;
 
 class AmxGemmTest : public ::testing::TestWithParam<Case> {};
 
@@ -35,20 +34,10 @@ TEST_P(AmxGemmTest, MatchesADoubleReference) {
   for (auto& v : w) v = ToBf16(d(rng));
   std::vector<uint16_t> packed(AmxPackedXElements(m, k), 0xFFFF);
   AmxPackX(x.data(), ldx, m, k, packed.data());
-  std::vector<double> want(m * n);
   double scale = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      double s = 0, a = 0;
-      for (int64_t c = 0; c < k; ++c) {
-        const double p = static_cast<double>(FromBf16(x[i * ldx + c])) * FromBf16(w[j * k + c]);
-        s += p;
-        a += std::abs(p);
-      }
-      want[i * n + j] = s;
-      scale = std::max(scale, a);
-    }
-  }
+  const std::vector<double> want = testing::DoubleXWt(
+      m, n, k, [&](int64_t i, int64_t c) { return FromBf16(x[i * ldx + c]); },
+      [&](int64_t j, int64_t c) { return FromBf16(w[j * k + c]); }, &scale);
   const int64_t split = n / 32 * 16;  // a multiple of 16, maybe 0
   for (bool bf16_out : {false, true}) {
     SCOPED_TRACE(bf16_out ? "bf16 y" : "f32 y");

@@ -6,12 +6,12 @@
 #include <random>
 #include <vector>
 
+#include "tests/testing/gemm_reference.h"
+
 namespace moelora {
 namespace {
 
-struct Case {
-  int64_t m, n, k;
-};
+using Case = testing::GemmCase;
 
 class WideGemmTest : public ::testing::TestWithParam<Case> {};
 
@@ -30,20 +30,10 @@ TEST_P(WideGemmTest, MatchesADoubleReference) {
   for (auto& v : w) v = d(rng);
   std::vector<float> packed(WidePackedXElements(m, k), NAN);
   WidePackX(x.data(), ldx, m, k, packed.data());
-  std::vector<double> want(m * n);
   double scale = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      double s = 0, a = 0;
-      for (int64_t c = 0; c < k; ++c) {
-        const double p = static_cast<double>(x[i * ldx + c]) * w[j * k + c];
-        s += p;
-        a += std::abs(p);
-      }
-      want[i * n + j] = s;
-      scale = std::max(scale, a);
-    }
-  }
+  const std::vector<double> want = testing::DoubleXWt(
+      m, n, k, [&](int64_t i, int64_t c) { return x[i * ldx + c]; },
+      [&](int64_t j, int64_t c) { return w[j * k + c]; }, &scale);
   std::vector<float> y(m * ldy, -7.0f);
   WideGemmArgs a;
   a.x_packed = packed.data();
