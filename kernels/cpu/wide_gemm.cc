@@ -83,9 +83,8 @@ MOELORA_AVX512 void Tile(const float* w, int64_t k, const float* xt, int64_t xs,
     for (int r = 0; r < NR; ++r) _mm512_store_ps(buf[r], acc[r][v]);
     const int64_t rows = std::min<int64_t>(16, m - (row0 + v * 16));
     const __mmask16 cols = static_cast<__mmask16>((1u << NR) - 1);
-    const __m512i idx =
-        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           _mm512_set1_epi32(16));
+    const __m512i idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
+                                          208, 224, 240);  // buf[lane][i]
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, idx, &buf[0][i], 4);
       _mm512_mask_storeu_ps(y + (row0 + v * 16 + i) * ldy + n, cols, row);

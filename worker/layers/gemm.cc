@@ -120,6 +120,21 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
   }
 }
 
+// Each AMX or wide product's last block prefetches the next product's first rows, where the next
+// job runs on the same kernel (the jobs are in weight order; a thread's guided run of blocks
+// continues into the next job).
+void ChainNext(std::vector<Job>& jobs) {
+  for (size_t q = 0; q + 1 < jobs.size(); ++q) {
+    if (jobs[q].kernel != jobs[q + 1].kernel) continue;
+    if (jobs[q].kernel == Kernel::kAmx) {
+      jobs[q].amx.next_w = jobs[q + 1].amx.w;
+      jobs[q].amx.next_rows = jobs[q + 1].amx.n;
+    } else if (jobs[q].kernel == Kernel::kWide) {
+      jobs[q].wide.next_w = jobs[q + 1].wide.w;
+    }
+  }
+}
+
 // x in f32 with a row stride of k + 16 floats, so that x rows k·4 bytes apart (4 KB for k = 1024)
 // do not all map to the same L1 set as the weight rows. Measured: no clear change on this
 // machine (bench/skinny_gemm, within its noise); kept because x is copied anyway (to f32 for
@@ -254,7 +269,7 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
   if (*kernel == Kernel::kAmx) packed = at::empty({AmxPackedXElements(m, k)}, x.options());
   if (*kernel == Kernel::kWide) packed = at::empty({WidePackedXElements(m, k)}, x.options());
   if (*kernel == Kernel::kSkinny) xf = PaddedF32(x);
-  std::vector<Pack> packs(1);
+  std::vector<Pack> packs;  // AMX, wide: x packed once, for every product
   std::vector<Job> jobs;
   int64_t blocks = 0;
   for (const at::Tensor& w : ws) {
@@ -262,7 +277,7 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
     Job job;
     job.kernel = *kernel;
     job.first_block = blocks;
-    Pack pack;  // the same for every product: packs[0]
+    Pack pack;  // the same for every product
     if (*kernel == Kernel::kAmx) {
       ys.push_back(at::empty({m, n}, x.options()));
       job.amx = AmxJob(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
@@ -276,17 +291,12 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
       job.args = Args(xf, x, 0, m, w.data_ptr(), w.scalar_type(), n, k, ys.back().data_ptr<float>(),
                       ys.back().stride(0));
     }
-    packs[0] = pack;
+    if (packs.empty() && *kernel != Kernel::kSkinny) packs.push_back(pack);
     blocks += BlocksOf(job);
     jobs.push_back(job);
   }
-  // Each product prefetches the next one's first rows, as in GroupedMatmulWt.
-  for (size_t q = 0; q + 1 < jobs.size(); ++q) {
-    jobs[q].amx.next_w = jobs[q + 1].amx.w;
-    jobs[q].amx.next_rows = jobs[q + 1].amx.n;
-    jobs[q].wide.next_w = jobs[q + 1].wide.w;
-  }
-  RunJobs(jobs, blocks, *kernel == Kernel::kSkinny ? std::vector<Pack>{} : packs);
+  ChainNext(jobs);
+  RunJobs(jobs, blocks, packs);
   if (*kernel == Kernel::kSkinny && x.scalar_type() != at::kFloat) {
     for (at::Tensor& y : ys) y = y.to(x.scalar_type());
   }
@@ -392,17 +402,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     if (error) std::rethrow_exception(error);
   }
   if (jobs.empty()) return;
-  // Each AMX or wide product's last block prefetches the next product's first rows (the jobs are
-  // in expert order; a thread's guided run of blocks continues into the next job).
-  for (size_t q = 0; q + 1 < jobs.size(); ++q) {
-    if (jobs[q].kernel == Kernel::kAmx && jobs[q + 1].kernel == Kernel::kAmx) {
-      jobs[q].amx.next_w = jobs[q + 1].amx.w;
-      jobs[q].amx.next_rows = jobs[q + 1].amx.n;
-    }
-    if (jobs[q].kernel == Kernel::kWide && jobs[q + 1].kernel == Kernel::kWide) {
-      jobs[q].wide.next_w = jobs[q + 1].wide.w;
-    }
-  }
+  ChainNext(jobs);
   RunJobs(jobs, blocks, packs);
   if (any_skinny && !f32 && all_from_kernel) {
     out.copy_(yf);  // every row came from the kernel: one conversion
