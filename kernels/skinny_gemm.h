@@ -36,6 +36,11 @@ struct SkinnyGemmArgs {
   // (vdpbf16ps; exact products, f32 sums); elsewhere it is ignored.
   const uint16_t* x_bf16_rows = nullptr;
   int64_t ldx_bf16 = 0;
+  // Optional: the weight of the product that runs after this one (same k and type, next_rows
+  // rows). The last rows of this weight then prefetch its first rows, as every other tile
+  // prefetches the rows after its own.
+  const void* next_w = nullptr;
+  int64_t next_rows = 0;
 };
 
 // kAvx512Bf16: kAvx512, plus vdpbf16ps for bf16 weights against a bf16 x (x_bf16_rows).
