@@ -90,16 +90,29 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
   // AMX's x packing runs first in the same parallel region.
   if (blocks == 0) return;  // no output columns (nothing reads the packed x)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
-  const int64_t npacks = static_cast<int64_t>(packs.size());
+  // Both packed layouts are blocks of 16 rows, each 16·k elements long and depending on its own
+  // rows only, so the threads split the packing by block: one dense product's x at a decode batch
+  // of 32 is two blocks, which one thread packed while the other waited. decode_step --only peer,
+  // two paired runs, case (a): bf16 batch 32 18.4, 17.9 -> 17.1, 17.3 ms; f32 within noise.
+  std::vector<int64_t> pack_first(packs.size() + 1, 0);
+  for (size_t p = 0; p < packs.size(); ++p) {
+    pack_first[p + 1] = pack_first[p] + (packs[p].m + 15) / 16;
+  }
+  const int64_t pack_blocks = pack_first.back();
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < npacks; ++p) {
+    for (int64_t u = 0; u < pack_blocks; ++u) {
+      const size_t p = static_cast<size_t>(
+          std::upper_bound(pack_first.begin(), pack_first.end(), u) - pack_first.begin() - 1);
       const Pack& q = packs[p];
+      const int64_t r0 = (u - pack_first[p]) * 16, rows = std::min<int64_t>(16, q.m - r0);
       if (q.wide) {
-        WidePackX(static_cast<const float*>(q.x), q.ldx, q.m, q.k, static_cast<float*>(q.dst));
+        WidePackX(static_cast<const float*>(q.x) + r0 * q.ldx, q.ldx, rows, q.k,
+                  static_cast<float*>(q.dst) + r0 * q.k);
       } else {
-        AmxPackX(static_cast<const uint16_t*>(q.x), q.ldx, q.m, q.k, static_cast<uint16_t*>(q.dst));
+        AmxPackX(static_cast<const uint16_t*>(q.x) + r0 * q.ldx, q.ldx, rows, q.k,
+                 static_cast<uint16_t*>(q.dst) + r0 * q.k);
       }
     }
 #pragma omp for schedule(guided)
