@@ -16,33 +16,6 @@ namespace wide {
 
 constexpr int kRows = 8;  // weight rows per register tile
 
-// Transposes 16 rows of 16 floats in place: r[j] becomes column j.
-MOELORA_AVX512F inline void Transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
-    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
-  }
-}
-
 // Prefetch of `rows` weight rows of k floats at pf, spread over one pass of k columns: line g of
 // it is line g / 8 of row g % 8 (the order the next tile reads them: all rows advance together).
 struct Prefetch {
@@ -167,7 +140,7 @@ MOELORA_AVX512 void PackX(const float* x, int64_t ldx, int64_t m, int64_t k, flo
         r[i] = i < rows ? _mm512_maskz_loadu_ps(mask, x + (b * 16 + i) * ldx + c0)
                         : _mm512_setzero_ps();
       }
-      Transpose16(r);
+      avx512::Transpose16(r);
       for (int64_t i = 0; i < cols; ++i) _mm512_storeu_ps(dst + (c0 + i) * 16, r[i]);
     }
   }
