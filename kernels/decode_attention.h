@@ -1,6 +1,8 @@
 // Attention of one KV head's query heads against that head's cached keys, for the CPU engine's
 // decode and short prefill rows (worker/layers/attention.cc): the heads that share a K/V head
-// (grouped-query attention) read each key and value row once, all in f32, AVX-512.
+// (grouped-query attention) in one call, one head after the other, each reading the key and
+// value rows in place (bf16 widened as it goes; after the first head they come from L1);
+// arithmetic in f32, AVX-512.
 //
 // Why by hand: a decode query has a few dozen to a few thousand keys of 64-256 values; per
 // (sequence, head) ATen GEMMs cost more in dispatch than the arithmetic, and the scalar loop

@@ -31,6 +31,10 @@ void SiluMul(const float* g, const float* u, float* out, int64_t n, bool round_s
 float Dot(const float* a, const float* b, int64_t n);
 // Dot(x, x, n).
 float SumSquares(const float* x, int64_t n);
+// The first i with x[i] the largest value (NaN never counts; 0 when no value exceeds -inf), and
+// that value in *max (-inf then): what a scalar loop keeping `x[i] > best` finds. A greedy
+// decode step takes it over every row's logits; 16 lanes at a time on AVX-512.
+int64_t ArgMax(const float* x, int64_t n, float* max);
 
 // The forms of RmsNorm the served architectures use (the worker's NormKind): with
 // r = 1 / sqrt(SumSquares(x, n) / n + eps),

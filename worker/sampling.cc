@@ -4,17 +4,16 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/elementwise.h"
+
 namespace moelora {
 
 double Sampler::Uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
 int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int32_t best = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (logits[i] > mx) mx = logits[i], best = static_cast<int32_t>(i);
-  }
-  int32_t token = best;
+  // The first largest logit (kernels/elementwise.h: vectorised; the scalar loop's answer).
+  float mx = 0;
+  int32_t token = static_cast<int32_t>(ArgMax(logits, vocab, &mx));
   if (p_.temperature > 0) {
     scratch_.clear();
     for (int64_t i = 0; i < vocab; ++i) {

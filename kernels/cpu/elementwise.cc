@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/internal/avx2.h"
@@ -222,6 +223,40 @@ MOELORA_AVX512F void RotaryRowAvx512(const float* x, const float* c, const float
 
 float RoundTrip1(float v) { return avx2::ToF32(Round1(v)); }
 
+// Per lane, the first index of that lane's largest value (strict >, so NaN and later ties never
+// replace it); then the largest lane value, and among the lanes holding it the lowest index.
+MOELORA_AVX512F int64_t ArgMaxAvx512(const float* x, int64_t n, float* max) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i at = _mm512_setzero_si512();
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  int64_t i = 0;
+  // 32-bit lane indices: rows of up to 2^31 values (vocabularies are far below).
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    at = _mm512_mask_mov_epi32(at, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (i < n) {
+    const __mmask16 live = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(live, v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    at = _mm512_mask_mov_epi32(at, gt, idx);
+  }
+  const float mx = _mm512_reduce_max_ps(best);
+  if (!(mx > -std::numeric_limits<float>::infinity())) {
+    *max = mx;
+    return 0;
+  }
+  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mx), _CMP_EQ_OQ);
+  const int64_t first = _mm512_mask_reduce_min_epi32(holders, at);
+  *max = x[first];  // the value itself: max of +0 and -0 may come out as either
+  return first;
+}
+
 }  // namespace
 
 bool ElementwiseVectorised() { return HasAvx512(); }
@@ -327,5 +362,16 @@ float Dot(const float* a, const float* b, int64_t n) {
 }
 
 float SumSquares(const float* x, int64_t n) { return Dot(x, x, n); }
+
+int64_t ArgMax(const float* x, int64_t n, float* max) {
+  if (HasAvx512()) return ArgMaxAvx512(x, n, max);
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] > mx) mx = x[i], best = i;
+  }
+  *max = mx;
+  return best;
+}
 
 }  // namespace moelora

@@ -66,6 +66,44 @@ TEST(ElementwiseKernelTest, RoundsAndWidensBf16LikeC10) {
   }
 }
 
+// ArgMax against the scalar loop it stands for (first index of the largest value, NaN never,
+// 0 and -inf when nothing exceeds -inf): random rows of every length up to 70 (16-lane tails),
+// with ties placed in other lanes and blocks, NaN and infinities, and rows of only -inf or NaN.
+TEST(ElementwiseKernelTest, ArgMaxIsTheFirstLargestLikeAScalarLoop) {
+  auto scalar = [](const std::vector<float>& v, float* max) {
+    float mx = -std::numeric_limits<float>::infinity();
+    int64_t best = 0;
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (v[i] > mx) mx = v[i], best = static_cast<int64_t>(i);
+    }
+    *max = mx;
+    return best;
+  };
+  std::mt19937 rng(31);
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::vector<std::vector<float>> rows;
+  for (int64_t n = 1; n <= 70; ++n) {
+    rows.push_back(Values(n, static_cast<uint32_t>(n)));
+    std::vector<float> ties(n);
+    for (auto& x : ties) x = static_cast<float>(small(rng));  // many equal maxima
+    rows.push_back(ties);
+    rows.push_back(std::vector<float>(n, -std::numeric_limits<float>::infinity()));
+    rows.push_back(std::vector<float>(n, std::numeric_limits<float>::quiet_NaN()));
+  }
+  std::vector<float> late(64, 1.0f);
+  late[40] = 2.0f;
+  late[56] = 2.0f;  // the same lane as 40, a later block
+  late[9] = std::numeric_limits<float>::quiet_NaN();
+  rows.push_back(late);
+  for (const auto& v : rows) {
+    float want_max = 0, got_max = 0;
+    const int64_t want = scalar(v, &want_max);
+    const int64_t got = ArgMax(v.data(), static_cast<int64_t>(v.size()), &got_max);
+    ASSERT_EQ(got, want) << "length " << v.size();
+    ASSERT_EQ(Bits(got_max), Bits(want_max)) << "length " << v.size();
+  }
+}
+
 TEST(ElementwiseKernelTest, SiluMulIsWithinTwoUlpOfADoubleReference) {
   for (int64_t n : {int64_t{7}, int64_t{16}, int64_t{517}}) {
     std::mt19937 rng(static_cast<uint32_t>(n));
