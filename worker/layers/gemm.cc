@@ -173,14 +173,15 @@ void ChainNext(std::vector<Job>& jobs) {
   }
 }
 
-// x in f32 with a row stride of k + 16 floats, so that x rows k·4 bytes apart (4 KB for k = 1024)
-// do not all map to the same L1 set as the weight rows. Measured: no clear change on this
-// machine (bench/skinny_gemm, within its noise); kept for bf16 x, which is copied anyway (to
-// f32). An f32 x with unit column stride is read in place: its copy (an ATen copy_ on the thread
-// the others wait for) was 1.1 % of an f32 decode step at batch 8 (perf); decode_step --only
-// peer, f32, three paired runs: batch 32 35.2, 34.6, 35.2 -> 34.6, 34.6, 34.2 ms, its prefill
-// 161, 160, 163 -> 156, 152, 155 ms; batch 8 within noise.
-at::Tensor PaddedF32(const at::Tensor& x) {
+// The f32 x rows the skinny kernel reads. An f32 x with unit column stride as it is; any other x
+// copied to f32 with a row stride of k + 16 floats, so that x rows k·4 bytes apart (4 KB for k =
+// 1024) do not all map to the same L1 set as the weight rows (measured: no clear change on this
+// machine, bench/skinny_gemm within its noise; kept because that x is copied anyway). The f32 x
+// used to be copied too: an ATen copy_ on the thread the others wait for, 1.1 % of an f32 decode
+// step at batch 8 (perf); reading it in place, decode_step --only peer, f32, three paired runs:
+// batch 32 35.2, 34.6, 35.2 -> 34.6, 34.6, 34.2 ms, its prefill 161, 160, 163 -> 156, 152, 155
+// ms; batch 8 within noise.
+at::Tensor SkinnyXRows(const at::Tensor& x) {
   if (x.scalar_type() == at::kFloat && x.stride(1) == 1) return x;
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor p = at::empty({m, k + 16}, x.options().dtype(at::kFloat));
@@ -310,7 +311,7 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
   at::Tensor packed, xf;
   if (*kernel == Kernel::kAmx) packed = at::empty({AmxPackedXElements(m, k)}, x.options());
   if (*kernel == Kernel::kWide) packed = at::empty({WidePackedXElements(m, k)}, x.options());
-  if (*kernel == Kernel::kSkinny) xf = PaddedF32(x);
+  if (*kernel == Kernel::kSkinny) xf = SkinnyXRows(x);
   std::vector<Pack> packs;  // AMX, wide: x packed once, for every product
   std::vector<Job> jobs;
   int64_t blocks = 0;
@@ -373,7 +374,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     any_skinny = any_skinny || kernel == Kernel::kSkinny;
   }
   if (elems > 0) packed = at::empty({elems}, x.options());
-  at::Tensor xf = any_skinny ? PaddedF32(x) : x;
+  at::Tensor xf = any_skinny ? SkinnyXRows(x) : x;
   // The skinny kernel writes f32 rows; for bf16, into a scratch of out's shape, converted once at
   // the end. AMX writes bf16 rows into out.
   at::Tensor yf =
