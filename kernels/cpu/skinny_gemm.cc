@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "kernels/internal/avx2.h"
 #include "kernels/internal/avx512.h"
@@ -75,6 +76,20 @@ struct Vec : F32XRows {
 
 template <typename W>
 MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
+  // f32 weights at a decode's few rows per expert: how many weight rows stream at once was
+  // measured, not derived (the kernel's rate is what the memory gives its streams). Rows of 4 KB
+  // or more (k = 1024: gate/up, the dense products) at 1-3 x rows: 8 rows a tile (8 x 3
+  // accumulators); rows of up to 2 KB (k = 512: the down projection) at 1-4 x rows: 2 rows a
+  // tile. bench/skinny_gemm --experts 128 (805 MB), f32, two paired runs, grouped ms at 1 / 2 /
+  // 3 rows per expert: 25.7, 26.7 / 27.0, 27.8 / 27.8, 28.1 -> 24.0, 24.2 / 25.4, 25.9 / 26.3,
+  // 26.6; the down product alone at 4 rows 9.3, 9.5 -> 8.7, 8.9 ms. Not taken: 8 rows at 4-6 x
+  // rows (two tiles of x; within noise), 2 rows at 5-6 (6-10 % slower), 1 row for the down
+  // product (between the two).
+  if constexpr (std::is_same_v<W, float>) {
+    const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(float));
+    if (row_bytes >= 4096 && a.m <= 3) return RunTiles<8, 3>(a, static_cast<const W*>(a.w), n0, n1);
+    if (row_bytes <= 2048 && a.m <= 4) return RunTiles<2, 6>(a, static_cast<const W*>(a.w), n0, n1);
+  }
   // 32 zmm registers: 4 weight rows x 6 x rows = 24 accumulators, 6 for x, 1 for w.
   RunTiles<4, 6>(a, static_cast<const W*>(a.w), n0, n1);
 }
