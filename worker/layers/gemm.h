@@ -36,8 +36,13 @@ inline constexpr int64_t kAmxMaxRows = 256;
 // [4096, 1024]ᵀ 0.60 against 0.65 ms; 8 rows even (29.9, 31.1 against 31.6, 30.7); 2 and 4 rows
 // 8–15 % slower (the skinny kernel streams its rows at the read rate, the wide one multiplies
 // zero rows). A 512-row dense product in OpenBLAS runs at about the wide kernel's rate (380
-// GFLOP/s), so ATen keeps those.
-inline constexpr int64_t kWideMinRows = 9;
+// GFLOP/s), so ATen keeps those. Since the skinny kernel prefetches across blocks and products
+// (fifteenth session) it is ahead up to 12 rows: 128 experts from memory, two runs each, wide
+// against skinny: 9 rows 34.3, 35.1 / 31.6, 31.8 ms; 10 rows 34.3, 36.1 / 31.7, 32.0; 12 rows
+// 35.0, 35.8 / 33.2, 34.1; 13 rows 36.5, 36.7 / 38.2, 39.9 (so the wide kernel from 13); a dense
+// [9, 1024] x [1024, 1024]ᵀ 0.189, 0.194 / 0.155, 0.159 ms, the LM head at 11 rows 0.680, 0.681
+// / 0.631, 0.643 ms (sixteenth session).
+inline constexpr int64_t kWideMinRows = 13;
 inline constexpr int64_t kWideMaxRows = 256;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
