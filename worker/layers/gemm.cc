@@ -351,9 +351,12 @@ at::Tensor MatmulWt(const at::Tensor& x, const at::Tensor& w) { return MatmulWtE
 void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
                      const std::vector<std::pair<int64_t, int64_t>>& runs,
                      const std::vector<int64_t>& expert, at::Tensor& out) {
+  // The checks read only the weight's device, dtype and contiguity, so they take the [E, n, k]
+  // tensor itself: weights[0] was an ATen select (a view) per check, on the thread the other
+  // threads wait for.
   const bool amx = Amx(x, weights) && x.stride(1) == 1;
-  const bool wide = !amx && Wide(x, weights[0]);
-  const bool skinny = !amx && Skinny(x, weights[0]) && MaxRows(x) > 0;
+  const bool wide = !amx && Wide(x, weights);
+  const bool skinny = !amx && Skinny(x, weights) && MaxRows(x) > 0;
   const bool f32 = x.scalar_type() == at::kFloat;
   // Which kernel takes a run of m rows; none: at::mm_out (long runs) or the widened bf16 route.
   auto kernel_of = [&](int64_t m) -> std::optional<Kernel> {
