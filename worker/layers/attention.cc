@@ -136,11 +136,7 @@ Rotary::Rotary(const RopeSpec& spec, const at::Device& device)
       at::from_blob(f.data(), {static_cast<int64_t>(f.size())}, at::kFloat).clone().to(device);
 }
 
-Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarType dtype) const {
-  const int64_t T = static_cast<int64_t>(positions.size());
-  at::Tensor pos = at::from_blob(const_cast<int64_t*>(positions.data()), {T}, at::kLong)
-                       .to(at::kFloat)
-                       .to(device_);
+Rotary::Table Rotary::ComputeRows(const at::Tensor& pos, at::ScalarType dtype) const {
   at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, rd/2]
   at::Tensor emb = at::cat({freqs, freqs}, -1);
   at::Tensor c = emb.cos(), s = emb.sin();
@@ -148,7 +144,41 @@ Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarT
     c = c * scaling_;
     s = s * scaling_;
   }
-  return {c.to(dtype), s.to(dtype)};
+  return {c.to(dtype).contiguous(), s.to(dtype).contiguous()};
+}
+
+Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarType dtype) const {
+  const int64_t T = static_cast<int64_t>(positions.size());
+  if (!device_.is_cpu() || T == 0) {
+    at::Tensor pos = at::from_blob(const_cast<int64_t*>(positions.data()), {T}, at::kLong)
+                         .to(at::kFloat)
+                         .to(device_);
+    return ComputeRows(pos, dtype);
+  }
+  // The CPU: rows of a table of every position so far (grown by doubling), copied out. Each
+  // element is the same elementwise computation of its position either way.
+  const int64_t need = *std::max_element(positions.begin(), positions.end()) + 1;
+  CpuTable& t = *cpu_table_;
+  std::lock_guard<std::mutex> lock(t.mu);
+  if (t.rows < need || t.dtype != dtype || !t.cos.defined()) {
+    const int64_t rows = std::max<int64_t>({need, 2 * (t.dtype == dtype ? t.rows : 0), 256});
+    Table all = ComputeRows(at::arange(rows, at::TensorOptions().dtype(at::kFloat)), dtype);
+    t.cos = all.cos;
+    t.sin = all.sin;
+    t.rows = rows;
+    t.dtype = dtype;
+  }
+  const int64_t rd = t.cos.size(1), bytes = rd * t.cos.element_size();
+  at::Tensor c = at::empty({T, rd}, t.cos.options()), s = at::empty({T, rd}, t.sin.options());
+  const char* cs = static_cast<const char*>(t.cos.data_ptr());
+  const char* ss = static_cast<const char*>(t.sin.data_ptr());
+  char* cd = static_cast<char*>(c.data_ptr());
+  char* sd = static_cast<char*>(s.data_ptr());
+  for (int64_t i = 0; i < T; ++i) {
+    std::memcpy(cd + i * bytes, cs + positions[i] * bytes, bytes);
+    std::memcpy(sd + i * bytes, ss + positions[i] * bytes, bytes);
+  }
+  return {c, s};
 }
 
 namespace {

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "worker/rope.h"
@@ -29,6 +31,18 @@ class Rotary {
   int64_t rotary_dim() const { return rotary_dim_; }
 
  private:
+  // cos and sin of positions [0, rows) on the CPU, computed by the ATen ops below once for a
+  // range of positions and reused (per step they were 8-10 ATen ops). Shared by copies.
+  struct CpuTable {
+    std::mutex mu;
+    at::ScalarType dtype = at::kFloat;
+    int64_t rows = 0;
+    at::Tensor cos, sin;  // [rows, rotary_dim]
+  };
+  // cos and sin [positions, rotary_dim] in f32 times the scaling, then cast: the one computation
+  // both paths use.
+  Table ComputeRows(const at::Tensor& pos_f32, at::ScalarType dtype) const;
+  std::shared_ptr<CpuTable> cpu_table_ = std::make_shared<CpuTable>();
   at::Tensor inv_freq_;  // f32 [rotary_dim / 2] on the device
   double scaling_ = 1.0;
   int64_t rotary_dim_ = 0;
