@@ -14,6 +14,7 @@
 #include "common/status_macros.h"
 #include "kernels/decode_attention.h"
 #include "kernels/elementwise.h"
+#include "worker/layers/gather.h"
 #include "worker/layers/gemm.h"
 
 namespace moelora {
@@ -179,17 +180,7 @@ Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarT
     t.rows = rows;
     t.dtype = dtype;
   }
-  const int64_t rd = t.cos.size(1), bytes = rd * t.cos.element_size();
-  at::Tensor c = at::empty({T, rd}, t.cos.options()), s = at::empty({T, rd}, t.sin.options());
-  const char* cs = static_cast<const char*>(t.cos.data_ptr());
-  const char* ss = static_cast<const char*>(t.sin.data_ptr());
-  char* cd = static_cast<char*>(c.data_ptr());
-  char* sd = static_cast<char*>(s.data_ptr());
-  for (int64_t i = 0; i < T; ++i) {
-    std::memcpy(cd + i * bytes, cs + positions[i] * bytes, bytes);
-    std::memcpy(sd + i * bytes, ss + positions[i] * bytes, bytes);
-  }
-  return {c, s};
+  return {GatherRows(t.cos, positions), GatherRows(t.sin, positions)};
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "kernels/elementwise.h"
 #include "kernels/moe_lora.h"
+#include "worker/layers/gather.h"
 #include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
 
@@ -79,31 +80,6 @@ void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, in
       }
     }
   });
-}
-
-// src.index_select(0, rows) for a contiguous CPU src, by memcpy per row: the ATen op took 21 µs
-// a layer for the 32 rows of 4 KB of an f32 decode step at batch 8 and 48 µs for 128 rows at
-// batch 32 (timers), most of it its dispatch and setup; rows over 256 KB in all are split over
-// the threads.
-at::Tensor GatherRows(const at::Tensor& src, const std::vector<int64_t>& rows) {
-  const int64_t n = static_cast<int64_t>(rows.size());
-  if (!src.device().is_cpu() || !src.is_contiguous() || src.dim() == 0) {
-    return src.index_select(
-        0, at::from_blob(const_cast<int64_t*>(rows.data()), {n}, at::kLong).to(src.device()));
-  }
-  std::vector<int64_t> sizes = src.sizes().vec();
-  sizes[0] = n;
-  at::Tensor out = at::empty(sizes, src.options());
-  const int64_t bytes = src.size(0) > 0 ? src.nbytes() / src.size(0) : 0;
-  const char* from = static_cast<const char*>(src.data_ptr());
-  char* to = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, n, std::max<int64_t>(1, (int64_t{256} << 10) / std::max<int64_t>(bytes, 1)),
-                   [&](int64_t i0, int64_t i1) {
-                     for (int64_t i = i0; i < i1; ++i) {
-                       std::memcpy(to + i * bytes, from + rows[i] * bytes, bytes);
-                     }
-                   });
-  return out;
 }
 
 }  // namespace
