@@ -246,7 +246,8 @@ int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
                                                                       : kSkinnyMaxRows;
   }
   if (CpuBf16Gemm() == Bf16Gemm::kWidened) return kSkinnyMaxRowsBf16;
-  return SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16 ? kSkinnyMaxRowsBf16Dp : 0;
+  if (SkinnyGemmIsa() != SkinnyIsa::kAvx512Bf16) return 0;
+  return AmxGemmAvailable() ? kSkinnyMaxRowsBf16Dp : kSkinnyMaxRowsBf16DpNoAmx;
 }
 
 static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }

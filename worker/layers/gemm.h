@@ -21,10 +21,18 @@ namespace moelora {
 inline constexpr int64_t kSkinnyMaxRows = 24;
 inline constexpr int64_t kSkinnyMaxRowsAvx512 = 64;
 inline constexpr int64_t kSkinnyMaxRowsBf16 = 64;
-// bf16 on the native route with the kernel's AVX512-BF16 path (vdpbf16ps): it beat oneDNN's
-// per-expert GEMM at 1 row (3.1–3.8 against 4.7–5.3 ms per layer) and 2 (3.9–4.3 against
-// 4.6–4.9), tied at 4 and lost at 8 (bench/skinny_gemm, 3 paired runs).
+// bf16 on the native route with the kernel's AVX512-BF16 path (vdpbf16ps). On a Xeon, where
+// oneDNN's bf16 GEMM runs on AMX, it beat oneDNN's per-expert GEMM at 1 row (3.1–3.8 against
+// 4.7–5.3 ms per layer) and 2 (3.9–4.3 against 4.6–4.9), tied at 4 and lost at 8 (bench/
+// skinny_gemm, 3 paired runs).
 inline constexpr int64_t kSkinnyMaxRowsBf16Dp = 2;
+// The same on a CPU with AVX512-BF16 and no AMX (an AMD EPYC 9004, Zen 4), where oneDNN's bf16
+// GEMM has only vdpbf16ps too, and is far behind at few rows: bench/skinny_gemm --dtype
+// bfloat16, a layer's 32 experts grouped, kernel against ATen, at 4 / 8 / 16 / 24 / 32 rows each:
+// 3.9 / 5.0 / 8.2 / 11.3 / 14.1 against 7.0 / 8.3 / 10.5 / 12.7 / 13.6 ms; 128 experts from
+// memory at 4 rows 12.6 against 32.1 ms; a dense [m, 1024] x [1024, 1024]ᵀ at 16 / 32 / 64 rows
+// 0.17 / 0.30 / 0.54 against 0.23 / 0.29 / 0.48 ms (seventeenth session).
+inline constexpr int64_t kSkinnyMaxRowsBf16DpNoAmx = 24;
 // bf16 on the native route where the CPU has AMX (kernels/amx_gemm.h): rows up to which the AMX
 // kernel serves a product (experts grouped per layer, dense layers), ahead of both of the above.
 inline constexpr int64_t kAmxMaxRows = 256;
@@ -49,8 +57,9 @@ inline constexpr int64_t kWideMaxRows = 256;
 // AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against
 // 8 ms through f32; on a Xeon with AVX512-BF16 and AMX it beat both our kernel and widening
 // (bench/skinny_gemm --dtype bfloat16, docs/performance.md). So:
-//   kNative  (CPU has AVX512-BF16): ATen's bf16 GEMM, except up to kSkinnyMaxRowsBf16Dp rows,
-//            which go through the kernel's vdpbf16ps path;
+//   kNative  (CPU has AVX512-BF16): ATen's bf16 GEMM, except up to kSkinnyMaxRowsBf16Dp rows
+//            (kSkinnyMaxRowsBf16DpNoAmx where the CPU has no AMX), which go through the
+//            kernel's vdpbf16ps path;
 //   kWidened (otherwise): the skinny kernel up to kSkinnyMaxRowsBf16 rows, then f32 BLAS on
 //            widened copies, the result rounded back.
 // MOELORA_CPU_BF16_GEMM=native|widened overrides the choice (benchmarks, tests); read once.

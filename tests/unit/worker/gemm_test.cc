@@ -38,9 +38,11 @@ TEST(GemmTest, MatmulWtMatchesATenOnBothSidesOfTheCrossover) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA: MatmulWt is at::matmul";
   at::manual_seed(3);
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-    // Both sides of every crossover: f32, bf16 widened, bf16 native (AVX512-BF16 up to 2 rows).
+    // Both sides of every crossover: f32, bf16 widened, bf16 native (AVX512-BF16 up to 2 rows,
+    // or 24 without AMX).
     for (int64_t m :
-         {int64_t{1}, kSkinnyMaxRowsBf16Dp, kSkinnyMaxRowsBf16Dp + 1, int64_t{5}, kSkinnyMaxRows,
+         {int64_t{1}, kSkinnyMaxRowsBf16Dp, kSkinnyMaxRowsBf16Dp + 1, int64_t{5},
+          kSkinnyMaxRowsBf16DpNoAmx, kSkinnyMaxRowsBf16DpNoAmx + 1, kSkinnyMaxRows,
           kSkinnyMaxRows + 1, kSkinnyMaxRowsAvx512, kSkinnyMaxRowsAvx512 + 1, kSkinnyMaxRowsBf16,
           kSkinnyMaxRowsBf16 + 1, kWideMinRows - 1, kWideMinRows, kWideMaxRows, kWideMaxRows + 1}) {
       at::Tensor x = at::randn({m, 72}).to(dt), w = at::randn({37, 72}).to(dt);
