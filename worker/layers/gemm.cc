@@ -247,7 +247,8 @@ int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
   }
   if (CpuBf16Gemm() == Bf16Gemm::kWidened) return kSkinnyMaxRowsBf16;
   if (SkinnyGemmIsa() != SkinnyIsa::kAvx512Bf16) return 0;
-  return AmxGemmAvailable() ? kSkinnyMaxRowsBf16Dp : kSkinnyMaxRowsBf16DpNoAmx;
+  // Whether oneDNN has AMX: the CPU's, whatever MOELORA_AMX says of our own AMX kernel.
+  return AmxGemmSupported() ? kSkinnyMaxRowsBf16Dp : kSkinnyMaxRowsBf16DpNoAmx;
 }
 
 static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }
