@@ -325,20 +325,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   const ModelDims dims = ReadDims(dir + "/model/config.json");
-  // The bound uses the faster of the two: what the machine can read at best. Read again before
-  // each batch's base runs (below), for the bound of that batch.
-  auto read_bandwidth = [&](bool print) {
+  // Read just before each batch's base runs (below), for the bound of that batch: the faster of
+  // the two, what the machine can read at best.
+  auto read_bandwidth = [&](const std::string& dt, int batch) {
     const double bw_small = ReadBandwidthGBs(threads, false),
                  bw_huge = ReadBandwidthGBs(threads, true);
-    if (print) {
-      std::printf(
-          "read bandwidth (%d threads, 1 GiB): %.1f GB/s on 2 MB pages, %.1f GB/s on 4 KB pages "
-          "(each bound below uses the faster, read again just before its batch)\n",
-          threads, bw_huge, bw_small);
-    }
+    std::printf(
+        "%s, batch %d: read bandwidth (%d threads, 1 GiB) %.1f GB/s on 2 MB pages, %.1f GB/s on "
+        "4 KB pages (its bound uses the faster)\n",
+        dt.c_str(), batch, threads, bw_huge, bw_small);
     return std::max(bw_small, bw_huge);
   };
-  read_bandwidth(true);
   bool outputs_ok = true;
   // One run of the peer (tools/peer_bench.py run) into DIR/peer_<dt>_<tag>.json, read back into
   // `into` (its "torch" and its cases merged); with --reuse-peer, an earlier run's file if there.
@@ -392,7 +389,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> extra;
     for (int b : batches) {
       if (!run_peer(dt, "base", std::to_string(b), absl::StrCat("base_", b), &peer)) return 1;
-      const double bw = read_bandwidth(false);
+      const double bw = read_bandwidth(dt, b);
       for (const std::string cs : {"base", "mixed"}) {
         Side s;
         const std::vector<std::string> ad =
