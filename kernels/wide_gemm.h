@@ -52,6 +52,44 @@ struct WideGemmArgs {
 // column ranges may run concurrently. Needs WideGemmSupported().
 void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1);
 
+// The same kernel for bf16 x against bf16 weights, on AVX512-BF16's vdpbf16ps (a CPU without
+// AMX: an AMD EPYC 9004, Zen 4, where the skinny kernel's dot products and oneDNN's bf16 GEMM
+// both ran 32-row products at about half of what the CPU can multiply). Each step takes a pair
+// of columns: one 64-byte line of packed x holds 16 rows' pairs, and each weight row's pair (32
+// bits, read in place) is broadcast; products of bf16 pairs are exact in f32 and summed in f32
+// (the instruction flushes denormals). x is packed by WidePackXBf16, AMX's B layout.
+
+// True when this CPU has AVX-512 with BF16, the skinny kernel's instruction set is kAvx512Bf16,
+// and MOELORA_WIDE_GEMM is not "0". Read once.
+bool WideBf16GemmAvailable();
+// Whether the CPU can run the bf16 kernel at all (its tests).
+bool WideBf16GemmSupported();
+// Whether the bf16 kernel takes a product with k columns (its packing works in 32 columns).
+inline bool WideBf16GemmFits(int64_t k) { return k > 0 && k % 32 == 0; }
+
+// uint16_t elements of bf16 x packed for m rows of k columns: 16-row blocks, padded with zero rows.
+inline int64_t WidePackedXBf16Elements(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k; }
+
+// Packs bf16 x [m, k] (row stride ldx) into `packed` (WidePackedXBf16Elements(m, k) elements):
+// per block of 16 rows, k / 2 lines of 32 bf16 (line p: x[r, 2p] and x[r, 2p + 1] of the
+// block's rows r, in that order; rows past m are 0). Needs WideGemmSupported() and
+// WideBf16GemmFits(k). The AMX kernel's B tiles are the same layout (AmxPackX).
+void WidePackXBf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed);
+
+struct WideBf16GemmArgs {
+  const uint16_t* x_packed = nullptr;  // WidePackXBf16 of x [m, k]
+  const uint16_t* w = nullptr;         // [n, k] bf16
+  float* y = nullptr;                  // [m, n] f32, or
+  uint16_t* y_bf16 = nullptr;          // [m, n] bf16 (the f32 sums rounded to nearest even)
+  int64_t ldy = 0;
+  int64_t m = 0, n = 0, k = 0;
+  const uint16_t* next_w = nullptr;  // as WideGemmArgs::next_w
+};
+
+// Output columns [n0, n1) of y = x · wᵀ (overwritten); 0 <= n0 <= n1 <= n. Calls on disjoint
+// column ranges may run concurrently. Needs WideBf16GemmSupported() and WideBf16GemmFits(k).
+void WideBf16GemmRows(const WideBf16GemmArgs& a, int64_t n0, int64_t n1);
+
 }  // namespace moelora
 
 #endif  // MOELORA_KERNELS_WIDE_GEMM_H_

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/internal/avx512.h"  // also: gcc 12's AVX-512 header warnings off
+#include "kernels/wide_gemm.h"
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <cpuid.h>
@@ -173,34 +174,8 @@ bool AmxGemmAvailable() {
   return ok;
 }
 
-namespace {
-// Block b, step s: packed[((b·steps + s)·16 + p)·32 + 2 r + q] = x[16 b + r][32 s + 2 p + q],
-// zero for rows past m. As 32-bit pairs, a 16 x 16 transpose per (b, s): the 16 rows' 64 bytes
-// loaded, transposed in registers, stored. It replaced one gather per pair p (16 a step), which
-// took 36 µs of each bf16 expert product in a decode step at batch 32 (a 16-row block per
-// expert), 1.6 % of the step (timers in RunJobs, a patch for the measurement); decode_step --only
-// peer, bf16 batch 32, three paired runs: 18.17, 18.17, 17.86 -> 17.93, 17.87, 17.68 ms.
-MOELORA_AMX void Pack(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
-  const int64_t steps = k / 32, blocks = (m + 15) / 16;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t live = std::min<int64_t>(16, m - b * 16);
-    const uint16_t* xb = x + b * 16 * ldx;
-    for (int64_t s = 0; s < steps; ++s) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) {
-        r[i] = i < live ? _mm512_loadu_ps(reinterpret_cast<const float*>(xb + i * ldx + s * 32))
-                        : _mm512_setzero_ps();
-      }
-      avx512::Transpose16(r);
-      uint16_t* dst = packed + (b * steps + s) * 512;
-      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(dst + p * 32), r[p]);
-    }
-  }
-}
-}  // namespace
-
 void AmxPackX(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
-  Pack(x, ldx, m, k, packed);
+  WidePackXBf16(x, ldx, m, k, packed);  // the same layout
 }
 
 void AmxGemmRows(const AmxGemmArgs& a, int64_t n0, int64_t n1) {

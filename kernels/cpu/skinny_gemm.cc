@@ -8,8 +8,6 @@
 #include "kernels/internal/avx2.h"
 #include "kernels/internal/avx512.h"
 
-#define MOELORA_AVX512_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
-
 namespace moelora {
 
 namespace {

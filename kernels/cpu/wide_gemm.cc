@@ -14,119 +14,24 @@ namespace {
 // compiles them into one translation unit.
 namespace wide {
 
-constexpr int kRows = 8;  // weight rows per register tile
-
-// Prefetch of `rows` weight rows of k floats at pf, spread over one pass of k columns: line g of
-// it is line g / 8 of row g % 8 (the order the next tile reads them: all rows advance together).
-struct Prefetch {
-  const float* pf = nullptr;
-  int64_t rows = 0;
+// f32: one column a step, its weight element broadcast, an FMA into 16 x rows' lanes.
+struct Vec {
+  using E = float;
+  static constexpr int64_t kStep = 1;
+  MOELORA_AVX512 static __m512 Bcast(const float* w) { return _mm512_set1_ps(*w); }
+  MOELORA_AVX512 static __m512 Fma(__m512 b, __m512 x, __m512 acc) {
+    return _mm512_fmadd_ps(b, x, acc);
+  }
+  MOELORA_AVX512 static void StoreRow(const WideGemmArgs& a, int64_t row, int64_t col,
+                                      __mmask16 mask, __m512 v) {
+    _mm512_mask_storeu_ps(a.y + row * a.ldy + col, mask, v);
+  }
 };
+using Args = WideGemmArgs;
 
-// Rows [n, n + NR) of the weight against x blocks [0, V) (16 rows each, packed, xs floats
-// apart), written into y rows row0 .. row0 + 16 V (those below m).
-template <int NR, int V>
-MOELORA_AVX512 void Tile(const float* w, int64_t k, const float* xt, int64_t xs, float* y,
-                         int64_t ldy, int64_t n, int64_t row0, int64_t m, Prefetch p) {
-  __m512 acc[NR][V];
-  for (int r = 0; r < NR; ++r) {
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  }
-  const float* wr[NR];
-  for (int r = 0; r < NR; ++r) wr[r] = w + r * k;
-  for (int64_t c = 0; c < k; ++c) {
-    if (p.pf != nullptr && (c & 1) == 0) {
-      const int64_t g = c >> 1, r = g % kRows;
-      if (r < p.rows) {
-        _mm_prefetch(reinterpret_cast<const char*>(p.pf + r * k + g / kRows * 16), _MM_HINT_T0);
-      }
-    }
-    __m512 xv[V];
-    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + v * xs + c * 16);
-    for (int r = 0; r < NR; ++r) {
-      const __m512 b = _mm512_set1_ps(wr[r][c]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
-    }
-  }
-  // acc[r][v] holds y[row0 + 16 v + i, n + r] in lane i: out through a small buffer, one row of
-  // NR values at a time (scattering columns of y straight into rows 4 KB apart thrashed one L1
-  // set: 40 % of the time at 96 rows).
-  alignas(64) float buf[NR][16];
-  for (int v = 0; v < V; ++v) {
-    for (int r = 0; r < NR; ++r) _mm512_store_ps(buf[r], acc[r][v]);
-    const int64_t rows = std::min<int64_t>(16, m - (row0 + v * 16));
-    const __mmask16 cols = static_cast<__mmask16>((1u << NR) - 1);
-    const __m512i idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
-                                          208, 224, 240);  // buf[lane][i]
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 row = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, idx, &buf[0][i], 4);
-      _mm512_mask_storeu_ps(y + (row0 + v * 16 + i) * ldy + n, cols, row);
-    }
-  }
-}
-
-template <int NR>
-MOELORA_AVX512 void RowsOfW(const WideGemmArgs& a, int64_t n, const Prefetch& p) {
-  const int64_t blocks = (a.m + 15) / 16, xs = a.k * 16;
-  const float* w = a.w + n * a.k;
-  for (int64_t b = 0; b < blocks;) {
-    // The first x block's pass reads the weight rows from memory and prefetches the next ones.
-    const Prefetch q = b == 0 ? p : Prefetch{};
-    const float* xt = a.x_packed + b * xs;
-    switch (std::min<int64_t>(blocks - b, 3)) {
-      case 3:
-        Tile<NR, 3>(w, a.k, xt, xs, a.y, a.ldy, n, b * 16, a.m, q);
-        b += 3;
-        break;
-      case 2:
-        Tile<NR, 2>(w, a.k, xt, xs, a.y, a.ldy, n, b * 16, a.m, q);
-        b += 2;
-        break;
-      default:
-        Tile<NR, 1>(w, a.k, xt, xs, a.y, a.ldy, n, b * 16, a.m, q);
-        b += 1;
-        break;
-    }
-  }
-}
-
-MOELORA_AVX512 void Run(const WideGemmArgs& a, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += kRows) {
-    // The rows after these: the next ones of this weight, or the next weight's first.
-    Prefetch p;
-    if (n + kRows < a.n) {
-      p = Prefetch{a.w + (n + kRows) * a.k, std::min<int64_t>(kRows, a.n - n - kRows)};
-    } else if (a.next_w != nullptr) {
-      p = Prefetch{a.next_w, kRows};
-    }
-    switch (std::min<int64_t>(kRows, n1 - n)) {
-      case 8:
-        RowsOfW<8>(a, n, p);
-        break;
-      case 7:
-        RowsOfW<7>(a, n, p);
-        break;
-      case 6:
-        RowsOfW<6>(a, n, p);
-        break;
-      case 5:
-        RowsOfW<5>(a, n, p);
-        break;
-      case 4:
-        RowsOfW<4>(a, n, p);
-        break;
-      case 3:
-        RowsOfW<3>(a, n, p);
-        break;
-      case 2:
-        RowsOfW<2>(a, n, p);
-        break;
-      default:
-        RowsOfW<1>(a, n, p);
-        break;
-    }
-  }
-}
+#define MOELORA_TILE_TARGET MOELORA_AVX512
+#include "kernels/internal/wide_tiles.inc"  // NOLINT(build/include)
+#undef MOELORA_TILE_TARGET
 
 MOELORA_AVX512 void PackX(const float* x, int64_t ldx, int64_t m, int64_t k, float* packed) {
   for (int64_t b = 0; b < (m + 15) / 16; ++b) {
@@ -146,12 +51,71 @@ MOELORA_AVX512 void PackX(const float* x, int64_t ldx, int64_t m, int64_t k, flo
   }
 }
 
+// Block b, step s: packed[((b·steps + s)·16 + p)·32 + 2 r + q] = x[16 b + r][32 s + 2 p + q],
+// zero for rows past m: per block, k / 2 lines of 16 rows' column pairs. As 32-bit pairs, a 16 x
+// 16 transpose per (b, s): the 16 rows' 64 bytes loaded, transposed in registers, stored. It
+// replaced one gather per pair p (16 a step), which took 36 µs of each bf16 expert product in a
+// decode step at batch 32 (a 16-row block per expert), 1.6 % of the step (timers in RunJobs, a
+// patch for the measurement); decode_step --only peer, bf16 batch 32 on a Xeon's AMX, three
+// paired runs: 18.17, 18.17, 17.86 -> 17.93, 17.87, 17.68 ms.
+MOELORA_AVX512 void PackXPairs(const uint16_t* x, int64_t ldx, int64_t m, int64_t k,
+                               uint16_t* packed) {
+  const int64_t steps = k / 32, blocks = (m + 15) / 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t live = std::min<int64_t>(16, m - b * 16);
+    const uint16_t* xb = x + b * 16 * ldx;
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = i < live ? _mm512_loadu_ps(reinterpret_cast<const float*>(xb + i * ldx + s * 32))
+                        : _mm512_setzero_ps();
+      }
+      avx512::Transpose16(r);
+      uint16_t* dst = packed + (b * steps + s) * 512;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(dst + p * 32), r[p]);
+    }
+  }
+}
+
 bool Enabled() {
   const char* e = std::getenv("MOELORA_WIDE_GEMM");
   return e == nullptr || std::strcmp(e, "0") != 0;
 }
 
 }  // namespace wide
+
+// bf16 x against bf16 weights: one column pair a step, the weight's pair (32 bits) broadcast,
+// vdpbf16ps into 16 x rows' lanes (packed x lines hold each row's pair).
+namespace wide_bf16 {
+
+struct Vec {
+  using E = uint16_t;
+  static constexpr int64_t kStep = 2;
+  MOELORA_AVX512_BF16 static __m512 Bcast(const uint16_t* w) {
+    int32_t pair;
+    std::memcpy(&pair, w, sizeof(pair));
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  MOELORA_AVX512_BF16 static __m512 Fma(__m512 b, __m512 x, __m512 acc) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(b));
+  }
+  MOELORA_AVX512_BF16 static void StoreRow(const WideBf16GemmArgs& a, int64_t row, int64_t col,
+                                           __mmask16 mask, __m512 v) {
+    if (a.y_bf16 != nullptr) {
+      _mm256_mask_storeu_epi16(a.y_bf16 + row * a.ldy + col, mask,
+                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    } else {
+      _mm512_mask_storeu_ps(a.y + row * a.ldy + col, mask, v);
+    }
+  }
+};
+using Args = WideBf16GemmArgs;
+
+#define MOELORA_TILE_TARGET MOELORA_AVX512_BF16
+#include "kernels/internal/wide_tiles.inc"  // NOLINT(build/include)
+#undef MOELORA_TILE_TARGET
+
+}  // namespace wide_bf16
 }  // namespace
 
 bool WideGemmSupported() { return SkinnyGemmSupports(SkinnyIsa::kAvx512); }
@@ -169,5 +133,21 @@ void WidePackX(const float* x, int64_t ldx, int64_t m, int64_t k, float* packed)
 }
 
 void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1) { wide::Run(a, n0, n1); }
+
+bool WideBf16GemmSupported() { return SkinnyGemmSupports(SkinnyIsa::kAvx512Bf16); }
+
+bool WideBf16GemmAvailable() {
+  static const bool ok =
+      WideBf16GemmSupported() && SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16 && wide::Enabled();
+  return ok;
+}
+
+void WidePackXBf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
+  wide::PackXPairs(x, ldx, m, k, packed);
+}
+
+void WideBf16GemmRows(const WideBf16GemmArgs& a, int64_t n0, int64_t n1) {
+  wide_bf16::Run(a, n0, n1);
+}
 
 }  // namespace moelora

@@ -22,6 +22,8 @@
 // AVX-512 F, BW and VL with AVX2 + FMA: the skinny GEMM's and SGMV's 512-bit paths (16-bit
 // masked loads, 256-bit helpers inlined into them).
 #define MOELORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+// The same with AVX512-BF16 (vdpbf16ps, vcvtneps2bf16): the skinny and wide GEMMs' bf16 paths.
+#define MOELORA_AVX512_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
 
 namespace moelora {
 namespace avx512 {

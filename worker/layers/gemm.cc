@@ -49,13 +49,25 @@ bool Wide(const at::Tensor& x, const at::Tensor& w) {
 
 bool WideRows(int64_t m) { return m >= kWideMinRows && m <= kWideMaxRows; }
 
+// bf16 x against a bf16 weight on the wide kernel's vdpbf16ps variant: the native bf16 route on
+// a CPU with AVX512-BF16 (AMX, where the CPU has it, is asked first), k a multiple of 32.
+bool WideBf16(const at::Tensor& x, const at::Tensor& w) {
+  return x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+         w.scalar_type() == at::kBFloat16 && w.is_contiguous() && x.stride(1) == 1 &&
+         CpuBf16Gemm() == Bf16Gemm::kNative && WideBf16GemmAvailable() &&
+         WideBf16GemmFits(w.size(-1));
+}
+
+bool WideBf16Rows(int64_t m) { return m >= kWideBf16MinRows && m <= kWideBf16MaxRows; }
+
 // One product of a grouped call: the skinny kernel's (f32 x rows), AMX's (packed bf16 x) or the
-// wide kernel's (packed f32 x).
-enum class Kernel { kSkinny, kAmx, kWide };
+// wide kernel's (packed f32 x; packed bf16 x for kWideBf16).
+enum class Kernel { kSkinny, kAmx, kWide, kWideBf16 };
 struct Job {
   SkinnyGemmArgs args;
   AmxGemmArgs amx;
   WideGemmArgs wide;
+  WideBf16GemmArgs wide_bf16;
   Kernel kernel = Kernel::kSkinny;
   int64_t first_block = 0;
 };
@@ -65,13 +77,15 @@ constexpr int64_t kAmxBlock = 32;
 
 int64_t BlockOf(const Job& j) { return j.kernel == Kernel::kAmx ? kAmxBlock : kBlock; }
 int64_t BlocksOf(const Job& j) {
-  const int64_t n = j.kernel == Kernel::kAmx    ? j.amx.n
-                    : j.kernel == Kernel::kWide ? j.wide.n
-                                                : j.args.n;
+  const int64_t n = j.kernel == Kernel::kAmx        ? j.amx.n
+                    : j.kernel == Kernel::kWide     ? j.wide.n
+                    : j.kernel == Kernel::kWideBf16 ? j.wide_bf16.n
+                                                    : j.args.n;
   return (n + BlockOf(j) - 1) / BlockOf(j);
 }
 
-// x rows packed for AMX (bf16) or the wide kernel (f32) before the products that read them.
+// x rows packed for AMX or the wide kernel's bf16 variant (bf16 pairs, one layout) or the wide
+// kernel (f32) before the products that read them.
 struct Pack {
   const void* x;
   int64_t ldx, m, k;
@@ -113,8 +127,8 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
         WidePackX(static_cast<const float*>(q.x) + r0 * q.ldx, q.ldx, rows, q.k,
                   static_cast<float*>(q.dst) + r0 * q.k);
       } else {
-        AmxPackX(static_cast<const uint16_t*>(q.x) + r0 * q.ldx, q.ldx, rows, q.k,
-                 static_cast<uint16_t*>(q.dst) + r0 * q.k);
+        WidePackXBf16(static_cast<const uint16_t*>(q.x) + r0 * q.ldx, q.ldx, rows, q.k,
+                      static_cast<uint16_t*>(q.dst) + r0 * q.k);
       }
     }
     // Guided, as libgomp's schedule(guided) hands out chunks (half the remaining blocks over the
@@ -142,6 +156,8 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
           AmxGemmRows(job.amx, n0, std::min(job.amx.n, n1));
         } else if (job.kernel == Kernel::kWide) {
           WideGemmRows(job.wide, n0, std::min(job.wide.n, n1));
+        } else if (job.kernel == Kernel::kWideBf16) {
+          WideBf16GemmRows(job.wide_bf16, n0, std::min(job.wide_bf16.n, n1));
         } else {
           SkinnyGemmRows(job.args, n0, std::min(job.args.n, n1));
         }
@@ -165,6 +181,10 @@ void ChainNext(std::vector<Job>& jobs) {
       jobs[q].amx.next_rows = jobs[q + 1].amx.n;
     } else if (jobs[q].kernel == Kernel::kWide) {
       jobs[q].wide.next_w = jobs[q + 1].wide.w;
+    } else if (jobs[q].kernel == Kernel::kWideBf16) {
+      if (jobs[q].wide_bf16.k == jobs[q + 1].wide_bf16.k) {
+        jobs[q].wide_bf16.next_w = jobs[q + 1].wide_bf16.w;
+      }
     } else if (jobs[q].args.k == jobs[q + 1].args.k &&
                jobs[q].args.w_type == jobs[q + 1].args.w_type) {
       jobs[q].args.next_w = jobs[q + 1].args.w;
@@ -272,6 +292,25 @@ static AmxGemmArgs AmxJob(const at::Tensor& x, int64_t i, int64_t m, const uint1
   return a;
 }
 
+// The bf16 wide kernel's product of bf16 x rows [i, i + m) (packed into `packed` from element
+// `at`, by `pack`) with the bf16 weight w [n, k] into bf16 rows y (row stride ldy).
+static WideBf16GemmArgs WideBf16Job(const at::Tensor& x, int64_t i, int64_t m, const uint16_t* w,
+                                    int64_t n, int64_t k, at::Tensor& packed, int64_t at,
+                                    at::BFloat16* y, int64_t ldy, Pack* pack) {
+  auto* p = static_cast<uint16_t*>(packed.data_ptr()) + at;
+  *pack = Pack{
+      static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m, k, p, false};
+  WideBf16GemmArgs a;
+  a.x_packed = p;
+  a.w = w;
+  a.y_bf16 = reinterpret_cast<uint16_t*>(y);
+  a.ldy = ldy;
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  return a;
+}
+
 // The wide kernel's product of f32 x rows [i, i + m) (packed into `packed` from element `at`, by
 // `pack`) with the f32 weight w [n, k] into f32 rows y (row stride ldy).
 static WideGemmArgs WideJob(const at::Tensor& x, int64_t i, int64_t m, const float* w, int64_t n,
@@ -299,6 +338,8 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
     kernel = Kernel::kAmx;
   } else if (WideRows(m) && all([&](const at::Tensor& w) { return Wide(x, w); })) {
     kernel = Kernel::kWide;
+  } else if (WideBf16Rows(m) && all([&](const at::Tensor& w) { return WideBf16(x, w); })) {
+    kernel = Kernel::kWideBf16;
   } else if (m > 0 && m <= MaxRows(x) && all([&](const at::Tensor& w) { return Skinny(x, w); })) {
     kernel = Kernel::kSkinny;
   }
@@ -313,6 +354,9 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
   at::Tensor packed, xf;
   if (*kernel == Kernel::kAmx) packed = at::empty({AmxPackedXElements(m, k)}, x.options());
   if (*kernel == Kernel::kWide) packed = at::empty({WidePackedXElements(m, k)}, x.options());
+  if (*kernel == Kernel::kWideBf16) {
+    packed = at::empty({WidePackedXBf16Elements(m, k)}, x.options());
+  }
   if (*kernel == Kernel::kSkinny) xf = SkinnyXRows(x);
   std::vector<Pack> packs;  // AMX, wide: x packed once, for every product
   std::vector<Job> jobs;
@@ -331,6 +375,11 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
       ys.push_back(at::empty({m, n}, x.options()));
       job.wide = WideJob(xc, 0, m, w.data_ptr<float>(), n, k, packed, 0,
                          ys.back().data_ptr<float>(), ys.back().stride(0), &pack);
+    } else if (*kernel == Kernel::kWideBf16) {
+      ys.push_back(at::empty({m, n}, x.options()));
+      job.wide_bf16 =
+          WideBf16Job(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
+                      ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
     } else {
       ys.push_back(at::empty({m, n}, x.options().dtype(at::kFloat)));
       job.args = Args(xf, x, 0, m, w.data_ptr(), w.scalar_type(), n, k, ys.back().data_ptr<float>(),
@@ -358,12 +407,14 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   // threads wait for.
   const bool amx = Amx(x, weights) && x.stride(1) == 1;
   const bool wide = !amx && Wide(x, weights);
+  const bool wide_bf16 = !amx && WideBf16(x, weights);
   const bool skinny = !amx && Skinny(x, weights) && MaxRows(x) > 0;
   const bool f32 = x.scalar_type() == at::kFloat;
   // Which kernel takes a run of m rows; none: at::mm_out (long runs) or the widened bf16 route.
   auto kernel_of = [&](int64_t m) -> std::optional<Kernel> {
     if (amx && m <= kAmxMaxRows) return Kernel::kAmx;
     if (wide && WideRows(m)) return Kernel::kWide;
+    if (wide_bf16 && WideBf16Rows(m)) return Kernel::kWideBf16;
     if (skinny && m <= MaxRows(x)) return Kernel::kSkinny;
     return std::nullopt;
   };
@@ -376,6 +427,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     const auto kernel = kernel_of(j - i);
     if (kernel == Kernel::kAmx) elems += AmxPackedXElements(j - i, x.size(1));
     if (kernel == Kernel::kWide) elems += WidePackedXElements(j - i, x.size(1));
+    if (kernel == Kernel::kWideBf16) elems += WidePackedXBf16Elements(j - i, x.size(1));
     any_skinny = any_skinny || kernel == Kernel::kSkinny;
   }
   if (elems > 0) packed = at::empty({elems}, x.options());
@@ -388,7 +440,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   std::vector<size_t> long_runs;
   std::vector<Job> jobs;
   int64_t blocks = 0;
-  bool all_from_kernel = true;  // every run's rows through the kernel (into yf)
+  bool all_skinny = true;  // every run's rows through the skinny kernel (into yf)
   // Each expert's weight by pointer arithmetic (see Args).
   const int64_t wn = weights.size(1), wk = weights.size(2);
   const auto* wbase = static_cast<const char*>(weights.data_ptr());
@@ -397,7 +449,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     auto [i, j] = runs[r];
     const auto kernel = kernel_of(j - i);
     if (!kernel) {
-      all_from_kernel = false;
+      all_skinny = false;
       if (SlowBf16(x)) {
         out.narrow(0, i, j - i)
             .copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), weights[expert[r]].t()));
@@ -410,6 +462,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     Job job;
     job.first_block = blocks;
     job.kernel = *kernel;
+    all_skinny = all_skinny && *kernel == Kernel::kSkinny;
     if (*kernel == Kernel::kAmx) {
       packs.emplace_back();
       job.amx =
@@ -421,6 +474,12 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       job.wide = WideJob(x, i, j - i, reinterpret_cast<const float*>(w), wn, wk, packed, packed_at,
                          out.data_ptr<float>() + i * out.stride(0), out.stride(0), &packs.back());
       packed_at += WidePackedXElements(j - i, x.size(1));
+    } else if (*kernel == Kernel::kWideBf16) {
+      packs.emplace_back();
+      job.wide_bf16 = WideBf16Job(x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed,
+                                  packed_at, out.data_ptr<at::BFloat16>() + i * out.stride(0),
+                                  out.stride(0), &packs.back());
+      packed_at += WidePackedXBf16Elements(j - i, x.size(1));
     } else {
       job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk,
                       yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0));
@@ -452,10 +511,11 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   if (jobs.empty()) return;
   ChainNext(jobs);
   RunJobs(jobs, blocks, packs);
-  if (any_skinny && !f32 && all_from_kernel) {
-    out.copy_(yf);  // every row came from the kernel: one conversion
+  if (any_skinny && !f32 && all_skinny) {
+    out.copy_(yf);  // every row came from the skinny kernel: one conversion
   } else if (any_skinny && !f32) {
     for (const Job& job : jobs) {
+      if (job.kernel != Kernel::kSkinny) continue;  // AMX and the wide kernels wrote out
       const int64_t i = (job.args.y - yf.data_ptr<float>()) / yf.stride(0);
       out.narrow(0, i, job.args.m).copy_(yf.narrow(0, i, job.args.m));
     }

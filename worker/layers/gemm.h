@@ -1,5 +1,6 @@
 // y = x · wᵀ on the CPU: the skinny kernel (kernels/skinny_gemm.h) for few rows, the wide kernel
-// (kernels/wide_gemm.h) for more rows in f32, AMX (kernels/amx_gemm.h) in bf16, ATen otherwise.
+// (kernels/wide_gemm.h) for more rows (f32, and bf16 without AMX), AMX (kernels/amx_gemm.h) in
+// bf16, ATen otherwise.
 #ifndef MOELORA_WORKER_LAYERS_GEMM_H_
 #define MOELORA_WORKER_LAYERS_GEMM_H_
 
@@ -52,6 +53,19 @@ inline constexpr int64_t kAmxMaxRows = 256;
 // / 0.631, 0.643 ms (sixteenth session).
 inline constexpr int64_t kWideMinRows = 13;
 inline constexpr int64_t kWideMaxRows = 256;
+// bf16 on the native route where the CPU has AVX512-BF16 but no AMX: the rows of x for which the
+// wide kernel's vdpbf16ps variant takes a product, between the skinny kernel (up to
+// kSkinnyMaxRowsBf16DpNoAmx) and oneDNN. On a Zen 4 (bench/skinny_gemm --dtype bfloat16, two
+// runs each, MOELORA_WIDE_GEMM=1 against 0): a layer's 32 experts grouped at 32 / 48 / 64 / 96 /
+// 128 / 256 rows each 11.2, 10.0 / 15.4, 14.5 / 20.8, 20.2 / 29.7, 29.0 / 38.7, 40.0 / 82.4,
+// 77.1 ms against oneDNN's 15.5, 15.7 / 19.1, 22.5 / 27.1, 24.4 / 32.5, 33.3 / 39.4, 40.4 /
+// 75.0, 79.0; a dense [m, 1024] x [1024, 1024]ᵀ at 32 / 64 / 128 / 256 rows 0.19, 0.23 / 0.36,
+// 0.40 / 0.78, 0.79 / 1.69, 1.66 against 0.33, 0.33 / 0.50, 0.56 / 0.92, 0.82 / 1.53, 1.65 ms;
+// the LM head [4096, 1024] at 32 rows 0.73, 0.78 against 1.14, 1.47. From 13 to 24 rows it tied
+// with the skinny kernel (one 16-row block of x: 5.5-6.8 against 4.9-7.0 ms for the experts at
+// 12-16 rows), so the skinny kernel keeps those.
+inline constexpr int64_t kWideBf16MinRows = kSkinnyMaxRowsBf16DpNoAmx + 1;
+inline constexpr int64_t kWideBf16MaxRows = 128;
 
 // How a CPU bf16 GEMM runs. libtorch 1.13's own bf16 GEMM is fast only where the CPU has
 // AVX512-BF16 (oneDNN's bf16 kernels): on an AVX2 EPYC, 8 experts x 24 rows took 417 ms against

@@ -76,32 +76,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AmxGemmTest,
                                            Case{5, 64, 128}, Case{16, 16, 32}, Case{17, 80, 64},
                                            Case{32, 32, 256}, Case{33, 48, 32}, Case{70, 96, 160}));
 
-// The packed layout itself: a B tile row p of block b, step s holds pair p of x rows 16 b..16 b+15,
-// zeros past m.
-TEST(AmxGemmPackTest, PacksPairsOfSixteenRowsAndZeroPads) {
-  if (!AmxGemmSupported()) GTEST_SKIP() << "no AMX on this CPU";
-  const int64_t m = 19, k = 64, ldx = 70;
-  std::vector<uint16_t> x(m * ldx);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint16_t>(i * 7 + 1);
-  std::vector<uint16_t> p(AmxPackedXElements(m, k), 0xFFFF);
-  ASSERT_EQ(p.size(), 32u * 64u);
-  AmxPackX(x.data(), ldx, m, k, p.data());
-  for (int64_t b = 0; b < 2; ++b) {
-    for (int64_t s = 0; s < 2; ++s) {
-      for (int64_t pr = 0; pr < 16; ++pr) {
-        for (int64_t r = 0; r < 16; ++r) {
-          for (int64_t q = 0; q < 2; ++q) {
-            const int64_t row = b * 16 + r;
-            const uint16_t want = row < m ? x[row * ldx + s * 32 + 2 * pr + q] : 0;
-            ASSERT_EQ(p[((b * 2 + s) * 16 + pr) * 32 + 2 * r + q], want)
-                << "block " << b << " step " << s << " pair " << pr << " row " << r;
-          }
-        }
-      }
-    }
-  }
-}
-
 TEST(AmxGemmTest, FitsOnlyWholeTiles) {
   EXPECT_TRUE(AmxGemmFits(16, 32));
   EXPECT_TRUE(AmxGemmFits(4096, 1024));

@@ -135,6 +135,35 @@ TEST(GemmTest, GroupedMatmulWtTakesEveryF32RouteInOneCall) {
   ExpectEachRun(x, weights, runs, experts, out);
 }
 
+// bf16 runs on every route in one call, on a shape the wide kernel's bf16 variant takes (k % 32)
+// but AMX does not (n % 16): the skinny kernel (up to kSkinnyMaxRowsBf16DpNoAmx rows), the wide
+// kernel (kWideBf16MinRows..kWideBf16MaxRows; 37 weight rows: a tail of 5), and oneDNN (past
+// it) where the CPU has AVX512-BF16 and no AMX; other routes elsewhere. Rows of the kernels
+// that write bf16 straight into out stand next to rows the skinny kernel converts from f32.
+TEST(GemmTest, GroupedMatmulWtTakesEveryBf16RouteInOneCall) {
+  at::manual_seed(9);
+  at::Tensor all = at::randn({6, 37, 64}).to(at::kBFloat16);
+  at::Tensor weights = all.narrow(0, 1, 4);
+  const std::vector<int64_t> sizes = {3, kWideBf16MinRows - 1, kWideBf16MinRows,     40,
+                                      1, kWideBf16MaxRows,     kWideBf16MaxRows + 1, 2};
+  const std::vector<int64_t> experts = {2, 0, 3, 1, 2, 3, 0, 1};
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t rows = 0;
+  for (int64_t s : sizes) {
+    runs.emplace_back(rows, rows + s);
+    rows += s;
+  }
+  at::Tensor x = at::randn({rows, 64}).to(at::kBFloat16);
+  at::Tensor out = at::full({rows, 37}, 99.0, x.options());
+  GroupedMatmulWt(x, weights, runs, experts, out);
+  ExpectEachRun(x, weights, runs, experts, out);
+  // The dense products on both sides of each bound.
+  for (int64_t m : sizes) {
+    at::Tensor xm = x.narrow(0, 0, m);
+    ExpectClose(MatmulWt(xm, weights[1]), Reference(xm, weights[1]), "bf16 dense");
+  }
+}
+
 // Several weights on one x (an attention layer's q, k and v): each product the same bits as
 // MatmulWt on its own, on every route (skinny, wide and ATen in f32; AMX or the other bf16
 // routes), with weights of different heights, one of them a row tail for the wide kernel.
