@@ -50,11 +50,13 @@ bool Wide(const at::Tensor& x, const at::Tensor& w) {
 bool WideRows(int64_t m) { return m >= kWideMinRows && m <= kWideMaxRows; }
 
 // bf16 x against a bf16 weight on the wide kernel's vdpbf16ps variant: the native bf16 route on
-// a CPU with AVX512-BF16 (AMX, where the CPU has it, is asked first), k a multiple of 32.
+// a CPU with AVX512-BF16 and no AMX, k a multiple of 32. Where the CPU has AMX, oneDNN runs on
+// it and keeps the products our AMX kernel does not take (as for SkinnyMaxRows), whatever
+// MOELORA_AMX says of our kernel.
 bool WideBf16(const at::Tensor& x, const at::Tensor& w) {
   return x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
          w.scalar_type() == at::kBFloat16 && w.is_contiguous() && x.stride(1) == 1 &&
-         CpuBf16Gemm() == Bf16Gemm::kNative && WideBf16GemmAvailable() &&
+         CpuBf16Gemm() == Bf16Gemm::kNative && WideBf16GemmAvailable() && !AmxGemmSupported() &&
          WideBf16GemmFits(w.size(-1));
 }
 
@@ -407,7 +409,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   // threads wait for.
   const bool amx = Amx(x, weights) && x.stride(1) == 1;
   const bool wide = !amx && Wide(x, weights);
-  const bool wide_bf16 = !amx && WideBf16(x, weights);
+  const bool wide_bf16 = WideBf16(x, weights);
   const bool skinny = !amx && Skinny(x, weights) && MaxRows(x) > 0;
   const bool f32 = x.scalar_type() == at::kFloat;
   // Which kernel takes a run of m rows; none: at::mm_out (long runs) or the widened bf16 route.

@@ -135,8 +135,8 @@ TEST(GemmTest, GroupedMatmulWtTakesEveryF32RouteInOneCall) {
   ExpectEachRun(x, weights, runs, experts, out);
 }
 
-// bf16 runs on every route in one call, on a shape the wide kernel's bf16 variant takes (k % 32)
-// but AMX does not (n % 16): the skinny kernel (up to kSkinnyMaxRowsBf16DpNoAmx rows), the wide
+// bf16 runs on every route in one call, on a shape the wide kernel's bf16 variant takes (k % 32;
+// AMX would not: n % 16): the skinny kernel (up to kSkinnyMaxRowsBf16DpNoAmx rows), the wide
 // kernel (kWideBf16MinRows..kWideBf16MaxRows; 37 weight rows: a tail of 5), and oneDNN (past
 // it) where the CPU has AVX512-BF16 and no AMX; other routes elsewhere. Rows of the kernels
 // that write bf16 straight into out stand next to rows the skinny kernel converts from f32.
