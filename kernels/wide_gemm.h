@@ -1,5 +1,6 @@
 // y = x · wᵀ in f32 for 13 to a few hundred rows of x (prefill expert runs, the dense layers of a
-// decode batch of 13 or more): the counterpart of the skinny kernel (few rows) on AVX-512.
+// decode batch of 13 or more): the counterpart of the skinny kernel (few rows) on AVX-512. Below,
+// the same kernel for bf16 on AVX512-BF16 (for CPUs without AMX).
 //
 // The skinny kernel takes dot products along k: every step loads one line of each weight row and
 // of each x row of its tile (10 lines per 24 FMAs), ends with horizontal sums, and from about 16
