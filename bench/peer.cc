@@ -54,6 +54,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/plain_read.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/controller_process.h"
 #include "tests/testing/http_get.h"
@@ -84,29 +85,7 @@ double ReadBandwidthGBs(int threads, bool huge_pages) {
 #endif
   auto* buf = static_cast<uint64_t*>(mem);
   for (size_t i = 0; i < n; ++i) buf[i] = i;
-  double best = 0;
-  std::atomic<uint64_t> sink{0};
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = Clock::now();
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&, t] {
-        const size_t b = n / threads * t, e = t + 1 == threads ? n : n / threads * (t + 1);
-        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-        for (size_t i = b; i + 4 <= e; i += 4) {
-          s0 += buf[i];
-          s1 += buf[i + 1];
-          s2 += buf[i + 2];
-          s3 += buf[i + 3];
-        }
-        sink += s0 + s1 + s2 + s3;
-      });
-    }
-    for (auto& t : ts) t.join();
-    best = std::max(best, n * sizeof(uint64_t) / Sec(Clock::now() - t0) / 1e9);
-  }
-  if (sink.load() == 42) std::printf(" ");  // keeps the sums
-  return best;
+  return PlainReadGBs(buf, static_cast<int64_t>(n), threads, 5);
 }
 
 struct ModelDims {

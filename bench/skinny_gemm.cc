@@ -11,16 +11,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "bench/plain_read.h"
 #include "worker/layers/gemm.h"
 #include "worker/loaders/weight_loader.h"
 
@@ -90,34 +89,14 @@ int main(int argc, char** argv) {
       static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), dtype.c_str(), threads,
       bytes / 1e6, flat.numel() * 4 / read / 1e9, bytes / (flat.numel() * 4 / read) * 1e3);
   const double rate = flat.numel() * 4 / read;  // bytes per second
-  // The same buffer read as bench/peer's probe reads its own: each thread sums its contiguous
-  // share of 64-bit words, no conversion, best of 7. at::sum reads it through its reduction
+  // The same buffer read as bench/peer's probe reads its own (bench/plain_read.h), best of 7.
+  // at::sum reads it through its reduction
   // kernel; the two differ by the VM's stretch and by that kernel's own cost, so both are shown.
   const auto* words = static_cast<const uint64_t*>(flat.data_ptr());
   const int64_t nwords = flat.numel() / 2;
-  std::atomic<uint64_t> sink{0};
-  const double plain = Best([&] {
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&, t] {
-        const int64_t b = nwords / threads * t,
-                      e = t + 1 == threads ? nwords : nwords / threads * (t + 1);
-        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-        for (int64_t i = b; i + 4 <= e; i += 4) {
-          s0 += words[i];
-          s1 += words[i + 1];
-          s2 += words[i + 2];
-          s3 += words[i + 3];
-        }
-        sink += s0 + s1 + s2 + s3;
-      });
-    }
-    for (auto& t : ts) t.join();
-  });
-  std::printf(
-      "plain %d-thread sum of the same buffer (bench/peer's probe): %.1f GB/s = %.2f ms%s\n",
-      threads, nwords * 8 / plain / 1e9, bytes / (nwords * 8 / plain) * 1e3,
-      sink.load() == 42 ? " " : "");
+  const double plain = moelora::PlainReadGBs(words, nwords, threads, 7);
+  std::printf("plain %d-thread sum of the same buffer (bench/peer's probe): %.1f GB/s = %.2f ms\n",
+              threads, plain, bytes / (plain * 1e9) * 1e3);
   std::printf(
       "| rows/expert | grouped skinny ms | per-expert at::mm_out ms | mm/skinny | skinny/read | "
       "gate/up alone ms, /read | down alone ms, /read |\n"

@@ -275,34 +275,18 @@ int64_t SkinnyMaxRows(at::ScalarType x_dtype) {
 
 static int64_t MaxRows(const at::Tensor& x) { return SkinnyMaxRows(x.scalar_type()); }
 
-// The AMX product of x rows [i, i + m) (packed into `packed` from element `at`, by `pack`) with
-// the bf16 weight w [n, k] into bf16 rows y (row stride ldy).
-static AmxGemmArgs AmxJob(const at::Tensor& x, int64_t i, int64_t m, const uint16_t* w, int64_t n,
-                          int64_t k, at::Tensor& packed, int64_t at, at::BFloat16* y, int64_t ldy,
-                          Pack* pack) {
+// The product of bf16 x rows [i, i + m) (packed into `packed` from element `at`, by `pack`, in
+// column pairs) with the bf16 weight w [n, k] into bf16 rows y (row stride ldy): AmxGemmArgs for
+// the AMX kernel, WideBf16GemmArgs for the wide kernel's bf16 variant (the same fields, and the
+// same packed layout).
+template <typename A>
+static A PairsJob(const at::Tensor& x, int64_t i, int64_t m, const uint16_t* w, int64_t n,
+                  int64_t k, at::Tensor& packed, int64_t at, at::BFloat16* y, int64_t ldy,
+                  Pack* pack) {
   auto* p = static_cast<uint16_t*>(packed.data_ptr()) + at;
   *pack = Pack{
       static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m, k, p, false};
-  AmxGemmArgs a;
-  a.x_packed = p;
-  a.w = w;
-  a.y_bf16 = reinterpret_cast<uint16_t*>(y);
-  a.ldy = ldy;
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  return a;
-}
-
-// The bf16 wide kernel's product of bf16 x rows [i, i + m) (packed into `packed` from element
-// `at`, by `pack`) with the bf16 weight w [n, k] into bf16 rows y (row stride ldy).
-static WideBf16GemmArgs WideBf16Job(const at::Tensor& x, int64_t i, int64_t m, const uint16_t* w,
-                                    int64_t n, int64_t k, at::Tensor& packed, int64_t at,
-                                    at::BFloat16* y, int64_t ldy, Pack* pack) {
-  auto* p = static_cast<uint16_t*>(packed.data_ptr()) + at;
-  *pack = Pack{
-      static_cast<const uint16_t*>(x.data_ptr()) + i * x.stride(0), x.stride(0), m, k, p, false};
-  WideBf16GemmArgs a;
+  A a;
   a.x_packed = p;
   a.w = w;
   a.y_bf16 = reinterpret_cast<uint16_t*>(y);
@@ -371,17 +355,18 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
     Pack pack;  // the same for every product
     if (*kernel == Kernel::kAmx) {
       ys.push_back(at::empty({m, n}, x.options()));
-      job.amx = AmxJob(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
-                       ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
+      job.amx =
+          PairsJob<AmxGemmArgs>(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed,
+                                0, ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
     } else if (*kernel == Kernel::kWide) {
       ys.push_back(at::empty({m, n}, x.options()));
       job.wide = WideJob(xc, 0, m, w.data_ptr<float>(), n, k, packed, 0,
                          ys.back().data_ptr<float>(), ys.back().stride(0), &pack);
     } else if (*kernel == Kernel::kWideBf16) {
       ys.push_back(at::empty({m, n}, x.options()));
-      job.wide_bf16 =
-          WideBf16Job(xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
-                      ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
+      job.wide_bf16 = PairsJob<WideBf16GemmArgs>(
+          xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
+          ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
     } else {
       ys.push_back(at::empty({m, n}, x.options().dtype(at::kFloat)));
       job.args = Args(xf, x, 0, m, w.data_ptr(), w.scalar_type(), n, k, ys.back().data_ptr<float>(),
@@ -467,9 +452,9 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     all_skinny = all_skinny && *kernel == Kernel::kSkinny;
     if (*kernel == Kernel::kAmx) {
       packs.emplace_back();
-      job.amx =
-          AmxJob(x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
-                 out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
+      job.amx = PairsJob<AmxGemmArgs>(
+          x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
+          out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
       packed_at += AmxPackedXElements(j - i, x.size(1));
     } else if (*kernel == Kernel::kWide) {
       packs.emplace_back();
@@ -478,9 +463,9 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       packed_at += WidePackedXElements(j - i, x.size(1));
     } else if (*kernel == Kernel::kWideBf16) {
       packs.emplace_back();
-      job.wide_bf16 = WideBf16Job(x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed,
-                                  packed_at, out.data_ptr<at::BFloat16>() + i * out.stride(0),
-                                  out.stride(0), &packs.back());
+      job.wide_bf16 = PairsJob<WideBf16GemmArgs>(
+          x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
+          out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
       packed_at += WidePackedXBf16Elements(j - i, x.size(1));
     } else {
       job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk,

@@ -39,36 +39,12 @@ TEST_P(AmxGemmTest, MatchesADoubleReference) {
       m, n, k, [&](int64_t i, int64_t c) { return FromBf16(x[i * ldx + c]); },
       [&](int64_t j, int64_t c) { return FromBf16(w[j * k + c]); }, &scale);
   const int64_t split = n / 32 * 16;  // a multiple of 16, maybe 0
-  for (bool bf16_out : {false, true}) {
-    SCOPED_TRACE(bf16_out ? "bf16 y" : "f32 y");
-    std::vector<float> y(m * ldy, -7.0f);
-    std::vector<uint16_t> yb(m * ldy, ToBf16(-7.0f));
-    AmxGemmArgs a;
-    a.x_packed = packed.data();
-    a.w = w.data();
-    if (bf16_out) {
-      a.y_bf16 = yb.data();
-    } else {
-      a.y = y.data();
-    }
-    a.ldy = ldy;
-    a.m = m;
-    a.n = n;
-    a.k = k;
-    AmxGemmRows(a, split, n);
-    AmxGemmRows(a, 0, split);
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < ldy; ++j) {
-        const double got = bf16_out ? FromBf16(yb[i * ldy + j]) : y[i * ldy + j];
-        if (j >= n) {
-          ASSERT_EQ(got, -7.0) << "wrote past column n at row " << i;
-          continue;
-        }
-        const double tol = bf16_out ? std::abs(want[i * n + j]) / 128 + 1e-6 * scale : 1e-6 * scale;
-        ASSERT_NEAR(got, want[i * n + j], tol) << "y[" << i << "][" << j << "]";
-      }
-    }
-  }
+  AmxGemmArgs a;
+  testing::ExpectBf16Kernel(a, packed.data(), w.data(), m, n, k, ldy, want, scale,
+                            [&](const AmxGemmArgs& b) {
+                              AmxGemmRows(b, split, n);
+                              AmxGemmRows(b, 0, split);
+                            });
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AmxGemmTest,

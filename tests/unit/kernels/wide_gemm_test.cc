@@ -51,16 +51,9 @@ TEST_P(WideGemmTest, MatchesADoubleReference) {
   const int64_t split = n / 2 + 3;  // not a multiple of 8
   WideGemmRows(a, split, n);
   WideGemmRows(a, 0, split);
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < ldy; ++j) {
-      const double got = y[i * ldy + j];
-      if (j >= n) {
-        ASSERT_EQ(got, -7.0) << "wrote past column n at row " << i;
-        continue;
-      }
-      ASSERT_NEAR(got, want[i * n + j], 1e-6 * scale) << "y[" << i << "][" << j << "]";
-    }
-  }
+  testing::ExpectOutput(
+      m, n, ldy, want, [&](int64_t i, int64_t j) { return static_cast<double>(y[i * ldy + j]); },
+      [&](double) { return 1e-6 * scale; });
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WideGemmTest,
@@ -90,37 +83,13 @@ TEST_P(WideBf16GemmTest, MatchesADoubleReference) {
       m, n, k, [&](int64_t i, int64_t c) { return FromBf16(x[i * ldx + c]); },
       [&](int64_t j, int64_t c) { return FromBf16(w[j * k + c]); }, &scale);
   const int64_t split = n / 2 + 3;  // not a multiple of 8
-  for (bool bf16_out : {false, true}) {
-    SCOPED_TRACE(bf16_out ? "bf16 y" : "f32 y");
-    std::vector<float> y(m * ldy, -7.0f);
-    std::vector<uint16_t> yb(m * ldy, ToBf16(-7.0f));
-    WideBf16GemmArgs a;
-    a.x_packed = packed.data();
-    a.w = w.data();
-    if (bf16_out) {
-      a.y_bf16 = yb.data();
-    } else {
-      a.y = y.data();
-    }
-    a.ldy = ldy;
-    a.m = m;
-    a.n = n;
-    a.k = k;
-    a.next_w = next.data();
-    WideBf16GemmRows(a, split, n);
-    WideBf16GemmRows(a, 0, split);
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t j = 0; j < ldy; ++j) {
-        const double got = bf16_out ? FromBf16(yb[i * ldy + j]) : y[i * ldy + j];
-        if (j >= n) {
-          ASSERT_EQ(got, -7.0) << "wrote past column n at row " << i;
-          continue;
-        }
-        const double tol = bf16_out ? std::abs(want[i * n + j]) / 128 + 1e-6 * scale : 1e-6 * scale;
-        ASSERT_NEAR(got, want[i * n + j], tol) << "y[" << i << "][" << j << "]";
-      }
-    }
-  }
+  WideBf16GemmArgs a;
+  a.next_w = next.data();
+  testing::ExpectBf16Kernel(a, packed.data(), w.data(), m, n, k, ldy, want, scale,
+                            [&](const WideBf16GemmArgs& b) {
+                              WideBf16GemmRows(b, split, n);
+                              WideBf16GemmRows(b, 0, split);
+                            });
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WideBf16GemmTest,
