@@ -35,8 +35,7 @@ inline double PlainReadGBs(const uint64_t* words, int64_t n, int threads, int re
       });
     }
     for (auto& t : ts) t.join();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, static_cast<double>(n) * sizeof(uint64_t) / s / 1e9);
   }
   if (sink.load() == 42) std::printf(" ");  // keeps the sums
