@@ -7,11 +7,11 @@
 //
 // The weight is the tiles' A operand, read in place: 16 of its rows by 32 of its columns (1 KB)
 // per tile load, with the row stride of the matrix. So w [n, k] needs no repacking and stays the
-// layout every other path reads. x is the B operand and is packed once per call (AmxPackX): 16
-// rows at a time into VNNI pairs. The accumulator tile holds yᵀ (16 weight rows by 16 x rows).
-// Products of bf16 pairs are exact in f32 and summed in f32 (TDPBF16PS flushes denormals and
-// rounds to nearest even), so results agree with an f32 reference of the bf16 inputs up to the
-// order of f32 additions.
+// layout every other path reads. x is the B operand and is packed once per call (WidePackXBf16,
+// kernels/wide_gemm.h): 16 rows at a time into VNNI pairs. The accumulator tile holds yᵀ (16 weight
+// rows by 16 x rows). Products of bf16 pairs are exact in f32 and summed in f32 (TDPBF16PS flushes
+// denormals and rounds to nearest even), so results agree with an f32 reference of the bf16 inputs
+// up to the order of f32 additions.
 //
 // Layouts (row-major): x [m, k] bf16 (row stride ldx); w [n, k] bf16, contiguous rows; y [m, n]
 // f32 (row stride ldy). Needs k % 32 == 0 and n % 16 == 0 (AmxGemmFits); other shapes take the
@@ -35,16 +35,8 @@ inline bool AmxGemmFits(int64_t n, int64_t k) {
   return k > 0 && n > 0 && k % 32 == 0 && n % 16 == 0;
 }
 
-// uint16_t elements of x packed for m rows of k columns: 16-row blocks, padded with zero rows.
-inline int64_t AmxPackedXElements(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k; }
-
-// Packs bf16 x [m, k] (row stride ldx) into `packed` (AmxPackedXElements(m, k) elements): per
-// block of 16 rows, per 32 columns, 16 column pairs by 16 rows by 2 (the B tile, VNNI order).
-// Needs AmxGemmSupported() and k % 32 == 0.
-void AmxPackX(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed);
-
 struct AmxGemmArgs {
-  const uint16_t* x_packed = nullptr;  // AmxPackX of x [m, k]
+  const uint16_t* x_packed = nullptr;  // WidePackXBf16 of x [m, k]
   const uint16_t* w = nullptr;         // [n, k] bf16
   float* y = nullptr;                  // [m, n] f32, or
   uint16_t* y_bf16 = nullptr;          // [m, n] bf16 (the f32 sums rounded to nearest even)

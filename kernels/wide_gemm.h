@@ -74,7 +74,8 @@ inline int64_t WidePackedXBf16Elements(int64_t m, int64_t k) { return (m + 15) /
 // Packs bf16 x [m, k] (row stride ldx) into `packed` (WidePackedXBf16Elements(m, k) elements):
 // per block of 16 rows, k / 2 lines of 32 bf16 (line p: x[r, 2p] and x[r, 2p + 1] of the
 // block's rows r, in that order; rows past m are 0). Needs WideGemmSupported() and
-// WideBf16GemmFits(k). The AMX kernel's B tiles are the same layout (AmxPackX).
+// WideBf16GemmFits(k). The AMX kernel's B tiles are the same layout (per 32 columns,
+// 16 column pairs by 16 rows by 2: VNNI order).
 void WidePackXBf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed);
 
 struct WideBf16GemmArgs {

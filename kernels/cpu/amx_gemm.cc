@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "kernels/internal/avx512.h"  // also: gcc 12's AVX-512 header warnings off
-#include "kernels/wide_gemm.h"
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <cpuid.h>
@@ -172,10 +171,6 @@ bool AmxGemmSupported() {
 bool AmxGemmAvailable() {
   static const bool ok = AmxGemmSupported() && Enabled();
   return ok;
-}
-
-void AmxPackX(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, uint16_t* packed) {
-  WidePackXBf16(x, ldx, m, k, packed);  // the same layout
 }
 
 void AmxGemmRows(const AmxGemmArgs& a, int64_t n0, int64_t n1) {

@@ -338,7 +338,7 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
   const int64_t k = x.size(1);
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor packed, xf;
-  if (*kernel == Kernel::kAmx) packed = at::empty({AmxPackedXElements(m, k)}, x.options());
+  if (*kernel == Kernel::kAmx) packed = at::empty({WidePackedXBf16Elements(m, k)}, x.options());
   if (*kernel == Kernel::kWide) packed = at::empty({WidePackedXElements(m, k)}, x.options());
   if (*kernel == Kernel::kWideBf16) {
     packed = at::empty({WidePackedXBf16Elements(m, k)}, x.options());
@@ -412,7 +412,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   bool any_skinny = false;
   for (auto [i, j] : runs) {
     const auto kernel = kernel_of(j - i);
-    if (kernel == Kernel::kAmx) elems += AmxPackedXElements(j - i, x.size(1));
+    if (kernel == Kernel::kAmx) elems += WidePackedXBf16Elements(j - i, x.size(1));
     if (kernel == Kernel::kWide) elems += WidePackedXElements(j - i, x.size(1));
     if (kernel == Kernel::kWideBf16) elems += WidePackedXBf16Elements(j - i, x.size(1));
     any_skinny = any_skinny || kernel == Kernel::kSkinny;
@@ -455,7 +455,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       job.amx = PairsJob<AmxGemmArgs>(
           x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
           out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
-      packed_at += AmxPackedXElements(j - i, x.size(1));
+      packed_at += WidePackedXBf16Elements(j - i, x.size(1));
     } else if (*kernel == Kernel::kWide) {
       packs.emplace_back();
       job.wide = WideJob(x, i, j - i, reinterpret_cast<const float*>(w), wn, wk, packed, packed_at,

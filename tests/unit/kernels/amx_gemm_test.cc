@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/wide_gemm.h"
 #include "tests/testing/bf16.h"
 #include "tests/testing/gemm_reference.h"
 
@@ -32,8 +33,8 @@ TEST_P(AmxGemmTest, MatchesADoubleReference) {
   std::vector<uint16_t> x(m * ldx), w(n * k);
   for (auto& v : x) v = ToBf16(d(rng));
   for (auto& v : w) v = ToBf16(d(rng));
-  std::vector<uint16_t> packed(AmxPackedXElements(m, k), 0xFFFF);
-  AmxPackX(x.data(), ldx, m, k, packed.data());
+  std::vector<uint16_t> packed(WidePackedXBf16Elements(m, k), 0xFFFF);
+  WidePackXBf16(x.data(), ldx, m, k, packed.data());
   double scale = 0;
   const std::vector<double> want = testing::DoubleXWt(
       m, n, k, [&](int64_t i, int64_t c) { return FromBf16(x[i * ldx + c]); },
