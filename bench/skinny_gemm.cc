@@ -4,10 +4,14 @@
 // expert sweep the crossover (kSkinnyMaxRows). The weights sit on huge pages, as the worker's do
 // (EmptyWeight). The table also gives the gate/up and the down products alone, each against its
 // own bytes at the measured read rate; --dense M1,M2 times the dense products of a decode step
-// at M rows (q / o [H, H], k / v [H / 4, H], the LM head [4 H, H]).
+// at M rows (q / o [H, H], k / v [H / 4, H], the LM head [4 H, H]). --hot times the skinny
+// kernel alone on one thread against weights that stay in L2 (128 KB, rows of k = H and k = I, at
+// each --rows count): what its instructions cost with the memory out of the way.
 //
 //   skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype float32|bfloat16]
-//               [--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32]
+//               [--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot]
+#include "kernels/skinny_gemm.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -37,18 +41,66 @@ double Best(F f, int reps = 7) {
   }
   return best;
 }
+// The skinny kernel on one thread, its weights (128 KB) in L2 after the first pass: rows per
+// expert against k, in GFLOP/s and in GB/s of weights (what it could stream if memory kept up).
+int HotTable(at::ScalarType dt, const std::string& rows_s, const std::vector<int64_t>& ks) {
+  const bool bf16 = dt == at::kBFloat16;
+  std::printf("skinny kernel, one thread, weights in L2 (128 KB), %s\n| rows |",
+              bf16 ? "bf16" : "f32");
+  for (int64_t k : ks) std::printf(" k %ld: GFLOP/s, GB/s |", static_cast<long>(k));
+  std::printf("\n|---|");
+  for (size_t i = 0; i < ks.size(); ++i) std::printf("---|");
+  std::printf("\n");
+  for (absl::string_view r : absl::StrSplit(rows_s, ',')) {
+    const int64_t m = std::atol(std::string(r).c_str());
+    std::printf("| %ld |", static_cast<long>(m));
+    for (int64_t k : ks) {
+      const int64_t n = 128 * 1024 / (k * (bf16 ? 2 : 4));
+      at::Tensor x = at::randn({m, k}).to(dt), w = (at::randn({n, k}) * 0.02).to(dt);
+      at::Tensor xf = x.to(at::kFloat), y = at::empty({m, n});
+      moelora::SkinnyGemmArgs a;
+      a.x = xf.data_ptr<float>();
+      a.ldx = k;
+      a.w = w.data_ptr();
+      a.w_type = bf16 ? moelora::SkinnyWeight::kBF16 : moelora::SkinnyWeight::kF32;
+      a.y = y.data_ptr<float>();
+      a.ldy = n;
+      a.m = m;
+      a.n = n;
+      a.k = k;
+      if (bf16) {
+        a.x_bf16_rows = static_cast<const uint16_t*>(x.data_ptr());
+        a.ldx_bf16 = k;
+      }
+      const int reps = 2000;
+      const double t = Best([&] {
+        for (int i = 0; i < reps; ++i) moelora::SkinnyGemmRows(a, 0, n);
+      });
+      std::printf(" %.1f, %.1f |", 2.0 * m * n * k * reps / t / 1e9,
+                  static_cast<double>(w.numel() * w.element_size()) * reps / t / 1e9);
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int64_t E = 32, H = 1024, I = 512;
   int threads = 2;
   std::string dtype = "float32", rows_s = "1,2,4,8,16,24,32,64", dense_s;
+  bool hot = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
+    if (f == "--hot") {
+      hot = true;
+      continue;
+    }
     if (f == "--help" || i + 1 >= argc) {
       std::printf(
           "usage: skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype D] "
-          "[--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32]\n");
+          "[--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot]\n");
       return f == "--help" ? 0 : 2;
     }
     const std::string v = argv[++i];
@@ -73,6 +125,7 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(threads);
   const at::ScalarType dt = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  if (hot) return HotTable(dt, rows_s, {H, I});
   auto weight = [&](at::IntArrayRef shape) {
     at::Tensor w = moelora::EmptyWeight(shape, dt);
     w.copy_(at::randn(shape) * 0.02);
