@@ -44,6 +44,10 @@ double Best(F f, int reps = 7) {
 // The skinny kernel on one thread, its weights (128 KB) in L2 after the first pass: rows per
 // expert against k, in GFLOP/s and in GB/s of weights (what it could stream if memory kept up).
 int HotTable(at::ScalarType dt, const std::string& rows_s, const std::vector<int64_t>& ks) {
+  if (!moelora::SkinnyGemmAvailable()) {
+    std::fprintf(stderr, "skinny_gemm --hot: this CPU has no AVX2 + FMA (no skinny kernel)\n");
+    return 1;
+  }
   const bool bf16 = dt == at::kBFloat16;
   std::printf("skinny kernel, one thread, weights in L2 (128 KB), %s\n| rows |",
               bf16 ? "bf16" : "f32");
