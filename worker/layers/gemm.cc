@@ -86,6 +86,21 @@ int64_t BlocksOf(const Job& j) {
   return (n + BlockOf(j) - 1) / BlockOf(j);
 }
 
+// Elements of x's packed rows that a product of m rows on `kernel` reads (none for the skinny
+// kernel, which reads x in place): f32 for kWide, bf16 pairs for kAmx and kWideBf16.
+int64_t PackedElements(Kernel kernel, int64_t m, int64_t k) {
+  switch (kernel) {
+    case Kernel::kWide:
+      return WidePackedXElements(m, k);
+    case Kernel::kAmx:
+    case Kernel::kWideBf16:
+      return WidePackedXBf16Elements(m, k);
+    case Kernel::kSkinny:
+      break;
+  }
+  return 0;
+}
+
 // x rows packed for AMX or the wide kernel's bf16 variant (bf16 pairs, one layout) or the wide
 // kernel (f32) before the products that read them.
 struct Pack {
@@ -338,12 +353,11 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
   const int64_t k = x.size(1);
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor packed, xf;
-  if (*kernel == Kernel::kAmx) packed = at::empty({WidePackedXBf16Elements(m, k)}, x.options());
-  if (*kernel == Kernel::kWide) packed = at::empty({WidePackedXElements(m, k)}, x.options());
-  if (*kernel == Kernel::kWideBf16) {
-    packed = at::empty({WidePackedXBf16Elements(m, k)}, x.options());
+  if (*kernel == Kernel::kSkinny) {
+    xf = SkinnyXRows(x);
+  } else {
+    packed = at::empty({PackedElements(*kernel, m, k)}, x.options());
   }
-  if (*kernel == Kernel::kSkinny) xf = SkinnyXRows(x);
   std::vector<Pack> packs;  // AMX, wide: x packed once, for every product
   std::vector<Job> jobs;
   int64_t blocks = 0;
@@ -412,9 +426,7 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   bool any_skinny = false;
   for (auto [i, j] : runs) {
     const auto kernel = kernel_of(j - i);
-    if (kernel == Kernel::kAmx) elems += WidePackedXBf16Elements(j - i, x.size(1));
-    if (kernel == Kernel::kWide) elems += WidePackedXElements(j - i, x.size(1));
-    if (kernel == Kernel::kWideBf16) elems += WidePackedXBf16Elements(j - i, x.size(1));
+    if (kernel) elems += PackedElements(*kernel, j - i, x.size(1));
     any_skinny = any_skinny || kernel == Kernel::kSkinny;
   }
   if (elems > 0) packed = at::empty({elems}, x.options());
@@ -455,22 +467,20 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       job.amx = PairsJob<AmxGemmArgs>(
           x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
           out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
-      packed_at += WidePackedXBf16Elements(j - i, x.size(1));
     } else if (*kernel == Kernel::kWide) {
       packs.emplace_back();
       job.wide = WideJob(x, i, j - i, reinterpret_cast<const float*>(w), wn, wk, packed, packed_at,
                          out.data_ptr<float>() + i * out.stride(0), out.stride(0), &packs.back());
-      packed_at += WidePackedXElements(j - i, x.size(1));
     } else if (*kernel == Kernel::kWideBf16) {
       packs.emplace_back();
       job.wide_bf16 = PairsJob<WideBf16GemmArgs>(
           x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
           out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
-      packed_at += WidePackedXBf16Elements(j - i, x.size(1));
     } else {
       job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk,
                       yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0));
     }
+    packed_at += PackedElements(*kernel, j - i, x.size(1));
     blocks += BlocksOf(job);
     jobs.push_back(job);
   }
