@@ -1,6 +1,7 @@
 #include "worker/layers/gemm.h"
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -13,6 +14,7 @@
 #include "kernels/amx_gemm.h"
 #include "kernels/skinny_gemm.h"
 #include "kernels/wide_gemm.h"
+#include "worker/layers/block_ranges.h"
 
 namespace moelora {
 
@@ -23,6 +25,9 @@ namespace {
 // next 4 rows, fewer task boundaries (where nothing was prefetched then) measured better than 16
 // rows: decode step of bench/peer's model in f32, batch 32, 50 -> 46.6 ms (both changes).
 constexpr int64_t kBlock = 32;
+// Blocks per kernel call (RunJobs): 4 blocks of f32 rows of 1024 are 512 KB, about 30 us of a
+// thread's stream, the most by which the threads' ends can differ.
+constexpr int64_t kChunkBlocks = 4;
 
 bool Skinny(const at::Tensor& x, const at::Tensor& w) {
   return x.device().is_cpu() && x.dim() == 2 && w.is_contiguous() &&
@@ -111,14 +116,16 @@ struct Pack {
 };
 
 void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pack>& packs = {}) {
-  // Guided scheduling: each thread first takes one long contiguous run of blocks (it streams one
-  // contiguous stretch of the weights; the jobs are in weight order, so the hardware prefetcher
-  // keeps going from one block into the next), then ever smaller runs balance the end. Against
-  // dynamic (one block at a time: interleaved streams) static was 3-5 % faster per decode step
-  // of bench/peer's model. Guided is another 2-4 % faster than static, where one thread could
-  // wait for the other at the end of each product. decode_step --only peer, two runs each:
-  //   f32 batch 8    23.3 / 23.7 -> 22.7 / 22.8 ms    f32 batch 32   41.7 / 41.9 -> 40.5 / 40.6
-  //   bf16 batch 8   13.4 / 13.0 -> 12.5 / 12.6       bf16 batch 32  21.3 / 21.1 -> 20.4 / 20.8
+  // The blocks by range stealing (worker/layers/block_ranges.h): each thread streams its own
+  // contiguous half of the weights (the jobs are in weight order, so the hardware prefetcher and
+  // the kernels' prefetch past a chunk's last rows run on from one chunk into the next), a few
+  // blocks per kernel call, and a thread that is done takes over the back half of what the other
+  // has left. Before: static (3-5 % faster per decode step than dynamic, one block at a time),
+  // then guided (2-4 % faster than static). But guided's first chunk is half the blocks: timers
+  // per thread (decode_step --only peer, f32 batch 32, 4 runs of 20 steps) showed one thread
+  // idle at the end of the expert products for 2.7-4.2 % of their time, most of it in a few calls
+  // out of 160 where a thread fell 0.3-3 ms behind inside such a chunk (a vCPU descheduled, or a
+  // share with more rows per expert). With range stealing, 0.07-0.14 %.
   // AMX's x packing runs first in the same parallel region.
   if (blocks == 0) return;  // no output columns (nothing reads the packed x)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
@@ -131,7 +138,9 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
     pack_first[p + 1] = pack_first[p] + (packs[p].m + 15) / 16;
   }
   const int64_t pack_blocks = pack_first.back();
-  std::atomic<int64_t> next_block{0};
+  // A chunk per kernel call: AMX configures its tiles once per call (an extra tile release and
+  // configuration per block cost 25 ns, 2 % of bench/skinny_gemm's bf16 experts at 4 rows).
+  BlockRanges ranges(blocks, threads, kChunkBlocks);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -148,18 +157,11 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
                       static_cast<uint16_t*>(q.dst) + r0 * q.k);
       }
     }
-    // Guided, as libgomp's schedule(guided) hands out chunks (half the remaining blocks over the
-    // threads, at least one), but run a chunk at a time: each kernel takes the chunk's blocks of a
-    // job in one call, so AMX configures its tiles once per chunk rather than once per block
-    // (an extra tile release and configuration per block cost 25 ns, 2 % of bench/skinny_gemm's
-    // bf16 experts at 4 rows), and the skinny kernel's prefetch runs on across the blocks.
+    // A thread the runtime did not start leaves its share to be taken over by the others.
+    const int me = std::min(omp_get_thread_num(), threads - 1);
     for (;;) {
-      int64_t b0 = next_block.load(std::memory_order_relaxed), b1 = 0;
-      do {
-        if (b0 >= blocks) break;
-        b1 = b0 + std::max<int64_t>(1, (blocks - b0 + threads - 1) / threads);
-      } while (!next_block.compare_exchange_weak(b0, b1, std::memory_order_relaxed));
-      if (b0 >= blocks) break;
+      const auto [b0, b1] = ranges.Next(me);
+      if (b0 >= b1) break;
       // The job holding block b0: the last one that starts at or before it; then the next ones.
       auto it = std::upper_bound(jobs.begin(), jobs.end(), b0,
                                  [](int64_t v, const Job& j) { return v < j.first_block; }) -
