@@ -16,10 +16,11 @@
 // prefill tokens/s of both sides (the same batch with max_tokens 1 / one forward); moelora's
 // decode step time next to its bandwidth bound (the bytes of weights a step must read: attention,
 // router, LM head and the experts the batch is expected to touch under uniform routing, divided
-// by the read bandwidth measured here, just before that batch's base runs: the VM's read rate
-// moves by 10-30 % over minutes, so a probe taken once at the start judged later steps against
-// another minute's memory); and whether the greedy outputs are identical. Goals
-// (issue 14): base >= 1.5x at batch 8 and 32, mixed >= 0.85x moelora's base, prefill >= 1x,
+// by the read bandwidth measured here, just before and just after the generate wave the step
+// comes from: the VM's read rate moves by 10-30 % over minutes and spikes within seconds, so a
+// probe taken once at the start judged later steps against another minute's memory; the probe
+// taken before the batch's runs is printed too); and whether the greedy outputs are identical.
+// Goals (issue 14): base >= 1.5x at batch 8 and 32, mixed >= 0.85x moelora's base, prefill >= 1x,
 // step <= 1.3x the bound at batch 32. The decode step is also split into the worker's own share
 // (its moelora_step_seconds over the same waves) and the rest (controller, RPCs). Exits 1 when an
 // f32 greedy output differs from transformers' (bf16 outputs are counted, not required: the two
@@ -72,21 +73,41 @@ constexpr const char* kUsage =
     "            [--reuse-peer]\n";
 
 // Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
-// that streams its weights once can reach at most. `huge_pages`: the buffer is 2 MB-aligned and
-// asks for transparent huge pages, as the worker's weights do (worker/loaders/weight_loader.h);
-// on 4 KB pages the page walks slow the same sum down (22 against 35 GB/s on a Xeon VM).
-double ReadBandwidthGBs(int threads, bool huge_pages) {
-  const size_t bytes = size_t{1} << 30, n = bytes / sizeof(uint64_t);
-  void* mem = nullptr;
-  if (posix_memalign(&mem, size_t{2} << 20, bytes) != 0) return 0;
-  std::unique_ptr<void, void (*)(void*)> hold(mem, std::free);
+// that streams its weights once can reach at most. Two buffers, allocated and written once: one
+// 2 MB-aligned on transparent huge pages, as the worker's weights are
+// (worker/loaders/weight_loader.h), one on 4 KB pages (where page walks slow the same sum down:
+// 22 against 35 GB/s on a Xeon VM); a probe is the faster of the two.
+class ReadProbe {
+ public:
+  explicit ReadProbe(int threads) : threads_(threads) {}
+  // GB/s on 4 KB and on 2 MB pages.
+  std::pair<double, double> Measure() { return {Sum(&small_, false), Sum(&huge_, true)}; }
+  double GBs() {
+    const auto [s, h] = Measure();
+    return std::max(s, h);
+  }
+
+ private:
+  using Buffer = std::unique_ptr<void, void (*)(void*)>;
+  static constexpr size_t kBytes = size_t{1} << 30;
+  double Sum(Buffer* buf, bool huge_pages) {
+    const size_t n = kBytes / sizeof(uint64_t);
+    if (!*buf) {
+      void* mem = nullptr;
+      if (posix_memalign(&mem, size_t{2} << 20, kBytes) != 0) return 0;
+      buf->reset(mem);
 #ifdef MADV_HUGEPAGE
-  ::madvise(mem, bytes, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+      ::madvise(mem, kBytes, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
 #endif
-  auto* buf = static_cast<uint64_t*>(mem);
-  for (size_t i = 0; i < n; ++i) buf[i] = i;
-  return PlainReadGBs(buf, static_cast<int64_t>(n), threads, 5);
-}
+      auto* words = static_cast<uint64_t*>(mem);
+      for (size_t i = 0; i < n; ++i) words[i] = i;
+    }
+    return PlainReadGBs(static_cast<const uint64_t*>(buf->get()), static_cast<int64_t>(n), threads_,
+                        5);
+  }
+  const int threads_;
+  Buffer small_{nullptr, std::free}, huge_{nullptr, std::free};
+};
 
 struct ModelDims {
   int64_t H = 0, I = 0, E = 0, topk = 0, layers = 0, q = 0, kv = 0, vocab = 0;
@@ -124,6 +145,8 @@ struct Side {
   // The prefill tokens/s of the repeat whose generate wave was kept: the decode step is that wave
   // less its prefill.
   double wave_prefill_tok_s = 0;
+  // The read probe just before and just after the kept generate wave (GB/s; 0 without a probe).
+  double bw_before = 0, bw_after = 0;
   // Whether every repeat gave the same greedy outputs.
   bool same_outputs = true;
   // The worker's moelora_step_seconds (sum, count) over the prefill wave and the generate wave.
@@ -162,7 +185,8 @@ std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
 // each is kept.
 bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
                 const std::vector<std::vector<int32_t>>& prompts, int batch, int new_tokens,
-                const std::vector<std::string>& adapters, int repeat, Side* out) {
+                const std::vector<std::string>& adapters, int repeat, Side* out,
+                ReadProbe* probe = nullptr) {
   auto wave = [&](int max_tokens, std::vector<std::vector<int32_t>>* outs) {
     std::vector<std::thread> ts;
     std::atomic<bool> ok{true};
@@ -195,9 +219,11 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
   for (int r = 0; r < repeat; ++r) {
     const auto s0 = WorkerSteps(state_dir);
     const double pf = wave(1, &scratch);
+    const double bw0 = probe != nullptr ? probe->GBs() : 0.0;
     const auto s1 = WorkerSteps(state_dir);
     const double gen = wave(new_tokens, &outs);
     const auto s2 = WorkerSteps(state_dir);
+    const double bw1 = probe != nullptr ? probe->GBs() : 0.0;
     if (pf < 0 || gen < 0) return false;
     const double pf_tok_s = static_cast<double>(batch) * prompts[0].size() / pf;
     out->prefill_tok_s = std::max(out->prefill_tok_s, pf_tok_s);
@@ -214,6 +240,8 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
     out->seconds = gen;
     out->tok_s = static_cast<double>(batch) * new_tokens / gen;
     out->wave_prefill_tok_s = pf_tok_s;
+    out->bw_before = bw0;
+    out->bw_after = bw1;
   }
   return true;
 }
@@ -304,11 +332,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   const ModelDims dims = ReadDims(dir + "/model/config.json");
-  // Read just before each batch's base runs (below), for the bound of that batch: the faster of
-  // the two, what the machine can read at best.
+  // Read just before each batch's base runs (below), and again just before and just after each
+  // of its base generate waves: the faster of the two page sizes, what the machine can read at
+  // best.
+  ReadProbe probe(threads);
   auto read_bandwidth = [&](const std::string& dt, int batch) {
-    const double bw_small = ReadBandwidthGBs(threads, false),
-                 bw_huge = ReadBandwidthGBs(threads, true);
+    const auto [bw_small, bw_huge] = probe.Measure();
     std::printf(
         "%s, batch %d: read bandwidth (%d threads, 1 GiB) %.1f GB/s on 2 MB pages, %.1f GB/s on "
         "4 KB pages (its bound uses the faster)\n",
@@ -373,7 +402,10 @@ int main(int argc, char** argv) {
         Side s;
         const std::vector<std::string> ad =
             cs == "base" ? std::vector<std::string>{""} : std::vector<std::string>{"a2d", "a3d"};
-        if (!RunMoelora(c, state.path(), prompts, b, new_tokens, ad, repeat, &s)) return 1;
+        if (!RunMoelora(c, state.path(), prompts, b, new_tokens, ad, repeat, &s,
+                        cs == "base" ? &probe : nullptr)) {
+          return 1;
+        }
         if (!s.same_outputs) {
           // f32 must repeat exactly; bf16 rounds each product to bf16, so a row's tokens may
           // follow from how the wave's calls were grouped (counted, as against transformers).
@@ -412,13 +444,21 @@ int main(int argc, char** argv) {
                                        m, b));
         if (cs == "base") {
           base[b] = s;
-          const double bound = StepBytes(dims, b, dt == "float32" ? 4 : 2) / (bw * 1e9);
+          // The bound from the probes just before and just after the wave the step comes from
+          // (their mean): the VM's read rate moves within seconds (28-58 GB/s within a minute on
+          // the Zen 4 VM), so the probe before the batch, seconds earlier, can catch a moment the
+          // wave did not have. Both are printed.
+          const double bytes = StepBytes(dims, b, dt == "float32" ? 4 : 2);
+          const double around = (s.bw_before + s.bw_after) / 2;
+          const double bound = bytes / (around * 1e9), bound_first = bytes / (bw * 1e9);
           extra.push_back(absl::StrFormat(
               "batch %d: prefill %.0f vs %.0f tok/s (ratio %.2f); decode step %.1f ms, bound "
-              "%.1f ms (%.0f MB / %.1f GB/s), step/bound %.2f",
+              "%.1f ms (%.0f MB / %.1f GB/s, the mean of the probes just before and after that "
+              "wave: %.1f, %.1f), step/bound %.2f; against the probe before the batch (%.1f GB/s) "
+              "%.2f",
               b, s.prefill_tok_s, p["prefill_tok_s"].get<double>(),
               s.prefill_tok_s / p["prefill_tok_s"].get<double>(), step * 1e3, bound * 1e3,
-              StepBytes(dims, b, dt == "float32" ? 4 : 2) / 1e6, bw, step / bound));
+              bytes / 1e6, around, s.bw_before, s.bw_after, step / bound, bw, step / bound_first));
           if (split) {
             extra.push_back(absl::StrFormat(
                 "batch %d: of the decode step, the worker's step %.1f ms (%lld prefill step(s) "

@@ -61,7 +61,7 @@ TEST(BlockRangesTest, OwnShareThenBackHalfOfTheLargest) {
     got.push_back(r);
   }
   const std::vector<std::pair<int64_t, int64_t>> want = {
-      {0, 4}, {4, 8}, {8, 10},      // own share [0, 10)
+      {0, 4},   {4, 8},   {8, 10},  // own share [0, 10)
       {15, 19}, {19, 20},           // back half of [10, 20)
       {12, 15},                     // back half of [10, 15)
       {11, 12}, {10, 11}};          // then [10, 12) halved, then the last block
