@@ -4,12 +4,12 @@
 //
 // Why not an OpenMP schedule: static leaves a thread idle whenever the other is slowed (a
 // descheduled vCPU, a share with heavier experts); guided (what RunJobs used before) hands the
-// first thread half the blocks in one piece that nobody can take over, and dynamic interleaves
-// the threads' blocks, so neither streams one contiguous stretch of the weights (the hardware
+// first thread half the blocks in one piece that nobody can take over; dynamic interleaves the
+// threads' blocks, so no thread streams one contiguous stretch of the weights (the hardware
 // prefetcher and the kernels' prefetch past a call's last row both follow a thread's stretch).
 // Range stealing keeps each thread on contiguous stretches and ends within a chunk of balance.
 // libgomp has no such schedule and TBB (which does) is not among our dependencies; it is about
-// 40 lines on two atomics per thread.
+// 40 lines on one atomic per thread.
 #ifndef MOELORA_WORKER_LAYERS_BLOCK_RANGES_H_
 #define MOELORA_WORKER_LAYERS_BLOCK_RANGES_H_
 
