@@ -27,7 +27,8 @@
 // round differently).
 // --repeat N (default 3): each side's generate and prefill timed N times, the best kept (this VM
 // drifts by 5-10 % over minutes, and one wave of concurrent calls may split its prefill when the
-// calls arrive apart); moelora's f32 greedy outputs must be the same in every repeat. The peer's
+// calls arrive apart; moelora's base and mixed cases alternate round by round); moelora's f32
+// greedy outputs must be the same in every repeat. The peer's
 // mixed case (one generate per adapter, minutes in f32) runs once: its ratio is not a goal.
 // --quick (CI): batches 1,8, 8 new tokens, float32 only, one repeat. --reuse-peer: the peer's
 // figures from the last run in DIR (same flags), to iterate on moelora alone. --decode-steps: the
@@ -43,6 +44,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,6 +57,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/compute_peak.h"
 #include "bench/plain_read.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/controller_process.h"
@@ -130,14 +133,46 @@ ModelDims ReadDims(const std::string& config) {
   return d;
 }
 
-// Bytes of weights one decode step of `batch` sequences reads at least: every layer's attention
-// projections and router, the experts the batch touches (expected count under uniform top-k
-// routing: E (1 - (1 - k/E)^batch)), the LM head; norms and embedding rows are negligible.
-double StepBytes(const ModelDims& d, int batch, int elem) {
+// The weight products of one decode step of `batch` sequences: the bytes each reads at least and
+// its flops. Every layer's attention projections, its router and the experts the batch touches
+// (expected count under uniform top-k routing: E (1 - (1 - k/E)^batch), each with the rows routed
+// to it), then the LM head; norms and embedding rows are negligible.
+struct Product {
+  double bytes = 0, flops = 0;
+};
+std::vector<Product> StepProducts(const ModelDims& d, int batch, int elem) {
   const double experts = d.E * (1.0 - std::pow(1.0 - static_cast<double>(d.topk) / d.E, batch));
   const double attn = static_cast<double>(d.H) * (2 * d.q + 2 * d.kv);
-  const double per_layer = attn + d.E * d.H + experts * 3.0 * d.H * d.I;
-  return elem * (d.layers * per_layer + static_cast<double>(d.vocab) * d.H);
+  const double router = static_cast<double>(d.E) * d.H, expert = 3.0 * d.H * d.I;
+  const double lm_head = static_cast<double>(d.vocab) * d.H;
+  std::vector<Product> ps;
+  for (int64_t l = 0; l < d.layers; ++l) {
+    ps.push_back({elem * attn, 2.0 * batch * attn});
+    ps.push_back({elem * router, 2.0 * batch * router});
+    ps.push_back({elem * experts * expert, 2.0 * batch * d.topk * expert});
+  }
+  ps.push_back({elem * lm_head, 2.0 * batch * lm_head});
+  return ps;
+}
+
+// Bytes of weights one decode step reads at least (the bound divides these by the read
+// rate).
+double StepBytes(const ModelDims& d, int batch, int elem) {
+  double bytes = 0;
+  for (const Product& p : StepProducts(d, batch, elem)) bytes += p.bytes;
+  return bytes;
+}
+
+// A floor under the step that counts arithmetic too: each product at the slower of its bytes at
+// `gbs` and its flops at `gflops` (a roofline, product by product). On two cores the dense
+// products of a large batch are compute-bound (0.94 GFLOP at batch 32 on this model, 4.2 ms at
+// 222 GFLOP/s against 1.6 ms for their 56 MB), which the bound alone does not see.
+double StepFloorSeconds(const ModelDims& d, int batch, int elem, double gbs, double gflops) {
+  double s = 0;
+  for (const Product& p : StepProducts(d, batch, elem)) {
+    s += std::max(p.bytes / (gbs * 1e9), gflops > 0 ? p.flops / (gflops * 1e9) : 0.0);
+  }
+  return s;
 }
 
 struct Side {
@@ -147,6 +182,8 @@ struct Side {
   double wave_prefill_tok_s = 0;
   // The read probe just before and just after the kept generate wave (GB/s; 0 without a probe).
   double bw_before = 0, bw_after = 0;
+  // The compute probe just before and just after it (GFLOP/s; 0 without one).
+  double gflops_before = 0, gflops_after = 0;
   // Whether every repeat gave the same greedy outputs.
   bool same_outputs = true;
   // The worker's moelora_step_seconds (sum, count) over the prefill wave and the generate wave.
@@ -180,14 +217,29 @@ std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
           static_cast<int64_t>(MetricSum(page, "moelora_step_seconds_count"))};
 }
 
-// `batch` concurrent Generate calls; rows get adapters[i % adapters.size()].
-// Each of `repeat` rounds: a prefill wave (max_tokens 1), then a generate wave; the fastest of
-// each is kept.
+// One of a batch's cases: `batch` concurrent Generate calls, row i with adapters[i %
+// adapters.size()]; its figures go to `out`, and with a probe, the read rate just before and just
+// after each generate wave.
+struct Case {
+  std::vector<std::string> adapters;
+  Side* out = nullptr;
+  ReadProbe* probe = nullptr;
+  // With a probe: the compute probe (GFLOP/s), run next to the read probe.
+  std::function<double()> compute;
+};
+
+// Each of `repeat` rounds runs every case once, one after the other: a prefill wave (max_tokens
+// 1), then a generate wave; the fastest of each is kept per case. Rounds, not cases, on the
+// outside: the base and the mixed case of a round run within seconds of each other, so that the
+// mixed / base ratio does not hang on which of them met the VM's fast or slow stretch (its read
+// rate jumps by up to 2x within seconds; in the twentieth session's run Q2 the f32 batch-32 base
+// waves, all run first, met a fast stretch and the mixed waves after them did not: 29.2 against
+// 37.2 ms a step).
 bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
                 const std::vector<std::vector<int32_t>>& prompts, int batch, int new_tokens,
-                const std::vector<std::string>& adapters, int repeat, Side* out,
-                ReadProbe* probe = nullptr) {
-  auto wave = [&](int max_tokens, std::vector<std::vector<int32_t>>* outs) {
+                const std::vector<Case>& cases, int repeat) {
+  auto wave = [&](const std::vector<std::string>& adapters, int max_tokens,
+                  std::vector<std::vector<int32_t>>* outs) {
     std::vector<std::thread> ts;
     std::atomic<bool> ok{true};
     outs->assign(batch, {});
@@ -215,33 +267,42 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
     return ok ? Sec(Clock::now() - t0) : -1.0;
   };
   std::vector<std::vector<int32_t>> scratch, outs;
-  if (wave(2, &scratch) < 0) return false;  // warm (this batch's shapes, slots)
+  for (const Case& cs : cases) {
+    if (wave(cs.adapters, 2, &scratch) < 0) return false;  // warm (this batch's shapes, slots)
+  }
   for (int r = 0; r < repeat; ++r) {
-    const auto s0 = WorkerSteps(state_dir);
-    const double pf = wave(1, &scratch);
-    const double bw0 = probe != nullptr ? probe->GBs() : 0.0;
-    const auto s1 = WorkerSteps(state_dir);
-    const double gen = wave(new_tokens, &outs);
-    const auto s2 = WorkerSteps(state_dir);
-    const double bw1 = probe != nullptr ? probe->GBs() : 0.0;
-    if (pf < 0 || gen < 0) return false;
-    const double pf_tok_s = static_cast<double>(batch) * prompts[0].size() / pf;
-    out->prefill_tok_s = std::max(out->prefill_tok_s, pf_tok_s);
-    if (r == 0) {
-      out->outputs = outs;
-    } else if (outs != out->outputs) {
-      out->same_outputs = false;
+    for (const Case& cs : cases) {
+      Side* out = cs.out;
+      const auto s0 = WorkerSteps(state_dir);
+      const double pf = wave(cs.adapters, 1, &scratch);
+      const double bw0 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
+      const double fl0 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
+      const auto s1 = WorkerSteps(state_dir);
+      const double gen = wave(cs.adapters, new_tokens, &outs);
+      const auto s2 = WorkerSteps(state_dir);
+      const double bw1 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
+      const double fl1 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
+      if (pf < 0 || gen < 0) return false;
+      const double pf_tok_s = static_cast<double>(batch) * prompts[0].size() / pf;
+      out->prefill_tok_s = std::max(out->prefill_tok_s, pf_tok_s);
+      if (r == 0) {
+        out->outputs = outs;
+      } else if (outs != out->outputs) {
+        out->same_outputs = false;
+      }
+      if (r > 0 && gen >= out->seconds) continue;
+      out->pf_step_sum = s1.first - s0.first;
+      out->pf_steps = s1.second - s0.second;
+      out->gen_step_sum = s2.first - s1.first;
+      out->gen_steps = s2.second - s1.second;
+      out->seconds = gen;
+      out->tok_s = static_cast<double>(batch) * new_tokens / gen;
+      out->wave_prefill_tok_s = pf_tok_s;
+      out->bw_before = bw0;
+      out->bw_after = bw1;
+      out->gflops_before = fl0;
+      out->gflops_after = fl1;
     }
-    if (r > 0 && gen >= out->seconds) continue;
-    out->pf_step_sum = s1.first - s0.first;
-    out->pf_steps = s1.second - s0.second;
-    out->gen_step_sum = s2.first - s1.first;
-    out->gen_steps = s2.second - s1.second;
-    out->seconds = gen;
-    out->tok_s = static_cast<double>(batch) * new_tokens / gen;
-    out->wave_prefill_tok_s = pf_tok_s;
-    out->bw_before = bw0;
-    out->bw_after = bw1;
   }
   return true;
 }
@@ -388,24 +449,32 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "LoadAdapter failed:\n%s\n", c.Log().c_str());
       return 1;
     }
-    // Per batch: the peer's base case, the read probe, then moelora's base and mixed cases, one
-    // after the other, so that the two sides and the bound see the same stretch of the VM (its
-    // speed moves by 10-30 % over minutes; one side's whole run after the other's put minutes
-    // between a batch's two figures). The controller idles while the peer runs.
+    // Per batch: the peer's base case, the read probe, then moelora's base and mixed cases, round
+    // by round (RunMoelora), so that the two sides and the bound see the same stretch of the VM
+    // (its speed moves by 10-30 % over minutes; one side's whole run after the other's put
+    // minutes between a batch's two figures). The controller idles while the peer runs.
     std::vector<std::string> rows;
     std::map<int, Side> base;
     std::vector<std::string> extra;
     for (int b : batches) {
       if (!run_peer(dt, "base", std::to_string(b), absl::StrCat("base_", b), &peer)) return 1;
       const double bw = read_bandwidth(dt, b);
+      // The multiply-add rate the floor below judges the products by; like the read rate, it
+      // moves with the VM (132-222 GFLOP/s in f32 within minutes on the Zen 4 VM), so it is
+      // probed again around each base generate wave.
+      auto compute = [&] { return ComputePeakGflops(threads, dt == "bfloat16"); };
+      const char* ins = peak::Instruction(dt == "bfloat16");
+      std::printf("%s, batch %d: compute probe (%d threads, %s) %.0f GFLOP/s\n", dt.c_str(), b,
+                  threads, ins != nullptr ? ins : "none", compute());
+      Side sides[2];
+      if (!RunMoelora(c, state.path(), prompts, b, new_tokens,
+                      {Case{{""}, &sides[0], &probe, compute},
+                       Case{{"a2d", "a3d"}, &sides[1], nullptr, nullptr}},
+                      repeat)) {
+        return 1;
+      }
       for (const std::string cs : {"base", "mixed"}) {
-        Side s;
-        const std::vector<std::string> ad =
-            cs == "base" ? std::vector<std::string>{""} : std::vector<std::string>{"a2d", "a3d"};
-        if (!RunMoelora(c, state.path(), prompts, b, new_tokens, ad, repeat, &s,
-                        cs == "base" ? &probe : nullptr)) {
-          return 1;
-        }
+        const Side& s = sides[cs == "base" ? 0 : 1];
         if (!s.same_outputs) {
           // f32 must repeat exactly; bf16 rounds each product to bf16, so a row's tokens may
           // follow from how the wave's calls were grouped (counted, as against transformers).
@@ -459,6 +528,16 @@ int main(int argc, char** argv) {
               b, s.prefill_tok_s, p["prefill_tok_s"].get<double>(),
               s.prefill_tok_s / p["prefill_tok_s"].get<double>(), step * 1e3, bound * 1e3,
               bytes / 1e6, around, s.bw_before, s.bw_after, step / bound, bw, step / bound_first));
+          const double gflops = (s.gflops_before + s.gflops_after) / 2;
+          if (gflops > 0) {
+            const double floor = StepFloorSeconds(dims, b, dt == "float32" ? 4 : 2, around, gflops);
+            extra.push_back(absl::StrFormat(
+                "batch %d: roofline floor %.1f ms (each weight product at the slower of its bytes "
+                "at %.1f GB/s and its flops at %.0f GFLOP/s, %s, the mean of the compute probes "
+                "just before and after that wave: %.0f, %.0f), floor/bound %.2f, step/floor %.2f",
+                b, floor * 1e3, around, gflops, ins, s.gflops_before, s.gflops_after, floor / bound,
+                step / floor));
+          }
           if (split) {
             extra.push_back(absl::StrFormat(
                 "batch %d: of the decode step, the worker's step %.1f ms (%lld prefill step(s) "
