@@ -28,6 +28,7 @@ struct Vec : F32XRows {
   MOELORA_AVX2 static V Load(const float* p) { return avx2::Load8(p); }
   MOELORA_AVX2 static V Load(const uint16_t* p) { return avx2::Load8(p); }
   MOELORA_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  MOELORA_AVX2 static V Add(V a, V b) { return _mm256_add_ps(a, b); }
   MOELORA_AVX2 static float Sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -46,6 +47,7 @@ MOELORA_AVX2 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // the 16 ymm registers accumulate). For 4–6 rows this beat 2 x 6 tiles (one pass over the
   // weight, but 2 streams): bench/skinny_gemm, 7 paired runs, 4 rows 16.8 ms against 19.6 ms on
   // average, 6 rows 19.0 against 21.9; past 6 rows it beat 1 x 12 (x from L2).
+  if (RowStreams(a, static_cast<const W*>(a.w), n0, n1)) return;
   RunTiles<4, 3>(a, static_cast<const W*>(a.w), n0, n1);
 }
 
@@ -65,6 +67,7 @@ struct Vec : F32XRows {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   MOELORA_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  MOELORA_AVX512 static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   MOELORA_AVX512 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 
@@ -75,7 +78,9 @@ struct Vec : F32XRows {
 template <typename W>
 MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // f32 weights at a decode's few rows per expert: how many weight rows stream at once was
-  // measured, not derived (the kernel's rate is what the memory gives its streams). Rows of 4 KB
+  // measured, not derived (the kernel's rate is what the memory gives its streams). 1-2 x rows:
+  // one weight row at a time (RowStreams, twenty-first session). The tiles below were measured
+  // at 1-3 x rows before that and serve 3 and more now. Rows of 4 KB
   // or more (k = 1024: gate/up, the dense products) at 1-3 x rows: 8 rows a tile (8 x 3
   // accumulators); rows of up to 2 KB (k = 512: the down projection) at 1-4 x rows: 2 rows a
   // tile. bench/skinny_gemm --experts 128 (805 MB), f32, two paired runs, grouped ms at 1 / 2 /
@@ -83,6 +88,7 @@ MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // 26.6; the down product alone at 4 rows 9.3, 9.5 -> 8.7, 8.9 ms. Not taken: 8 rows at 4-6 x
   // rows (two tiles of x; within noise), 2 rows at 5-6 (6-10 % slower), 1 row for the down
   // product (between the two).
+  if (RowStreams(a, static_cast<const W*>(a.w), n0, n1)) return;
   if constexpr (std::is_same_v<W, float>) {
     const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(float));
     if (row_bytes >= 4096 && a.m <= 3) return RunTiles<8, 3>(a, static_cast<const W*>(a.w), n0, n1);
@@ -111,6 +117,7 @@ struct Vec {
     return reinterpret_cast<X>(_mm512_loadu_si512(p));
   }
   MOELORA_AVX512_BF16 static V Fma(X w, X x, V acc) { return _mm512_dpbf16_ps(acc, w, x); }
+  MOELORA_AVX512_BF16 static V Add(V a, V b) { return _mm512_add_ps(a, b); }
   MOELORA_AVX512_BF16 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 
@@ -120,6 +127,7 @@ struct Vec {
 
 MOELORA_AVX512_BF16 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   const auto* w = static_cast<const uint16_t*>(a.w);
+  if (RowStreams(a, w, n0, n1)) return;
   // Rows of up to 1 KB (k <= 512: the MoE down projection) 8 at a time, x rows 3 at a time: a
   // 4-row tile of them is 4 KB, 16 steps of k, and its sums and the next tile's prefetch were a
   // large share of each. bench/skinny_gemm --experts 128 --dtype bfloat16 on the Zen 4, the down

@@ -23,9 +23,10 @@ class SkinnyGemmTest : public ::testing::TestWithParam<Case> {};
 
 void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16);
 
-// Every (m, n, k) shape, on every instruction set this CPU has: tiles of 6 / 3 / 2 / 1 x rows and
-// their tails, 8 / 4 / 2 / 1 weight rows, k with and without an 8- and a 16-lane tail; strided x
-// and y; any output-column split; against a double-precision reference.
+// Every (m, n, k) shape, on every instruction set this CPU has: one weight row at a time (1-2 x
+// rows), tiles of 6 / 3 / 2 / 1 x rows and their tails, 8 / 4 / 2 / 1 weight rows, k with and
+// without an 8- and a 16-lane tail; strided x and y; any output-column split; against a
+// double-precision reference.
 TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
   for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512, SkinnyIsa::kAvx512Bf16}) {
@@ -85,15 +86,18 @@ void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SkinnyGemmTest,
-                         ::testing::Values(Case{1, 1, 1}, Case{1, 4, 8}, Case{2, 5, 9},
-                                           Case{3, 8, 16}, Case{4, 7, 31}, Case{5, 13, 64},
-                                           Case{6, 16, 100}, Case{7, 3, 7}, Case{11, 9, 47},
-                                           Case{13, 6, 33}, Case{24, 33, 129},
-                                           // f32 rows of 4 KB at 1-3 x rows (8 weight rows a
-                                           // tile) and of 2 KB at 1-4 (2 a tile), with tails
-                                           Case{1, 37, 1024}, Case{3, 20, 1030}, Case{2, 21, 512},
-                                           Case{4, 9, 500}));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SkinnyGemmTest,
+    ::testing::Values(Case{1, 1, 1}, Case{1, 4, 8}, Case{2, 5, 9}, Case{3, 8, 16}, Case{4, 7, 31},
+                      Case{5, 13, 64}, Case{6, 16, 100}, Case{7, 3, 7}, Case{11, 9, 47},
+                      Case{13, 6, 33}, Case{24, 33, 129},
+                      // f32 rows of 4 KB at 1-3 x rows (8 weight rows a
+                      // tile) and of 2 KB at 1-4 (2 a tile), with tails
+                      Case{1, 37, 1024}, Case{3, 20, 1030}, Case{2, 21, 512}, Case{4, 9, 500},
+                      // 1-2 x rows, one weight row at a time: k with
+                      // whole 4-vector steps, 1-3 single vectors after
+                      // them, and an element tail
+                      Case{1, 5, 200}, Case{2, 7, 77}, Case{2, 3, 300}, Case{1, 6, 4160}));
 
 }  // namespace
 }  // namespace moelora
