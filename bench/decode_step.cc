@@ -6,7 +6,7 @@
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
 //               [--only tiny|medium|ep-memory|qwen3_5|a3b|peer] [--device
 //               cpu|cuda|cuda:N|cpu-twins]
-//               [--dtype D] [--prefill N]
+//               [--dtype D] [--prefill N] [--ab-row-streams 1]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -17,6 +17,11 @@
 // gives tokens/s and (c)/(a), the goal being <= 1.2 at batch 64. qwen3_5: a medium Qwen3.5-like
 // model (3 Gated DeltaNet : 1 attention layers) with rank-16 adapters on every module, and a
 // 512-token (--prefill) prefill in the chunked form against token by token (goal >= 5x).
+// --ab-row-streams 1: case (a)'s decode steps alternate between the skinny kernel's row streams
+// at 1-2 x rows and its tiles (SetSkinnyRowStreams), and the line after it gives both medians
+// and the median ratio of neighbouring steps: the VM's speed moves by up to 2x within seconds,
+// so a change worth a few percent shows only when its two sides alternate step by step in one
+// process (two binaries run one after the other differed by more than the change).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -34,6 +39,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
+#include "kernels/skinny_gemm.h"
 #include "tests/testing/adapter_builder.h"
 #include "worker/checkpoint.h"
 #include "worker/comm/communicator.h"
@@ -395,8 +401,11 @@ struct Case {
 
 // Mean seconds of one decode step for `batch` sequences (best of `repeat`); *prefill: the best
 // time of the step that prefills their 16-token prompts.
+// ab (optional): the decode steps alternate row streams on (even steps, ab[0]) and off (odd,
+// ab[1]), each step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
-                  int64_t* next_id, double* prefill = nullptr) {
+                  int64_t* next_id, double* prefill = nullptr,
+                  std::vector<double> (*ab)[2] = nullptr) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -416,7 +425,13 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     best_prefill = std::min(best_prefill, Now() - tp);
     for (int w = 0; w < 2; ++w) Check(e.Step({}, {}).status(), "warmup");
     const double t0 = Now();
-    for (int s = 0; s < steps; ++s) Check(e.Step({}, {}).status(), "decode");
+    for (int s = 0; s < steps; ++s) {
+      if (ab != nullptr) SetSkinnyRowStreams(s % 2 == 0);
+      const double ts = Now();
+      Check(e.Step({}, {}).status(), "decode");
+      if (ab != nullptr) (*ab)[s % 2].push_back(Now() - ts);
+    }
+    if (ab != nullptr) SetSkinnyRowStreams(true);
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
   }
@@ -429,7 +444,14 @@ struct RunFlags {
   int steps = 20, repeat = 3;
   std::string device = "cpu", dtype = "float32";
   int prefill_len = 512;
+  bool ab_row_streams = false;
 };
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 
 void Run(const std::string& label, const std::string& model,
          const std::vector<std::string>& adapters_2d, const std::vector<std::string>& adapters_3d,
@@ -461,7 +483,9 @@ void Run(const std::string& label, const std::string& model,
     std::vector<int64_t> none(b_size, 0), one(b_size, 1), eight(b_size);
     for (int i = 0; i < b_size; ++i) eight[i] = 1 + i % 8;
     double prefill = 0;
-    const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill);
+    std::vector<double> ab[2];
+    const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
+                                f.ab_row_streams ? &ab : nullptr);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -471,6 +495,17 @@ void Run(const std::string& label, const std::string& model,
         label.c_str(), f.device.c_str(), f.dtype.c_str(), at::get_num_threads(), b_size, a * 1e3,
         b_size / a, b * 1e3, c * 1e3, b_size / c, b / a, c / b, c / a, b_size, prefill * 1e3,
         b_size * 16 / prefill);
+    if (f.ab_row_streams) {
+      std::vector<double> ratios;
+      for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
+        ratios.push_back(ab[0][i] / ab[1][i]);
+      }
+      std::printf(
+          "%-7s batch %3d  (a) steps alternating: row streams %.3f ms, tiles %.3f ms (medians), "
+          "median ratio of neighbouring steps %.3f (%zu pairs)\n",
+          label.c_str(), b_size, Median(ab[0]) * 1e3, Median(ab[1]) * 1e3, Median(ratios),
+          ratios.size());
+    }
   }
 }
 
@@ -484,7 +519,7 @@ int main(int argc, char** argv) {
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
       "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
-      "[--dtype float32|bfloat16] [--prefill N]\n";
+      "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -509,6 +544,8 @@ int main(int argc, char** argv) {
       f.dtype = v;
     } else if (flag == "--prefill") {
       f.prefill_len = std::atoi(v.c_str());
+    } else if (flag == "--ab-row-streams") {
+      f.ab_row_streams = v != "0";
     } else {
       std::fprintf(stderr, "%s", usage);
       return 2;

@@ -53,6 +53,14 @@ bool SkinnyGemmAvailable();
 // Whether this CPU can run `isa` (tests run every one it can).
 bool SkinnyGemmSupports(SkinnyIsa isa);
 
+// Whether 1-2 x rows run one weight row at a time (one sequential stream a thread) rather than
+// in tiles of several weight rows. On unless MOELORA_SKINNY_ROW_STREAMS=0 at start;
+// SetSkinnyRowStreams switches it at any time (bench/decode_step --ab-row-streams alternates it
+// step by step, to measure it against the tiles on another CPU). Both give the same products up
+// to the order of the sums.
+bool SkinnyRowStreams();
+void SetSkinnyRowStreams(bool on);
+
 // Output columns [n0, n1) of y = x · wᵀ. Needs SkinnyGemmAvailable(); 0 <= n0 <= n1 <= n.
 void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1);
 // The same with a given instruction set; needs SkinnyGemmSupports(isa).

@@ -1,5 +1,6 @@
 #include "kernels/skinny_gemm.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -159,6 +160,20 @@ SkinnyIsa Detect() {
 }
 
 }  // namespace
+
+namespace {
+std::atomic<bool>& RowStreamsFlag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("MOELORA_SKINNY_ROW_STREAMS");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }()};
+  return on;
+}
+}  // namespace
+
+bool SkinnyRowStreams() { return RowStreamsFlag().load(std::memory_order_relaxed); }
+
+void SetSkinnyRowStreams(bool on) { RowStreamsFlag().store(on, std::memory_order_relaxed); }
 
 SkinnyIsa SkinnyGemmIsa() {
   static const SkinnyIsa isa = Detect();

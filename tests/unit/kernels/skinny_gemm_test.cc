@@ -32,11 +32,16 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512, SkinnyIsa::kAvx512Bf16}) {
     if (!SkinnyGemmSupports(isa)) continue;
     for (bool x_bf16 : {false, true}) {
-      SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
-                   : isa == SkinnyIsa::kAvx512 ? "AVX-512"
-                                               : "AVX512-BF16");
-      SCOPED_TRACE(x_bf16 ? "x bf16" : "x f32");
-      CheckAgainstReference(GetParam(), isa, x_bf16);
+      for (bool row_streams : {true, false}) {
+        SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
+                     : isa == SkinnyIsa::kAvx512 ? "AVX-512"
+                                                 : "AVX512-BF16");
+        SCOPED_TRACE(x_bf16 ? "x bf16" : "x f32");
+        SCOPED_TRACE(row_streams ? "row streams at 1-2 x rows" : "tiles at every x row count");
+        SetSkinnyRowStreams(row_streams);
+        CheckAgainstReference(GetParam(), isa, x_bf16);
+        SetSkinnyRowStreams(true);
+      }
     }
   }
 }
