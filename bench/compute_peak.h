@@ -26,38 +26,32 @@ namespace peak {
 constexpr int kChains = 24;  // enough to cover the latency (4-6 cycles) of 2 pipes
 
 // Each returns the flops of `iters` passes over kChains multiply-adds, and folds the chains into
-// *sink so that the compiler keeps them.
-MOELORA_AVX512 inline double Avx512Fma(int64_t iters, float* sink) {
+// *sink so that the compiler keeps them. One body for both AVX-512 instructions: compiled for
+// AVX512-BF16, but the f32 instantiation holds no bf16 instruction, so it runs on any AVX-512 CPU.
+template <bool kBf16>
+MOELORA_AVX512_BF16 inline double Avx512Chains(int64_t iters, float* sink) {
   __m512 acc[kChains];
 #pragma GCC unroll 24
   for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
   const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.0001f);
+  const __m512bh ah = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3c00));
+  const __m512bh bh = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3a00));
   for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 24
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    for (int i = 0; i < kChains; ++i) {
+      if constexpr (kBf16) {
+        acc[i] = _mm512_dpbf16_ps(acc[i], ah, bh);
+      } else {
+        acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+      }
+    }
   }
   __m512 s = acc[0];
 #pragma GCC unroll 24
   for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
   *sink += _mm512_reduce_add_ps(s);
-  return static_cast<double>(iters) * kChains * 16 * 2;
-}
-
-MOELORA_AVX512_BF16 inline double Avx512Bf16Dot(int64_t iters, float* sink) {
-  __m512 acc[kChains];
-#pragma GCC unroll 24
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
-  const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3c00));
-  const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3a00));
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 24
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  }
-  __m512 s = acc[0];
-#pragma GCC unroll 24
-  for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
-  *sink += _mm512_reduce_add_ps(s);
-  return static_cast<double>(iters) * kChains * 32 * 2;
+  // vfmadd231ps: 16 lanes, 2 flops; vdpbf16ps: 16 lanes, two products and their sum each.
+  return static_cast<double>(iters) * kChains * 16 * (kBf16 ? 4 : 2);
 }
 
 MOELORA_AVX2 inline double Avx2Fma(int64_t iters, float* sink) {
@@ -96,8 +90,8 @@ inline double ComputePeakGflops(int threads, bool bf16, int reps = 5) {
   if (ins == nullptr) return 0;
   const std::string which = ins;
   auto pass = [&](int64_t iters, float* sink) {
-    if (which == "vdpbf16ps zmm") return peak::Avx512Bf16Dot(iters, sink);
-    if (which == "vfmadd231ps zmm") return peak::Avx512Fma(iters, sink);
+    if (which == "vdpbf16ps zmm") return peak::Avx512Chains<true>(iters, sink);
+    if (which == "vfmadd231ps zmm") return peak::Avx512Chains<false>(iters, sink);
     return peak::Avx2Fma(iters, sink);
   };
   constexpr int64_t kIters = 1 << 20;  // about 10 ms a thread at 3 GHz
