@@ -95,6 +95,58 @@ TEST(DecodeAttentionTest, MatchesTheDefinition) {
       for (bool bf16 : {false, true}) {
         Check({n, d, 4, bf16, false});
         Check({n, d, 1, bf16, true});
+        Check({n, d, 7, bf16, true});  // heads in blocks of 4 or 2, and one at a time
+      }
+    }
+  }
+}
+
+// The heads of a call go in blocks (4 at d = 32 and 64, 2 at d = 128): each head's output is the
+// same bits as a call for that head alone.
+TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
+  if (!DecodeAttentionAvailable(64)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0, 1);
+  for (int64_t d : {32, 64, 128}) {
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "d " << d << " bf16 " << bf16);
+      const int64_t n = 37, heads = 7, stride = 2 * d;
+      std::vector<float> q(heads * d), k(n * stride), v(n * stride), sinks(heads);
+      std::vector<uint16_t> kb(k.size()), vb(v.size());
+      for (auto& x : q) x = dist(rng);
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = dist(rng);
+        v[i] = dist(rng);
+        kb[i] = ToBf16(k[i]);
+        vb[i] = ToBf16(v[i]);
+      }
+      for (auto& x : sinks) x = dist(rng);
+      DecodeAttentionArgs a;
+      a.q = q.data();
+      a.q_stride = d;
+      a.k = bf16 ? static_cast<const void*>(kb.data()) : k.data();
+      a.v = bf16 ? static_cast<const void*>(vb.data()) : v.data();
+      a.kv_bf16 = bf16;
+      a.kv_stride = stride;
+      a.n = n;
+      a.d = d;
+      a.heads = heads;
+      a.scale = 0.125f;
+      a.sinks = sinks.data();
+      std::vector<float> all(heads * d), one(heads * d), scratch(heads * (n + 16));
+      a.out = all.data();
+      a.out_stride = d;
+      DecodeAttention(a, scratch.data());
+      for (int64_t h = 0; h < heads; ++h) {
+        DecodeAttentionArgs b = a;
+        b.heads = 1;
+        b.q = q.data() + h * d;
+        b.sinks = sinks.data() + h;
+        b.out = one.data() + h * d;
+        DecodeAttention(b, scratch.data());
+      }
+      for (int64_t i = 0; i < heads * d; ++i) {
+        ASSERT_EQ(all[i], one[i]) << "head " << i / d << " e " << i % d;
       }
     }
   }
