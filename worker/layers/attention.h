@@ -20,6 +20,15 @@
 
 namespace moelora {
 
+// q [T, hq, d] and k [T, hkv, d] (heads at any stride, each head's d values contiguous) replaced by
+// rope.Apply(RmsNorm(x, norm, eps, kind), table) of each, as new contiguous tensors, in one pass
+// over the tokens on the CPU: the arithmetic and roundings of RmsNorm and Rotary::Apply where
+// those run by hand (contiguous x), the same bits. Returns false, and leaves q and k as they
+// were, where it does not apply: not on the CPU, another dtype than f32 or bf16, a norm missing or
+// of another dtype, a table of another shape.
+bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                  double eps, NormKind kind, const Rotary& rope, const Rotary::Table& table);
+
 struct AttentionSpec {
   int64_t heads = 0;     // query heads on this rank
   int64_t kv_heads = 0;  // KV heads on this rank

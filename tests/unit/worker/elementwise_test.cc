@@ -125,6 +125,47 @@ TEST(ElementwiseTest, RotaryApplyIsBitIdenticalToItsAtenForm) {
   }
 }
 
+// q/k norm and rotary in one pass: the same bits as RmsNorm then Rotary::Apply on each (by hand),
+// on f32 and bf16, every norm kind, full and partial rotary; q as a view whose heads are 2 d
+// apart (Qwen3.5's [q ; gate] heads) against the ops on its contiguous copy. Where a norm is
+// missing it does nothing and says so.
+TEST(ElementwiseTest, NormRotaryQkIsRmsNormThenRotaryApply) {
+  at::manual_seed(13);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (int64_t rd : {int64_t{64}, int64_t{16}}) {
+      for (NormKind kind : {NormKind::kPlain, NormKind::kZeroCentred, NormKind::kPlainF32Weight}) {
+        SCOPED_TRACE(::testing::Message() << (dt == at::kFloat ? "f32" : "bf16") << " rd " << rd
+                                          << " kind " << static_cast<int>(kind));
+        RopeSpec spec;
+        spec.head_dim = 64;
+        spec.partial_rotary_factor = static_cast<double>(rd) / 64;
+        Rotary rope(spec, at::kCPU);
+        const std::vector<int64_t> pos = {0, 3, 9, 1000, 4000, 17};
+        const Rotary::Table t = rope.Compute(pos, dt);
+        const int64_t T = 6, hq = 5, hkv = 2, d = 64;
+        at::Tensor qg = (at::randn({T, hq, 2 * d}) * 3).to(dt);
+        at::Tensor q = qg.narrow(2, 0, d);  // heads 2 d apart
+        at::Tensor k = at::randn({T, hkv, d}).to(dt);
+        at::Tensor qw = (at::rand({d}) + 0.5).to(dt), kw = (at::rand({d}) + 0.5).to(dt);
+        const at::Tensor want_q = rope.Apply(RmsNorm(q.contiguous(), qw, 1e-6, kind), t);
+        const at::Tensor want_k = rope.Apply(RmsNorm(k, kw, 1e-6, kind), t);
+        at::Tensor gq = q, gk = k;
+        ASSERT_TRUE(NormRotaryQk(gq, gk, qw, kw, 1e-6, kind, rope, t));
+        EXPECT_TRUE(gq.is_contiguous() && gk.is_contiguous());
+        EXPECT_TRUE(at::equal(gq, want_q))
+            << "q max diff "
+            << (gq.to(at::kFloat) - want_q.to(at::kFloat)).abs().max().item<float>();
+        EXPECT_TRUE(at::equal(gk, want_k))
+            << "k max diff "
+            << (gk.to(at::kFloat) - want_k.to(at::kFloat)).abs().max().item<float>();
+        at::Tensor uq = q, uk = k;
+        EXPECT_FALSE(NormRotaryQk(uq, uk, qw, at::Tensor(), 1e-6, kind, rope, t));
+        EXPECT_TRUE(uq.is_same(q) && uk.is_same(k)) << "a refused call changed q or k";
+      }
+    }
+  }
+}
+
 // CPU-path LoRA slots of `dt` for a MoeExperts under test.
 SlotShape CpuSlots(int slots, int rank, at::ScalarType dt) {
   SlotShape shape;
