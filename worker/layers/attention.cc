@@ -472,6 +472,7 @@ std::vector<float> NormWeightF32(const at::Tensor& w) {
 
 bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const at::Tensor& k_norm,
                   double eps, NormKind kind, const Rotary& rope, const Rotary::Table& table) {
+  if (!q.defined() || !k.defined() || q.dim() != 3 || k.dim() != 3) return false;
   const at::ScalarType st = q.scalar_type();
   const int64_t T = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   const int64_t rd = rope.rotary_dim();
@@ -479,13 +480,13 @@ bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const 
     return w.defined() && w.device().is_cpu() && w.dim() == 1 && w.size(0) == d &&
            w.is_contiguous() && w.scalar_type() == st;
   };
-  if (!q.device().is_cpu() || (st != at::kFloat && st != at::kBFloat16) || q.dim() != 3 ||
-      k.dim() != 3 || k.scalar_type() != st || k.size(0) != T || k.size(2) != d ||
-      q.stride(2) != 1 || k.stride(2) != 1 || q.stride(0) < hq * q.stride(1) ||
-      k.stride(0) < hkv * k.stride(1) || q.stride(1) < d || k.stride(1) < d || !norm_ok(q_norm) ||
-      !norm_ok(k_norm) || !table.cos.is_contiguous() || !table.sin.is_contiguous() ||
-      table.cos.scalar_type() != st || table.sin.scalar_type() != st || table.cos.dim() != 2 ||
-      table.cos.size(0) != T || table.cos.size(1) != rd || rd > d || rd % 2 != 0 || T == 0) {
+  if (!q.device().is_cpu() || !k.device().is_cpu() || (st != at::kFloat && st != at::kBFloat16) ||
+      k.scalar_type() != st || k.size(0) != T || k.size(2) != d || q.stride(2) != 1 ||
+      k.stride(2) != 1 || q.stride(0) < hq * q.stride(1) || k.stride(0) < hkv * k.stride(1) ||
+      q.stride(1) < d || k.stride(1) < d || !norm_ok(q_norm) || !norm_ok(k_norm) ||
+      !table.cos.is_contiguous() || !table.sin.is_contiguous() || table.cos.scalar_type() != st ||
+      table.sin.scalar_type() != st || table.cos.dim() != 2 || table.cos.size(0) != T ||
+      table.cos.size(1) != rd || rd > d || rd % 2 != 0 || T == 0) {
     return false;
   }
   const std::vector<float> wq = NormWeightF32(q_norm), wk = NormWeightF32(k_norm);

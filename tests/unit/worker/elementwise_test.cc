@@ -161,6 +161,8 @@ TEST(ElementwiseTest, NormRotaryQkIsRmsNormThenRotaryApply) {
         at::Tensor uq = q, uk = k;
         EXPECT_FALSE(NormRotaryQk(uq, uk, qw, at::Tensor(), 1e-6, kind, rope, t));
         EXPECT_TRUE(uq.is_same(q) && uk.is_same(k)) << "a refused call changed q or k";
+        at::Tensor flat = k.reshape({T, hkv * d});  // not [T, heads, d]: refused, no throw
+        EXPECT_FALSE(NormRotaryQk(flat, uk, qw, kw, 1e-6, kind, rope, t));
       }
     }
   }
