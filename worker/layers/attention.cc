@@ -32,22 +32,23 @@ NormForm FormOf(NormKind kind) {
                                           : NormForm::kF32Weight;
 }
 
+// A contiguous f32 or bf16 norm weight's values in f32: an f32 weight as it is, a bf16 one widened
+// into `buf` (w.to(at::kFloat) was an ATen op and an allocation per norm, 4 per layer of a bf16
+// step).
+const float* NormWeightF32(const at::Tensor& w, std::vector<float>& buf) {
+  if (w.scalar_type() != at::kBFloat16) return w.data_ptr<float>();
+  buf.resize(w.numel());
+  WidenBf16(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), buf.data(), buf.size());
+  return buf.data();
+}
+
 template <typename T>
 void RmsNormRows(const T* x, const T* delta, const at::Tensor& w, T* sum, T* out, int64_t rows,
                  int64_t n, float eps, NormKind kind) {
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  // The weight in f32: an f32 weight as it is; a bf16 one widened here (w.to(at::kFloat) was an
-  // ATen op and an allocation per norm, 4 per layer of a bf16 step). NormByHand has checked that
-  // w is contiguous and of x's dtype.
+  // NormByHand has checked that w is contiguous and of x's dtype.
   std::vector<float> widened;
-  const float* wp = nullptr;
-  if constexpr (kBf16) {
-    widened.resize(n);
-    WidenBf16(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), widened.data(), n);
-    wp = widened.data();
-  } else {
-    wp = w.data_ptr<float>();
-  }
+  const float* wp = NormWeightF32(w, widened);
   const NormForm form = FormOf(kind);
   auto u16 = [](const T* p) { return reinterpret_cast<const uint16_t*>(p); };
   at::parallel_for(0, rows, ElementwiseGrain(n), [&](int64_t r0, int64_t r1) {
@@ -458,16 +459,6 @@ void NormRotaryToken(const T* x, int64_t hs, int64_t heads, int64_t d, const flo
   }
 }
 
-// A norm weight [d] in f32 (a bf16 one widened).
-std::vector<float> NormWeightF32(const at::Tensor& w) {
-  std::vector<float> f(w.numel());
-  if (w.scalar_type() == at::kBFloat16) {
-    WidenBf16(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), f.data(), f.size());
-  } else {
-    std::copy(w.data_ptr<float>(), w.data_ptr<float>() + f.size(), f.begin());
-  }
-  return f;
-}
 }  // namespace
 
 bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const at::Tensor& k_norm,
@@ -489,7 +480,9 @@ bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const 
       table.cos.size(1) != rd || rd > d || rd % 2 != 0 || T == 0) {
     return false;
   }
-  const std::vector<float> wq = NormWeightF32(q_norm), wk = NormWeightF32(k_norm);
+  std::vector<float> wq_buf, wk_buf;
+  const float* wq = NormWeightF32(q_norm, wq_buf);
+  const float* wk = NormWeightF32(k_norm, wk_buf);
   const NormForm form = FormOf(kind);
   const float e = static_cast<float>(eps);
   at::Tensor qo = at::empty({T, hq, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -501,6 +494,8 @@ bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const 
     const U* kx = k.data_ptr<U>();
     const U* cs = table.cos.data_ptr<U>();
     const U* sn = table.sin.data_ptr<U>();
+    U* qd = qo.data_ptr<U>();
+    U* kd = ko.data_ptr<U>();
     at::parallel_for(0, T, ElementwiseGrain((hq + hkv) * d), [&](int64_t t0, int64_t t1) {
       const int64_t most = std::max(hq, hkv) * d;
       std::vector<float> xr(most), nr(most), o32(kBf16 ? most : 0), cf(kBf16 ? 2 * rd : 0);
@@ -515,10 +510,10 @@ bool NormRotaryQk(at::Tensor& q, at::Tensor& k, const at::Tensor& q_norm, const 
           c = cs + t * rd;
           s = sn + t * rd;
         }
-        NormRotaryToken(qx + t * q.stride(0), q.stride(1), hq, d, wq.data(), form, e, c, s, rd,
-                        xr.data(), nr.data(), o32.data(), qo.data_ptr<U>() + t * hq * d);
-        NormRotaryToken(kx + t * k.stride(0), k.stride(1), hkv, d, wk.data(), form, e, c, s, rd,
-                        xr.data(), nr.data(), o32.data(), ko.data_ptr<U>() + t * hkv * d);
+        NormRotaryToken(qx + t * q.stride(0), q.stride(1), hq, d, wq, form, e, c, s, rd, xr.data(),
+                        nr.data(), o32.data(), qd + t * hq * d);
+        NormRotaryToken(kx + t * k.stride(0), k.stride(1), hkv, d, wk, form, e, c, s, rd, xr.data(),
+                        nr.data(), o32.data(), kd + t * hkv * d);
       }
     });
   };
