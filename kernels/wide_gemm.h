@@ -7,12 +7,13 @@
 // rows on it is bound by those loads from L2 (250 GFLOP/s of the 470 two cores can do here).
 // This kernel broadcasts instead: x is packed once per call, transposed in blocks of 16 rows
 // (WidePackX: for each column c, the 16 rows' x[·, c] in one line), and a register tile of 8
-// weight rows by up to 48 x rows (24 accumulators) takes, per column, 8 broadcasts of w[·, c]
-// (each weight line serves 16 columns) and up to 3 lines of packed x. The weight is read in place
-// (its rows stay the layout every other path reads); the next 8 weight rows are prefetched into
-// L1 while the first x block passes over the current ones. Written by hand because the BLAS under
-// Debian's libtorch 1.13 (OpenBLAS) packs the whole weight on each call, which for one expert's
-// 16–256 rows costs about a third of the product (perf of an f32 prefill, docs/performance.md).
+// weight rows by up to 48 x rows (24 accumulators; 14 rows by 32 in bf16) takes, per column, a
+// broadcast of w[·, c] per row (each weight line serves 16 columns) and up to 3 lines of packed
+// x. The weight is read in place (its rows stay the layout every other path reads); the next
+// tile's weight rows are prefetched into L1 while the first x block passes over the current ones.
+// Written by hand because the BLAS under Debian's libtorch 1.13 (OpenBLAS) packs the whole weight
+// on each call, which for one expert's 16–256 rows costs about a third of the product (perf of an
+// f32 prefill, docs/performance.md).
 //
 // Layouts (row-major): x [m, k] f32 (row stride ldx); w [n, k] f32, contiguous rows; y [m, n] f32
 // (row stride ldy). Accumulation in f32, in column order c = 0, 1, ..., k - 1 for every output.
@@ -30,6 +31,13 @@ bool WideGemmAvailable();
 // Whether the CPU can run the kernel at all, whatever the variables say (its tests).
 bool WideGemmSupported();
 
+// Weight rows per register tile of the f32 kernel: 8 (for up to 3 blocks of 16 x rows a pass, 24
+// accumulators). A thread's range of output columns is best a multiple of it (the last tile of a
+// range takes what is left). Not more at two blocks, as the bf16 kernel: f32 rows of k 1024 are
+// 4 KB apart, so the tile's current line of every row falls into one 8-way L1 set (14 rows:
+// 0.70x at 32 rows, docs/performance.md).
+constexpr int WideTileRows(int64_t /*m*/) { return 8; }
+
 // f32 elements of x packed for m rows of k columns: 16-row blocks, padded with zero rows.
 inline int64_t WidePackedXElements(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k; }
 
@@ -45,7 +53,8 @@ struct WideGemmArgs {
   int64_t ldy = 0;
   int64_t m = 0, n = 0, k = 0;
   // Optional: the weight rows read after this product's last rows (the next product's w, e.g. the
-  // next expert's), whose first 8 rows of k columns are prefetched while the last ones compute.
+  // next expert's), whose first tile of rows (WideTileRows) is prefetched while the last ones
+  // compute.
   const float* next_w = nullptr;
 };
 
@@ -59,6 +68,12 @@ void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1);
 // of columns: one 64-byte line of packed x holds 16 rows' pairs, and each weight row's pair (32
 // bits, read in place) is broadcast; products of bf16 pairs are exact in f32 and summed in f32
 // (the instruction flushes denormals). x is packed by WidePackXBf16, AMX's B layout.
+
+// Weight rows per register tile of the bf16 kernel for m rows of x: 14 where x is two blocks of
+// 16 rows (17 to 32 rows: a decode batch's dense products; 28 accumulators), else 8. bf16 rows
+// of k 1024 are 2 KB apart: the 14 rows' current lines fall into two L1 sets, 7 each. 8 -> 14
+// at 32 rows: 1.05-1.13x (docs/performance.md).
+constexpr int WideBf16TileRows(int64_t m) { return (m + 15) / 16 == 2 ? 14 : 8; }
 
 // True when this CPU has AVX-512 with BF16, the skinny kernel's instruction set is kAvx512Bf16,
 // and MOELORA_WIDE_GEMM is not "0". Read once.

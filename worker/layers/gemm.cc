@@ -81,7 +81,20 @@ struct Job {
 // Output columns per AMX task: two 16-row weight tiles per step (64 KB of bf16 rows of 1024).
 constexpr int64_t kAmxBlock = 32;
 
-int64_t BlockOf(const Job& j) { return j.kernel == Kernel::kAmx ? kAmxBlock : kBlock; }
+// The wide kernels' blocks: whole register tiles of weight rows, as near kBlock as they go.
+int64_t BlockOf(const Job& j) {
+  switch (j.kernel) {
+    case Kernel::kAmx:
+      return kAmxBlock;
+    case Kernel::kWide:
+      return kBlock / WideTileRows(j.wide.m) * WideTileRows(j.wide.m);
+    case Kernel::kWideBf16:
+      return kBlock / WideBf16TileRows(j.wide_bf16.m) * WideBf16TileRows(j.wide_bf16.m);
+    case Kernel::kSkinny:
+      break;
+  }
+  return kBlock;
+}
 int64_t BlocksOf(const Job& j) {
   const int64_t n = j.kernel == Kernel::kAmx        ? j.amx.n
                     : j.kernel == Kernel::kWide     ? j.wide.n

@@ -29,7 +29,7 @@ TEST_P(WideGemmTest, MatchesADoubleReference) {
   std::mt19937 rng(static_cast<uint32_t>(m * 1000 + n * 10 + k));
   std::normal_distribution<float> d;
   const int64_t ldx = k + 5, ldy = n + 3;
-  std::vector<float> x(m * ldx), w(n * k), next(8 * k, 1.0f);
+  std::vector<float> x(m * ldx), w(n * k), next(16 * k, 1.0f);
   for (auto& v : x) v = d(rng);
   for (auto& v : w) v = d(rng);
   std::vector<float> packed(WidePackedXElements(m, k), NAN);
@@ -63,9 +63,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, WideGemmTest,
 
 class WideBf16GemmTest : public ::testing::TestWithParam<Case> {};
 
-// The bf16 kernel, as the f32 one above (k a multiple of 32, which it needs), with f32 and bf16
-// outputs. Against a double-precision product of the same bf16 inputs: f32 sums of exact
-// products differ from it only by f32 rounding (and the bf16 output by its own rounding).
+// The bf16 kernel, as the f32 one above (k a multiple of 32, which it needs; tiles of 14 weight
+// rows where x is two blocks), with f32 and bf16 outputs. Against a double-precision product of the
+// same bf16 inputs: f32 sums of exact products differ from it only by f32 rounding (and the bf16
+// output by its own rounding).
 TEST_P(WideBf16GemmTest, MatchesADoubleReference) {
   if (!WideBf16GemmSupported()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   const auto [m, n, k] = GetParam();
@@ -73,7 +74,7 @@ TEST_P(WideBf16GemmTest, MatchesADoubleReference) {
   std::mt19937 rng(static_cast<uint32_t>(m * 1000 + n * 10 + k));
   std::normal_distribution<float> d;
   const int64_t ldx = k + 32, ldy = n + 3;
-  std::vector<uint16_t> x(m * ldx), w(n * k), next(8 * k, ToBf16(1.0f));
+  std::vector<uint16_t> x(m * ldx), w(n * k), next(16 * k, ToBf16(1.0f));
   for (auto& v : x) v = ToBf16(d(rng));
   for (auto& v : w) v = ToBf16(d(rng));
   std::vector<uint16_t> packed(WidePackedXBf16Elements(m, k), 0xFFFF);
@@ -95,8 +96,9 @@ TEST_P(WideBf16GemmTest, MatchesADoubleReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, WideBf16GemmTest,
                          ::testing::Values(Case{1, 8, 32}, Case{5, 13, 64}, Case{16, 32, 64},
                                            Case{17, 40, 96}, Case{32, 9, 1024}, Case{48, 64, 32},
-                                           Case{49, 23, 512}, Case{100, 70, 160},
-                                           Case{256, 16, 32}));
+                                           Case{49, 23, 512}, Case{100, 70, 160}, Case{256, 16, 32},
+                                           // Two x blocks: tiles of 14 weight rows, tails of 1-13.
+                                           Case{25, 57, 64}, Case{32, 131, 96}));
 
 // The packed layout itself: line c of block b holds x[16 b + r, c] in lane r, zeros past m.
 TEST(WideGemmPackTest, TransposesBlocksOfSixteenRowsAndZeroPads) {
