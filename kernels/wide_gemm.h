@@ -72,7 +72,7 @@ void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1);
 // Weight rows per register tile of the bf16 kernel for m rows of x: 14 where x is two blocks of
 // 16 rows (17 to 32 rows: a decode batch's dense products; 28 accumulators), else 8. bf16 rows
 // of k 1024 are 2 KB apart: the 14 rows' current lines fall into two L1 sets, 7 each. 8 -> 14
-// at 32 rows: 1.05-1.13x (docs/performance.md).
+// at 32 rows, with the kernel's loop and prefetch order: 1.05-1.09x (docs/performance.md).
 constexpr int WideBf16TileRows(int64_t m) { return (m + 15) / 16 == 2 ? 14 : 8; }
 
 // True when this CPU has AVX-512 with BF16, the skinny kernel's instruction set is kAvx512Bf16,

@@ -18,7 +18,7 @@ namespace wide {
 struct Vec {
   using E = float;
   static constexpr int64_t kStep = 1;
-  static constexpr int kTwoBlockRows = WideTileRows(32);
+  static constexpr int TileRows(int64_t m) { return WideTileRows(m); }
   MOELORA_AVX512 static __m512 Bcast(const float* w) { return _mm512_set1_ps(*w); }
   MOELORA_AVX512 static __m512 Fma(__m512 b, __m512 x, __m512 acc) {
     return _mm512_fmadd_ps(b, x, acc);
@@ -92,7 +92,7 @@ namespace wide_bf16 {
 struct Vec {
   using E = uint16_t;
   static constexpr int64_t kStep = 2;
-  static constexpr int kTwoBlockRows = WideBf16TileRows(32);
+  static constexpr int TileRows(int64_t m) { return WideBf16TileRows(m); }
   MOELORA_AVX512_BF16 static __m512 Bcast(const uint16_t* w) {
     int32_t pair;
     std::memcpy(&pair, w, sizeof(pair));
