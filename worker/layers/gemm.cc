@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "kernels/amx_gemm.h"
+#include "kernels/elementwise.h"
 #include "kernels/skinny_gemm.h"
 #include "kernels/wide_gemm.h"
 #include "worker/layers/block_ranges.h"
@@ -71,6 +72,9 @@ bool WideBf16Rows(int64_t m) { return m >= kWideBf16MinRows && m <= kWideBf16Max
 enum class Kernel { kSkinny, kAmx, kWide, kWideBf16 };
 struct Job {
   SkinnyGemmArgs args;
+  // A skinny job with bf16 output rows (args.y unused): see SkinnyRowsBf16.
+  uint16_t* y_bf16 = nullptr;
+  int64_t ldy_bf16 = 0;
   AmxGemmArgs amx;
   WideGemmArgs wide;
   WideBf16GemmArgs wide_bf16;
@@ -126,6 +130,31 @@ struct Pack {
   void* dst;
   bool wide = false;
 };
+
+// Columns [n0, n1) of a skinny job whose output rows are bf16 (job.y_bf16): the kernel writes its
+// f32 sums into a scratch of this thread's (at most 24 rows x 128 columns, 12 KB: in L1), and
+// they are rounded into y_bf16 right away (RoundToBf16: the bits of ATen's conversion). Before,
+// the kernel wrote a [rows, n] f32 scratch for the whole call and a copy_ converted it after the
+// parallel region: two more passes over memory the expert stream had evicted, 0.2 ms of a bf16
+// decode step at batch 32 (timers, decode_step --only peer). The weight is offset to row n0 and
+// the kernel asked for its rows [0, n1 - n0) of n - n0: its tiles, sums and prefetch are those
+// of rows [n0, n1) of the whole weight.
+void SkinnyRowsBf16(const Job& job, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> scratch;
+  const SkinnyGemmArgs& a = job.args;
+  const int64_t cols = n1 - n0;
+  if (static_cast<int64_t>(scratch.size()) < a.m * cols) scratch.resize(a.m * cols);
+  SkinnyGemmArgs s = a;
+  const int64_t elem = a.w_type == SkinnyWeight::kF32 ? 4 : 2;
+  s.w = static_cast<const char*>(a.w) + n0 * a.k * elem;
+  s.n = a.n - n0;
+  s.y = scratch.data();
+  s.ldy = cols;
+  SkinnyGemmRows(s, 0, cols);
+  for (int64_t i = 0; i < a.m; ++i) {
+    RoundToBf16(scratch.data() + i * cols, job.y_bf16 + i * job.ldy_bf16 + n0, cols);
+  }
+}
 
 void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pack>& packs = {}) {
   // The blocks by range stealing (worker/layers/block_ranges.h): each thread streams its own
@@ -189,6 +218,8 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
           WideGemmRows(job.wide, n0, std::min(job.wide.n, n1));
         } else if (job.kernel == Kernel::kWideBf16) {
           WideBf16GemmRows(job.wide_bf16, n0, std::min(job.wide_bf16.n, n1));
+        } else if (job.y_bf16 != nullptr) {
+          SkinnyRowsBf16(job, n0, std::min(job.args.n, n1));
         } else {
           SkinnyGemmRows(job.args, n0, std::min(job.args.n, n1));
         }
@@ -232,8 +263,18 @@ void ChainNext(std::vector<Job>& jobs) {
 // step at batch 8 (perf); reading it in place, decode_step --only peer, f32, three paired runs:
 // batch 32 35.2, 34.6, 35.2 -> 34.6, 34.6, 34.2 ms, its prefill 161, 160, 163 -> 156, 152, 155
 // ms; batch 8 within noise.
-at::Tensor SkinnyXRows(const at::Tensor& x) {
+//
+// None (an undefined tensor) where the kernel multiplies in bf16 (SkinnyBf16X): it reads the bf16
+// rows in place, and the f32 copy was written and never read, 0.25 ms of a bf16 decode step at
+// batch 32 (timers, decode_step --only peer).
+bool SkinnyBf16X(const at::Tensor& x, at::ScalarType w) {
+  return x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && w == at::kBFloat16 &&
+         SkinnyGemmIsa() == SkinnyIsa::kAvx512Bf16;
+}
+
+at::Tensor SkinnyXRows(const at::Tensor& x, at::ScalarType w) {
   if (x.scalar_type() == at::kFloat && x.stride(1) == 1) return x;
+  if (SkinnyBf16X(x, w)) return at::Tensor();
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor p = at::empty({m, k + 16}, x.options().dtype(at::kFloat));
   at::Tensor v = p.narrow(1, 0, k);
@@ -241,16 +282,19 @@ at::Tensor SkinnyXRows(const at::Tensor& x) {
   return v;
 }
 
-// Rows [i, i + m) of xf (f32) against w [n, k] (the weight of `wt`'s dtype at `w`), into f32
-// rows y (row stride ldy); x: the rows xf was made from, whose bf16 rows with unit column stride
-// let the kernel multiply in bf16. Pointers, not tensor views: a decode step builds a job per
-// expert and product (about 170 at batch 8 in f32), and each narrow or select of a tensor costs
+// Rows [i, i + m) of xf (f32; undefined where the kernel multiplies in bf16) against w [n, k]
+// (the weight of `wt`'s dtype at `w`), into f32 rows y (row stride ldy; none for a job with bf16
+// output rows, Job::y_bf16); x: the rows xf was made from, whose bf16 rows with unit column
+// stride let the kernel multiply in bf16. Pointers, not tensor views: a decode step builds a job
+// per expert and product (about 170 at batch 8 in f32), and each narrow or select of a tensor costs
 // microseconds of ATen dispatch on the thread that the other threads wait for.
 SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& x, int64_t i, int64_t m, const void* w,
                     at::ScalarType wt, int64_t n, int64_t k, float* y, int64_t ldy) {
   SkinnyGemmArgs a;
-  a.x = xf.data_ptr<float>() + i * xf.stride(0);
-  a.ldx = xf.stride(0);
+  if (xf.defined()) {
+    a.x = xf.data_ptr<float>() + i * xf.stride(0);
+    a.ldx = xf.stride(0);
+  }
   a.w = w;
   a.w_type = wt == at::kFloat ? SkinnyWeight::kF32 : SkinnyWeight::kBF16;
   a.y = y;
@@ -363,12 +407,15 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
     for (const at::Tensor& w : ws) ys.push_back(CpuMatmul(x, w.t()));
     return ys;
   }
-  // One x for every product: packed once (AMX, wide) or copied to padded f32 rows once (skinny).
+  // One x for every product: packed once (AMX, wide) or copied to padded f32 rows once (skinny,
+  // unless it multiplies in bf16).
   const int64_t k = x.size(1);
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor packed, xf;
   if (*kernel == Kernel::kSkinny) {
-    xf = SkinnyXRows(x);
+    const bool one_type =
+        all([&](const at::Tensor& w) { return w.scalar_type() == ws[0].scalar_type(); });
+    xf = SkinnyXRows(x, one_type ? ws[0].scalar_type() : at::kFloat);
   } else {
     packed = at::empty({PackedElements(*kernel, m, k)}, x.options());
   }
@@ -395,10 +442,15 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
       job.wide_bf16 = PairsJob<WideBf16GemmArgs>(
           xc, 0, m, static_cast<const uint16_t*>(w.data_ptr()), n, k, packed, 0,
           ys.back().data_ptr<at::BFloat16>(), ys.back().stride(0), &pack);
-    } else {
-      ys.push_back(at::empty({m, n}, x.options().dtype(at::kFloat)));
+    } else if (x.scalar_type() == at::kFloat) {
+      ys.push_back(at::empty({m, n}, x.options()));
       job.args = Args(xf, x, 0, m, w.data_ptr(), w.scalar_type(), n, k, ys.back().data_ptr<float>(),
                       ys.back().stride(0));
+    } else {
+      ys.push_back(at::empty({m, n}, x.options()));
+      job.args = Args(xf, x, 0, m, w.data_ptr(), w.scalar_type(), n, k, nullptr, 0);
+      job.y_bf16 = reinterpret_cast<uint16_t*>(ys.back().data_ptr<at::BFloat16>());
+      job.ldy_bf16 = ys.back().stride(0);
     }
     if (packs.empty() && *kernel != Kernel::kSkinny) packs.push_back(pack);
     blocks += BlocksOf(job);
@@ -406,9 +458,6 @@ std::vector<at::Tensor> MatmulWtEach(const at::Tensor& x, const std::vector<at::
   }
   ChainNext(jobs);
   RunJobs(jobs, blocks, packs);
-  if (*kernel == Kernel::kSkinny && x.scalar_type() != at::kFloat) {
-    for (at::Tensor& y : ys) y = y.to(x.scalar_type());
-  }
   return ys;
 }
 
@@ -444,16 +493,11 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     any_skinny = any_skinny || kernel == Kernel::kSkinny;
   }
   if (elems > 0) packed = at::empty({elems}, x.options());
-  at::Tensor xf = any_skinny ? SkinnyXRows(x) : x;
-  // The skinny kernel writes f32 rows; for bf16, into a scratch of out's shape, converted once at
-  // the end. AMX writes bf16 rows into out.
-  at::Tensor yf =
-      any_skinny && !f32 ? at::empty(out.sizes(), out.options().dtype(at::kFloat)) : out;
+  at::Tensor xf = any_skinny ? SkinnyXRows(x, weights.scalar_type()) : x;
   int64_t packed_at = 0;
   std::vector<size_t> long_runs;
   std::vector<Job> jobs;
   int64_t blocks = 0;
-  bool all_skinny = true;  // every run's rows through the skinny kernel (into yf)
   // Each expert's weight by pointer arithmetic (see Args).
   const int64_t wn = weights.size(1), wk = weights.size(2);
   const auto* wbase = static_cast<const char*>(weights.data_ptr());
@@ -462,7 +506,6 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     auto [i, j] = runs[r];
     const auto kernel = kernel_of(j - i);
     if (!kernel) {
-      all_skinny = false;
       if (SlowBf16(x)) {
         out.narrow(0, i, j - i)
             .copy_(Bf16AsF32Matmul(x.narrow(0, i, j - i), weights[expert[r]].t()));
@@ -475,7 +518,6 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
     Job job;
     job.first_block = blocks;
     job.kernel = *kernel;
-    all_skinny = all_skinny && *kernel == Kernel::kSkinny;
     if (*kernel == Kernel::kAmx) {
       packs.emplace_back();
       job.amx = PairsJob<AmxGemmArgs>(
@@ -490,9 +532,14 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
       job.wide_bf16 = PairsJob<WideBf16GemmArgs>(
           x, i, j - i, reinterpret_cast<const uint16_t*>(w), wn, wk, packed, packed_at,
           out.data_ptr<at::BFloat16>() + i * out.stride(0), out.stride(0), &packs.back());
-    } else {
+    } else if (f32) {
       job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk,
-                      yf.data_ptr<float>() + i * yf.stride(0), yf.stride(0));
+                      out.data_ptr<float>() + i * out.stride(0), out.stride(0));
+    } else {
+      // bf16 rows straight into out (SkinnyRowsBf16).
+      job.args = Args(xf, x, i, j - i, w, weights.scalar_type(), wn, wk, nullptr, 0);
+      job.y_bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + i * out.stride(0);
+      job.ldy_bf16 = out.stride(0);
     }
     packed_at += PackedElements(*kernel, j - i, x.size(1));
     blocks += BlocksOf(job);
@@ -522,15 +569,6 @@ void GroupedMatmulWt(const at::Tensor& x, const at::Tensor& weights,
   if (jobs.empty()) return;
   ChainNext(jobs);
   RunJobs(jobs, blocks, packs);
-  if (any_skinny && !f32 && all_skinny) {
-    out.copy_(yf);  // every row came from the skinny kernel: one conversion
-  } else if (any_skinny && !f32) {
-    for (const Job& job : jobs) {
-      if (job.kernel != Kernel::kSkinny) continue;  // AMX and the wide kernels wrote out
-      const int64_t i = (job.args.y - yf.data_ptr<float>()) / yf.stride(0);
-      out.narrow(0, i, job.args.m).copy_(yf.narrow(0, i, job.args.m));
-    }
-  }
 }
 
 }  // namespace moelora

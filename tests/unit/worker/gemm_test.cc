@@ -164,6 +164,50 @@ TEST(GemmTest, GroupedMatmulWtTakesEveryBf16RouteInOneCall) {
   }
 }
 
+// The skinny route's bf16 rows are the kernel's f32 sums over the whole weight, rounded to bf16
+// (ATen's conversion), bit for bit: RunJobs runs each thread's blocks into a scratch of its own
+// at an offset into the weight and rounds them there. 300 weight rows: several 32-row blocks
+// and 128-row chunks at nonzero offsets, and a tail of rows taken one at a time.
+TEST(GemmTest, SkinnyBf16RowsAreTheKernelsF32SumsRounded) {
+  const int64_t max_rows = SkinnyMaxRows(at::kBFloat16);
+  if (!SkinnyGemmAvailable() || max_rows < 5) GTEST_SKIP() << "bf16 rows do not take the kernel";
+  at::manual_seed(12);
+  const int64_t n = 300, k = 64;
+  at::Tensor weights = at::randn({3, n, k}).to(at::kBFloat16);
+  const std::vector<std::pair<int64_t, int64_t>> runs = {{0, 1}, {1, 3}, {3, 6}, {6, 6 + max_rows}};
+  const std::vector<int64_t> experts = {2, 0, 1, 2};
+  const int64_t rows = runs.back().second;
+  at::Tensor x = at::randn({rows, k}).to(at::kBFloat16);
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor out = at::full({rows, n}, 99.0, x.options());
+  GroupedMatmulWt(x, weights, runs, experts, out);
+  // The kernel's own f32 sums of a run's rows against a whole weight, in one call.
+  auto kernel_rows = [&](int64_t i, int64_t m, const at::Tensor& w) {
+    at::Tensor y = at::empty({m, n});
+    SkinnyGemmArgs a;
+    a.x = xf.data_ptr<float>() + i * k;
+    a.ldx = k;
+    a.x_bf16_rows = static_cast<const uint16_t*>(x.data_ptr()) + i * k;
+    a.ldx_bf16 = k;
+    a.w = w.data_ptr();
+    a.w_type = SkinnyWeight::kBF16;
+    a.y = y.data_ptr<float>();
+    a.ldy = n;
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    SkinnyGemmRows(a, 0, n);
+    return y.to(at::kBFloat16);
+  };
+  for (size_t r = 0; r < runs.size(); ++r) {
+    auto [i, j] = runs[r];
+    EXPECT_TRUE(at::equal(out.narrow(0, i, j - i), kernel_rows(i, j - i, weights[experts[r]])))
+        << "run " << r;
+  }
+  // A dense product on the same route (MatmulWt: one weight, its x rows).
+  EXPECT_TRUE(at::equal(MatmulWt(x.narrow(0, 0, 3), weights[1]), kernel_rows(0, 3, weights[1])));
+}
+
 // Several weights on one x (an attention layer's q, k and v): each product the same bits as
 // MatmulWt on its own, on every route (skinny, wide and ATen in f32; AMX or the other bf16
 // routes), with weights of different heights, one of them a row tail for the wide kernel.
