@@ -6,7 +6,7 @@
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
 //               [--only tiny|medium|ep-memory|qwen3_5|a3b|peer] [--device
 //               cpu|cuda|cuda:N|cpu-twins]
-//               [--dtype D] [--prefill N] [--ab-row-streams 1]
+//               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -22,6 +22,8 @@
 // and the median ratio of neighbouring steps: the VM's speed moves by up to 2x within seconds,
 // so a change worth a few percent shows only when its two sides alternate step by step in one
 // process (two binaries run one after the other differed by more than the change).
+// --ab-row-stream-rows N: the same, between row streams up to the CPU's default x rows
+// (SkinnyRowStreamRows) and up to N (1-8): how the default was chosen on each CPU.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -402,10 +404,11 @@ struct Case {
 // Mean seconds of one decode step for `batch` sequences (best of `repeat`); *prefill: the best
 // time of the step that prefills their 16-token prompts.
 // ab (optional): the decode steps alternate row streams on (even steps, ab[0]) and off (odd,
-// ab[1]), each step's seconds appended.
+// ab[1]), or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); each
+// step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
                   int64_t* next_id, double* prefill = nullptr,
-                  std::vector<double> (*ab)[2] = nullptr) {
+                  std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -426,12 +429,16 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     for (int w = 0; w < 2; ++w) Check(e.Step({}, {}).status(), "warmup");
     const double t0 = Now();
     for (int s = 0; s < steps; ++s) {
-      if (ab != nullptr) SetSkinnyRowStreams(s % 2 == 0);
+      if (ab != nullptr && ab_rows > 0) SetSkinnyRowStreamRows(s % 2 == 0 ? 0 : ab_rows);
+      if (ab != nullptr && ab_rows == 0) SetSkinnyRowStreams(s % 2 == 0);
       const double ts = Now();
       Check(e.Step({}, {}).status(), "decode");
       if (ab != nullptr) (*ab)[s % 2].push_back(Now() - ts);
     }
-    if (ab != nullptr) SetSkinnyRowStreams(true);
+    if (ab != nullptr) {
+      SetSkinnyRowStreams(true);
+      SetSkinnyRowStreamRows(0);
+    }
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
   }
@@ -445,6 +452,7 @@ struct RunFlags {
   std::string device = "cpu", dtype = "float32";
   int prefill_len = 512;
   bool ab_row_streams = false;
+  int ab_rows = 0;  // --ab-row-stream-rows
 };
 
 double Median(std::vector<double> v) {
@@ -485,7 +493,7 @@ void Run(const std::string& label, const std::string& model,
     double prefill = 0;
     std::vector<double> ab[2];
     const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
-                                f.ab_row_streams ? &ab : nullptr);
+                                f.ab_row_streams || f.ab_rows > 0 ? &ab : nullptr, f.ab_rows);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -495,7 +503,18 @@ void Run(const std::string& label, const std::string& model,
         label.c_str(), f.device.c_str(), f.dtype.c_str(), at::get_num_threads(), b_size, a * 1e3,
         b_size / a, b * 1e3, c * 1e3, b_size / c, b / a, c / b, c / a, b_size, prefill * 1e3,
         b_size * 16 / prefill);
-    if (f.ab_row_streams) {
+    if (f.ab_rows > 0) {
+      std::vector<double> ratios;
+      for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
+        ratios.push_back(ab[0][i] / ab[1][i]);
+      }
+      std::printf(
+          "%-7s batch %3d  (a) steps alternating: row streams up to the CPU's %d (f32 weights) / "
+          "%d (bf16) x rows %.3f ms, up to %d x rows %.3f ms (medians), median ratio of "
+          "neighbouring steps %.3f (%zu pairs)\n",
+          label.c_str(), b_size, SkinnyRowStreamRows(true), SkinnyRowStreamRows(false),
+          Median(ab[0]) * 1e3, f.ab_rows, Median(ab[1]) * 1e3, Median(ratios), ratios.size());
+    } else if (f.ab_row_streams) {
       std::vector<double> ratios;
       for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
         ratios.push_back(ab[0][i] / ab[1][i]);
@@ -519,7 +538,7 @@ int main(int argc, char** argv) {
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
       "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
-      "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1]\n";
+      "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -546,6 +565,12 @@ int main(int argc, char** argv) {
       f.prefill_len = std::atoi(v.c_str());
     } else if (flag == "--ab-row-streams") {
       f.ab_row_streams = v != "0";
+    } else if (flag == "--ab-row-stream-rows") {
+      f.ab_rows = std::atoi(v.c_str());
+      if (f.ab_rows < 1 || f.ab_rows > 8) {
+        std::fprintf(stderr, "decode_step: --ab-row-stream-rows takes 1-8\n%s", usage);
+        return 2;
+      }
     } else {
       std::fprintf(stderr, "%s", usage);
       return 2;

@@ -53,13 +53,20 @@ bool SkinnyGemmAvailable();
 // Whether this CPU can run `isa` (tests run every one it can).
 bool SkinnyGemmSupports(SkinnyIsa isa);
 
-// Whether 1-2 x rows run one weight row at a time (one sequential stream a thread) rather than
-// in tiles of several weight rows. On unless MOELORA_SKINNY_ROW_STREAMS=0 at start;
-// SetSkinnyRowStreams switches it at any time (bench/decode_step --ab-row-streams alternates it
-// step by step, to measure it against the tiles on another CPU). Both give the same products up
+// Whether few x rows (SkinnyRowStreamRows) run one weight row at a time (one sequential stream a
+// thread) rather than in tiles of several weight rows. On unless MOELORA_SKINNY_ROW_STREAMS=0 at
+// start; SetSkinnyRowStreams switches it at any time (bench/decode_step --ab-row-streams alternates
+// it step by step, to measure it against the tiles on another CPU). Both give the same products up
 // to the order of the sums.
 bool SkinnyRowStreams();
 void SetSkinnyRowStreams(bool on);
+// With row streams on: up to how many x rows (f32 or bf16 weights); 0 with them off. By CPU as
+// measured (kernels/cpu/skinny_gemm.cc): 2, or on AMD Zen 5 and later 3 for f32 weights and 8
+// for bf16 weights under vdpbf16ps (the AVX2 path stops at 2 whatever this says).
+// SetSkinnyRowStreamRows overrides it (1-8; 0: the CPU's default again), for the tests and for
+// bench/decode_step --ab-row-stream-rows.
+int SkinnyRowStreamRows(bool f32_weights);
+void SetSkinnyRowStreamRows(int rows);
 
 // Output columns [n0, n1) of y = x · wᵀ. Needs SkinnyGemmAvailable(); 0 <= n0 <= n1 <= n.
 void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1);

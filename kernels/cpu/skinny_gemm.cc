@@ -1,5 +1,8 @@
 #include "kernels/skinny_gemm.h"
 
+#include <cpuid.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -47,8 +50,12 @@ MOELORA_AVX2 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // 4 weight rows (4 streams from memory) stay in L1 while the x rows pass 3 at a time (12 of
   // the 16 ymm registers accumulate). For 4–6 rows this beat 2 x 6 tiles (one pass over the
   // weight, but 2 streams): bench/skinny_gemm, 7 paired runs, 4 rows 16.8 ms against 19.6 ms on
-  // average, 6 rows 19.0 against 21.9; past 6 rows it beat 1 x 12 (x from L2).
-  if (RowStreams(a, static_cast<const W*>(a.w), n0, n1)) return;
+  // average, 6 rows 19.0 against 21.9; past 6 rows it beat 1 x 12 (x from L2). Row streams at
+  // 1-2 x rows at most: more would not fit 16 registers.
+  if (RowStreams<2>(a, static_cast<const W*>(a.w), n0, n1,
+                    SkinnyRowStreamRows(std::is_same_v<W, float>))) {
+    return;
+  }
   RunTiles<4, 3>(a, static_cast<const W*>(a.w), n0, n1);
 }
 
@@ -79,9 +86,10 @@ struct Vec : F32XRows {
 template <typename W>
 MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // f32 weights at a decode's few rows per expert: how many weight rows stream at once was
-  // measured, not derived (the kernel's rate is what the memory gives its streams). 1-2 x rows:
-  // one weight row at a time (RowStreams, twenty-first session). The tiles below were measured
-  // at 1-3 x rows before that and serve 3 and more now. Rows of 4 KB
+  // measured, not derived (the kernel's rate is what the memory gives its streams). Up to
+  // SkinnyRowStreamRows x rows (2, or 3 on the Zen 5): one weight row at a time (RowStreams,
+  // twenty-first and twenty-fifth sessions). The tiles below were measured at 1-3 x rows before
+  // that and serve the rows past it now. Rows of 4 KB
   // or more (k = 1024: gate/up, the dense products) at 1-3 x rows: 8 rows a tile (8 x 3
   // accumulators); rows of up to 2 KB (k = 512: the down projection) at 1-4 x rows: 2 rows a
   // tile. bench/skinny_gemm --experts 128 (805 MB), f32, two paired runs, grouped ms at 1 / 2 /
@@ -89,7 +97,11 @@ MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // 26.6; the down product alone at 4 rows 9.3, 9.5 -> 8.7, 8.9 ms. Not taken: 8 rows at 4-6 x
   // rows (two tiles of x; within noise), 2 rows at 5-6 (6-10 % slower), 1 row for the down
   // product (between the two).
-  if (RowStreams(a, static_cast<const W*>(a.w), n0, n1)) return;
+  // Row streams up to SkinnyRowStreamRows x rows for f32 weights; bf16 weights widened here (x
+  // not bf16, or no vdpbf16ps) at most 2, the rows measured for them.
+  const int rows = std::is_same_v<W, float> ? SkinnyRowStreamRows(true)
+                                            : std::min(2, SkinnyRowStreamRows(false));
+  if (RowStreams<8>(a, static_cast<const W*>(a.w), n0, n1, rows)) return;
   if constexpr (std::is_same_v<W, float>) {
     const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(float));
     if (row_bytes >= 4096 && a.m <= 3) return RunTiles<8, 3>(a, static_cast<const W*>(a.w), n0, n1);
@@ -128,7 +140,8 @@ struct Vec {
 
 MOELORA_AVX512_BF16 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   const auto* w = static_cast<const uint16_t*>(a.w);
-  if (RowStreams(a, w, n0, n1)) return;
+  // Row streams up to SkinnyRowStreamRows x rows for bf16 weights.
+  if (RowStreams<8>(a, w, n0, n1, SkinnyRowStreamRows(false))) return;
   // Rows of up to 1 KB (k <= 512: the MoE down projection) 8 at a time, x rows 3 at a time: a
   // 4-row tile of them is 4 KB, 16 steps of k, and its sums and the next tile's prefetch were a
   // large share of each. bench/skinny_gemm --experts 128 --dtype bfloat16 on the Zen 4, the down
@@ -162,6 +175,45 @@ SkinnyIsa Detect() {
 }  // namespace
 
 namespace {
+// AMD family 26 (Zen 5) and later: AVX-512 on full 512-bit units (Zen 4 splits each 512-bit
+// operation in two 256-bit halves).
+bool FullWidthZen() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  if (std::strcmp(vendor, "AuthenticAMD") != 0 || __get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+  const unsigned base = (a >> 8) & 0xf;
+  const unsigned family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+  return family >= 0x1a;
+}
+
+// The x rows up to which a weight is read one row at a time, by CPU, as measured (the tiles
+// beyond). Zen 4 and the Xeon: 2 (the test program above RowStream in skinny_tiles.inc; there 3
+// rows lost 5-15 %). Zen 5, decode_step --only peer --ab-row-stream-rows N at batch 32 (steps
+// alternating in one run between 2 x rows and N), the VM's memory on slow stretches (steps of
+// 12-13 ms in bf16, 24-28 ms in f32) and fast ones (10 and 19 ms):
+//   bf16 weights (vdpbf16ps: one instruction covers 32 weights, so each 64-byte weight line costs
+//   half the x loads and multiply-adds of an f32 line): N = 8 10.0-10.5 % faster slow, -1.5 to
+//   +3.6 % fast (batch 8: +2.4 %); N = 6 the same; N = 4 +6-7 % slow, -1 % fast. So 8: a batch of
+//   32 gives each of 32 experts 4 rows on average and up to about 10.
+//   f32 weights: N = 3 +2.2-5.4 % slow, -0.7 to +0.1 % fast; N = 4 +3.2-4.9 % slow, -1.7 to -0.4 %
+//   fast; N = 6 and 8 +6 % slow, -8 to -12 % fast (each f32 weight vector's x loads and
+//   multiply-adds grow with the rows and cost more than the one stream saves where the memory is
+//   fast). So 3.
+int DefaultRowStreamRows(bool f32_weights) {
+  static const bool zen5 = FullWidthZen();
+  if (!zen5) return 2;
+  return f32_weights ? 3 : 8;
+}
+
+std::atomic<int>& RowStreamRowsOverride() {
+  static std::atomic<int> rows{0};
+  return rows;
+}
+
 std::atomic<bool>& RowStreamsFlag() {
   static std::atomic<bool> on{[] {
     const char* e = std::getenv("MOELORA_SKINNY_ROW_STREAMS");
@@ -174,6 +226,16 @@ std::atomic<bool>& RowStreamsFlag() {
 bool SkinnyRowStreams() { return RowStreamsFlag().load(std::memory_order_relaxed); }
 
 void SetSkinnyRowStreams(bool on) { RowStreamsFlag().store(on, std::memory_order_relaxed); }
+
+int SkinnyRowStreamRows(bool f32_weights) {
+  if (!SkinnyRowStreams()) return 0;
+  const int o = RowStreamRowsOverride().load(std::memory_order_relaxed);
+  return o > 0 ? o : DefaultRowStreamRows(f32_weights);
+}
+
+void SetSkinnyRowStreamRows(int rows) {
+  RowStreamRowsOverride().store(std::max(0, std::min(rows, 8)), std::memory_order_relaxed);
+}
 
 SkinnyIsa SkinnyGemmIsa() {
   static const SkinnyIsa isa = Detect();

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -23,7 +24,7 @@ class SkinnyGemmTest : public ::testing::TestWithParam<Case> {};
 
 void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16);
 
-// Every (m, n, k) shape, on every instruction set this CPU has: one weight row at a time (1-2 x
+// Every (m, n, k) shape, on every instruction set this CPU has: one weight row at a time (1-8 x
 // rows), tiles of 6 / 3 / 2 / 1 x rows and their tails, 8 / 4 / 2 / 1 weight rows, k with and
 // without an 8- and a 16-lane tail; strided x and y; any output-column split; against a
 // double-precision reference.
@@ -32,15 +33,21 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512, SkinnyIsa::kAvx512Bf16}) {
     if (!SkinnyGemmSupports(isa)) continue;
     for (bool x_bf16 : {false, true}) {
-      for (bool row_streams : {true, false}) {
+      // Row streams up to the CPU's default rows, up to 8 (every RowStream instantiation, on
+      // any CPU), and off (tiles at every row count).
+      for (int rows : {0, 8, -1}) {
         SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
                      : isa == SkinnyIsa::kAvx512 ? "AVX-512"
                                                  : "AVX512-BF16");
         SCOPED_TRACE(x_bf16 ? "x bf16" : "x f32");
-        SCOPED_TRACE(row_streams ? "row streams at 1-2 x rows" : "tiles at every x row count");
-        SetSkinnyRowStreams(row_streams);
+        SCOPED_TRACE(rows == 0   ? "row streams up to the CPU's rows"
+                     : rows == 8 ? "row streams up to 8 x rows"
+                                 : "tiles at every x row count");
+        SetSkinnyRowStreams(rows >= 0);
+        SetSkinnyRowStreamRows(std::max(rows, 0));
         CheckAgainstReference(GetParam(), isa, x_bf16);
         SetSkinnyRowStreams(true);
+        SetSkinnyRowStreamRows(0);
       }
     }
   }
@@ -102,7 +109,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // 1-2 x rows, one weight row at a time: k with
                       // whole 4-vector steps, 1-3 single vectors after
                       // them, and an element tail
-                      Case{1, 5, 200}, Case{2, 7, 77}, Case{2, 3, 300}, Case{1, 6, 4160}));
+                      Case{1, 5, 200}, Case{2, 7, 77}, Case{2, 3, 300}, Case{1, 6, 4160},
+                      // 3-8 x rows one weight row at a time (4 accumulators a row
+                      // up to 4 rows, 2 from 5), with vector and element tails
+                      Case{3, 5, 300}, Case{4, 3, 1030}, Case{5, 4, 97}, Case{6, 3, 160},
+                      Case{7, 5, 1024}, Case{8, 10, 130}, Case{8, 3, 2048}));
 
 }  // namespace
 }  // namespace moelora
