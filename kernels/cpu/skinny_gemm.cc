@@ -192,17 +192,17 @@ bool FullWidthZen() {
 
 // The x rows up to which a weight is read one row at a time, by CPU, as measured (the tiles
 // beyond). Zen 4 and the Xeon: 2 (the test program above RowStream in skinny_tiles.inc; there 3
-// rows lost 5-15 %). Zen 5, decode_step --only peer --ab-row-stream-rows N at batch 32 (steps
-// alternating in one run between 2 x rows and N), the VM's memory on slow stretches (steps of
-// 12-13 ms in bf16, 24-28 ms in f32) and fast ones (10 and 19 ms):
-//   bf16 weights (vdpbf16ps: one instruction covers 32 weights, so each 64-byte weight line costs
-//   half the x loads and multiply-adds of an f32 line): N = 8 10.0-10.5 % faster slow, -1.5 to
-//   +3.6 % fast (batch 8: +2.4 %); N = 6 the same; N = 4 +6-7 % slow, -1 % fast. So 8: a batch of
-//   32 gives each of 32 experts 4 rows on average and up to about 10.
-//   f32 weights: N = 3 +2.2-5.4 % slow, -0.7 to +0.1 % fast; N = 4 +3.2-4.9 % slow, -1.7 to -0.4 %
-//   fast; N = 6 and 8 +6 % slow, -8 to -12 % fast (each f32 weight vector's x loads and
-//   multiply-adds grow with the rows and cost more than the one stream saves where the memory is
-//   fast). So 3.
+// rows lost 5-15 %). Zen 5: decode_step --only peer --ab-row-stream-rows at batch 32 (steps
+// alternating in one run between 2 x rows and N), steps at N over steps at 2, where the VM's
+// memory was slow (steps of 12-13 ms in bf16, 24-28 ms in f32) and where it was fast (10, 19 ms):
+//   bf16 weights under vdpbf16ps (one instruction covers 32 weights: each 64-byte weight line
+//   costs half the x loads and multiply-adds of an f32 line): N = 8 0.905-0.909 slow, 0.965-1.015
+//   fast (batch 8: 0.976-0.977); N = 6 the same; N = 4 0.932-0.944 slow, 1.010 fast. So 8: a
+//   batch of 32 gives each of 32 experts 4 rows on average and up to about 10.
+//   f32 weights: N = 3 0.949-0.978 slow, 0.999-1.007 fast; N = 4 0.953-0.969 slow, 1.004-1.017
+//   fast; N = 6 0.938-0.943 slow, 1.085-1.091 fast, N = 8 1.143 fast (each f32 weight vector's x
+//   loads and multiply-adds grow with the rows and cost more than the one stream saves where the
+//   memory is fast). So 3.
 int DefaultRowStreamRows(bool f32_weights) {
   static const bool zen5 = FullWidthZen();
   if (!zen5) return 2;
