@@ -87,7 +87,7 @@ template <typename W>
 MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // f32 weights at a decode's few rows per expert: how many weight rows stream at once was
   // measured, not derived (the kernel's rate is what the memory gives its streams). Up to
-  // SkinnyRowStreamRows x rows (2, or 3 on the Zen 5): one weight row at a time (RowStreams,
+  // SkinnyRowStreamRows x rows (2, or 8 on the Zen 5): one weight row at a time (RowStreams,
   // twenty-first and twenty-fifth sessions). The tiles below were measured at 1-3 x rows before
   // that and serve the rows past it now. Rows of 4 KB
   // or more (k = 1024: gate/up, the dense products) at 1-3 x rows: 8 rows a tile (8 x 3
@@ -97,8 +97,8 @@ MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // 26.6; the down product alone at 4 rows 9.3, 9.5 -> 8.7, 8.9 ms. Not taken: 8 rows at 4-6 x
   // rows (two tiles of x; within noise), 2 rows at 5-6 (6-10 % slower), 1 row for the down
   // product (between the two).
-  // Row streams up to SkinnyRowStreamRows x rows for f32 weights; bf16 weights widened here (x
-  // not bf16, or no vdpbf16ps) at most 2, the rows measured for them.
+  // One weight row at a time up to SkinnyRowStreamRows x rows for f32 weights; bf16 weights
+  // widened here (x not bf16, or no vdpbf16ps) at most 2, the rows measured for them.
   const int rows = std::is_same_v<W, float> ? SkinnyRowStreamRows(true)
                                             : std::min(2, SkinnyRowStreamRows(false));
   if (RowStreams<8>(a, static_cast<const W*>(a.w), n0, n1, rows)) return;
@@ -140,7 +140,7 @@ struct Vec {
 
 MOELORA_AVX512_BF16 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   const auto* w = static_cast<const uint16_t*>(a.w);
-  // Row streams up to SkinnyRowStreamRows x rows for bf16 weights.
+  // One weight row at a time up to SkinnyRowStreamRows x rows (8 on the Zen 5).
   if (RowStreams<8>(a, w, n0, n1, SkinnyRowStreamRows(false))) return;
   // Rows of up to 1 KB (k <= 512: the MoE down projection) 8 at a time, x rows 3 at a time: a
   // 4-row tile of them is 4 KB, 16 steps of k, and its sums and the next tile's prefetch were a
@@ -192,21 +192,17 @@ bool FullWidthZen() {
 
 // The x rows up to which a weight is read one row at a time, by CPU, as measured (the tiles
 // beyond). Zen 4 and the Xeon: 2 (the test program above RowStream in skinny_tiles.inc; there 3
-// rows lost 5-15 %). Zen 5: decode_step --only peer --ab-row-stream-rows at batch 32 (steps
-// alternating in one run between 2 x rows and N), steps at N over steps at 2, where the VM's
-// memory was slow (steps of 12-13 ms in bf16, 24-28 ms in f32) and where it was fast (10, 19 ms):
-//   bf16 weights under vdpbf16ps (one instruction covers 32 weights: each 64-byte weight line
-//   costs half the x loads and multiply-adds of an f32 line): N = 8 0.905-0.909 slow, 0.965-1.015
-//   fast (batch 8: 0.976-0.977); N = 6 the same; N = 4 0.932-0.944 slow, 1.010 fast. So 8: a
-//   batch of 32 gives each of 32 experts 4 rows on average and up to about 10.
-//   f32 weights: N = 3 0.949-0.978 slow, 0.999-1.007 fast; N = 4 0.953-0.969 slow, 1.004-1.017
-//   fast; N = 6 0.938-0.943 slow, 1.085-1.091 fast, N = 8 1.143 fast (each f32 weight vector's x
-//   loads and multiply-adds grow with the rows and cost more than the one stream saves where the
-//   memory is fast). So 3.
+// rows lost 5-15 %). Zen 5: 8, f32 and bf16 weights. decode_step --only peer
+// --ab-row-stream-rows 2 at batch 32 (steps alternating in one run between 8 and 2 x rows), steps
+// at 8 over steps at 2, six runs each: f32 0.845-0.911 where the VM's memory was slow (steps of
+// 21-26 ms), 0.974 where it was fast (19 ms); bf16 0.858-0.869, and 1.023 in one run on a fast
+// stretch (11 ms). Batch 8: f32 0.974, bf16 0.986. A batch of 32 gives each of 32 experts 4 rows
+// on average and up to about 10. With RowStream (no prefetch, 2-4 accumulators a row) at 3-8 rows
+// instead of RunTiles<1, 8>, f32 lost 8-14 % on fast stretches from 6 rows on (kept at 3 then).
 int DefaultRowStreamRows(bool f32_weights) {
   static const bool zen5 = FullWidthZen();
-  if (!zen5) return 2;
-  return f32_weights ? 3 : 8;
+  (void)f32_weights;  // the same count for both on the CPUs measured so far
+  return zen5 ? 8 : 2;
 }
 
 std::atomic<int>& RowStreamRowsOverride() {
