@@ -176,15 +176,12 @@ SkinnyIsa Detect() {
 
 namespace {
 // AMD family 26 (Zen 5) and later: AVX-512 on full 512-bit units (Zen 4 splits each 512-bit
-// operation in two 256-bit halves).
+// operation in two 256-bit halves). The family from CPUID leaf 1 by hand: GCC 12's
+// __builtin_cpu_is knows the vendor but no Zen past znver4.
 bool FullWidthZen() {
+  if (!__builtin_cpu_is("amd")) return false;
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
-  char vendor[13] = {};
-  std::memcpy(vendor, &b, 4);
-  std::memcpy(vendor + 4, &d, 4);
-  std::memcpy(vendor + 8, &c, 4);
-  if (std::strcmp(vendor, "AuthenticAMD") != 0 || __get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+  if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
   const unsigned base = (a >> 8) & 0xf;
   const unsigned family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
   return family >= 0x1a;
