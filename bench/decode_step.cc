@@ -509,11 +509,11 @@ void Run(const std::string& label, const std::string& model,
         ratios.push_back(ab[0][i] / ab[1][i]);
       }
       std::printf(
-          "%-7s batch %3d  (a) steps alternating: row streams up to the CPU's %d (f32 weights) / "
-          "%d (bf16) x rows %.3f ms, up to %d x rows %.3f ms (medians), median ratio of "
-          "neighbouring steps %.3f (%zu pairs)\n",
-          label.c_str(), b_size, SkinnyRowStreamRows(true), SkinnyRowStreamRows(false),
-          Median(ab[0]) * 1e3, f.ab_rows, Median(ab[1]) * 1e3, Median(ratios), ratios.size());
+          "%-7s batch %3d  (a) steps alternating: row streams up to the CPU's %d x rows %.3f ms, "
+          "up to %d x rows %.3f ms (medians), median ratio of neighbouring steps %.3f (%zu "
+          "pairs)\n",
+          label.c_str(), b_size, SkinnyRowStreamRows(), Median(ab[0]) * 1e3, f.ab_rows,
+          Median(ab[1]) * 1e3, Median(ratios), ratios.size());
     } else if (f.ab_row_streams) {
       std::vector<double> ratios;
       for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {

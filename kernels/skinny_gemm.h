@@ -60,12 +60,12 @@ bool SkinnyGemmSupports(SkinnyIsa isa);
 // to the order of the sums.
 bool SkinnyRowStreams();
 void SetSkinnyRowStreams(bool on);
-// With row streams on: up to how many x rows (f32 or bf16 weights) a weight is read one row at
-// a time; 0 with them off. By CPU as measured (kernels/cpu/skinny_gemm.cc): 2, or 8 on AMD Zen 5
-// and later (the AVX2 path, and bf16 weights widened to f32, stop at 2 whatever this says).
+// With row streams on: up to how many x rows a weight (f32, or bf16 under vdpbf16ps) is read one
+// row at a time; 0 with them off. By CPU as measured (kernels/cpu/skinny_gemm.cc): 2, or 8 on AMD
+// Zen 5 and later (the AVX2 path, and bf16 weights widened to f32, stop at 2 whatever this says).
 // SetSkinnyRowStreamRows overrides it (1-8; 0: the CPU's default again), for the tests and for
 // bench/decode_step --ab-row-stream-rows.
-int SkinnyRowStreamRows(bool f32_weights);
+int SkinnyRowStreamRows();
 void SetSkinnyRowStreamRows(int rows);
 
 // Output columns [n0, n1) of y = x · wᵀ. Needs SkinnyGemmAvailable(); 0 <= n0 <= n1 <= n.

@@ -52,10 +52,7 @@ MOELORA_AVX2 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // weight, but 2 streams): bench/skinny_gemm, 7 paired runs, 4 rows 16.8 ms against 19.6 ms on
   // average, 6 rows 19.0 against 21.9; past 6 rows it beat 1 x 12 (x from L2). Row streams at
   // 1-2 x rows at most: more would not fit 16 registers.
-  if (RowStreams<2>(a, static_cast<const W*>(a.w), n0, n1,
-                    SkinnyRowStreamRows(std::is_same_v<W, float>))) {
-    return;
-  }
+  if (RowStreams<2>(a, static_cast<const W*>(a.w), n0, n1, SkinnyRowStreamRows())) return;
   RunTiles<4, 3>(a, static_cast<const W*>(a.w), n0, n1);
 }
 
@@ -99,8 +96,8 @@ MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // product (between the two).
   // One weight row at a time up to SkinnyRowStreamRows x rows for f32 weights; bf16 weights
   // widened here (x not bf16, or no vdpbf16ps) at most 2, the rows measured for them.
-  const int rows = std::is_same_v<W, float> ? SkinnyRowStreamRows(true)
-                                            : std::min(2, SkinnyRowStreamRows(false));
+  const int rows =
+      std::is_same_v<W, float> ? SkinnyRowStreamRows() : std::min(2, SkinnyRowStreamRows());
   if (RowStreams<8>(a, static_cast<const W*>(a.w), n0, n1, rows)) return;
   if constexpr (std::is_same_v<W, float>) {
     const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(float));
@@ -141,7 +138,7 @@ struct Vec {
 MOELORA_AVX512_BF16 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   const auto* w = static_cast<const uint16_t*>(a.w);
   // One weight row at a time up to SkinnyRowStreamRows x rows (8 on the Zen 5).
-  if (RowStreams<8>(a, w, n0, n1, SkinnyRowStreamRows(false))) return;
+  if (RowStreams<8>(a, w, n0, n1, SkinnyRowStreamRows())) return;
   // Rows of up to 1 KB (k <= 512: the MoE down projection) 8 at a time, x rows 3 at a time: a
   // 4-row tile of them is 4 KB, 16 steps of k, and its sums and the next tile's prefetch were a
   // large share of each. bench/skinny_gemm --experts 128 --dtype bfloat16 on the Zen 4, the down
@@ -196,10 +193,9 @@ bool FullWidthZen() {
 // stretch (11 ms). Batch 8: f32 0.974, bf16 0.986. A batch of 32 gives each of 32 experts 4 rows
 // on average and up to about 10. With RowStream (no prefetch, 2-4 accumulators a row) at 3-8 rows
 // instead of RunTiles<1, 8>, f32 lost 8-14 % on fast stretches from 6 rows on (kept at 3 then).
-int DefaultRowStreamRows(bool f32_weights) {
-  static const bool zen5 = FullWidthZen();
-  (void)f32_weights;  // the same count for both on the CPUs measured so far
-  return zen5 ? 8 : 2;
+int DefaultRowStreamRows() {
+  static const int rows = FullWidthZen() ? 8 : 2;
+  return rows;
 }
 
 std::atomic<int>& RowStreamRowsOverride() {
@@ -220,10 +216,10 @@ bool SkinnyRowStreams() { return RowStreamsFlag().load(std::memory_order_relaxed
 
 void SetSkinnyRowStreams(bool on) { RowStreamsFlag().store(on, std::memory_order_relaxed); }
 
-int SkinnyRowStreamRows(bool f32_weights) {
+int SkinnyRowStreamRows() {
   if (!SkinnyRowStreams()) return 0;
   const int o = RowStreamRowsOverride().load(std::memory_order_relaxed);
-  return o > 0 ? o : DefaultRowStreamRows(f32_weights);
+  return o > 0 ? o : DefaultRowStreamRows();
 }
 
 void SetSkinnyRowStreamRows(int rows) {
