@@ -503,11 +503,12 @@ void Run(const std::string& label, const std::string& model,
         label.c_str(), f.device.c_str(), f.dtype.c_str(), at::get_num_threads(), b_size, a * 1e3,
         b_size / a, b * 1e3, c * 1e3, b_size / c, b / a, c / b, c / a, b_size, prefill * 1e3,
         b_size * 16 / prefill);
+    // Each even step over the odd step after it.
+    std::vector<double> ratios;
+    for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
+      ratios.push_back(ab[0][i] / ab[1][i]);
+    }
     if (f.ab_rows > 0) {
-      std::vector<double> ratios;
-      for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
-        ratios.push_back(ab[0][i] / ab[1][i]);
-      }
       std::printf(
           "%-7s batch %3d  (a) steps alternating: row streams up to the CPU's %d x rows %.3f ms, "
           "up to %d x rows %.3f ms (medians), median ratio of neighbouring steps %.3f (%zu "
@@ -515,10 +516,6 @@ void Run(const std::string& label, const std::string& model,
           label.c_str(), b_size, SkinnyRowStreamRows(), Median(ab[0]) * 1e3, f.ab_rows,
           Median(ab[1]) * 1e3, Median(ratios), ratios.size());
     } else if (f.ab_row_streams) {
-      std::vector<double> ratios;
-      for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
-        ratios.push_back(ab[0][i] / ab[1][i]);
-      }
       std::printf(
           "%-7s batch %3d  (a) steps alternating: row streams %.3f ms, tiles %.3f ms (medians), "
           "median ratio of neighbouring steps %.3f (%zu pairs)\n",
