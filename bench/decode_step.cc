@@ -7,6 +7,7 @@
 //               [--only tiny|medium|ep-memory|qwen3_5|a3b|peer] [--device
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
+//               [--ab-row-stream-prefetch BYTES]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -24,6 +25,8 @@
 // process (two binaries run one after the other differed by more than the change).
 // --ab-row-stream-rows N: the same, between row streams up to the CPU's default x rows
 // (SkinnyRowStreamRows) and up to N (1-8): how the default was chosen on each CPU.
+// --ab-row-stream-prefetch BYTES: the same, between the row streams' prefetch distance of the CPU
+// (SkinnyRowStreamPrefetchBytes) and BYTES (0: none at 1-2 x rows, one row at 3-8).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -404,11 +407,13 @@ struct Case {
 // Mean seconds of one decode step for `batch` sequences (best of `repeat`); *prefill: the best
 // time of the step that prefills their 16-token prompts.
 // ab (optional): the decode steps alternate row streams on (even steps, ab[0]) and off (odd,
-// ab[1]), or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); each
+// ab[1]); or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); or
+// with ab_prefetch >= 0, the CPU's prefetch distance (even) and ab_prefetch bytes (odd); each
 // step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
                   int64_t* next_id, double* prefill = nullptr,
-                  std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0) {
+                  std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0,
+                  int64_t ab_prefetch = -1) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -429,8 +434,13 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     for (int w = 0; w < 2; ++w) Check(e.Step({}, {}).status(), "warmup");
     const double t0 = Now();
     for (int s = 0; s < steps; ++s) {
-      if (ab != nullptr && ab_rows > 0) SetSkinnyRowStreamRows(s % 2 == 0 ? 0 : ab_rows);
-      if (ab != nullptr && ab_rows == 0) SetSkinnyRowStreams(s % 2 == 0);
+      if (ab != nullptr && ab_prefetch >= 0) {
+        SetSkinnyRowStreamPrefetchBytes(s % 2 == 0 ? -1 : ab_prefetch);
+      } else if (ab != nullptr && ab_rows > 0) {
+        SetSkinnyRowStreamRows(s % 2 == 0 ? 0 : ab_rows);
+      } else if (ab != nullptr) {
+        SetSkinnyRowStreams(s % 2 == 0);
+      }
       const double ts = Now();
       Check(e.Step({}, {}).status(), "decode");
       if (ab != nullptr) (*ab)[s % 2].push_back(Now() - ts);
@@ -438,6 +448,7 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     if (ab != nullptr) {
       SetSkinnyRowStreams(true);
       SetSkinnyRowStreamRows(0);
+      SetSkinnyRowStreamPrefetchBytes(-1);
     }
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
@@ -452,7 +463,8 @@ struct RunFlags {
   std::string device = "cpu", dtype = "float32";
   int prefill_len = 512;
   bool ab_row_streams = false;
-  int ab_rows = 0;  // --ab-row-stream-rows
+  int ab_rows = 0;           // --ab-row-stream-rows
+  int64_t ab_prefetch = -1;  // --ab-row-stream-prefetch
 };
 
 double Median(std::vector<double> v) {
@@ -492,8 +504,10 @@ void Run(const std::string& label, const std::string& model,
     for (int i = 0; i < b_size; ++i) eight[i] = 1 + i % 8;
     double prefill = 0;
     std::vector<double> ab[2];
-    const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
-                                f.ab_row_streams || f.ab_rows > 0 ? &ab : nullptr, f.ab_rows);
+    const double a =
+        TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
+                   f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 ? &ab : nullptr,
+                   f.ab_rows, f.ab_prefetch);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -508,7 +522,15 @@ void Run(const std::string& label, const std::string& model,
     for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
       ratios.push_back(ab[0][i] / ab[1][i]);
     }
-    if (f.ab_rows > 0) {
+    if (f.ab_prefetch >= 0) {
+      std::printf(
+          "%-7s batch %3d  (a) steps alternating: row streams prefetching the CPU's %ld bytes "
+          "ahead %.3f ms, %ld bytes %.3f ms (medians), median ratio of neighbouring steps %.3f "
+          "(%zu pairs)\n",
+          label.c_str(), b_size, static_cast<long>(SkinnyRowStreamPrefetchBytes()),
+          Median(ab[0]) * 1e3, static_cast<long>(f.ab_prefetch), Median(ab[1]) * 1e3,
+          Median(ratios), ratios.size());
+    } else if (f.ab_rows > 0) {
       std::printf(
           "%-7s batch %3d  (a) steps alternating: row streams up to the CPU's %d x rows %.3f ms, "
           "up to %d x rows %.3f ms (medians), median ratio of neighbouring steps %.3f (%zu "
@@ -535,7 +557,8 @@ int main(int argc, char** argv) {
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
       "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
-      "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]\n";
+      "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
+      "[--ab-row-stream-prefetch BYTES]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -566,6 +589,12 @@ int main(int argc, char** argv) {
       f.ab_rows = std::atoi(v.c_str());
       if (f.ab_rows < 1 || f.ab_rows > 8) {
         std::fprintf(stderr, "decode_step: --ab-row-stream-rows takes 1-8\n%s", usage);
+        return 2;
+      }
+    } else if (flag == "--ab-row-stream-prefetch") {
+      f.ab_prefetch = std::atoll(v.c_str());
+      if (f.ab_prefetch < 0 || f.ab_prefetch > (int64_t{1} << 20)) {
+        std::fprintf(stderr, "decode_step: --ab-row-stream-prefetch takes 0-1048576\n%s", usage);
         return 2;
       }
     } else {

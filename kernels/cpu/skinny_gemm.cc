@@ -192,7 +192,8 @@ bool FullWidthZen() {
 // 21-26 ms), 0.974 where it was fast (19 ms); bf16 0.858-0.869, and 1.023 in one run on a fast
 // stretch (11 ms). Batch 8: f32 0.974, bf16 0.986. A batch of 32 gives each of 32 experts 4 rows
 // on average and up to about 10. With RowStream (no prefetch, 2-4 accumulators a row) at 3-8 rows
-// instead of RunTiles<1, 8>, f32 lost 8-14 % on fast stretches from 6 rows on (kept at 3 then).
+// instead of RunTiles<1, 8>, f32 lost 8-14 % on fast stretches from 6 rows on (kept at 3 then);
+// RowStream with a prefetch (DefaultRowStreamPrefetchBytes) replaced both since.
 int DefaultRowStreamRows() {
   static const int rows = FullWidthZen() ? 8 : 2;
   return rows;
@@ -201,6 +202,23 @@ int DefaultRowStreamRows() {
 std::atomic<int>& RowStreamRowsOverride() {
   static std::atomic<int> rows{0};
   return rows;
+}
+
+// On the Zen 5, 4 KB ahead: the rows of 1-2 KB (bf16 weights, the f32 down projection) had been
+// prefetched one row ahead at 3-8 x rows and not at all at 1-2, less than the memory's latency
+// covers at a core's 30 GB/s. decode_step --only peer, steps alternating in one run between the
+// kernel before (one accumulator a row and the next row prefetched at 3-8 x rows, none at 1-2)
+// and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
+// f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
+// 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
+int64_t DefaultRowStreamPrefetchBytes() {
+  static const int64_t bytes = FullWidthZen() ? 4096 : 0;
+  return bytes;
+}
+
+std::atomic<int64_t>& RowStreamPrefetchOverride() {
+  static std::atomic<int64_t> bytes{-1};
+  return bytes;
 }
 
 std::atomic<bool>& RowStreamsFlag() {
@@ -224,6 +242,15 @@ int SkinnyRowStreamRows() {
 
 void SetSkinnyRowStreamRows(int rows) {
   RowStreamRowsOverride().store(std::max(0, std::min(rows, 8)), std::memory_order_relaxed);
+}
+
+int64_t SkinnyRowStreamPrefetchBytes() {
+  const int64_t o = RowStreamPrefetchOverride().load(std::memory_order_relaxed);
+  return o >= 0 ? o : DefaultRowStreamPrefetchBytes();
+}
+
+void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) {
+  RowStreamPrefetchOverride().store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 
 SkinnyIsa SkinnyGemmIsa() {

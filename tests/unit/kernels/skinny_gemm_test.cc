@@ -22,12 +22,13 @@ struct Case {
 
 class SkinnyGemmTest : public ::testing::TestWithParam<Case> {};
 
-void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16);
+void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16, bool next_w);
 
 // Every (m, n, k) shape, on every instruction set this CPU has: one weight row at a time (1-8 x
 // rows), tiles of 6 / 3 / 2 / 1 x rows and their tails, 8 / 4 / 2 / 1 weight rows, k with and
-// without an 8- and a 16-lane tail; strided x and y; any output-column split; against a
-// double-precision reference.
+// without an 8- and a 16-lane tail; strided x and y; any output-column split; row streams with
+// the CPU's prefetch distance and with 4 KB (into the next product's rows past the last); against
+// a double-precision reference.
 TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
   for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512, SkinnyIsa::kAvx512Bf16}) {
@@ -36,24 +37,30 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
       // Row streams up to the CPU's default rows, up to 8 (every RowStream instantiation, on
       // any CPU), and off (tiles at every row count).
       for (int rows : {0, 8, -1}) {
-        SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
-                     : isa == SkinnyIsa::kAvx512 ? "AVX-512"
-                                                 : "AVX512-BF16");
-        SCOPED_TRACE(x_bf16 ? "x bf16" : "x f32");
-        SCOPED_TRACE(rows == 0   ? "row streams up to the CPU's rows"
-                     : rows == 8 ? "row streams up to 8 x rows"
-                                 : "tiles at every x row count");
-        SetSkinnyRowStreams(rows >= 0);
-        SetSkinnyRowStreamRows(std::max(rows, 0));
-        CheckAgainstReference(GetParam(), isa, x_bf16);
-        SetSkinnyRowStreams(true);
-        SetSkinnyRowStreamRows(0);
+        for (int64_t prefetch : {int64_t{-1}, int64_t{4096}}) {
+          if (rows < 0 && prefetch >= 0) continue;  // tiles: no row streams to prefetch for
+          SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
+                       : isa == SkinnyIsa::kAvx512 ? "AVX-512"
+                                                   : "AVX512-BF16");
+          SCOPED_TRACE(x_bf16 ? "x bf16" : "x f32");
+          SCOPED_TRACE(rows == 0   ? "row streams up to the CPU's rows"
+                       : rows == 8 ? "row streams up to 8 x rows"
+                                   : "tiles at every x row count");
+          SCOPED_TRACE(prefetch < 0 ? "the CPU's prefetch" : "prefetch 4 KB, then next_w");
+          SetSkinnyRowStreams(rows >= 0);
+          SetSkinnyRowStreamRows(std::max(rows, 0));
+          SetSkinnyRowStreamPrefetchBytes(prefetch);
+          CheckAgainstReference(GetParam(), isa, x_bf16, prefetch >= 0);
+          SetSkinnyRowStreams(true);
+          SetSkinnyRowStreamRows(0);
+          SetSkinnyRowStreamPrefetchBytes(-1);
+        }
       }
     }
   }
 }
 
-void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16) {
+void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16, bool next_w) {
   const auto [m, n, k] = shape;
   std::mt19937 rng(static_cast<uint32_t>(m * 1000 + n * 10 + k));
   std::normal_distribution<float> d;
@@ -79,6 +86,11 @@ void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16) {
                      k,
                      x_bf16 ? xb.data() : nullptr,
                      ldx};
+    // A next product (the same weight again, as the kernel only prefetches it).
+    if (next_w) {
+      a.next_w = a.w;
+      a.next_rows = n;
+    }
     const int64_t cut = n / 3;  // two calls on disjoint column ranges, as the threads make them
     SkinnyGemmRows(a, 0, cut, isa);
     SkinnyGemmRows(a, cut, n, isa);
