@@ -7,14 +7,19 @@
 // at M rows (q / o [H, H], k / v [H / 4, H], the LM head [4 H, H]). --hot times the skinny
 // kernel alone on one thread against weights that stay in L2 (128 KB, rows of k = H and k = I, at
 // each --rows count): what its instructions cost with the memory out of the way.
+// --ab-prefetch BYTES: instead of the table, the grouped products at each --rows count, 15
+// rounds alternating between the CPU's row-stream prefetch distance
+// (SkinnyRowStreamPrefetchBytes) and BYTES; medians and the median ratio of neighbouring rounds.
 //
 //   skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype float32|bfloat16]
 //               [--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot]
+//               [--ab-prefetch BYTES]
 #include "kernels/skinny_gemm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -95,6 +100,7 @@ int main(int argc, char** argv) {
   int threads = 2;
   std::string dtype = "float32", rows_s = "1,2,4,8,16,24,32,64", dense_s;
   bool hot = false;
+  int64_t ab_prefetch = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--hot") {
@@ -104,7 +110,8 @@ int main(int argc, char** argv) {
     if (f == "--help" || i + 1 >= argc) {
       std::printf(
           "usage: skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype D] "
-          "[--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot]\n");
+          "[--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot] "
+          "[--ab-prefetch BYTES]\n");
       return f == "--help" ? 0 : 2;
     }
     const std::string v = argv[++i];
@@ -122,6 +129,8 @@ int main(int argc, char** argv) {
       rows_s = v;
     else if (f == "--dense")
       dense_s = v;
+    else if (f == "--ab-prefetch")
+      ab_prefetch = std::atol(v.c_str());
     else {
       std::fprintf(stderr, "unknown flag %s\n", f.c_str());
       return 2;
@@ -185,6 +194,29 @@ int main(int argc, char** argv) {
         at::mm_out(d, act.narrow(0, e * m, m), w2[e].t());
       }
     };
+    if (ab_prefetch >= 0) {
+      // The grouped products alternating between the CPU's row-stream prefetch distance and
+      // ab_prefetch bytes, 15 rounds: medians and the median ratio of neighbouring rounds.
+      std::vector<double> t[2], ratio;
+      for (int round = 0; round < 30; ++round) {
+        moelora::SetSkinnyRowStreamPrefetchBytes(round % 2 == 0 ? -1 : ab_prefetch);
+        const double t0 = Now();
+        grouped();
+        t[round % 2].push_back(Now() - t0);
+        if (round % 2 == 1) ratio.push_back(t[0].back() / t[1].back());
+      }
+      moelora::SetSkinnyRowStreamPrefetchBytes(-1);
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      std::printf(
+          "| %ld | prefetch: the CPU's %ld bytes %.2f ms, %ld bytes %.2f ms (medians), median "
+          "ratio %.3f |\n",
+          static_cast<long>(m), static_cast<long>(moelora::SkinnyRowStreamPrefetchBytes()),
+          median(t[0]) * 1e3, static_cast<long>(ab_prefetch), median(t[1]) * 1e3, median(ratio));
+      continue;
+    }
     const double g = Best(grouped), p = Best(per_expert);
     const double gu = Best([&] { moelora::GroupedMatmulWt(x, w13, runs, experts, h13); });
     act = h13.narrow(1, 0, I).contiguous();
