@@ -129,9 +129,13 @@ int main(int argc, char** argv) {
       rows_s = v;
     else if (f == "--dense")
       dense_s = v;
-    else if (f == "--ab-prefetch")
+    else if (f == "--ab-prefetch") {
       ab_prefetch = std::atol(v.c_str());
-    else {
+      if (ab_prefetch < 0 || ab_prefetch > (int64_t{1} << 20)) {
+        std::fprintf(stderr, "--ab-prefetch takes 0-1048576 bytes\n");
+        return 2;
+      }
+    } else {
       std::fprintf(stderr, "unknown flag %s\n", f.c_str());
       return 2;
     }
