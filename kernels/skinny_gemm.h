@@ -69,9 +69,10 @@ int SkinnyRowStreamRows();
 void SetSkinnyRowStreamRows(int rows);
 // How far ahead, in bytes of weight, a row stream prefetches while it computes (f32 weights into
 // L1, bf16 into L2; rounded up to whole weight rows; at 3-8 x rows at least one row): 0 leaves it
-// to the hardware prefetcher at 1-2 x rows. By CPU as measured: 4096 on AMD Zen 5 and later, 0 elsewhere (the Zen 4 and the
-// Xeon were measured without). SetSkinnyRowStreamPrefetchBytes overrides it (a negative value:
-// the CPU's default again), for the tests and for bench/decode_step --ab-row-stream-prefetch.
+// to the hardware prefetcher at 1-2 x rows. By CPU as measured: 4096 on AMD Zen 5 and later, 0
+// elsewhere (the Zen 4 and the Xeon were measured without). SetSkinnyRowStreamPrefetchBytes
+// overrides it (a negative value: the CPU's default again), for the tests and for bench/decode_step
+// --ab-row-stream-prefetch.
 int64_t SkinnyRowStreamPrefetchBytes();
 void SetSkinnyRowStreamPrefetchBytes(int64_t bytes);
 
