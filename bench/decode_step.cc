@@ -7,7 +7,7 @@
 //               [--only tiny|medium|ep-memory|qwen3_5|a3b|peer] [--device
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
-//               [--ab-row-stream-prefetch BYTES]
+//               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -27,6 +27,8 @@
 // (SkinnyRowStreamRows) and up to N (1-8): how the default was chosen on each CPU.
 // --ab-row-stream-prefetch BYTES: the same, between the row streams' prefetch distance of the CPU
 // (SkinnyRowStreamPrefetchBytes) and BYTES (0: none at 1-2 x rows, one row at 3-8).
+// --ab-row-stream-far-prefetch BYTES: the same, between the CPU's second prefetch for f32 weights
+// at 3-8 x rows (SkinnyRowStreamFarPrefetchBytes, into L2) and BYTES (0: none).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -408,12 +410,12 @@ struct Case {
 // time of the step that prefills their 16-token prompts.
 // ab (optional): the decode steps alternate row streams on (even steps, ab[0]) and off (odd,
 // ab[1]); or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); or
-// with ab_prefetch >= 0, the CPU's prefetch distance (even) and ab_prefetch bytes (odd); each
-// step's seconds appended.
+// with ab_prefetch >= 0, the CPU's prefetch distance (even) and ab_prefetch bytes (odd); or with
+// ab_far >= 0, the same for the far prefetch; each step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
                   int64_t* next_id, double* prefill = nullptr,
-                  std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0,
-                  int64_t ab_prefetch = -1) {
+                  std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0, int64_t ab_prefetch = -1,
+                  int64_t ab_far = -1) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -436,6 +438,8 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     for (int s = 0; s < steps; ++s) {
       if (ab != nullptr && ab_prefetch >= 0) {
         SetSkinnyRowStreamPrefetchBytes(s % 2 == 0 ? -1 : ab_prefetch);
+      } else if (ab != nullptr && ab_far >= 0) {
+        SetSkinnyRowStreamFarPrefetchBytes(s % 2 == 0 ? -1 : ab_far);
       } else if (ab != nullptr && ab_rows > 0) {
         SetSkinnyRowStreamRows(s % 2 == 0 ? 0 : ab_rows);
       } else if (ab != nullptr) {
@@ -449,6 +453,7 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
       SetSkinnyRowStreams(true);
       SetSkinnyRowStreamRows(0);
       SetSkinnyRowStreamPrefetchBytes(-1);
+      SetSkinnyRowStreamFarPrefetchBytes(-1);
     }
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
@@ -465,6 +470,7 @@ struct RunFlags {
   bool ab_row_streams = false;
   int ab_rows = 0;           // --ab-row-stream-rows
   int64_t ab_prefetch = -1;  // --ab-row-stream-prefetch
+  int64_t ab_far = -1;       // --ab-row-stream-far-prefetch
 };
 
 double Median(std::vector<double> v) {
@@ -504,10 +510,10 @@ void Run(const std::string& label, const std::string& model,
     for (int i = 0; i < b_size; ++i) eight[i] = 1 + i % 8;
     double prefill = 0;
     std::vector<double> ab[2];
-    const double a =
-        TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
-                   f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 ? &ab : nullptr,
-                   f.ab_rows, f.ab_prefetch);
+    const double a = TimeDecode(
+        **engine, none, steps, repeat, vocab, &next_id, &prefill,
+        f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 || f.ab_far >= 0 ? &ab : nullptr,
+        f.ab_rows, f.ab_prefetch, f.ab_far);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -522,14 +528,17 @@ void Run(const std::string& label, const std::string& model,
     for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
       ratios.push_back(ab[0][i] / ab[1][i]);
     }
-    if (f.ab_prefetch >= 0) {
+    if (f.ab_prefetch >= 0 || f.ab_far >= 0) {
+      const bool far = f.ab_prefetch < 0;
       std::printf(
-          "%-7s batch %3d  (a) steps alternating: row streams prefetching the CPU's %ld bytes "
+          "%-7s batch %3d  (a) steps alternating: row streams prefetching%s the CPU's %ld bytes "
           "ahead %.3f ms, %ld bytes %.3f ms (medians), median ratio of neighbouring steps %.3f "
           "(%zu pairs)\n",
-          label.c_str(), b_size, static_cast<long>(SkinnyRowStreamPrefetchBytes()),
-          Median(ab[0]) * 1e3, static_cast<long>(f.ab_prefetch), Median(ab[1]) * 1e3,
-          Median(ratios), ratios.size());
+          label.c_str(), b_size, far ? " (the far prefetch, f32 at 3-8 x rows)" : "",
+          static_cast<long>(far ? SkinnyRowStreamFarPrefetchBytes()
+                                : SkinnyRowStreamPrefetchBytes()),
+          Median(ab[0]) * 1e3, static_cast<long>(far ? f.ab_far : f.ab_prefetch),
+          Median(ab[1]) * 1e3, Median(ratios), ratios.size());
     } else if (f.ab_rows > 0) {
       std::printf(
           "%-7s batch %3d  (a) steps alternating: row streams up to the CPU's %d x rows %.3f ms, "
@@ -558,7 +567,7 @@ int main(int argc, char** argv) {
       "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
-      "[--ab-row-stream-prefetch BYTES]\n";
+      "[--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -591,16 +600,21 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "decode_step: --ab-row-stream-rows takes 1-8\n%s", usage);
         return 2;
       }
-    } else if (flag == "--ab-row-stream-prefetch") {
-      f.ab_prefetch = std::atoll(v.c_str());
-      if (f.ab_prefetch < 0 || f.ab_prefetch > (int64_t{1} << 20)) {
-        std::fprintf(stderr, "decode_step: --ab-row-stream-prefetch takes 0-1048576\n%s", usage);
+    } else if (flag == "--ab-row-stream-prefetch" || flag == "--ab-row-stream-far-prefetch") {
+      int64_t& bytes = flag == "--ab-row-stream-prefetch" ? f.ab_prefetch : f.ab_far;
+      bytes = std::atoll(v.c_str());
+      if (bytes < 0 || bytes > (int64_t{1} << 20)) {
+        std::fprintf(stderr, "decode_step: %s takes 0-1048576\n%s", flag.c_str(), usage);
         return 2;
       }
     } else {
       std::fprintf(stderr, "%s", usage);
       return 2;
     }
+  }
+  if (f.ab_prefetch >= 0 && f.ab_far >= 0) {
+    std::fprintf(stderr, "decode_step: one --ab-row-stream-*prefetch at a time\n%s", usage);
+    return 2;
   }
   for (int b : f.batches) {
     if (b < 1) {

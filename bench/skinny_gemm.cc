@@ -10,10 +10,12 @@
 // --ab-prefetch BYTES: instead of the table, the grouped products at each --rows count, 15
 // rounds alternating between the CPU's row-stream prefetch distance
 // (SkinnyRowStreamPrefetchBytes) and BYTES; medians and the median ratio of neighbouring rounds.
+// --ab-far-prefetch BYTES: the same for the second, far prefetch of f32 weights at 3-8 x rows
+// (SkinnyRowStreamFarPrefetchBytes).
 //
 //   skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype float32|bfloat16]
 //               [--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot]
-//               [--ab-prefetch BYTES]
+//               [--ab-prefetch BYTES | --ab-far-prefetch BYTES]
 #include "kernels/skinny_gemm.h"
 
 #include <ATen/ATen.h>
@@ -101,6 +103,7 @@ int main(int argc, char** argv) {
   std::string dtype = "float32", rows_s = "1,2,4,8,16,24,32,64", dense_s;
   bool hot = false;
   int64_t ab_prefetch = -1;
+  bool ab_far = false;  // ab_prefetch is for the far prefetch
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--hot") {
@@ -111,7 +114,7 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype D] "
           "[--threads 2] [--rows 1,2,4,8,16,24,32,64] [--dense 8,32] [--hot] "
-          "[--ab-prefetch BYTES]\n");
+          "[--ab-prefetch BYTES | --ab-far-prefetch BYTES]\n");
       return f == "--help" ? 0 : 2;
     }
     const std::string v = argv[++i];
@@ -129,10 +132,11 @@ int main(int argc, char** argv) {
       rows_s = v;
     else if (f == "--dense")
       dense_s = v;
-    else if (f == "--ab-prefetch") {
+    else if (f == "--ab-prefetch" || f == "--ab-far-prefetch") {
       ab_prefetch = std::atol(v.c_str());
+      ab_far = f == "--ab-far-prefetch";
       if (ab_prefetch < 0 || ab_prefetch > (int64_t{1} << 20)) {
-        std::fprintf(stderr, "--ab-prefetch takes 0-1048576 bytes\n");
+        std::fprintf(stderr, "%s takes 0-1048576 bytes\n", f.c_str());
         return 2;
       }
     } else {
@@ -199,25 +203,30 @@ int main(int argc, char** argv) {
       }
     };
     if (ab_prefetch >= 0) {
-      // The grouped products alternating between the CPU's row-stream prefetch distance and
-      // ab_prefetch bytes, 15 rounds: medians and the median ratio of neighbouring rounds.
+      // The grouped products alternating between the CPU's row-stream prefetch distance (or far
+      // prefetch distance) and ab_prefetch bytes, 15 rounds: medians and the median ratio of
+      // neighbouring rounds.
+      auto set = ab_far ? moelora::SetSkinnyRowStreamFarPrefetchBytes
+                        : moelora::SetSkinnyRowStreamPrefetchBytes;
       std::vector<double> t[2], ratio;
       for (int round = 0; round < 30; ++round) {
-        moelora::SetSkinnyRowStreamPrefetchBytes(round % 2 == 0 ? -1 : ab_prefetch);
+        set(round % 2 == 0 ? -1 : ab_prefetch);
         const double t0 = Now();
         grouped();
         t[round % 2].push_back(Now() - t0);
         if (round % 2 == 1) ratio.push_back(t[0].back() / t[1].back());
       }
-      moelora::SetSkinnyRowStreamPrefetchBytes(-1);
+      set(-1);
       auto median = [](std::vector<double> v) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
       };
       std::printf(
-          "| %ld | prefetch: the CPU's %ld bytes %.2f ms, %ld bytes %.2f ms (medians), median "
+          "| %ld | %s: the CPU's %ld bytes %.2f ms, %ld bytes %.2f ms (medians), median "
           "ratio %.3f |\n",
-          static_cast<long>(m), static_cast<long>(moelora::SkinnyRowStreamPrefetchBytes()),
+          static_cast<long>(m), ab_far ? "far prefetch" : "prefetch",
+          static_cast<long>(ab_far ? moelora::SkinnyRowStreamFarPrefetchBytes()
+                                   : moelora::SkinnyRowStreamPrefetchBytes()),
           median(t[0]) * 1e3, static_cast<long>(ab_prefetch), median(t[1]) * 1e3, median(ratio));
       continue;
     }

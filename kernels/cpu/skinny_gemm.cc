@@ -221,6 +221,22 @@ std::atomic<int64_t>& RowStreamPrefetchOverride() {
   return bytes;
 }
 
+// On the Zen 5, 8 KB: decode_step --only peer, steps alternating in one run between none and
+// 8 KB at 3-8 x rows (f32), steps without over steps with: batch 32 1.064 (a stretch reading
+// about 60 GB/s), 1.040, 1.008; batch 8 1.022, 1.029. At 1-8 x rows instead: batch 32 1.085,
+// 1.070 (fast stretches), 0.994, 1.001, 1.009; batch 8 0.971, 0.977, 0.984, so not at 1-2 rows.
+// 16 KB at 1-8 rows: 1.034 (fast), 0.976; bf16 weights (whose first prefetch goes into L2
+// already), 8 / 16 KB: 0.981, 1.015 / 0.957, 1.000, so f32 only.
+int64_t DefaultRowStreamFarPrefetchBytes() {
+  static const int64_t bytes = FullWidthZen() ? 8192 : 0;
+  return bytes;
+}
+
+std::atomic<int64_t>& RowStreamFarPrefetchOverride() {
+  static std::atomic<int64_t> bytes{-1};
+  return bytes;
+}
+
 std::atomic<bool>& RowStreamsFlag() {
   static std::atomic<bool> on{[] {
     const char* e = std::getenv("MOELORA_SKINNY_ROW_STREAMS");
@@ -251,6 +267,15 @@ int64_t SkinnyRowStreamPrefetchBytes() {
 
 void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) {
   RowStreamPrefetchOverride().store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
+}
+
+int64_t SkinnyRowStreamFarPrefetchBytes() {
+  const int64_t o = RowStreamFarPrefetchOverride().load(std::memory_order_relaxed);
+  return o >= 0 ? o : DefaultRowStreamFarPrefetchBytes();
+}
+
+void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes) {
+  RowStreamFarPrefetchOverride().store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 
 SkinnyIsa SkinnyGemmIsa() {

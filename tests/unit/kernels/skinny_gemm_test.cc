@@ -46,14 +46,17 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
           SCOPED_TRACE(rows == 0   ? "row streams up to the CPU's rows"
                        : rows == 8 ? "row streams up to 8 x rows"
                                    : "tiles at every x row count");
-          SCOPED_TRACE(prefetch < 0 ? "the CPU's prefetch" : "prefetch 4 KB, then next_w");
+          SCOPED_TRACE(prefetch < 0 ? "the CPU's prefetch"
+                                    : "prefetch 4 KB (f32 also 8 KB into L2), then next_w");
           SetSkinnyRowStreams(rows >= 0);
           SetSkinnyRowStreamRows(std::max(rows, 0));
           SetSkinnyRowStreamPrefetchBytes(prefetch);
+          SetSkinnyRowStreamFarPrefetchBytes(prefetch < 0 ? -1 : 2 * prefetch);
           CheckAgainstReference(GetParam(), isa, x_bf16, prefetch >= 0);
           SetSkinnyRowStreams(true);
           SetSkinnyRowStreamRows(0);
           SetSkinnyRowStreamPrefetchBytes(-1);
+          SetSkinnyRowStreamFarPrefetchBytes(-1);
         }
       }
     }
