@@ -28,7 +28,7 @@
 // --ab-row-stream-prefetch BYTES: the same, between the row streams' prefetch distance of the CPU
 // (SkinnyRowStreamPrefetchBytes) and BYTES (0: none at 1-2 x rows, one row at 3-8).
 // --ab-row-stream-far-prefetch BYTES: the same, between the CPU's second prefetch for f32 weights
-// at 3-8 x rows (SkinnyRowStreamFarPrefetchBytes, into L2) and BYTES (0: none).
+// at 5-8 x rows (SkinnyRowStreamFarPrefetchBytes, into L2) and BYTES (0: none).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -534,7 +534,7 @@ void Run(const std::string& label, const std::string& model,
           "%-7s batch %3d  (a) steps alternating: row streams prefetching%s the CPU's %ld bytes "
           "ahead %.3f ms, %ld bytes %.3f ms (medians), median ratio of neighbouring steps %.3f "
           "(%zu pairs)\n",
-          label.c_str(), b_size, far ? " (the far prefetch, f32 at 3-8 x rows)" : "",
+          label.c_str(), b_size, far ? " (the far prefetch, f32 at 5-8 x rows)" : "",
           static_cast<long>(far ? SkinnyRowStreamFarPrefetchBytes()
                                 : SkinnyRowStreamPrefetchBytes()),
           Median(ab[0]) * 1e3, static_cast<long>(far ? f.ab_far : f.ab_prefetch),

@@ -10,7 +10,7 @@
 // --ab-prefetch BYTES: instead of the table, the grouped products at each --rows count, 15
 // rounds alternating between the CPU's row-stream prefetch distance
 // (SkinnyRowStreamPrefetchBytes) and BYTES; medians and the median ratio of neighbouring rounds.
-// --ab-far-prefetch BYTES: the same for the second, far prefetch of f32 weights at 3-8 x rows
+// --ab-far-prefetch BYTES: the same for the second, far prefetch of f32 weights at 5-8 x rows
 // (SkinnyRowStreamFarPrefetchBytes).
 //
 //   skinny_gemm [--experts 32] [--hidden 1024] [--inter 512] [--dtype float32|bfloat16]

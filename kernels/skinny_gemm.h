@@ -75,7 +75,7 @@ void SetSkinnyRowStreamRows(int rows);
 // --ab-row-stream-prefetch.
 int64_t SkinnyRowStreamPrefetchBytes();
 void SetSkinnyRowStreamPrefetchBytes(int64_t bytes);
-// A second, farther prefetch for f32 weights at 3-8 x rows: the row this many bytes ahead (rounded
+// A second, farther prefetch for f32 weights at 5-8 x rows: the row this many bytes ahead (rounded
 // up to whole rows, at least one row past the first prefetch's) into L2, while the first brings
 // its nearer row into L1. 0: none. By CPU as measured: 8192 on AMD Zen 5 and later, 0 elsewhere
 // (not measured there). SetSkinnyRowStreamFarPrefetchBytes overrides it (a negative value: the

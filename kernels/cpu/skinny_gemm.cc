@@ -221,12 +221,15 @@ std::atomic<int64_t>& RowStreamPrefetchOverride() {
   return bytes;
 }
 
-// On the Zen 5, 8 KB: decode_step --only peer, steps alternating in one run between none and
-// 8 KB at 3-8 x rows (f32), steps without over steps with: batch 32 1.064 (a stretch reading
-// about 60 GB/s), 1.040, 1.008; batch 8 1.022, 1.029. At 1-8 x rows instead: batch 32 1.085,
-// 1.070 (fast stretches), 0.994, 1.001, 1.009; batch 8 0.971, 0.977, 0.984, so not at 1-2 rows.
-// 16 KB at 1-8 rows: 1.034 (fast), 0.976; bf16 weights (whose first prefetch goes into L2
-// already), 8 / 16 KB: 0.981, 1.015 / 0.957, 1.000, so f32 only.
+// On the Zen 5, 8 KB at 5-8 x rows: decode_step --only peer --ab-row-stream-far-prefetch 0, f32,
+// steps with it over steps without, alternating in one run: batch 32 0.945 on a stretch reading
+// about 60 GB/s (17.4 ms steps), 0.988, 1.013, 1.005 on slower ones (22-24 ms); batch 8 0.973,
+// 0.979. bench/skinny_gemm --experts 64: 0.77-0.78 at 6-8 rows on a 70 GB/s stretch, 0.98-1.00
+// at 46-64. Measured on the way (same orientation): from 3 rows, 1-2 % slower steps than from 5
+// on slow stretches (3-4 rows lost 3-6 % in skinny_gemm); from 1 row, batch 8 1.02-1.03; 16 KB
+// from 1 row 0.967 on a fast stretch where 8 KB gave 0.92-0.935; bf16 weights (whose first
+// prefetch goes into L2 already) 8 KB 1.019, 0.985, 16 KB 1.045, 1.000, and bf16 with the first
+// prefetch into L1 a row ahead and this one 4 KB ahead 1.012-1.042: f32 only.
 int64_t DefaultRowStreamFarPrefetchBytes() {
   static const int64_t bytes = FullWidthZen() ? 8192 : 0;
   return bytes;
