@@ -28,6 +28,14 @@ constexpr int64_t kBlock = 32;
 // Blocks per kernel call (RunJobs): 4 blocks of f32 rows of 1024 are 512 KB, about 30 us of a
 // thread's stream, the most by which the threads' ends can differ.
 constexpr int64_t kChunkBlocks = 4;
+// Where every job runs on a wide kernel (a decode batch's dense products from 13 rows, a
+// prefill's), one block a call: those products are compute-bound (a bf16 block at 32 rows is 28
+// weight rows, about 4 us of a thread), so a thread that is done waited for the other's chunk of 4
+// at the end of each call. perf of a bf16 step at batch 32 (decode_step --only peer) had the
+// worker thread spinning in libgomp for 11 % of its samples, a fifth of them while the other ran
+// the wide kernel. Steps alternating between 4 and 1 in one run, 4 over 1: bf16 1.002, 1.003,
+// 1.002; f32 1.001, 1.011; prefill unchanged (122-125 ms both).
+constexpr int64_t kWideChunkBlocks = 1;
 
 bool Skinny(const at::Tensor& x, const at::Tensor& w) {
   return x.device().is_cpu() && x.dim() == 2 && w.is_contiguous() &&
@@ -181,7 +189,10 @@ void RunJobs(const std::vector<Job>& jobs, int64_t blocks, const std::vector<Pac
   const int64_t pack_blocks = pack_first.back();
   // A chunk per kernel call: AMX configures its tiles once per call (an extra tile release and
   // configuration per block cost 25 ns, 2 % of bench/skinny_gemm's bf16 experts at 4 rows).
-  BlockRanges ranges(blocks, threads, kChunkBlocks);
+  const bool all_wide = std::all_of(jobs.begin(), jobs.end(), [](const Job& j) {
+    return j.kernel == Kernel::kWide || j.kernel == Kernel::kWideBf16;
+  });
+  BlockRanges ranges(blocks, threads, all_wide ? kWideChunkBlocks : kChunkBlocks);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
