@@ -193,7 +193,7 @@ bool FullWidthZen() {
 // stretch (11 ms). Batch 8: f32 0.974, bf16 0.986. A batch of 32 gives each of 32 experts 4 rows
 // on average and up to about 10. With RowStream (no prefetch, 2-4 accumulators a row) at 3-8 rows
 // instead of RunTiles<1, 8>, f32 lost 8-14 % on fast stretches from 6 rows on (kept at 3 then);
-// RowStream with a prefetch (DefaultRowStreamPrefetchBytes) replaced both since.
+// RowStream with a prefetch (RowStreamPrefetch below) replaced both since.
 int DefaultRowStreamRows() {
   static const int rows = FullWidthZen() ? 8 : 2;
   return rows;
@@ -211,13 +211,24 @@ std::atomic<int>& RowStreamRowsOverride() {
 // and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
 // f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
 // 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
-int64_t DefaultRowStreamPrefetchBytes() {
-  static const int64_t bytes = FullWidthZen() ? 4096 : 0;
-  return bytes;
-}
+// A prefetch distance in bytes: the CPU's (cpu_bytes) unless overridden (a negative override:
+// the CPU's again).
+class PrefetchBytes {
+ public:
+  explicit PrefetchBytes(int64_t cpu_bytes) : cpu_bytes_(cpu_bytes) {}
+  int64_t Get() const {
+    const int64_t o = override_.load(std::memory_order_relaxed);
+    return o >= 0 ? o : cpu_bytes_;
+  }
+  void Set(int64_t bytes) { override_.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed); }
 
-std::atomic<int64_t>& RowStreamPrefetchOverride() {
-  static std::atomic<int64_t> bytes{-1};
+ private:
+  const int64_t cpu_bytes_;
+  std::atomic<int64_t> override_{-1};
+};
+
+PrefetchBytes& RowStreamPrefetch() {
+  static PrefetchBytes bytes(FullWidthZen() ? 4096 : 0);
   return bytes;
 }
 
@@ -230,13 +241,8 @@ std::atomic<int64_t>& RowStreamPrefetchOverride() {
 // from 1 row 0.967 on a fast stretch where 8 KB gave 0.92-0.935; bf16 weights (whose first
 // prefetch goes into L2 already) 8 KB 1.019, 0.985, 16 KB 1.045, 1.000, and bf16 with the first
 // prefetch into L1 a row ahead and this one 4 KB ahead 1.012-1.042: f32 only.
-int64_t DefaultRowStreamFarPrefetchBytes() {
-  static const int64_t bytes = FullWidthZen() ? 8192 : 0;
-  return bytes;
-}
-
-std::atomic<int64_t>& RowStreamFarPrefetchOverride() {
-  static std::atomic<int64_t> bytes{-1};
+PrefetchBytes& RowStreamFarPrefetch() {
+  static PrefetchBytes bytes(FullWidthZen() ? 8192 : 0);
   return bytes;
 }
 
@@ -263,23 +269,13 @@ void SetSkinnyRowStreamRows(int rows) {
   RowStreamRowsOverride().store(std::max(0, std::min(rows, 8)), std::memory_order_relaxed);
 }
 
-int64_t SkinnyRowStreamPrefetchBytes() {
-  const int64_t o = RowStreamPrefetchOverride().load(std::memory_order_relaxed);
-  return o >= 0 ? o : DefaultRowStreamPrefetchBytes();
-}
+int64_t SkinnyRowStreamPrefetchBytes() { return RowStreamPrefetch().Get(); }
 
-void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) {
-  RowStreamPrefetchOverride().store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
-}
+void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) { RowStreamPrefetch().Set(bytes); }
 
-int64_t SkinnyRowStreamFarPrefetchBytes() {
-  const int64_t o = RowStreamFarPrefetchOverride().load(std::memory_order_relaxed);
-  return o >= 0 ? o : DefaultRowStreamFarPrefetchBytes();
-}
+int64_t SkinnyRowStreamFarPrefetchBytes() { return RowStreamFarPrefetch().Get(); }
 
-void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes) {
-  RowStreamFarPrefetchOverride().store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
-}
+void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes) { RowStreamFarPrefetch().Set(bytes); }
 
 SkinnyIsa SkinnyGemmIsa() {
   static const SkinnyIsa isa = Detect();
