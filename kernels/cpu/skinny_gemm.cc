@@ -204,13 +204,6 @@ std::atomic<int>& RowStreamRowsOverride() {
   return rows;
 }
 
-// On the Zen 5, 4 KB ahead: the rows of 1-2 KB (bf16 weights, the f32 down projection) had been
-// prefetched one row ahead at 3-8 x rows and not at all at 1-2, less than the memory's latency
-// covers at a core's 30 GB/s. decode_step --only peer, steps alternating in one run between the
-// kernel before (one accumulator a row and the next row prefetched at 3-8 x rows, none at 1-2)
-// and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
-// f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
-// 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
 // A prefetch distance in bytes: the CPU's (cpu_bytes) unless overridden (a negative override:
 // the CPU's again).
 class PrefetchBytes {
@@ -227,6 +220,13 @@ class PrefetchBytes {
   std::atomic<int64_t> override_{-1};
 };
 
+// On the Zen 5, 4 KB ahead: the rows of 1-2 KB (bf16 weights, the f32 down projection) had been
+// prefetched one row ahead at 3-8 x rows and not at all at 1-2, less than the memory's latency
+// covers at a core's 30 GB/s. decode_step --only peer, steps alternating in one run between the
+// kernel before (one accumulator a row and the next row prefetched at 3-8 x rows, none at 1-2)
+// and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
+// f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
+// 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
 PrefetchBytes& RowStreamPrefetch() {
   static PrefetchBytes bytes(FullWidthZen() ? 4096 : 0);
   return bytes;
