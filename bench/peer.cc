@@ -380,6 +380,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string script = src + "/tools/peer_bench.py";
+  // The controller resolves relative model paths against the test data: pass it absolute ones.
+  dir = std::filesystem::absolute(dir).lexically_normal().string();
   if (!std::filesystem::exists(dir + "/prompts.json")) {
     const std::string cmd = absl::StrCat(python, " ", script, " make --out ", dir);
     std::printf("writing the model: %s\n", cmd.c_str());

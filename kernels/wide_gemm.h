@@ -69,11 +69,14 @@ void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1);
 // bits, read in place) is broadcast; products of bf16 pairs are exact in f32 and summed in f32
 // (the instruction flushes denormals). x is packed by WidePackXBf16, AMX's B layout.
 
-// Weight rows per register tile of the bf16 kernel for m rows of x: 14 where x is two blocks of
-// 16 rows (17 to 32 rows: a decode batch's dense products; 28 accumulators), else 8. bf16 rows
-// of k 1024 are 2 KB apart: the 14 rows' current lines fall into two L1 sets, 7 each. 8 -> 14
-// at 32 rows, with the kernel's loop and prefetch order: 1.05-1.09x (docs/performance.md).
-constexpr int WideBf16TileRows(int64_t m) { return (m + 15) / 16 == 2 ? 14 : 8; }
+// Weight rows per register tile of the bf16 kernel for m rows of x: 14 where x is an even number
+// of blocks of 16 rows, taken two blocks a pass (28 accumulators; 17 to 32 rows: a decode batch's
+// dense products; 49 to 64: about half of the experts of a 512-token prefill), else 8 (three
+// blocks a pass). bf16 rows of k 1024 are 2 KB apart: the 14 rows' current lines fall into two
+// L1 sets, 7 each. 8 -> 14 at 32 rows, with the kernel's loop and prefetch order: 1.05-1.09x; at
+// 64 rows (bench/skinny_gemm --rows 64, 32 experts): 731 -> 839 GFLOP/s (docs/performance.md).
+// f32 rows are 4 KB apart, all 14 in one set: 14 rows ran f32 products 8-16 % slower.
+constexpr int WideBf16TileRows(int64_t m) { return (m + 15) / 16 % 2 == 0 ? 14 : 8; }
 
 // True when this CPU has AVX-512 with BF16, the skinny kernel's instruction set is kAvx512Bf16,
 // and MOELORA_WIDE_GEMM is not "0". Read once.

@@ -80,10 +80,13 @@ class ControllerProcess {
     if (!health_->Check(&ctx, {}, &resp).ok()) return -1;
     return resp.status();
   }
+  // False at once when the controller never wrote its port file or has exited (its log says
+  // why), instead of waiting out the timeout.
   bool WaitHealth(int want, std::chrono::seconds timeout = std::chrono::seconds(60)) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < deadline) {
-      if (stub_ && Health() == want) return true;
+      if (!stub_ || proc_->WaitExit(std::chrono::milliseconds(0)) >= 0) return false;
+      if (Health() == want) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     return false;

@@ -19,7 +19,8 @@ using Case = testing::GemmCase;
 
 class WideGemmTest : public ::testing::TestWithParam<Case> {};
 
-// Every shape: x blocks of 1, 2 and 3 (and a partial one), weight-row tails of 1–7 rows, k not a
+// Every shape: x blocks of 1, 2 and 3 (and a partial one), 4 and 7 (the last four taken as two
+// and two), weight-row tails of 1–7 rows, k not a
 // multiple of 16; strided x and y; the output columns in two calls split off an 8-row boundary,
 // with the next weight's rows to prefetch. Against a double-precision product of the same f32
 // inputs: the kernel's f32 sums differ from it only by f32 rounding.
@@ -59,14 +60,15 @@ TEST_P(WideGemmTest, MatchesADoubleReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, WideGemmTest,
                          ::testing::Values(Case{1, 8, 16}, Case{5, 13, 24}, Case{16, 32, 64},
                                            Case{17, 40, 100}, Case{32, 9, 1024}, Case{48, 64, 33},
-                                           Case{49, 23, 512}, Case{100, 70, 96}, Case{256, 16, 7}));
+                                           Case{49, 23, 512}, Case{100, 70, 96}, Case{256, 16, 7},
+                                           Case{64, 37, 40}, Case{112, 19, 24}));
 
 class WideBf16GemmTest : public ::testing::TestWithParam<Case> {};
 
 // The bf16 kernel, as the f32 one above (k a multiple of 32, which it needs; tiles of 14 weight
-// rows where x is two blocks), with f32 and bf16 outputs. Against a double-precision product of the
-// same bf16 inputs: f32 sums of exact products differ from it only by f32 rounding (and the bf16
-// output by its own rounding).
+// rows where x is an even number of blocks), with f32 and bf16 outputs. Against a double-precision
+// product of the same bf16 inputs: f32 sums of exact products differ from it only by f32 rounding
+// (and the bf16 output by its own rounding).
 TEST_P(WideBf16GemmTest, MatchesADoubleReference) {
   if (!WideBf16GemmSupported()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   const auto [m, n, k] = GetParam();
@@ -97,8 +99,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, WideBf16GemmTest,
                          ::testing::Values(Case{1, 8, 32}, Case{5, 13, 64}, Case{16, 32, 64},
                                            Case{17, 40, 96}, Case{32, 9, 1024}, Case{48, 64, 32},
                                            Case{49, 23, 512}, Case{100, 70, 160}, Case{256, 16, 32},
-                                           // Two x blocks: tiles of 14 weight rows, tails of 1-13.
-                                           Case{25, 57, 64}, Case{32, 131, 96}));
+                                           // Two, four and six x blocks: tiles of 14 weight rows,
+                                           // tails of 1-13.
+                                           Case{25, 57, 64}, Case{32, 131, 96}, Case{64, 131, 64},
+                                           Case{90, 29, 96}));
 
 // The packed layout itself: line c of block b holds x[16 b + r, c] in lane r, zeros past m.
 TEST(WideGemmPackTest, TransposesBlocksOfSixteenRowsAndZeroPads) {
