@@ -3,6 +3,7 @@
 //
 //   peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
 //        [--new-tokens 32] [--threads 2] [--decode-steps 4] [--repeat 3] [--quick]
+//        [--reuse-peer] [--prefill-waves N]
 //
 // PY (default .cache/peer-venv/bin/python, made by tools/peer_venv.sh) runs tools/peer_bench.py:
 // `make` writes the model, a 2D and a 3D rank-16 adapter and 32 prompts of 16 tokens into DIR
@@ -32,7 +33,9 @@
 // mixed case (one generate per adapter, minutes in f32) runs once: its ratio is not a goal.
 // --quick (CI): batches 1,8, 8 new tokens, float32 only, one repeat. --reuse-peer: the peer's
 // figures from the last run in DIR (same flags), to iterate on moelora alone. --decode-steps: the
-// controller's flag (its default, 4, unless given).
+// controller's flag (its default, 4, unless given). --prefill-waves N: per batch, after the
+// warm-up, N base prefill waves in a row, with their mean time and the worker steps each took (a
+// wave in more than one step was split by the controller's batch window).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -73,7 +76,7 @@ double Sec(Clock::duration d) { return std::chrono::duration<double>(d).count();
 constexpr const char* kUsage =
     "usage: peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]\n"
     "            [--new-tokens 32] [--threads 2] [--decode-steps 4] [--repeat 3] [--quick]\n"
-    "            [--reuse-peer]\n";
+    "            [--reuse-peer] [--prefill-waves N]\n";
 
 // Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
 // that streams its weights once can reach at most. Two buffers, allocated and written once: one
@@ -240,7 +243,7 @@ struct Case {
 // 37.2 ms a step).
 bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
                 const std::vector<std::vector<int32_t>>& prompts, int batch, int new_tokens,
-                const std::vector<Case>& cases, int repeat) {
+                const std::vector<Case>& cases, int repeat, int prefill_waves) {
   auto wave = [&](const std::vector<std::string>& adapters, int max_tokens,
                   std::vector<std::vector<int32_t>>* outs) {
     std::vector<std::thread> ts;
@@ -272,6 +275,28 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
   std::vector<std::vector<int32_t>> scratch, outs;
   for (const Case& cs : cases) {
     if (wave(cs.adapters, 2, &scratch) < 0) return false;  // warm (this batch's shapes, slots)
+  }
+  // --prefill-waves N: the first case's prefill wave N times in a row, and how many worker steps
+  // each took (more than one: the burst of calls was split).
+  if (prefill_waves > 0) {
+    double sum = 0, best = 1e30;
+    std::vector<std::string> steps;
+    int split = 0;
+    for (int i = 0; i < prefill_waves; ++i) {
+      const auto s0 = WorkerSteps(state_dir);
+      const double t = wave(cases[0].adapters, 1, &scratch);
+      const auto s1 = WorkerSteps(state_dir);
+      if (t < 0) return false;
+      sum += t;
+      best = std::min(best, t);
+      steps.push_back(std::to_string(s1.second - s0.second));
+      if (s1.second - s0.second > 1) ++split;
+    }
+    std::printf(
+        "batch %d: %d prefill waves in a row: mean %.1f ms, best %.1f ms; worker steps a wave %s "
+        "(%d split)\n",
+        batch, prefill_waves, sum / prefill_waves * 1e3, best * 1e3,
+        absl::StrJoin(steps, " ").c_str(), split);
   }
   for (int r = 0; r < repeat; ++r) {
     for (const Case& cs : cases) {
@@ -329,6 +354,7 @@ int main(int argc, char** argv) {
   std::string batches_s = "1,8,32", dtypes_s = "float32,bfloat16";
   int new_tokens = 32, threads = 2;
   int decode_steps = 4;  // the controller's default
+  int prefill_waves = 0;
   int repeat = 3;
   bool reuse_peer = false;
   for (int i = 1; i < argc; ++i) {
@@ -361,6 +387,8 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(value().c_str()));
     } else if (f == "--reuse-peer") {
       reuse_peer = true;
+    } else if (f == "--prefill-waves") {
+      prefill_waves = std::atoi(value().c_str());
     } else if (f == "--quick") {
       batches_s = "1,8";
       dtypes_s = "float32";
@@ -476,7 +504,7 @@ int main(int argc, char** argv) {
       if (!RunMoelora(c, state.path(), prompts, b, new_tokens,
                       {Case{{""}, &sides[0], &probe, compute},
                        Case{{"a2d", "a3d"}, &sides[1], nullptr, nullptr}},
-                      repeat)) {
+                      repeat, prefill_waves)) {
         return 1;
       }
       for (const std::string cs : {"base", "mixed"}) {

@@ -250,10 +250,9 @@ int main(int argc, char** argv) {
   // per call, one after another, and on a busy 2-core machine a gap of 2+ ms could open inside
   // the burst, which the batch window (--batch-window-ms) took for its end and split the burst
   // into several prefill steps. Now 4 threads always wait for calls, and up to one per sequence
-  // the batch can hold plus 16 for the other RPCs stay (an idle one wakes every 10 s). bench/peer's
-  // 32-call prefill wave, bf16, 10 waves in a row, three alternating pairs: mean wave 78.6 / 88.2
-  // / 82.5 ms
-  // -> 73.5 / 81.1 / 78.0 ms, prefill steps that held part of a wave 7-11 -> 4-6 a run.
+  // the batch can hold plus 16 for the other RPCs stay (an idle one wakes every 10 s).
+  // bench/peer's 32-call prefill wave, bf16, 10 waves in a row, three alternating pairs: mean
+  // wave 78.6, 88.2, 82.5 -> 73.5, 81.1, 78.0 ms; steps holding part of a wave 7-11 -> 4-6 a run.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
                               absl::GetFlag(FLAGS_max_num_seqs) + 16);

@@ -35,7 +35,7 @@ bool WideGemmSupported();
 // accumulators). A thread's range of output columns is best a multiple of it (the last tile of a
 // range takes what is left). Not more at two blocks, as the bf16 kernel: f32 rows of k 1024 are
 // 4 KB apart, so the tile's current line of every row falls into one 8-way L1 set (14 rows:
-// 0.70x at 32 rows, docs/performance.md).
+// 0.70x at 32 rows; on the Zen 5, 0.86-0.92x at 32 and 64 rows; docs/performance.md).
 constexpr int WideTileRows(int64_t /*m*/) { return 8; }
 
 // f32 elements of x packed for m rows of k columns: 16-row blocks, padded with zero rows.
@@ -75,7 +75,6 @@ void WideGemmRows(const WideGemmArgs& a, int64_t n0, int64_t n1);
 // blocks a pass). bf16 rows of k 1024 are 2 KB apart: the 14 rows' current lines fall into two
 // L1 sets, 7 each. 8 -> 14 at 32 rows, with the kernel's loop and prefetch order: 1.05-1.09x; at
 // 64 rows (bench/skinny_gemm --rows 64, 32 experts): 731 -> 839 GFLOP/s (docs/performance.md).
-// f32 rows are 4 KB apart, all 14 in one set: 14 rows ran f32 products 8-16 % slower.
 constexpr int WideBf16TileRows(int64_t m) { return (m + 15) / 16 % 2 == 0 ? 14 : 8; }
 
 // True when this CPU has AVX-512 with BF16, the skinny kernel's instruction set is kAvx512Bf16,

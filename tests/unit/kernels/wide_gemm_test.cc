@@ -20,10 +20,10 @@ using Case = testing::GemmCase;
 class WideGemmTest : public ::testing::TestWithParam<Case> {};
 
 // Every shape: x blocks of 1, 2 and 3 (and a partial one), 4 and 7 (the last four taken as two
-// and two), weight-row tails of 1–7 rows, k not a
-// multiple of 16; strided x and y; the output columns in two calls split off an 8-row boundary,
-// with the next weight's rows to prefetch. Against a double-precision product of the same f32
-// inputs: the kernel's f32 sums differ from it only by f32 rounding.
+// and two), weight-row tails of 1–7 rows, k not a multiple of 16; strided x and y; the output
+// columns in two calls split off an 8-row boundary, with the next weight's rows to prefetch.
+// Against a double-precision product of the same f32 inputs: the kernel's f32 sums differ from it
+// only by f32 rounding.
 TEST_P(WideGemmTest, MatchesADoubleReference) {
   if (!WideGemmSupported()) GTEST_SKIP() << "no AVX-512 on this CPU";
   const auto [m, n, k] = GetParam();
