@@ -279,7 +279,7 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
   // --prefill-waves N: the first case's prefill wave N times in a row, and how many worker steps
   // each took (more than one: the burst of calls was split).
   if (prefill_waves > 0) {
-    double sum = 0, best = 1e30;
+    std::vector<double> times;
     std::vector<std::string> steps;
     int split = 0;
     for (int i = 0; i < prefill_waves; ++i) {
@@ -287,15 +287,15 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
       const double t = wave(cases[0].adapters, 1, &scratch);
       const auto s1 = WorkerSteps(state_dir);
       if (t < 0) return false;
-      sum += t;
-      best = std::min(best, t);
+      times.push_back(t);
       steps.push_back(std::to_string(s1.second - s0.second));
       if (s1.second - s0.second > 1) ++split;
     }
+    std::sort(times.begin(), times.end());
     std::printf(
-        "batch %d: %d prefill waves in a row: mean %.1f ms, best %.1f ms; worker steps a wave %s "
-        "(%d split)\n",
-        batch, prefill_waves, sum / prefill_waves * 1e3, best * 1e3,
+        "batch %d: %d prefill waves in a row: median %.1f ms, best %.1f ms; worker steps a wave "
+        "%s (%d split)\n",
+        batch, prefill_waves, times[times.size() / 2] * 1e3, times[0] * 1e3,
         absl::StrJoin(steps, " ").c_str(), split);
   }
   for (int r = 0; r < repeat; ++r) {
