@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -25,6 +26,7 @@
 #include "controller/service.h"
 #include "controller/worker_group.h"
 #include "grpc/health/v1/health.pb.h"
+#include "kernels/sgmv.h"
 #include "prometheus/exposer.h"
 
 ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
@@ -143,6 +145,21 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
     return fail("need --max-loras >= 1 and --max-cpu-loras >= --max-loras");
   }
+  // The flags the workers take as well, checked here too: a worker that refuses one exits, and the
+  // controller would restart the group with it forever.
+  if (absl::GetFlag(FLAGS_max_num_seqs) < 1) return fail("--max-num-seqs must be >= 1");
+  if (absl::GetFlag(FLAGS_max_lora_rank) < 1 ||
+      absl::GetFlag(FLAGS_max_lora_rank) > moelora::kSgmvMaxRank) {
+    return fail(absl::StrCat("--max-lora-rank must be in 1..", moelora::kSgmvMaxRank));
+  }
+  if (absl::GetFlag(FLAGS_max_model_len) < 0) {
+    return fail("--max-model-len must be >= 0 (0: from config.json)");
+  }
+  if (const std::string dt = absl::GetFlag(FLAGS_dtype); dt != "float32" && dt != "bfloat16") {
+    return fail(absl::StrCat("--dtype ", dt, ": expected float32 or bfloat16"));
+  }
+  if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
+  if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
@@ -250,13 +267,14 @@ int main(int argc, char** argv) {
   // per call, one after another, and on a busy 2-core machine a gap of 2+ ms could open inside
   // the burst, which the batch window (--batch-window-ms) took for its end and split the burst
   // into several prefill steps. Now 4 threads always wait for calls, and up to one per sequence
-  // the batch can hold plus 16 for the other RPCs stay (an idle one wakes every 10 s).
+  // the batch can hold (at most 1024) plus 16 for the other RPCs stay (an idle one wakes every
+  // 10 s).
   // bench/peer --prefill-waves 12 (32 calls a wave, bf16), this build against one without these
   // two settings, alternating: median wave 81.8, 77.2, 75.9 -> 72.3, 66.2, 69.8 ms; waves split
   // into several steps 1, 3, 4 -> 1, 0, 0 of 12 (with 10 waves: 5, 9, 6 -> 2, 1, 1).
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
-                              absl::GetFlag(FLAGS_max_num_seqs) + 16);
+                              std::min(absl::GetFlag(FLAGS_max_num_seqs), 1024) + 16);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
