@@ -160,6 +160,7 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
   if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");
+  if (absl::GetFlag(FLAGS_dist_timeout_s) < 1) return fail("--dist-timeout-s must be >= 1");
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
@@ -195,7 +196,6 @@ int main(int argc, char** argv) {
   go.run_dir = std::filesystem::absolute(state_dir + "/run").string();
   go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
   go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
-  if (go.dist_timeout_s < 1) return fail("--dist-timeout-s must be >= 1");
   go.worker_flags = {"--max-loras",     std::to_string(absl::GetFlag(FLAGS_max_loras)),
                      "--max-cpu-loras", std::to_string(absl::GetFlag(FLAGS_max_cpu_loras)),
                      "--max-lora-rank", std::to_string(absl::GetFlag(FLAGS_max_lora_rank)),

@@ -35,6 +35,7 @@ done <<'CASES'
 --max-model-len -1|--max-model-len must be >= 0
 --step-timeout-s 0|--step-timeout-s must be >= 1
 --drain-timeout-s -1|--drain-timeout-s must be >= 0
+--dist-timeout-s 0|--dist-timeout-s must be >= 1
 --decode-steps 17|--decode-steps must be in 1..16
 --tensor-parallel-size 0|--tensor-parallel-size must be >= 1
 CASES
