@@ -8,6 +8,7 @@
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
+//               [--ab-attention-row-prefetch 1]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -29,6 +30,8 @@
 // (SkinnyRowStreamPrefetchBytes) and BYTES (0: none at 1-2 x rows, one row at 3-8).
 // --ab-row-stream-far-prefetch BYTES: the same, between the CPU's second prefetch for f32 weights
 // at 5-8 x rows (SkinnyRowStreamFarPrefetchBytes, into L2) and BYTES (0: none).
+// --ab-attention-row-prefetch 1: the same, between the decode attention's whole-row prefetch for
+// the other KV heads (SetDecodeAttentionRowPrefetch) on and off.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -46,6 +49,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
+#include "kernels/decode_attention.h"
 #include "kernels/skinny_gemm.h"
 #include "tests/testing/adapter_builder.h"
 #include "worker/checkpoint.h"
@@ -411,11 +415,12 @@ struct Case {
 // ab (optional): the decode steps alternate row streams on (even steps, ab[0]) and off (odd,
 // ab[1]); or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); or
 // with ab_prefetch >= 0, the CPU's prefetch distance (even) and ab_prefetch bytes (odd); or with
-// ab_far >= 0, the same for the far prefetch; each step's seconds appended.
+// ab_far >= 0, the same for the far prefetch; or with ab_attention, the attention's row prefetch
+// on (even) and off (odd); each step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
                   int64_t* next_id, double* prefill = nullptr,
                   std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0, int64_t ab_prefetch = -1,
-                  int64_t ab_far = -1) {
+                  int64_t ab_far = -1, bool ab_attention = false) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -436,7 +441,9 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     for (int w = 0; w < 2; ++w) Check(e.Step({}, {}).status(), "warmup");
     const double t0 = Now();
     for (int s = 0; s < steps; ++s) {
-      if (ab != nullptr && ab_prefetch >= 0) {
+      if (ab != nullptr && ab_attention) {
+        SetDecodeAttentionRowPrefetch(s % 2 == 0);
+      } else if (ab != nullptr && ab_prefetch >= 0) {
         SetSkinnyRowStreamPrefetchBytes(s % 2 == 0 ? -1 : ab_prefetch);
       } else if (ab != nullptr && ab_far >= 0) {
         SetSkinnyRowStreamFarPrefetchBytes(s % 2 == 0 ? -1 : ab_far);
@@ -454,6 +461,7 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
       SetSkinnyRowStreamRows(0);
       SetSkinnyRowStreamPrefetchBytes(-1);
       SetSkinnyRowStreamFarPrefetchBytes(-1);
+      SetDecodeAttentionRowPrefetch(true);
     }
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
@@ -468,9 +476,10 @@ struct RunFlags {
   std::string device = "cpu", dtype = "float32";
   int prefill_len = 512;
   bool ab_row_streams = false;
-  int ab_rows = 0;           // --ab-row-stream-rows
-  int64_t ab_prefetch = -1;  // --ab-row-stream-prefetch
-  int64_t ab_far = -1;       // --ab-row-stream-far-prefetch
+  int ab_rows = 0;            // --ab-row-stream-rows
+  int64_t ab_prefetch = -1;   // --ab-row-stream-prefetch
+  int64_t ab_far = -1;        // --ab-row-stream-far-prefetch
+  bool ab_attention = false;  // --ab-attention-row-prefetch
 };
 
 double Median(std::vector<double> v) {
@@ -512,8 +521,10 @@ void Run(const std::string& label, const std::string& model,
     std::vector<double> ab[2];
     const double a = TimeDecode(
         **engine, none, steps, repeat, vocab, &next_id, &prefill,
-        f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 || f.ab_far >= 0 ? &ab : nullptr,
-        f.ab_rows, f.ab_prefetch, f.ab_far);
+        f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 || f.ab_far >= 0 || f.ab_attention
+            ? &ab
+            : nullptr,
+        f.ab_rows, f.ab_prefetch, f.ab_far, f.ab_attention);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -528,7 +539,13 @@ void Run(const std::string& label, const std::string& model,
     for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
       ratios.push_back(ab[0][i] / ab[1][i]);
     }
-    if (f.ab_prefetch >= 0 || f.ab_far >= 0) {
+    if (f.ab_attention) {
+      std::printf(
+          "%-7s batch %3d  (a) steps alternating: the attention's whole-row prefetch on %.3f ms, "
+          "off %.3f ms (medians), median ratio of neighbouring steps %.3f (%zu pairs)\n",
+          label.c_str(), b_size, Median(ab[0]) * 1e3, Median(ab[1]) * 1e3, Median(ratios),
+          ratios.size());
+    } else if (f.ab_prefetch >= 0 || f.ab_far >= 0) {
       const bool far = f.ab_prefetch < 0;
       std::printf(
           "%-7s batch %3d  (a) steps alternating: row streams prefetching%s the CPU's %ld bytes "
@@ -567,7 +584,8 @@ int main(int argc, char** argv) {
       "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
-      "[--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]\n";
+      "[--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES] "
+      "[--ab-attention-row-prefetch 1]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -594,6 +612,8 @@ int main(int argc, char** argv) {
       f.prefill_len = std::atoi(v.c_str());
     } else if (flag == "--ab-row-streams") {
       f.ab_row_streams = v != "0";
+    } else if (flag == "--ab-attention-row-prefetch") {
+      f.ab_attention = v != "0";
     } else if (flag == "--ab-row-stream-rows") {
       f.ab_rows = std::atoi(v.c_str());
       if (f.ab_rows < 1 || f.ab_rows > 8) {
@@ -612,8 +632,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (f.ab_prefetch >= 0 && f.ab_far >= 0) {
-    std::fprintf(stderr, "decode_step: one --ab-row-stream-*prefetch at a time\n%s", usage);
+  if (f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) + f.ab_attention >
+      1) {
+    std::fprintf(stderr, "decode_step: one --ab-* flag at a time\n%s", usage);
     return 2;
   }
   for (int b : f.batches) {

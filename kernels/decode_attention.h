@@ -29,7 +29,20 @@ struct DecodeAttentionArgs {
   const float* sinks = nullptr;  // heads logits that join each softmax's denominator, or null
   float* out = nullptr;          // heads rows of d f32 values, out_stride apart
   int64_t out_stride = 0;
+  // Optional (null: none): the cache rows that k and v point into, whole: row j of every KV
+  // head's keys at k_rows + j · kv_stride elements, row_bytes of them (v_rows the same for
+  // values). The call's first heads prefetch each whole row a few rows ahead of the one they read
+  // (into L2), so that the calls for the row's other KV heads, made next on the same thread, find
+  // their parts there instead of in memory. Changes no result.
+  const void* k_rows = nullptr;
+  const void* v_rows = nullptr;
+  int64_t row_bytes = 0;
 };
+
+// Whether callers pass whole cache rows to prefetch (DecodeAttentionArgs::k_rows): on unless
+// switched off (bench/decode_step --ab-attention-row-prefetch alternates it step by step).
+bool DecodeAttentionRowPrefetch();
+void SetDecodeAttentionRowPrefetch(bool on);
 
 // Whether DecodeAttention runs here: a CPU with AVX-512F, d a multiple of 16 up to 256.
 bool DecodeAttentionAvailable(int64_t d);

@@ -225,6 +225,13 @@ void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer
   // -> 13.4, 13.2 ms). With fewer than 4 query rows a thread (a decode at batch 1-7 on 2 threads),
   // one task per (query, KV head) as before, so that every thread has work.
   const int64_t span = Q >= 4 * static_cast<int64_t>(omp_get_max_threads()) ? hkv : 1;
+  // Where a task takes all of a row's KV heads, its first head's call prefetches the whole cache
+  // rows (every KV head's part, a few rows ahead: DecodeAttentionArgs::k_rows) for the calls on
+  // the other heads after it: each of those had read its part of every row from memory again, a
+  // stream with a stride of a whole row. Timers around this function, decode_step --only peer
+  // (bf16, batch 32, 600 steps: 16-616 keys, 316 on average), two runs each: 544, 554 -> 344,
+  // 334 µs a layer; steps 10.55, 10.77 -> 9.86, 9.67 ms.
+  const bool row_prefetch = span == hkv && DecodeAttentionRowPrefetch();
 #pragma omp parallel
   {
     std::vector<float> kf, vf, scores, acc(d), qf(d);
@@ -263,6 +270,11 @@ void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer
           a.heads = groups;
           a.scale = static_cast<float>(scale);
           a.sinks = sinks != nullptr ? sinks + g * groups : nullptr;
+          if (row_prefetch && g == 0) {
+            a.k_rows = K;
+            a.v_rows = V;
+            a.row_bytes = stride * static_cast<int64_t>(sizeof(T));
+          }
           scores.resize(groups * (n + 16));
           DecodeAttention(a, scores.data());
           if constexpr (kBf16) {

@@ -152,6 +152,59 @@ TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
   }
 }
 
+// The first heads' prefetch of whole cache rows (k_rows, v_rows: every KV head's part of a row,
+// as the CPU attention passes them for a row's first KV head) gives the same bits as a call
+// without it: key counts below and past the rows it runs ahead, heads in blocks (d 64) and one
+// at a time (d 256).
+TEST(DecodeAttentionTest, WholeRowPrefetchChangesNoResult) {
+  if (!DecodeAttentionAvailable(64)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0, 1);
+  for (int64_t n : {1, 8, 9, 40, 300}) {
+    for (int64_t d : {64, 256}) {
+      for (bool bf16 : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "n " << n << " d " << d << " bf16 " << bf16);
+        const int64_t kv_heads = 3, stride = kv_heads * d, heads = 7;
+        std::vector<float> q(heads * d), k(n * stride), v(n * stride);
+        std::vector<uint16_t> kb(k.size()), vb(v.size());
+        for (auto& x : q) x = dist(rng);
+        for (size_t i = 0; i < k.size(); ++i) {
+          k[i] = dist(rng);
+          v[i] = dist(rng);
+          kb[i] = ToBf16(k[i]);
+          vb[i] = ToBf16(v[i]);
+        }
+        // KV head 1's part of each row (d elements in): a kernel that read its keys or values
+        // through the rows to prefetch would read head 0's.
+        DecodeAttentionArgs a;
+        a.q = q.data();
+        a.q_stride = d;
+        a.k = bf16 ? static_cast<const void*>(kb.data() + d) : k.data() + d;
+        a.v = bf16 ? static_cast<const void*>(vb.data() + d) : v.data() + d;
+        a.kv_bf16 = bf16;
+        a.kv_stride = stride;
+        a.n = n;
+        a.d = d;
+        a.heads = heads;
+        a.scale = 0.125f;
+        std::vector<float> plain(heads * d), fetched(heads * d), scratch(heads * (n + 16));
+        a.out = plain.data();
+        a.out_stride = d;
+        DecodeAttention(a, scratch.data());
+        DecodeAttentionArgs b = a;
+        b.k_rows = bf16 ? static_cast<const void*>(kb.data()) : k.data();
+        b.v_rows = bf16 ? static_cast<const void*>(vb.data()) : v.data();
+        b.row_bytes = stride * (bf16 ? 2 : 4);
+        b.out = fetched.data();
+        DecodeAttention(b, scratch.data());
+        for (int64_t i = 0; i < heads * d; ++i) {
+          ASSERT_EQ(plain[i], fetched[i]) << "head " << i / d << " e " << i % d;
+        }
+      }
+    }
+  }
+}
+
 TEST(DecodeAttentionTest, LargeLogitsDoNotOverflow) {
   if (!DecodeAttentionAvailable(64)) GTEST_SKIP() << "no AVX-512 on this CPU";
   // q · k of several hundred: exp would overflow without the max subtracted.
