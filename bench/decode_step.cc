@@ -553,7 +553,9 @@ void Run(const std::string& label, const std::string& model,
           "(%zu pairs)\n",
           label.c_str(), b_size, far ? " (the far prefetch, f32 at 5-8 x rows)" : "",
           static_cast<long>(far ? SkinnyRowStreamFarPrefetchBytes()
-                                : SkinnyRowStreamPrefetchBytes()),
+                                : SkinnyRowStreamPrefetchBytes(f.dtype == "bfloat16"
+                                                                   ? SkinnyWeight::kBF16
+                                                                   : SkinnyWeight::kF32)),
           Median(ab[0]) * 1e3, static_cast<long>(far ? f.ab_far : f.ab_prefetch),
           Median(ab[1]) * 1e3, Median(ratios), ratios.size());
     } else if (f.ab_rows > 0) {

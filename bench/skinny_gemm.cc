@@ -226,7 +226,9 @@ int main(int argc, char** argv) {
           "ratio %.3f |\n",
           static_cast<long>(m), ab_far ? "far prefetch" : "prefetch",
           static_cast<long>(ab_far ? moelora::SkinnyRowStreamFarPrefetchBytes()
-                                   : moelora::SkinnyRowStreamPrefetchBytes()),
+                                   : moelora::SkinnyRowStreamPrefetchBytes(
+                                         dt == at::kBFloat16 ? moelora::SkinnyWeight::kBF16
+                                                             : moelora::SkinnyWeight::kF32)),
           median(t[0]) * 1e3, static_cast<long>(ab_prefetch), median(t[1]) * 1e3, median(ratio));
       continue;
     }

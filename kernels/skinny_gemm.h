@@ -69,11 +69,12 @@ int SkinnyRowStreamRows();
 void SetSkinnyRowStreamRows(int rows);
 // How far ahead, in bytes of weight, a row stream prefetches while it computes (f32 weights into
 // L1, bf16 into L2; rounded up to whole weight rows; at 3-8 x rows at least one row): 0 leaves it
-// to the hardware prefetcher at 1-2 x rows. By CPU as measured: 4096 on AMD Zen 5 and later, 0
-// elsewhere (the Zen 4 and the Xeon were measured without). SetSkinnyRowStreamPrefetchBytes
-// overrides it (a negative value: the CPU's default again), for the tests and for bench/decode_step
+// to the hardware prefetcher at 1-2 x rows. By CPU and weight type as measured: on AMD Zen 5 and
+// later 4096 for f32 weights and 8192 for bf16, 0 elsewhere (the Zen 4 and the Xeon were
+// measured without). SetSkinnyRowStreamPrefetchBytes overrides it for both types (a negative
+// value: the CPU's defaults again), for the tests and for bench/decode_step
 // --ab-row-stream-prefetch.
-int64_t SkinnyRowStreamPrefetchBytes();
+int64_t SkinnyRowStreamPrefetchBytes(SkinnyWeight w);
 void SetSkinnyRowStreamPrefetchBytes(int64_t bytes);
 // A second, farther prefetch for f32 weights at 5-8 x rows: the row this many bytes ahead (rounded
 // up to whole rows, at least one row past the first prefetch's) into L2, while the first brings

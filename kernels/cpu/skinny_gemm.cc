@@ -227,9 +227,16 @@ class PrefetchBytes {
 // and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
 // f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
 // 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
-PrefetchBytes& RowStreamPrefetch() {
-  static PrefetchBytes bytes(FullWidthZen() ? 4096 : 0);
-  return bytes;
+// bf16 weights 8 KB ahead since the twenty-ninth session: those runs had met slow stretches of
+// the VM's memory only. decode_step --only peer --ab-row-stream-prefetch 8192, bf16 batch 32,
+// steps at 4 KB over steps at 8 KB, alternating in one run: 1.047, 1.050, 1.052, 1.055, 1.056
+// where steps took 8.3-8.9 ms (memory at about 65 GB/s), 0.989-0.996 (five runs) at 9.9-10.2 ms;
+// batch 8 1.012. 12 / 16 / 24 / 32 KB on fast stretches: 1.038 / 1.045-1.051 / 1.042 / 1.033.
+// f32 stays at 4 KB: 8 KB 1.005 on a fast stretch, 0.990-0.994 on slow ones.
+PrefetchBytes& RowStreamPrefetch(SkinnyWeight w) {
+  static PrefetchBytes f32(FullWidthZen() ? 4096 : 0);
+  static PrefetchBytes bf16(FullWidthZen() ? 8192 : 0);
+  return w == SkinnyWeight::kF32 ? f32 : bf16;
 }
 
 // On the Zen 5, 8 KB at 5-8 x rows: decode_step --only peer --ab-row-stream-far-prefetch 0, f32,
@@ -269,9 +276,12 @@ void SetSkinnyRowStreamRows(int rows) {
   RowStreamRowsOverride().store(std::max(0, std::min(rows, 8)), std::memory_order_relaxed);
 }
 
-int64_t SkinnyRowStreamPrefetchBytes() { return RowStreamPrefetch().Get(); }
+int64_t SkinnyRowStreamPrefetchBytes(SkinnyWeight w) { return RowStreamPrefetch(w).Get(); }
 
-void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) { RowStreamPrefetch().Set(bytes); }
+void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) {
+  RowStreamPrefetch(SkinnyWeight::kF32).Set(bytes);
+  RowStreamPrefetch(SkinnyWeight::kBF16).Set(bytes);
+}
 
 int64_t SkinnyRowStreamFarPrefetchBytes() { return RowStreamFarPrefetch().Get(); }
 
