@@ -71,8 +71,9 @@ void SetSkinnyRowStreamRows(int rows);
 // L1, bf16 into L2; rounded up to whole weight rows; at 3-8 x rows at least one row): 0 leaves it
 // to the hardware prefetcher at 1-2 x rows. By CPU and weight type as measured: on AMD Zen 5 and
 // later 4096 for f32 weights and 8192 for bf16, 0 elsewhere (the Zen 4 and the Xeon were
-// measured without). SetSkinnyRowStreamPrefetchBytes overrides it for both types (a negative
-// value: the CPU's defaults again), for the tests and for bench/decode_step
+// measured without). MOELORA_SKINNY_PREFETCH_BYTES=N at start replaces both defaults (0 to
+// 1048576; other values are ignored). SetSkinnyRowStreamPrefetchBytes overrides it for both types
+// (a negative value: the defaults again), for the tests and for bench/decode_step
 // --ab-row-stream-prefetch.
 int64_t SkinnyRowStreamPrefetchBytes(SkinnyWeight w);
 void SetSkinnyRowStreamPrefetchBytes(int64_t bytes);

@@ -208,7 +208,11 @@ std::atomic<int>& RowStreamRowsOverride() {
 // the CPU's again).
 class PrefetchBytes {
  public:
-  explicit PrefetchBytes(int64_t cpu_bytes) : cpu_bytes_(cpu_bytes) {}
+  // `env`: a variable that, set to a whole number of bytes (0 to 1 MiB), replaces the CPU's
+  // value (for benchmarks through the public API, whose worker processes cannot be told by a
+  // call; other values are ignored, as MOELORA_SKINNY_ISA's unknown names are).
+  explicit PrefetchBytes(int64_t cpu_bytes, const char* env = nullptr)
+      : cpu_bytes_(FromEnv(env, cpu_bytes)) {}
   int64_t Get() const {
     const int64_t o = override_.load(std::memory_order_relaxed);
     return o >= 0 ? o : cpu_bytes_;
@@ -216,6 +220,15 @@ class PrefetchBytes {
   void Set(int64_t bytes) { override_.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed); }
 
  private:
+  static int64_t FromEnv(const char* env, int64_t fallback) {
+    const char* v = env != nullptr ? std::getenv(env) : nullptr;
+    if (v == nullptr || *v == '\0' || std::strspn(v, "0123456789") != std::strlen(v) ||
+        std::strlen(v) > 7) {
+      return fallback;
+    }
+    const int64_t bytes = std::atoll(v);
+    return bytes <= (int64_t{1} << 20) ? bytes : fallback;
+  }
   const int64_t cpu_bytes_;
   std::atomic<int64_t> override_{-1};
 };
@@ -234,8 +247,8 @@ class PrefetchBytes {
 // batch 8 1.012. 12 / 16 / 24 / 32 KB on fast stretches: 1.038 / 1.045-1.051 / 1.042 / 1.033.
 // f32 stays at 4 KB: 8 KB 1.005 on a fast stretch, 0.990-0.994 on slow ones.
 PrefetchBytes& RowStreamPrefetch(SkinnyWeight w) {
-  static PrefetchBytes f32(FullWidthZen() ? 4096 : 0);
-  static PrefetchBytes bf16(FullWidthZen() ? 8192 : 0);
+  static PrefetchBytes f32(FullWidthZen() ? 4096 : 0, "MOELORA_SKINNY_PREFETCH_BYTES");
+  static PrefetchBytes bf16(FullWidthZen() ? 8192 : 0, "MOELORA_SKINNY_PREFETCH_BYTES");
   return w == SkinnyWeight::kF32 ? f32 : bf16;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -61,6 +62,27 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
       }
     }
   }
+}
+
+// The row streams' prefetch distance per weight type: MOELORA_SKINNY_PREFETCH_BYTES (when the
+// process starts with it; ctest runs this test once more with it set) replaces both types' CPU
+// values, SetSkinnyRowStreamPrefetchBytes overrides both, and -1 gives back what was there.
+TEST(SkinnyGemmSettingsTest, PrefetchBytesPerWeightTypeEnvAndOverride) {
+  const int64_t f32 = SkinnyRowStreamPrefetchBytes(SkinnyWeight::kF32);
+  const int64_t bf16 = SkinnyRowStreamPrefetchBytes(SkinnyWeight::kBF16);
+  if (const char* env = std::getenv("MOELORA_SKINNY_PREFETCH_BYTES")) {
+    EXPECT_EQ(f32, std::atoll(env));
+    EXPECT_EQ(bf16, std::atoll(env));
+  } else {
+    EXPECT_GE(f32, 0);
+    EXPECT_GE(bf16, f32);  // 0 and 0, or 4 KB and 8 KB on Zen 5
+  }
+  SetSkinnyRowStreamPrefetchBytes(12345);
+  EXPECT_EQ(SkinnyRowStreamPrefetchBytes(SkinnyWeight::kF32), 12345);
+  EXPECT_EQ(SkinnyRowStreamPrefetchBytes(SkinnyWeight::kBF16), 12345);
+  SetSkinnyRowStreamPrefetchBytes(-1);
+  EXPECT_EQ(SkinnyRowStreamPrefetchBytes(SkinnyWeight::kF32), f32);
+  EXPECT_EQ(SkinnyRowStreamPrefetchBytes(SkinnyWeight::kBF16), bf16);
 }
 
 void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16, bool next_w) {
