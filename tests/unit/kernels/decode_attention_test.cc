@@ -101,6 +101,24 @@ TEST(DecodeAttentionTest, MatchesTheDefinition) {
   }
 }
 
+// Normal q (q_elems values) and cache rows k and v (kv_elems each), with kb and vb the same rows
+// rounded to bf16.
+struct RandomRows {
+  RandomRows(std::mt19937& rng, int64_t q_elems, int64_t kv_elems)
+      : q(q_elems), k(kv_elems), v(kv_elems), kb(kv_elems), vb(kv_elems) {
+    std::normal_distribution<float> dist(0, 1);
+    for (auto& x : q) x = dist(rng);
+    for (int64_t i = 0; i < kv_elems; ++i) {
+      k[i] = dist(rng);
+      v[i] = dist(rng);
+      kb[i] = ToBf16(k[i]);
+      vb[i] = ToBf16(v[i]);
+    }
+  }
+  std::vector<float> q, k, v;
+  std::vector<uint16_t> kb, vb;
+};
+
 // The heads of a call go in blocks (4 at d = 32 and 64, 2 at d = 128): each head's output is the
 // same bits as a call for that head alone.
 TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
@@ -111,15 +129,10 @@ TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
     for (bool bf16 : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "d " << d << " bf16 " << bf16);
       const int64_t n = 37, heads = 7, stride = 2 * d;
-      std::vector<float> q(heads * d), k(n * stride), v(n * stride), sinks(heads);
-      std::vector<uint16_t> kb(k.size()), vb(v.size());
-      for (auto& x : q) x = dist(rng);
-      for (size_t i = 0; i < k.size(); ++i) {
-        k[i] = dist(rng);
-        v[i] = dist(rng);
-        kb[i] = ToBf16(k[i]);
-        vb[i] = ToBf16(v[i]);
-      }
+      const RandomRows r(rng, heads * d, n * stride);
+      const std::vector<float>&q = r.q, &k = r.k, &v = r.v;
+      const std::vector<uint16_t>&kb = r.kb, &vb = r.vb;
+      std::vector<float> sinks(heads);
       for (auto& x : sinks) x = dist(rng);
       DecodeAttentionArgs a;
       a.q = q.data();
@@ -159,21 +172,14 @@ TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
 TEST(DecodeAttentionTest, WholeRowPrefetchChangesNoResult) {
   if (!DecodeAttentionAvailable(64)) GTEST_SKIP() << "no AVX-512 on this CPU";
   std::mt19937 rng(5);
-  std::normal_distribution<float> dist(0, 1);
   for (int64_t n : {1, 8, 9, 40, 300}) {
     for (int64_t d : {64, 256}) {
       for (bool bf16 : {false, true}) {
         SCOPED_TRACE(::testing::Message() << "n " << n << " d " << d << " bf16 " << bf16);
         const int64_t kv_heads = 3, stride = kv_heads * d, heads = 7;
-        std::vector<float> q(heads * d), k(n * stride), v(n * stride);
-        std::vector<uint16_t> kb(k.size()), vb(v.size());
-        for (auto& x : q) x = dist(rng);
-        for (size_t i = 0; i < k.size(); ++i) {
-          k[i] = dist(rng);
-          v[i] = dist(rng);
-          kb[i] = ToBf16(k[i]);
-          vb[i] = ToBf16(v[i]);
-        }
+        const RandomRows r(rng, heads * d, n * stride);
+        const std::vector<float>&q = r.q, &k = r.k, &v = r.v;
+        const std::vector<uint16_t>&kb = r.kb, &vb = r.vb;
         // KV head 1's part of each row (d elements in): a kernel that read its keys or values
         // through the rows to prefetch would read head 0's.
         DecodeAttentionArgs a;
