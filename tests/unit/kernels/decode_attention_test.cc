@@ -115,6 +115,23 @@ struct RandomRows {
       vb[i] = ToBf16(v[i]);
     }
   }
+  // A call on heads query rows of d (d apart) against n cache rows of stride elements, from
+  // element `offset` of each (f32 rows, or their bf16 copies), scale 1/8.
+  DecodeAttentionArgs Args(bool bf16, int64_t offset, int64_t stride, int64_t n, int64_t d,
+                           int64_t heads) const {
+    DecodeAttentionArgs a;
+    a.q = q.data();
+    a.q_stride = d;
+    a.k = bf16 ? static_cast<const void*>(kb.data() + offset) : k.data() + offset;
+    a.v = bf16 ? static_cast<const void*>(vb.data() + offset) : v.data() + offset;
+    a.kv_bf16 = bf16;
+    a.kv_stride = stride;
+    a.n = n;
+    a.d = d;
+    a.heads = heads;
+    a.scale = 0.125f;
+    return a;
+  }
   std::vector<float> q, k, v;
   std::vector<uint16_t> kb, vb;
 };
@@ -130,21 +147,9 @@ TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
       SCOPED_TRACE(::testing::Message() << "d " << d << " bf16 " << bf16);
       const int64_t n = 37, heads = 7, stride = 2 * d;
       const RandomRows r(rng, heads * d, n * stride);
-      const std::vector<float>&q = r.q, &k = r.k, &v = r.v;
-      const std::vector<uint16_t>&kb = r.kb, &vb = r.vb;
       std::vector<float> sinks(heads);
       for (auto& x : sinks) x = dist(rng);
-      DecodeAttentionArgs a;
-      a.q = q.data();
-      a.q_stride = d;
-      a.k = bf16 ? static_cast<const void*>(kb.data()) : k.data();
-      a.v = bf16 ? static_cast<const void*>(vb.data()) : v.data();
-      a.kv_bf16 = bf16;
-      a.kv_stride = stride;
-      a.n = n;
-      a.d = d;
-      a.heads = heads;
-      a.scale = 0.125f;
+      DecodeAttentionArgs a = r.Args(bf16, 0, stride, n, d, heads);
       a.sinks = sinks.data();
       std::vector<float> all(heads * d), one(heads * d), scratch(heads * (n + 16));
       a.out = all.data();
@@ -153,7 +158,7 @@ TEST(DecodeAttentionTest, HeadsInBlocksGiveTheBitsOfOneHeadAtATime) {
       for (int64_t h = 0; h < heads; ++h) {
         DecodeAttentionArgs b = a;
         b.heads = 1;
-        b.q = q.data() + h * d;
+        b.q = r.q.data() + h * d;
         b.sinks = sinks.data() + h;
         b.out = one.data() + h * d;
         DecodeAttention(b, scratch.data());
@@ -178,28 +183,16 @@ TEST(DecodeAttentionTest, WholeRowPrefetchChangesNoResult) {
         SCOPED_TRACE(::testing::Message() << "n " << n << " d " << d << " bf16 " << bf16);
         const int64_t kv_heads = 3, stride = kv_heads * d, heads = 7;
         const RandomRows r(rng, heads * d, n * stride);
-        const std::vector<float>&q = r.q, &k = r.k, &v = r.v;
-        const std::vector<uint16_t>&kb = r.kb, &vb = r.vb;
         // KV head 1's part of each row (d elements in): a kernel that read its keys or values
         // through the rows to prefetch would read head 0's.
-        DecodeAttentionArgs a;
-        a.q = q.data();
-        a.q_stride = d;
-        a.k = bf16 ? static_cast<const void*>(kb.data() + d) : k.data() + d;
-        a.v = bf16 ? static_cast<const void*>(vb.data() + d) : v.data() + d;
-        a.kv_bf16 = bf16;
-        a.kv_stride = stride;
-        a.n = n;
-        a.d = d;
-        a.heads = heads;
-        a.scale = 0.125f;
+        DecodeAttentionArgs a = r.Args(bf16, d, stride, n, d, heads);
         std::vector<float> plain(heads * d), fetched(heads * d), scratch(heads * (n + 16));
         a.out = plain.data();
         a.out_stride = d;
         DecodeAttention(a, scratch.data());
         DecodeAttentionArgs b = a;
-        b.k_rows = bf16 ? static_cast<const void*>(kb.data()) : k.data();
-        b.v_rows = bf16 ? static_cast<const void*>(vb.data()) : v.data();
+        b.k_rows = bf16 ? static_cast<const void*>(r.kb.data()) : r.k.data();
+        b.v_rows = bf16 ? static_cast<const void*>(r.vb.data()) : r.v.data();
         b.row_bytes = stride * (bf16 ? 2 : 4);
         b.out = fetched.data();
         DecodeAttention(b, scratch.data());
