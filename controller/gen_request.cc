@@ -13,25 +13,30 @@ void GenRequest::SetQueueSeconds(double s) {
   queue_seconds_ = s;
 }
 
-GenRequest::TokenTiming GenRequest::AddToken(int32_t token, float logprob, Clock::time_point now) {
-  TokenTiming t;
+std::vector<GenRequest::TokenTiming> GenRequest::AddTokens(absl::Span<const int32_t> tokens,
+                                                           absl::Span<const float> logprobs,
+                                                           Clock::time_point now) {
+  std::vector<TokenTiming> timings(tokens.size());
   bool wake;
   {
     MutexLock lock(&mu_);
-    wake = progress_waiters_ > 0;
-    t.first = tokens_.empty();
-    if (t.first) {
-      ttft_seconds_ = Seconds(now - arrival);
-      t.seconds = ttft_seconds_;
-    } else {
-      t.seconds = Seconds(now - last_token_);
+    wake = progress_waiters_ > 0 && !tokens.empty();
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      TokenTiming& t = timings[i];
+      t.first = tokens_.empty();
+      if (t.first) {
+        ttft_seconds_ = Seconds(now - arrival);
+        t.seconds = ttft_seconds_;
+      } else {
+        t.seconds = Seconds(now - last_token_);
+      }
+      last_token_ = now;
+      tokens_.push_back(tokens[i]);
+      if (req.return_logprobs()) logprobs_.push_back(i < logprobs.size() ? logprobs[i] : 0.0f);
     }
-    last_token_ = now;
-    tokens_.push_back(token);
-    if (req.return_logprobs()) logprobs_.push_back(logprob);
   }
   if (wake) cv_.SignalAll();
-  return t;
+  return timings;
 }
 
 bool GenRequest::Finish(absl::Status status, std::string finish_reason, Clock::time_point now) {

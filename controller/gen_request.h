@@ -4,7 +4,7 @@
 // Thread-safety: the fields above `cancelled` are set once by Controller::Submit, before the
 // request is shared, and only read afterwards. `cancelled` and `stop_string` are atomics the RPC
 // thread sets. Everything else (tokens, timings, the outcome) is under the request's own mutex:
-// the scheduler writes it through SetQueueSeconds / AddToken / Finish, the RPC thread reads it
+// the scheduler writes it through SetQueueSeconds / AddTokens / Finish, the RPC thread reads it
 // through WaitForProgress / Result.
 #ifndef MOELORA_CONTROLLER_GEN_REQUEST_H_
 #define MOELORA_CONTROLLER_GEN_REQUEST_H_
@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "common/mutex.h"
 #include "moelora/v1/controller.pb.h"
 
@@ -43,13 +44,16 @@ class GenRequest {
 
   // Scheduler side.
   void SetQueueSeconds(double s) ABSL_LOCKS_EXCLUDED(mu_);
-  // Appends a sampled token; returns the time to the first token (the first one) or since the
-  // previous one, and whether it was the first.
+  // Appends the tokens a worker call sampled for this request, in order, and wakes a thread in
+  // WaitForProgress once for all of them (one call of --decode-steps steps brings up to that
+  // many). `logprobs` is as long as `tokens`. Returns each token's time to the first token (the
+  // request's first) or since the token before it, and whether it was the first.
   struct TokenTiming {
     bool first = false;
     double seconds = 0;
   };
-  TokenTiming AddToken(int32_t token, float logprob, Clock::time_point now)
+  std::vector<TokenTiming> AddTokens(absl::Span<const int32_t> tokens,
+                                     absl::Span<const float> logprobs, Clock::time_point now)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the request once; false when it had ended already.
   bool Finish(absl::Status status, std::string finish_reason, Clock::time_point now)
@@ -90,8 +94,9 @@ class GenRequest {
   double queue_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double ttft_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double total_seconds_ ABSL_GUARDED_BY(mu_) = 0;
-  // Threads in WaitForProgress: only they are woken per token (a unary Generate waits for the end
-  // only, and waking its thread for each of the batch's tokens cost the worker CPU time).
+  // Threads in WaitForProgress: only they are woken by AddTokens (a unary Generate without stop
+  // strings waits in WaitDone: waking 32 threads a worker call at batch 32 took CPU time from the
+  // worker and the scheduler's thread).
   int progress_waiters_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

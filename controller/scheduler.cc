@@ -1,7 +1,9 @@
 #include "controller/scheduler.h"
 
 #include <set>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -308,18 +310,41 @@ void Scheduler::Loop() {
     metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
     metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
     const auto now = Clock::now();
+    // The call's tokens by sequence, in order, up to its finished one: each request takes them in
+    // one AddTokens, so a streaming request's thread wakes once a call rather than once a token
+    // (at batch 32 and 4 steps a call, 128 wakeups on the cores the worker computes on).
+    struct SequenceTokens {
+      int64_t id = 0;
+      std::vector<int32_t> tokens;
+      std::vector<float> logprobs;
+      const v1::SequenceToken* finished = nullptr;
+    };
+    std::vector<SequenceTokens> by_sequence;
+    {
+      std::unordered_map<int64_t, size_t> index;
+      for (const v1::SequenceToken& t : resp->tokens()) {
+        const auto [it, fresh] = index.emplace(t.sequence_id(), by_sequence.size());
+        if (fresh) by_sequence.push_back({t.sequence_id(), {}, {}, nullptr});
+        SequenceTokens& q = by_sequence[it->second];
+        if (q.finished != nullptr) continue;  // nothing comes after a sequence's last token
+        q.tokens.push_back(t.token_id());
+        q.logprobs.push_back(t.logprob());
+        if (t.finished()) q.finished = &t;
+      }
+    }
     std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
     {
       MutexLock lock(&mu_);
-      for (const v1::SequenceToken& t : resp->tokens()) {
-        auto it = running_.find(t.sequence_id());
+      for (const SequenceTokens& q : by_sequence) {
+        auto it = running_.find(q.id);
         if (it == running_.end()) continue;
         std::shared_ptr<GenRequest> r = it->second;
-        const GenRequest::TokenTiming timing = r->AddToken(t.token_id(), t.logprob(), now);
-        (timing.first ? metrics_->ttft : metrics_->inter_token).Observe(timing.seconds);
-        metrics_->generated_tokens.Increment();
-        if (t.finished()) {
-          finished.push_back({r, t.finish_reason()});
+        for (const GenRequest::TokenTiming& timing : r->AddTokens(q.tokens, q.logprobs, now)) {
+          (timing.first ? metrics_->ttft : metrics_->inter_token).Observe(timing.seconds);
+        }
+        metrics_->generated_tokens.Increment(static_cast<double>(q.tokens.size()));
+        if (q.finished != nullptr) {
+          finished.push_back({r, q.finished->finish_reason()});
           running_.erase(it);
         }
       }

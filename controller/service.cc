@@ -66,6 +66,14 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
   std::string all_text;                              // the unary response's text
   size_t seen = 0;                                   // tokens taken from the request
   size_t kept = std::numeric_limits<size_t>::max();  // set when a stop string ends the text
+  // A unary call without stop strings needs its tokens only at the end: its thread waits for the
+  // end (checking for a cancelled call), not woken by each worker call's tokens; the loop below
+  // then takes them all at once.
+  if (!on_tokens && (!text || req.stop().empty())) {
+    while (!r->WaitDone(std::chrono::milliseconds(50))) {
+      if (ctx->IsCancelled()) r->cancelled = true;
+    }
+  }
   while (true) {
     // Copies of the new tokens: detokenizing and writing happen without the request's lock, so
     // a slow client never stalls the scheduler.

@@ -85,7 +85,7 @@ struct Harness {
   std::unique_ptr<Controller> c;
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
-                   int batch_window_ms = 0, int batch_window_max_ms = 0)
+                   int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1)
       : group(max_loras) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -99,6 +99,7 @@ struct Harness {
     o.max_num_seqs = max_num_seqs;
     o.batch_window_ms = batch_window_ms;
     o.batch_window_max_ms = batch_window_max_ms;
+    o.decode_steps = decode_steps;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -248,6 +249,28 @@ TEST(ControllerUnitTest, BatchWindowGathersABurstIntoOneFirstStep) {
     ASSERT_FALSE(adds.empty());
     EXPECT_EQ(adds.front(), c.first_step);
   }
+}
+
+// A call of several decode steps brings each sequence's tokens step after step, and sequences end
+// within it: every request gets its own tokens in order, up to its last, and its finish reason.
+TEST(ControllerUnitTest, SeveralDecodeStepsACallGiveEachRequestItsTokensInOrder) {
+  Harness h(4, 64, "", 150, 1000, /*decode_steps=*/4);
+  std::vector<std::shared_ptr<GenRequest>> rs;
+  const std::vector<int> max_tokens = {1, 2, 5, 7, 9};
+  for (int m : max_tokens) rs.push_back(h.Submit("", m));
+  for (size_t i = 0; i < rs.size(); ++i) {
+    ASSERT_OK(Harness::Wait(rs[i]));
+    const GenRequest::Result res = rs[i]->GetResult();
+    std::vector<int32_t> want;  // the fake's tokens for this sequence
+    for (int g = 0; g < max_tokens[i]; ++g) {
+      want.push_back(static_cast<int32_t>((rs[i]->seq_id * 7 + g) % 384));
+    }
+    EXPECT_EQ(res.tokens, want) << "request " << i;
+    EXPECT_EQ(res.finish_reason, "length");
+  }
+  // The burst joined in one step, the rest ran 4 steps a call: 1 + 2 calls for 9 tokens.
+  EXPECT_EQ(h.group.adds_per_step(), std::vector<int>{5});
+  EXPECT_EQ(h.group.step_calls(), 3);
 }
 
 TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {

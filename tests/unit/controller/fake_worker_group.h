@@ -103,6 +103,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
             absl::StrCat("fake: adapter ", s.adapter_id(), " is not committed"));
       }
     }
+    ++step_calls_;
     if (req.add_size() > 0) adds_per_step_.push_back(req.add_size());
     for (const v1::SequenceSpec& s : req.add()) {
       running_[s.sequence_id()] = {s.adapter_id(), s.max_tokens(), 0};
@@ -111,21 +112,26 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     }
     v1::StepResponse resp;
     std::set<int64_t> distinct;
-    for (auto it = running_.begin(); it != running_.end();) {
-      Seq& s = it->second;
-      v1::SequenceToken* t = resp.add_tokens();
-      t->set_sequence_id(it->first);
-      t->set_token_id(static_cast<int32_t>((it->first * 7 + s.generated) % 384));
-      if (s.adapter_id) distinct.insert(s.adapter_id);
-      if (++s.generated >= s.max_tokens) {
-        t->set_finished(true);
-        t->set_finish_reason("length");
-        it = running_.erase(it);
-      } else {
-        ++it;
+    // Up to decode_steps steps, as the workers: each step's tokens after the previous step's.
+    int steps = 0;
+    for (; steps < std::max(1, req.decode_steps()) && (steps == 0 || !running_.empty()); ++steps) {
+      for (auto it = running_.begin(); it != running_.end();) {
+        Seq& s = it->second;
+        v1::SequenceToken* t = resp.add_tokens();
+        t->set_sequence_id(it->first);
+        t->set_token_id(static_cast<int32_t>((it->first * 7 + s.generated) % 384));
+        if (s.adapter_id) distinct.insert(s.adapter_id);
+        if (++s.generated >= s.max_tokens) {
+          t->set_finished(true);
+          t->set_finish_reason("length");
+          it = running_.erase(it);
+        } else {
+          ++it;
+        }
       }
     }
     resp.set_distinct_adapters(static_cast<int>(distinct.size()));
+    resp.set_steps(steps);
     return resp;
   }
 
@@ -173,6 +179,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     std::lock_guard<std::mutex> l(mu_);
     return admitted_adapters_;
   }
+  // StepAll calls that stepped.
+  int step_calls() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return step_calls_;
+  }
   int running() const {
     std::lock_guard<std::mutex> l(mu_);
     return static_cast<int>(running_.size());
@@ -203,7 +214,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::vector<int64_t> admitted_, admitted_adapters_;
   std::vector<int> adds_per_step_;  // sequences added by each step that added any
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
-  int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0;
+  int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0, step_calls_ = 0;
 };
 
 }  // namespace moelora::testing
