@@ -195,6 +195,10 @@ struct Side {
   // The worker's moelora_step_seconds (sum, count) over the prefill wave and the generate wave.
   double pf_step_sum = 0, gen_step_sum = 0;
   int64_t pf_steps = 0, gen_steps = 0;
+  // Over the generate wave, from the controller's metrics: the worker calls' time beyond their
+  // steps (RPCs, hand-offs) and the scheduler's gaps between calls (sum, count).
+  double call_overhead_sum = 0, gap_sum = 0;
+  int64_t calls = 0, gaps = 0;
   std::vector<std::vector<int32_t>> outputs;
 };
 
@@ -221,6 +225,20 @@ std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
   const std::string page = testing::HttpGet(j["metrics_port"].get<int>(), "/metrics");
   return {MetricSum(page, "moelora_step_seconds_sum"),
           static_cast<int64_t>(MetricSum(page, "moelora_step_seconds_count"))};
+}
+
+// The controller's moelora_worker_call_overhead_seconds and moelora_scheduler_gap_seconds so
+// far: {overhead sum, calls, gap sum, gaps}.
+struct CallCosts {
+  double overhead = 0, gap = 0;
+  int64_t calls = 0, gaps = 0;
+};
+CallCosts ControllerCallCosts(const testing::ControllerProcess& c) {
+  const std::string page = c.Metrics();
+  return {MetricSum(page, "moelora_worker_call_overhead_seconds_sum"),
+          MetricSum(page, "moelora_scheduler_gap_seconds_sum"),
+          static_cast<int64_t>(MetricSum(page, "moelora_worker_call_overhead_seconds_count")),
+          static_cast<int64_t>(MetricSum(page, "moelora_scheduler_gap_seconds_count"))};
 }
 
 // One of a batch's cases: `batch` concurrent Generate calls, row i with adapters[i %
@@ -306,7 +324,9 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
       const double bw0 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
       const double fl0 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
       const auto s1 = WorkerSteps(state_dir);
+      const CallCosts k1 = ControllerCallCosts(c);
       const double gen = wave(cs.adapters, new_tokens, &outs);
+      const CallCosts k2 = ControllerCallCosts(c);
       const auto s2 = WorkerSteps(state_dir);
       const double bw1 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
       const double fl1 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
@@ -324,6 +344,10 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
       out->pf_steps = s1.second - s0.second;
       out->gen_step_sum = s2.first - s1.first;
       out->gen_steps = s2.second - s1.second;
+      out->call_overhead_sum = k2.overhead - k1.overhead;
+      out->calls = k2.calls - k1.calls;
+      out->gap_sum = k2.gap - k1.gap;
+      out->gaps = k2.gaps - k1.gaps;
       out->seconds = gen;
       out->tok_s = static_cast<double>(batch) * new_tokens / gen;
       out->wave_prefill_tok_s = pf_tok_s;
@@ -591,6 +615,18 @@ int main(int argc, char** argv) {
                 "worker's prefill step(s) %.1f ms",
                 b, worker * 1e3, static_cast<long long>(s.pf_steps), (step - worker) * 1e3,
                 b * 16e3 / s.wave_prefill_tok_s, s.pf_step_sum * 1e3));
+          }
+          if (s.calls > 0 && s.gaps > 0) {
+            // The controller's own figures for the generate wave: what a call costs beyond its
+            // steps, and the scheduler's time between calls, while the worker idles.
+            extra.push_back(absl::StrFormat(
+                "batch %d: the generate wave's %lld worker calls (%.1f steps a call): %.3f ms a "
+                "call beyond its steps (RPCs, hand-offs), the scheduler %.3f ms between calls; "
+                "%.2f ms a step in all",
+                b, static_cast<long long>(s.calls),
+                static_cast<double>(s.gen_steps) / static_cast<double>(s.calls),
+                s.call_overhead_sum / s.calls * 1e3, s.gap_sum / s.gaps * 1e3,
+                (s.call_overhead_sum + s.gap_sum) / std::max<int64_t>(1, s.gen_steps) * 1e3));
           }
         } else {
           extra.push_back(mixed_line());

@@ -53,6 +53,22 @@ ControllerMetrics::ControllerMetrics()
                          .Help("Steps the workers ran in one call (--decode-steps)")
                          .Register(*registry_)
                          .Add({}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16})),
+      worker_call_overhead(
+          prometheus::BuildHistogram()
+              .Name("moelora_worker_call_overhead_seconds")
+              .Help("A step call's time beyond the steps rank 0 reports: the RPCs and the "
+                    "workers' hand-offs to and from their compute threads")
+              .Register(*registry_)
+              .Add({}, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.0002, 0.0005,
+                                                               0.001, 0.002, 0.005, 0.01, 0.05})),
+      scheduler_gap(
+          prometheus::BuildHistogram()
+              .Name("moelora_scheduler_gap_seconds")
+              .Help("From a step call's return to the next call while sequences run: the "
+                    "scheduler's handling of the tokens and its admission pass (the workers idle)")
+              .Register(*registry_)
+              .Add({}, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.0002, 0.0005,
+                                                               0.001, 0.002, 0.005, 0.01, 0.05})),
       queue_depth(prometheus::BuildGauge()
                       .Name("moelora_queue_depth")
                       .Help("Requests waiting for a batch slot")

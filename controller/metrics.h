@@ -30,6 +30,8 @@ class ControllerMetrics {
   prometheus::Histogram& batch_size;
   prometheus::Histogram& batch_distinct_adapters;
   prometheus::Histogram& steps_per_call;
+  prometheus::Histogram& worker_call_overhead;
+  prometheus::Histogram& scheduler_gap;
   prometheus::Gauge& queue_depth;
   prometheus::Gauge& running;
   prometheus::Family<prometheus::Gauge>& worker_up;  // {rank}

@@ -267,7 +267,11 @@ void Scheduler::Loop() {
     // decode_steps_ steps. Stop strings and cancellations are seen between calls; the tokens a
     // sequence produced past them are dropped (GenRequest keeps the text up to the stop).
     if (decode_steps_ > 1 && admitted.empty() && !queued) step.set_decode_steps(decode_steps_);
+    const auto call_start = Clock::now();
+    if (ran_on_) metrics_->scheduler_gap.Observe(Seconds(call_start - last_return_));
     absl::StatusOr<v1::StepResponse> resp = group_->StepAll(step);
+    last_return_ = Clock::now();
+    ran_on_ = false;
     if (!resp.ok()) {
       const absl::StatusCode c = resp.status().code();
       std::vector<std::shared_ptr<GenRequest>> victims;
@@ -309,6 +313,8 @@ void Scheduler::Loop() {
     }
     metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
     metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
+    metrics_->worker_call_overhead.Observe(
+        std::max(0.0, Seconds(last_return_ - call_start) - resp->seconds()));
     const auto now = Clock::now();
     // The call's tokens by sequence, in order, up to its finished one: each request takes them in
     // one AddTokens, so a streaming request's thread wakes once a call rather than once a token
@@ -350,6 +356,7 @@ void Scheduler::Loop() {
       }
       metrics_->running.Set(static_cast<double>(running_.size()));
       if (!finished.empty()) UpdateLoraInfo();
+      ran_on_ = !running_.empty();
     }
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
   }

@@ -81,6 +81,10 @@ class Scheduler {
   prometheus::Gauge* lora_info_ ABSL_GUARDED_BY(mu_) = nullptr;  // the current series
   std::string lora_info_key_ ABSL_GUARDED_BY(mu_);               // its labels
   int64_t step_no_ = 0;                                          // the loop's thread only
+  // The loop's thread only: when the last step call returned, and whether sequences were left
+  // running after it (then the time to the next call is the scheduler's gap).
+  std::chrono::steady_clock::time_point last_return_;
+  bool ran_on_ = false;
   std::atomic<bool> stop_{false};
   std::thread loop_;
 };
