@@ -1,8 +1,10 @@
 #include "worker/service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -95,10 +97,42 @@ grpc::Status WorkerService::UnloadAdapter(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Step(grpc::ServerContext*, const v1::StepRequest* req,
+grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) {
   Engine* e = engine();
   if (!e) return NotReady();
+  if (req->after_step() != 0) {
+    // Sent ahead: wait for the call before it. Polled in slices, so that a cancelled call or one
+    // past its deadline gives up without stepping.
+    std::unique_lock<std::mutex> lock(order_mu_);
+    while (last_ended_step_ != req->after_step()) {
+      if (ctx->IsCancelled()) {
+        return grpc::Status(
+            grpc::StatusCode::CANCELLED,
+            absl::StrCat("step ", req->step(), " was cancelled while it waited for step ",
+                         req->after_step()));
+      }
+      if (std::chrono::system_clock::now() >= ctx->deadline()) {
+        return grpc::Status(
+            grpc::StatusCode::DEADLINE_EXCEEDED,
+            absl::StrCat("step ", req->step(), " waited for step ", req->after_step(),
+                         ", which has not ended on this worker"));
+      }
+      order_cv_.wait_for(lock, std::chrono::milliseconds(5));
+    }
+  }
+  // Whatever this call's outcome, a call sent ahead of it may run once it returns.
+  struct MarkEnded {
+    WorkerService* s;
+    int64_t step;
+    ~MarkEnded() {
+      {
+        std::lock_guard<std::mutex> lock(s->order_mu_);
+        s->last_ended_step_ = step;
+      }
+      s->order_cv_.notify_all();
+    }
+  } mark_ended{this, req->step()};
   std::vector<NewSequence> add;
   for (const v1::SequenceSpec& s : req->add()) {
     NewSequence n;

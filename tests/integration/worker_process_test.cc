@@ -1,7 +1,10 @@
 // moelora-worker as real processes on loopback: logits against transformers + PEFT over gRPC,
 // TP=2 (gloo over TCP) against TP=1, error codes, /metrics, startup failures.
+#include <chrono>
 #include <cmath>
+#include <future>
 #include <map>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -238,6 +241,73 @@ TEST(WorkerProcessTest, RejectedAdaptersGetClearCodesAndChangeNothing) {
   EXPECT_EQ(info.architecture(), "Qwen3MoeForCausalLM");
   EXPECT_EQ(info.native_moe_format(), v1::FORMAT_2D);
   EXPECT_EQ(info.max_loras(), 2);
+}
+
+// A call sent ahead (after_step) waits until the call it names has ended, then continues the
+// batch: the tokens come out as from calls sent one after the other. One that waits past its
+// deadline, or is cancelled, fails without stepping.
+TEST(WorkerProcessTest, ACallSentAheadRunsAfterTheCallItNames) {
+  WorkerGroup g(Data("qwen3_moe/model"), 1);
+  ASSERT_TRUE(g.WaitReady()) << g.Logs();
+  auto call = [&](int64_t step, int64_t after, int steps, std::vector<int32_t>* tokens,
+                  int64_t add_id = 0, std::chrono::milliseconds deadline = std::chrono::seconds(60),
+                  grpc::ClientContext* given = nullptr) {
+    v1::StepRequest req;
+    req.set_step(step);
+    req.set_after_step(after);
+    req.set_decode_steps(steps);
+    if (add_id != 0) {
+      v1::SequenceSpec* s = req.add_add();
+      s->set_sequence_id(add_id);
+      for (int32_t t : {5, 17, 42, 9}) s->add_prompt_token_ids(t);
+      s->set_max_tokens(40);
+    }
+    grpc::ClientContext own;
+    grpc::ClientContext* ctx = given != nullptr ? given : &own;
+    ctx->set_deadline(std::chrono::system_clock::now() + deadline);
+    v1::StepResponse resp;
+    const grpc::Status st = g.stub(0).Step(ctx, req, &resp);
+    for (const auto& t : resp.tokens()) tokens->push_back(t.token_id());
+    return st;
+  };
+  // The reference: sequence 1 in calls one after the other (prefill, then 2 + 3 + 1 steps).
+  std::vector<int32_t> want;
+  ASSERT_TRUE(call(1, 0, 1, &want, /*add_id=*/1).ok());
+  ASSERT_TRUE(call(2, 0, 2, &want).ok());
+  ASSERT_TRUE(call(3, 0, 3, &want).ok());
+  ASSERT_TRUE(call(4, 0, 1, &want).ok());
+  ASSERT_EQ(want.size(), 7u);
+  v1::StepRequest end;
+  end.set_step(5);
+  end.add_remove(1);
+  v1::StepResponse ignored;
+  ASSERT_TRUE(g.Step(end, &ignored).ok());
+
+  // The same prompt again (sequence 2); the call for steps 8 goes out first and waits for 7.
+  std::vector<int32_t> got, ahead;
+  ASSERT_TRUE(call(6, 0, 1, &got, /*add_id=*/2).ok());
+  auto later = std::async(std::launch::async, [&] { return call(8, 7, 3, &ahead); });
+  EXPECT_EQ(later.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the call sent ahead ran before the call it names";
+  ASSERT_TRUE(call(7, 0, 2, &got).ok());
+  ASSERT_TRUE(later.get().ok());
+  got.insert(got.end(), ahead.begin(), ahead.end());
+
+  // Waiting for a call that never comes: DEADLINE_EXCEEDED, or CANCELLED, and no step.
+  std::vector<int32_t> none;
+  const grpc::Status late = call(9, 99, 2, &none, 0, std::chrono::milliseconds(300));
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << late.error_message();
+  grpc::ClientContext cancelled;
+  auto waiting = std::async(std::launch::async, [&] {
+    return call(10, 98, 2, &none, 0, std::chrono::seconds(60), &cancelled);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  cancelled.TryCancel();
+  ASSERT_EQ(waiting.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(waiting.get().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(none.empty());
+  ASSERT_TRUE(call(11, 0, 1, &got).ok());
+  EXPECT_EQ(got, want);
 }
 
 TEST(WorkerProcessTest, MetricsReportAdapterLoadPhasesAndTokens) {
