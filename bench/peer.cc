@@ -2,8 +2,8 @@
 // medium Qwen3-MoE, prompts, batch and threads, in one run.
 //
 //   peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
-//        [--new-tokens 32] [--threads 2] [--decode-steps 4] [--repeat 3] [--quick]
-//        [--reuse-peer] [--prefill-waves N]
+//        [--new-tokens 32] [--threads 2] [--decode-steps 4] [--call-ahead 1] [--repeat 3]
+//        [--quick] [--reuse-peer] [--prefill-waves N]
 //
 // PY (default .cache/peer-venv/bin/python, made by tools/peer_venv.sh) runs tools/peer_bench.py:
 // `make` writes the model, a 2D and a 3D rank-16 adapter and 32 prompts of 16 tokens into DIR
@@ -33,9 +33,10 @@
 // mixed case (one generate per adapter, minutes in f32) runs once: its ratio is not a goal.
 // --quick (CI): batches 1,8, 8 new tokens, float32 only, one repeat. --reuse-peer: the peer's
 // figures from the last run in DIR (same flags), to iterate on moelora alone. --decode-steps: the
-// controller's flag (its default, 4, unless given). --prefill-waves N: per batch, after the
-// warm-up, N base prefill waves in a row, with their mean time and the worker steps each took (a
-// wave in more than one step was split by the controller's batch window).
+// controller's flag (its default, 4, unless given); --call-ahead 0|1 too (default 1).
+// --prefill-waves N: per batch, after the warm-up, N base prefill waves in a row, with their mean
+// time and the worker steps each took (a wave in more than one step was split by the controller's
+// batch window).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -75,8 +76,8 @@ double Sec(Clock::duration d) { return std::chrono::duration<double>(d).count();
 
 constexpr const char* kUsage =
     "usage: peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]\n"
-    "            [--new-tokens 32] [--threads 2] [--decode-steps 4] [--repeat 3] [--quick]\n"
-    "            [--reuse-peer] [--prefill-waves N]\n";
+    "            [--new-tokens 32] [--threads 2] [--decode-steps 4] [--call-ahead 1] [--repeat 3]\n"
+    "            [--quick] [--reuse-peer] [--prefill-waves N]\n";
 
 // Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
 // that streams its weights once can reach at most. Two buffers, allocated and written once: one
@@ -198,7 +199,7 @@ struct Side {
   // Over the generate wave, from the controller's metrics: the worker calls' time beyond their
   // steps (RPCs, hand-offs) and the scheduler's gaps between calls (sum, count).
   double call_overhead_sum = 0, gap_sum = 0;
-  int64_t calls = 0, gaps = 0;
+  int64_t calls = 0, gaps = 0, ahead = 0;  // calls: those not sent ahead
   std::vector<std::vector<int32_t>> outputs;
 };
 
@@ -228,17 +229,18 @@ std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
 }
 
 // The controller's moelora_worker_call_overhead_seconds and moelora_scheduler_gap_seconds so
-// far: {overhead sum, calls, gap sum, gaps}.
+// far, and moelora_worker_calls_ahead_total.
 struct CallCosts {
   double overhead = 0, gap = 0;
-  int64_t calls = 0, gaps = 0;
+  int64_t calls = 0, gaps = 0, ahead = 0;
 };
 CallCosts ControllerCallCosts(const testing::ControllerProcess& c) {
   const std::string page = c.Metrics();
   return {MetricSum(page, "moelora_worker_call_overhead_seconds_sum"),
           MetricSum(page, "moelora_scheduler_gap_seconds_sum"),
           static_cast<int64_t>(MetricSum(page, "moelora_worker_call_overhead_seconds_count")),
-          static_cast<int64_t>(MetricSum(page, "moelora_scheduler_gap_seconds_count"))};
+          static_cast<int64_t>(MetricSum(page, "moelora_scheduler_gap_seconds_count")),
+          static_cast<int64_t>(MetricSum(page, "moelora_worker_calls_ahead_total"))};
 }
 
 // One of a batch's cases: `batch` concurrent Generate calls, row i with adapters[i %
@@ -348,6 +350,7 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
       out->calls = k2.calls - k1.calls;
       out->gap_sum = k2.gap - k1.gap;
       out->gaps = k2.gaps - k1.gaps;
+      out->ahead = k2.ahead - k1.ahead;
       out->seconds = gen;
       out->tok_s = static_cast<double>(batch) * new_tokens / gen;
       out->wave_prefill_tok_s = pf_tok_s;
@@ -377,7 +380,8 @@ int main(int argc, char** argv) {
   std::string python = src + "/.cache/peer-venv/bin/python", dir = src + "/.cache/peer-model";
   std::string batches_s = "1,8,32", dtypes_s = "float32,bfloat16";
   int new_tokens = 32, threads = 2;
-  int decode_steps = 4;  // the controller's default
+  int decode_steps = 4;    // the controller's default
+  bool call_ahead = true;  // the controller's default
   int prefill_waves = 0;
   int repeat = 3;
   bool reuse_peer = false;
@@ -407,6 +411,8 @@ int main(int argc, char** argv) {
       threads = std::atoi(value().c_str());
     } else if (f == "--decode-steps") {
       decode_steps = std::atoi(value().c_str());
+    } else if (f == "--call-ahead") {
+      call_ahead = value() != "0";
     } else if (f == "--repeat") {
       repeat = std::max(1, std::atoi(value().c_str()));
     } else if (f == "--reuse-peer") {
@@ -497,7 +503,8 @@ int main(int argc, char** argv) {
     testing::ControllerProcess c(
         state.path(), dir,
         {"--enable-mixed-moe-lora-format", "--max-num-seqs", "64", "--dtype", dt, "--decode-steps",
-         std::to_string(decode_steps), "--worker-args", absl::StrCat("--cpu-threads ", threads)},
+         std::to_string(decode_steps), absl::StrCat("--call-ahead=", call_ahead ? "true" : "false"),
+         "--worker-args", absl::StrCat("--cpu-threads ", threads)},
         dir + "/model");
     if (!c.WaitHealth(grpc::health::v1::HealthCheckResponse::SERVING, std::chrono::seconds(300))) {
       std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
@@ -616,16 +623,19 @@ int main(int argc, char** argv) {
                 b, worker * 1e3, static_cast<long long>(s.pf_steps), (step - worker) * 1e3,
                 b * 16e3 / s.wave_prefill_tok_s, s.pf_step_sum * 1e3));
           }
-          if (s.calls > 0 && s.gaps > 0) {
+          if (s.calls > 0) {
             // The controller's own figures for the generate wave: what a call costs beyond its
-            // steps, and the scheduler's time between calls, while the worker idles.
+            // steps, and the scheduler's time between calls, while the worker idles (both for
+            // the calls not sent ahead: one sent ahead hides them).
+            const int64_t all = s.calls + s.ahead;
             extra.push_back(absl::StrFormat(
-                "batch %d: the generate wave's %lld worker calls (%.1f steps a call): %.3f ms a "
-                "call beyond its steps (RPCs, hand-offs), the scheduler %.3f ms between calls; "
-                "%.2f ms a step in all",
-                b, static_cast<long long>(s.calls),
-                static_cast<double>(s.gen_steps) / static_cast<double>(s.calls),
-                s.call_overhead_sum / s.calls * 1e3, s.gap_sum / s.gaps * 1e3,
+                "batch %d: the generate wave's %lld worker calls (%.1f steps a call), %lld sent "
+                "ahead; the others %.3f ms a call beyond their steps (RPCs, hand-offs), the "
+                "scheduler %.3f ms before each of %lld; %.2f ms a step in all",
+                b, static_cast<long long>(all),
+                static_cast<double>(s.gen_steps) / static_cast<double>(all),
+                static_cast<long long>(s.ahead), s.call_overhead_sum / s.calls * 1e3,
+                s.gaps > 0 ? s.gap_sum / s.gaps * 1e3 : 0.0, static_cast<long long>(s.gaps),
                 (s.call_overhead_sum + s.gap_sum) / std::max<int64_t>(1, s.gen_steps) * 1e3));
           }
         } else {
@@ -634,11 +644,12 @@ int main(int argc, char** argv) {
       }
     }
     std::printf(
-        "\n%s, %d new tokens, %d threads each, --decode-steps %d, best of %d, torch %s on the "
+        "\n%s, %d new tokens, %d threads each, --decode-steps %d, --call-ahead %d, best of %d, "
+        "torch %s on the "
         "peer side\n"
         "| case | batch | moelora tok/s | transformers+PEFT tok/s | ratio | greedy identical |\n"
         "|---|---|---|---|---|---|\n",
-        dt.c_str(), new_tokens, threads, decode_steps, repeat,
+        dt.c_str(), new_tokens, threads, decode_steps, call_ahead ? 1 : 0, repeat,
         peer["torch"].get<std::string>().c_str());
     for (const auto& r : rows) std::printf("%s", r.c_str());
     for (const auto& e : extra) std::printf("  %s\n", e.c_str());

@@ -34,7 +34,8 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
       scheduler_(
           options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
           [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms),
-          std::chrono::milliseconds(options_.batch_window_max_ms), options_.decode_steps) {}
+          std::chrono::milliseconds(options_.batch_window_max_ms), options_.decode_steps,
+          options_.call_ahead) {}
 
 Controller::~Controller() { Stop(); }
 

@@ -38,6 +38,8 @@ struct ControllerOptions {
   int batch_window_max_ms = 0;
   // Decode steps per worker call while no request waits to join (Scheduler).
   int decode_steps = 1;
+  // Send a decode call before the one in flight ends, to run right after it (Scheduler).
+  bool call_ahead = false;
   ModelInfo model;  // from --model's config.json: dims for adapter validation
   // The model's tokenizer (null: none; text prompts and stop strings are then refused).
   std::shared_ptr<const tok::Tokenizer> tokenizer;

@@ -69,6 +69,11 @@ ControllerMetrics::ControllerMetrics()
               .Register(*registry_)
               .Add({}, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.0002, 0.0005,
                                                                0.001, 0.002, 0.005, 0.01, 0.05})),
+      calls_ahead(prometheus::BuildCounter()
+                      .Name("moelora_worker_calls_ahead_total")
+                      .Help("Decode calls sent before the call in flight ended (--call-ahead)")
+                      .Register(*registry_)
+                      .Add({})),
       queue_depth(prometheus::BuildGauge()
                       .Name("moelora_queue_depth")
                       .Help("Requests waiting for a batch slot")

@@ -32,6 +32,7 @@ class ControllerMetrics {
   prometheus::Histogram& steps_per_call;
   prometheus::Histogram& worker_call_overhead;
   prometheus::Histogram& scheduler_gap;
+  prometheus::Counter& calls_ahead;
   prometheus::Gauge& queue_depth;
   prometheus::Gauge& running;
   prometheus::Family<prometheus::Gauge>& worker_up;  // {rank}

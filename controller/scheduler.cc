@@ -30,11 +30,12 @@ absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* wher
 Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
                      WorkerGroupInterface* group, ControllerMetrics* metrics,
                      std::function<bool()> serving, std::chrono::milliseconds batch_window,
-                     std::chrono::milliseconds batch_window_max, int decode_steps)
+                     std::chrono::milliseconds batch_window_max, int decode_steps, bool call_ahead)
     : max_num_seqs_(max_num_seqs),
       batch_window_(batch_window),
       batch_window_max_(std::max(batch_window, batch_window_max)),
       decode_steps_(std::max(decode_steps, 1)),
+      call_ahead_(call_ahead),
       max_loras_(max_loras),
       adapters_(adapters),
       group_(group),
@@ -124,154 +125,191 @@ void Scheduler::UpdateLoraInfo() {
 
 void Scheduler::Loop() {
   while (!stop_) {
-    adapters_->ReconcileIfNeeded();
     std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;
     std::vector<std::shared_ptr<GenRequest>> admitted;
     std::string swap;
     std::set<std::string> in_use;  // adapters of running sequences (never swapped out)
     v1::StepRequest step;
-    {
-      MutexLock lock(&mu_);
-      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || wake_ || !pending_.empty() || !running_.empty();
-      };
-      // A 20 ms tick at most while idle, so deferred unloads and reconciliation still happen.
-      if (!has_work()) cv_.WaitFor(&mu_, std::chrono::milliseconds(20));
-      wake_ = false;
-      if (stop_) break;
-      // An idle engine waits until no request has arrived for batch_window_ (at most
-      // batch_window_max_ after the oldest arrival), so that a burst of requests starts as one
-      // prefill step rather than a small one and a large one: each prefill step reads every
-      // expert its tokens touch. A burst of concurrent clients arrives spread over a few ms (32
-      // in bench/peer: 1.7-2.6 ms), so a fixed window after the first arrival split it.
-      // Never while sequences run.
-      if (batch_window_.count() > 0 && running_.empty() && !pending_.empty() &&
-          static_cast<int>(pending_.size()) < max_num_seqs_) {
-        Clock::time_point newest = pending_.front()->arrival;
-        for (const auto& p : pending_) newest = std::max(newest, p->arrival);
-        const auto due =
-            std::min(newest + batch_window_, pending_.front()->arrival + batch_window_max_);
-        const auto now = Clock::now();
-        if (now < due) {
-          cv_.WaitFor(&mu_, due - now);
-          continue;
-        }
-      }
-    }
-    // Deferred unloads whose last request has finished (calls the workers: no lock held).
-    adapters_->RunDeferredUnloads();
-    {
-      MutexLock lock(&mu_);
-      if (!serving_()) continue;
-      const auto now = Clock::now();
-      for (auto it = running_.begin(); it != running_.end();) {
-        const absl::Status s = Expiry(*it->second, now, "generating");
-        if (!s.ok() || it->second->stop_string) {
-          step.add_remove(it->first);
-          ended.push_back({it->second, s});
-          it = running_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        const absl::Status s = Expiry(**it, now, "queued");
-        if (!s.ok()) {
-          ended.push_back({*it, s});
-          it = pending_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      // Strict FIFO admission.
-      while (!pending_.empty() &&
-             static_cast<int>(running_.size() + admitted.size()) < max_num_seqs_) {
-        std::shared_ptr<GenRequest> head = pending_.front();
-        if (!head->adapter.empty()) {
-          const AdapterManager::Residency res = adapters_->Admit(head->adapter, now);
-          if (res == AdapterManager::Residency::kGone) {
-            ended.push_back({head, absl::NotFoundError("adapter unloaded")});
-            pending_.pop_front();
+    // A decode call sent ahead (--call-ahead) is this pass's call: nothing joins or leaves before
+    // it returns (SendAheadAllowed saw nothing waiting to), so the pass skips to waiting for it.
+    std::unique_ptr<PendingStep> call = std::move(ahead_);
+    if (call != nullptr) {
+      step = std::move(ahead_req_);
+    } else {
+      adapters_->ReconcileIfNeeded();
+      {
+        MutexLock lock(&mu_);
+        auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || wake_ || !pending_.empty() || !running_.empty();
+        };
+        // A 20 ms tick at most while idle, so deferred unloads and reconciliation still happen.
+        if (!has_work()) cv_.WaitFor(&mu_, std::chrono::milliseconds(20));
+        wake_ = false;
+        if (stop_) break;
+        // An idle engine waits until no request has arrived for batch_window_ (at most
+        // batch_window_max_ after the oldest arrival), so that a burst of requests starts as one
+        // prefill step rather than a small one and a large one: each prefill step reads every
+        // expert its tokens touch. A burst of concurrent clients arrives spread over a few ms (32
+        // in bench/peer: 1.7-2.6 ms), so a fixed window after the first arrival split it.
+        // Never while sequences run.
+        if (batch_window_.count() > 0 && running_.empty() && !pending_.empty() &&
+            static_cast<int>(pending_.size()) < max_num_seqs_) {
+          Clock::time_point newest = pending_.front()->arrival;
+          for (const auto& p : pending_) newest = std::max(newest, p->arrival);
+          const auto due =
+              std::min(newest + batch_window_, pending_.front()->arrival + batch_window_max_);
+          const auto now = Clock::now();
+          if (now < due) {
+            cv_.WaitFor(&mu_, due - now);
             continue;
           }
-          if (res == AdapterManager::Residency::kNotResident) {
-            swap = head->adapter;
-            break;
+        }
+      }
+      // Deferred unloads whose last request has finished (calls the workers: no lock held).
+      adapters_->RunDeferredUnloads();
+      {
+        MutexLock lock(&mu_);
+        if (!serving_()) continue;
+        const auto now = Clock::now();
+        for (auto it = running_.begin(); it != running_.end();) {
+          const absl::Status s = Expiry(*it->second, now, "generating");
+          if (!s.ok() || it->second->stop_string) {
+            step.add_remove(it->first);
+            ended.push_back({it->second, s});
+            it = running_.erase(it);
+          } else {
+            ++it;
           }
         }
-        pending_.pop_front();
-        head->SetQueueSeconds(Seconds(now - head->arrival));
-        admitted.push_back(head);
-      }
-      metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
-      metrics_->running.Set(static_cast<double>(running_.size() + admitted.size()));
-      for (auto& r : admitted) {
-        v1::SequenceSpec* s = step.add_add();
-        s->set_sequence_id(r->seq_id);
-        s->set_adapter_id(r->adapter_id);
-        s->mutable_prompt_token_ids()->CopyFrom(r->req.prompt_token_ids());
-        s->set_temperature(r->req.temperature());
-        s->set_top_p(r->req.top_p());
-        s->set_top_k(r->req.top_k());
-        s->set_seed(r->seed);
-        s->set_return_logprobs(r->req.return_logprobs());
-        s->set_max_tokens(r->req.max_tokens());
-        s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
-        running_[r->seq_id] = r;
-      }
-      for (const auto& [id, r] : running_) {
-        if (!r->adapter.empty()) in_use.insert(r->adapter);
-      }
-      if (!admitted.empty() || !ended.empty()) UpdateLoraInfo();  // the batch changed
-    }
-    for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
-    // The head of the queue needs a slot: swap it in between steps (waits while all slots are
-    // busy; nothing behind it is admitted meanwhile, so it cannot starve).
-    // Not while this step still has to remove sequences from the workers: a victim's slot can
-    // only be freed once no worker sequence uses it (the swap happens on the next pass).
-    if (!swap.empty() && step.remove().empty()) {
-      bool wait = false;
-      const absl::Status s = adapters_->SwapIn(swap, in_use, &wait);
-      if (!s.ok()) {
-        // The adapter is FAILED: its queued requests fail with the reason.
-        std::vector<std::shared_ptr<GenRequest>> failed;
-        {
-          MutexLock lock(&mu_);
-          for (auto p = pending_.begin(); p != pending_.end();) {
-            if ((*p)->adapter == swap) {
-              failed.push_back(*p);
-              p = pending_.erase(p);
-            } else {
-              ++p;
+        for (auto it = pending_.begin(); it != pending_.end();) {
+          const absl::Status s = Expiry(**it, now, "queued");
+          if (!s.ok()) {
+            ended.push_back({*it, s});
+            it = pending_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        // Strict FIFO admission.
+        while (!pending_.empty() &&
+               static_cast<int>(running_.size() + admitted.size()) < max_num_seqs_) {
+          std::shared_ptr<GenRequest> head = pending_.front();
+          if (!head->adapter.empty()) {
+            const AdapterManager::Residency res = adapters_->Admit(head->adapter, now);
+            if (res == AdapterManager::Residency::kGone) {
+              ended.push_back({head, absl::NotFoundError("adapter unloaded")});
+              pending_.pop_front();
+              continue;
+            }
+            if (res == AdapterManager::Residency::kNotResident) {
+              swap = head->adapter;
+              break;
             }
           }
-          metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
-          UpdateLoraInfo();
+          pending_.pop_front();
+          head->SetQueueSeconds(Seconds(now - head->arrival));
+          admitted.push_back(head);
         }
-        for (auto& r : failed) Finish(r, s, "");
-      } else if (!wait) {
-        Wake();  // resident now: admit it at once
+        metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+        metrics_->running.Set(static_cast<double>(running_.size() + admitted.size()));
+        for (auto& r : admitted) {
+          v1::SequenceSpec* s = step.add_add();
+          s->set_sequence_id(r->seq_id);
+          s->set_adapter_id(r->adapter_id);
+          s->mutable_prompt_token_ids()->CopyFrom(r->req.prompt_token_ids());
+          s->set_temperature(r->req.temperature());
+          s->set_top_p(r->req.top_p());
+          s->set_top_k(r->req.top_k());
+          s->set_seed(r->seed);
+          s->set_return_logprobs(r->req.return_logprobs());
+          s->set_max_tokens(r->req.max_tokens());
+          s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
+          running_[r->seq_id] = r;
+        }
+        for (const auto& [id, r] : running_) {
+          if (!r->adapter.empty()) in_use.insert(r->adapter);
+        }
+        if (!admitted.empty() || !ended.empty()) UpdateLoraInfo();  // the batch changed
       }
+      for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
+      // The head of the queue needs a slot: swap it in between steps (waits while all slots are
+      // busy; nothing behind it is admitted meanwhile, so it cannot starve).
+      // Not while this step still has to remove sequences from the workers: a victim's slot can
+      // only be freed once no worker sequence uses it (the swap happens on the next pass).
+      if (!swap.empty() && step.remove().empty()) {
+        bool wait = false;
+        const absl::Status s = adapters_->SwapIn(swap, in_use, &wait);
+        if (!s.ok()) {
+          // The adapter is FAILED: its queued requests fail with the reason.
+          std::vector<std::shared_ptr<GenRequest>> failed;
+          {
+            MutexLock lock(&mu_);
+            for (auto p = pending_.begin(); p != pending_.end();) {
+              if ((*p)->adapter == swap) {
+                failed.push_back(*p);
+                p = pending_.erase(p);
+              } else {
+                ++p;
+              }
+            }
+            metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+            UpdateLoraInfo();
+          }
+          for (auto& r : failed) Finish(r, s, "");
+        } else if (!wait) {
+          Wake();  // resident now: admit it at once
+        }
+      }
+      int nseq;
+      bool queued;
+      {
+        MutexLock lock(&mu_);
+        nseq = static_cast<int>(running_.size());
+        queued = !pending_.empty();
+      }
+      if (nseq == 0 && step.remove().empty()) continue;
+      step.set_step(++step_no_);
+      // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
+      // returns its first token at once, and a queued request is not held back by up to
+      // decode_steps_ steps. Stop strings and cancellations are seen between calls; the tokens a
+      // sequence produced past them are dropped (GenRequest keeps the text up to the stop).
+      if (decode_steps_ > 1 && admitted.empty() && !queued) step.set_decode_steps(decode_steps_);
     }
-    int nseq;
-    bool queued;
-    {
-      MutexLock lock(&mu_);
-      nseq = static_cast<int>(running_.size());
-      queued = !pending_.empty();
+    // A call sent ahead starts on the workers about when the call before it came back.
+    const bool sent_ahead = call != nullptr;
+    const auto call_start = sent_ahead ? last_return_ : Clock::now();
+    if (!sent_ahead && ran_on_) metrics_->scheduler_gap.Observe(Seconds(call_start - last_return_));
+    absl::StatusOr<v1::StepResponse> resp;
+    if (call_ahead_ && step.decode_steps() > 1 && step.add().empty() && step.remove().empty()) {
+      // A decode-only call: shortly before it should end, the next one goes out, to run on the
+      // workers right after it (after_step) instead of after the round trip. The lead covers the
+      // request's way to the workers; a request that arrives within it waits one call more.
+      if (call == nullptr) call = group_->StartStepAll(step);
+      const auto expected = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(step_seconds_ * step.decode_steps()));
+      const auto lead = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(kAheadLeadSeconds + 2 * call_overhead_seconds_));
+      if (!call->WaitUntil(call_start + expected - lead) && SendAheadAllowed(step.decode_steps())) {
+        ahead_req_.Clear();
+        ahead_req_.set_step(++step_no_);
+        ahead_req_.set_decode_steps(decode_steps_);
+        ahead_req_.set_after_step(step.step());
+        ahead_ = group_->StartStepAll(ahead_req_);
+        metrics_->calls_ahead.Increment();
+      }
+      resp = call->Get();
+    } else {
+      resp = group_->StepAll(step);
     }
-    if (nseq == 0 && step.remove().empty()) continue;
-    step.set_step(++step_no_);
-    // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
-    // returns its first token at once, and a queued request is not held back by up to
-    // decode_steps_ steps. Stop strings and cancellations are seen between calls; the tokens a
-    // sequence produced past them are dropped (GenRequest keeps the text up to the stop).
-    if (decode_steps_ > 1 && admitted.empty() && !queued) step.set_decode_steps(decode_steps_);
-    const auto call_start = Clock::now();
-    if (ran_on_) metrics_->scheduler_gap.Observe(Seconds(call_start - last_return_));
-    absl::StatusOr<v1::StepResponse> resp = group_->StepAll(step);
     last_return_ = Clock::now();
     ran_on_ = false;
+    if (!resp.ok() && ahead_ != nullptr) {
+      // The call sent after this one comes to nothing: cancelled while it waits (or its tokens,
+      // for sequences failed below, dropped).
+      ahead_->Cancel();
+      (void)ahead_->Get();
+      ahead_.reset();
+    }
     if (!resp.ok()) {
       const absl::StatusCode c = resp.status().code();
       std::vector<std::shared_ptr<GenRequest>> victims;
@@ -313,8 +351,13 @@ void Scheduler::Loop() {
     }
     metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
     metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
-    metrics_->worker_call_overhead.Observe(
-        std::max(0.0, Seconds(last_return_ - call_start) - resp->seconds()));
+    if (resp->steps() > 0 && resp->seconds() > 0) step_seconds_ = resp->seconds() / resp->steps();
+    if (!sent_ahead) {
+      // (A call sent ahead waited for its predecessor: its wall time says nothing of the RPCs.)
+      const double overhead = std::max(0.0, Seconds(last_return_ - call_start) - resp->seconds());
+      metrics_->worker_call_overhead.Observe(overhead);
+      call_overhead_seconds_ = 0.8 * call_overhead_seconds_ + 0.2 * std::min(overhead, 0.05);
+    }
     const auto now = Clock::now();
     // The call's tokens by sequence, in order, up to its finished one: each request takes them in
     // one AddTokens, so a streaming request's thread wakes once a call rather than once a token
@@ -360,6 +403,24 @@ void Scheduler::Loop() {
     }
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
   }
+  if (ahead_ != nullptr) {  // stopping: the call sent ahead is not waited for on the workers
+    ahead_->Cancel();
+    (void)ahead_->Get();
+    ahead_.reset();
+  }
+}
+
+bool Scheduler::SendAheadAllowed(int steps) {
+  if (stop_ || !serving_()) return false;
+  const auto now = Clock::now();
+  MutexLock lock(&mu_);
+  if (wake_ || !pending_.empty()) return false;
+  bool more = false;
+  for (const auto& [id, r] : running_) {
+    if (!Expiry(*r, now, "generating").ok() || r->stop_string) return false;
+    if (r->req.max_tokens() - static_cast<int64_t>(r->num_tokens()) > steps) more = true;
+  }
+  return more;
 }
 
 }  // namespace moelora

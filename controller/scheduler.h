@@ -4,8 +4,13 @@
 // request starves) → one StepAll → tokens to the requests; a failed step fails the joiners (a
 // refused joiner) or every running request (a dead rank).
 //
+// With --call-ahead, while nothing waits to join or leave, the next decode call goes out shortly
+// before the one in flight ends (StepRequest.after_step): the workers run it without waiting for
+// the round trip, and the pass that takes its outcome skips admission.
+//
 // Thread-safety: all public methods may be called from any thread. Lock order: the scheduler's
-// mutex before the adapter manager's; a request's mutex is never held with either.
+// mutex before the adapter manager's and before a request's (AddTokens, num_tokens); a request's
+// mutex is never held while taking the others.
 #ifndef MOELORA_CONTROLLER_SCHEDULER_H_
 #define MOELORA_CONTROLLER_SCHEDULER_H_
 
@@ -36,12 +41,12 @@ class Scheduler {
   // `batch_window`: an idle engine starts its first step once no request has arrived for this
   // long (0: at once), and at the latest `batch_window_max` after the first of them arrived.
   // `decode_steps`: steps per worker call (StepRequest.decode_steps) while no request is queued
-  // and none joins; 1 otherwise.
+  // and none joins; 1 otherwise. `call_ahead`: send such a call's successor before it ends.
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
             ControllerMetrics* metrics, std::function<bool()> serving,
             std::chrono::milliseconds batch_window = std::chrono::milliseconds(0),
             std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0),
-            int decode_steps = 1);
+            int decode_steps = 1, bool call_ahead = false);
   ~Scheduler();
 
   void Start();
@@ -57,6 +62,10 @@ class Scheduler {
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a decode call may go out ahead of the one in flight (of `steps` steps): serving,
+  // nothing queued or woken for, no running request expired, cancelled or stopped by a stop
+  // string, and one of them still to run after the call in flight.
+  bool SendAheadAllowed(int steps) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a request and releases its adapter.
   void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -66,6 +75,7 @@ class Scheduler {
   const std::chrono::milliseconds batch_window_;
   const std::chrono::milliseconds batch_window_max_;  // at least batch_window_
   const int decode_steps_;
+  const bool call_ahead_;
   const int max_loras_;
   AdapterManager* const adapters_;
   WorkerGroupInterface* const group_;
@@ -85,6 +95,14 @@ class Scheduler {
   // running after it (then the time to the next call is the scheduler's gap).
   std::chrono::steady_clock::time_point last_return_;
   bool ran_on_ = false;
+  // The loop's thread only: the decode call sent ahead and its request; the last worker step's
+  // seconds and a running mean of the calls' overhead (when to send the next one ahead).
+  std::unique_ptr<PendingStep> ahead_;
+  v1::StepRequest ahead_req_;
+  double step_seconds_ = 0;
+  double call_overhead_seconds_ = 0;
+  // The part of the lead that does not scale with the measured overhead (seconds).
+  static constexpr double kAheadLeadSeconds = 0.001;
   std::atomic<bool> stop_{false};
   std::thread loop_;
 };

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -337,67 +338,121 @@ void WorkerGroup::Monitor() {
   }
 }
 
+// One RPC to every rank, in flight on a completion queue of its own: started by the
+// constructor, answered through WaitUntil / Result on the owner's thread (no thread of its own).
+// `fail_fast`: the first failure cancels the other ranks' calls.
+template <typename Resp>
+class WorkerGroup::AllRankCall {
+ public:
+  template <typename Req>
+  AllRankCall(const std::vector<std::shared_ptr<v1::Worker::Stub>>& stubs,
+              std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
+                  grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
+              const Req& req, std::chrono::milliseconds timeout, bool fail_fast)
+      : n_(static_cast<int>(stubs.size())),
+        fail_fast_(fail_fast),
+        ctx_(n_),
+        resp_(n_),
+        status_(n_),
+        readers_(n_),
+        pending_(n_) {
+    const auto deadline = std::chrono::system_clock::now() + timeout;
+    for (int r = 0; r < n_; ++r) {
+      ctx_[r] = std::make_unique<grpc::ClientContext>();
+      ctx_[r]->set_deadline(deadline);
+      readers_[r] = ((*stubs[r]).*prepare)(ctx_[r].get(), req, &cq_);
+      readers_[r]->StartCall();
+      readers_[r]->Finish(&resp_[r], &status_[r],
+                          reinterpret_cast<void*>(static_cast<intptr_t>(r)));
+    }
+  }
+  ~AllRankCall() {
+    if (pending_ > 0) {
+      Cancel();
+      WaitUntil(std::chrono::system_clock::time_point::max());
+    }
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+  // Whether every rank has answered by `until`.
+  bool WaitUntil(std::chrono::system_clock::time_point until) {
+    while (pending_ > 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (until == std::chrono::system_clock::time_point::max()) {
+        if (!cq_.Next(&tag, &ok)) break;
+      } else {
+        const auto next = cq_.AsyncNext(&tag, &ok, until);
+        if (next == grpc::CompletionQueue::TIMEOUT) return false;
+        if (next == grpc::CompletionQueue::SHUTDOWN) break;
+      }
+      --pending_;
+      const int r = static_cast<int>(reinterpret_cast<intptr_t>(tag));
+      if (fail_fast_ && !cancelled_ && !status_[r].ok()) Cancel();
+    }
+    return true;
+  }
+  void Cancel() {
+    cancelled_ = true;
+    for (auto& c : ctx_) c->TryCancel();  // the others complete promptly as CANCELLED
+  }
+  // Every rank's answer (waits for them), or the first rank's error.
+  absl::StatusOr<std::vector<Resp>> Result(bool not_found_ok) {
+    WaitUntil(std::chrono::system_clock::time_point::max());
+    for (int r = 0; r < n_; ++r) {
+      if (not_found_ok && status_[r].error_code() == grpc::StatusCode::NOT_FOUND)
+        status_[r] = grpc::Status::OK;
+      if (!status_[r].ok() && status_[r].error_code() != grpc::StatusCode::CANCELLED) {
+        absl::Status s = FromGrpc(status_[r]);
+        return absl::Status(s.code(), absl::StrCat("worker rank ", r, ": ", s.message()));
+      }
+    }
+    for (int r = 0; r < n_; ++r) {
+      if (!status_[r].ok())
+        return absl::UnavailableError(absl::StrCat("worker rank ", r, " cancelled"));
+    }
+    return std::move(resp_);
+  }
+
+ private:
+  const int n_;
+  const bool fail_fast_;
+  grpc::CompletionQueue cq_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctx_;
+  std::vector<Resp> resp_;
+  std::vector<grpc::Status> status_;
+  std::vector<std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>>> readers_;
+  int pending_;
+  bool cancelled_ = false;
+};
+
+absl::Status WorkerGroup::Stubs(std::vector<std::shared_ptr<v1::Worker::Stub>>* stubs) const {
+  if (!serving_) return absl::UnavailableError("worker group is not ready");
+  {
+    MutexLock lock(&mu_);
+    for (const auto& r : ranks_) stubs->push_back(r->stub);
+  }
+  for (size_t r = 0; r < stubs->size(); ++r) {
+    if (!(*stubs)[r])
+      return absl::UnavailableError(absl::StrCat("worker rank ", r, " not connected"));
+  }
+  return absl::OkStatus();
+}
+
 template <typename Req, typename Resp>
 absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
     std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
         grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
     const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok) {
-  if (!serving_) return absl::UnavailableError("worker group is not ready");
-  std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
-  {
-    MutexLock lock(&mu_);
-    for (const auto& r : ranks_) stubs.push_back(r->stub);
-  }
-  const int n = static_cast<int>(stubs.size());
-  for (int r = 0; r < n; ++r) {
-    if (!stubs[r]) return absl::UnavailableError(absl::StrCat("worker rank ", r, " not connected"));
-  }
   // Asynchronous calls on one completion queue, from this thread: no thread per call, and the
   // first failure can cancel the others (fail fast) without waiting for a stuck rank.
-  grpc::CompletionQueue cq;
-  std::vector<std::unique_ptr<grpc::ClientContext>> ctx(n);
-  std::vector<Resp> resp(n);
-  std::vector<grpc::Status> status(n);
-  std::vector<std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>>> readers(n);
-  const auto deadline = std::chrono::system_clock::now() + timeout;
-  for (int r = 0; r < n; ++r) {
-    ctx[r] = std::make_unique<grpc::ClientContext>();
-    ctx[r]->set_deadline(deadline);
-    readers[r] = ((*stubs[r]).*prepare)(ctx[r].get(), req, &cq);
-    readers[r]->StartCall();
-    readers[r]->Finish(&resp[r], &status[r], reinterpret_cast<void*>(static_cast<intptr_t>(r)));
-  }
-  int pending = n;
-  bool cancelled = false;
-  while (pending > 0) {
-    void* tag = nullptr;
-    bool ok = false;
-    if (!cq.Next(&tag, &ok)) break;
-    --pending;
-    const int r = static_cast<int>(reinterpret_cast<intptr_t>(tag));
-    if (fail_fast && !cancelled && !status[r].ok()) {
-      cancelled = true;
-      for (auto& c : ctx) c->TryCancel();  // the others complete promptly as CANCELLED
-    }
-  }
-  cq.Shutdown();
-  void* tag;
-  bool ok;
-  while (cq.Next(&tag, &ok)) {
-  }
-  for (int r = 0; r < n; ++r) {
-    if (not_found_ok && status[r].error_code() == grpc::StatusCode::NOT_FOUND)
-      status[r] = grpc::Status::OK;
-    if (!status[r].ok() && status[r].error_code() != grpc::StatusCode::CANCELLED) {
-      absl::Status s = FromGrpc(status[r]);
-      return absl::Status(s.code(), absl::StrCat("worker rank ", r, ": ", s.message()));
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    if (!status[r].ok())
-      return absl::UnavailableError(absl::StrCat("worker rank ", r, " cancelled"));
-  }
-  return resp;
+  std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
+  if (absl::Status s = Stubs(&stubs); !s.ok()) return s;
+  AllRankCall<Resp> call(stubs, prepare, req, timeout, fail_fast);
+  return call.Result(not_found_ok);
 }
 
 absl::StatusOr<v1::StageAdapterResponse> WorkerGroup::StageAll(const v1::StageAdapterRequest& req) {
@@ -445,6 +500,44 @@ absl::StatusOr<std::vector<int64_t>> WorkerGroup::CommittedAdapterIds() {
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   return ids;
+}
+
+namespace {
+
+// A step call in flight on the scheduler's thread (WorkerGroup::StartStepAll).
+class StepInFlight final : public PendingStep {
+ public:
+  explicit StepInFlight(absl::Status failed) : failed_(std::move(failed)) {}
+  explicit StepInFlight(std::unique_ptr<WorkerGroup::StepCall> call) : call_(std::move(call)) {}
+  bool WaitUntil(std::chrono::steady_clock::time_point until) override {
+    if (call_ == nullptr) return true;
+    return call_->WaitUntil(std::chrono::system_clock::now() +
+                            std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                until - std::chrono::steady_clock::now()));
+  }
+  absl::StatusOr<v1::StepResponse> Get() override {
+    if (call_ == nullptr) return failed_;
+    auto r = call_->Result(false);
+    if (!r.ok()) return r.status();
+    return std::move((*r)[0]);
+  }
+  void Cancel() override {
+    if (call_ != nullptr) call_->Cancel();
+  }
+
+ private:
+  absl::Status failed_;
+  std::unique_ptr<WorkerGroup::StepCall> call_;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingStep> WorkerGroup::StartStepAll(const v1::StepRequest& req) {
+  std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
+  if (absl::Status s = Stubs(&stubs); !s.ok()) return std::make_unique<StepInFlight>(s);
+  const int steps = std::max(1, req.decode_steps()) * (req.after_step() != 0 ? 2 : 1);
+  return std::make_unique<StepInFlight>(std::make_unique<StepCall>(
+      stubs, &v1::Worker::Stub::PrepareAsyncStep, req, options_.step_timeout * steps, true));
 }
 
 absl::StatusOr<v1::StepResponse> WorkerGroup::StepAll(const v1::StepRequest& req) {

@@ -81,9 +81,19 @@ class WorkerGroup final : public WorkerGroupInterface {
   [[nodiscard]] absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() override;
   // Returns as soon as any rank fails (the others are cancelled) or when all have answered.
   [[nodiscard]] absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override;
+  // StepAll without a thread: the RPCs go out now, their answers come in through the result on
+  // the caller's thread; Cancel cancels them. A call sent ahead (after_step) gets the timeout of
+  // twice its steps: it may wait for a call of as many steps first.
+  [[nodiscard]] std::unique_ptr<PendingStep> StartStepAll(const v1::StepRequest& req) override;
+
+  template <typename Resp>
+  class AllRankCall;
+  using StepCall = AllRankCall<v1::StepResponse>;
 
  private:
   struct Rank;
+  // The ranks' stubs; UNAVAILABLE when the group is not ready or a rank is not connected.
+  absl::Status Stubs(std::vector<std::shared_ptr<v1::Worker::Stub>>* stubs) const;
   void Monitor();
   void SpawnAll();
   void KillAll();

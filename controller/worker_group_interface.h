@@ -6,13 +6,28 @@
 #ifndef MOELORA_CONTROLLER_WORKER_GROUP_INTERFACE_H_
 #define MOELORA_CONTROLLER_WORKER_GROUP_INTERFACE_H_
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "moelora/v1/worker.pb.h"
 
 namespace moelora {
+
+// A step call in flight (WorkerGroupInterface::StartStepAll). Thread-compatible: one owner.
+class PendingStep {
+ public:
+  virtual ~PendingStep() = default;
+  // Whether the outcome is there by `until` (waits until then at most).
+  virtual bool WaitUntil(std::chrono::steady_clock::time_point until) = 0;
+  // The outcome (waits for it); once.
+  [[nodiscard]] virtual absl::StatusOr<v1::StepResponse> Get() = 0;
+  // Asks the ranks to give the call up: one sent ahead (after_step) and still waiting for its
+  // predecessor ends CANCELLED without stepping; one already stepping runs to its end.
+  virtual void Cancel() = 0;
+};
 
 class WorkerGroupInterface {
  public:
@@ -34,6 +49,9 @@ class WorkerGroupInterface {
   // The adapters committed on any rank, ascending.
   [[nodiscard]] virtual absl::StatusOr<std::vector<int64_t>> CommittedAdapterIds() = 0;
   [[nodiscard]] virtual absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) = 0;
+  // StepAll without waiting: the call goes out now and its outcome comes through the result.
+  // This default runs StepAll on a thread of its own and cannot cancel.
+  [[nodiscard]] virtual std::unique_ptr<PendingStep> StartStepAll(const v1::StepRequest& req);
 };
 
 }  // namespace moelora

@@ -79,10 +79,14 @@ class ComputeThread {
     cv_.notify_all();
     thread_.join();
   }
-  // Runs f there and waits for it (at once when called from there).
+  // Runs f there and waits for it (at once when called from there). Tasks run in the order they
+  // were queued; `queued` (if any) is called once f is queued, before the wait.
   template <typename F>
-  auto Run(F&& f) -> decltype(f()) {
-    if (std::this_thread::get_id() == thread_.get_id()) return f();
+  auto Run(F&& f, const std::function<void()>& queued = nullptr) -> decltype(f()) {
+    if (std::this_thread::get_id() == thread_.get_id()) {
+      if (queued) queued();
+      return f();
+    }
     std::packaged_task<decltype(f())()> task(std::forward<F>(f));
     auto result = task.get_future();
     {
@@ -90,6 +94,7 @@ class ComputeThread {
       tasks_.push_back([&task] { task(); });
     }
     cv_.notify_all();
+    if (queued) queued();
     return result.get();
   }
 
@@ -403,22 +408,25 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
 
 absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSequence>& add,
                                                       const std::vector<int64_t>& remove, int steps,
-                                                      const std::function<void()>& before_step) {
-  return impl_->compute->Run([&]() -> absl::StatusOr<std::vector<StepOutput>> {
-    std::vector<StepOutput> outs;
-    for (int i = 0; i < std::max(steps, 1); ++i) {
-      if (i > 0) {
-        std::lock_guard<std::mutex> lock(impl_->step_mu);
-        if (impl_->running.empty()) break;
-      }
-      if (before_step) before_step();
-      absl::StatusOr<StepOutput> out =
-          i == 0 ? StepOnComputeThread(add, remove) : StepOnComputeThread({}, {});
-      if (!out.ok()) return out.status();
-      outs.push_back(std::move(*out));
-    }
-    return outs;
-  });
+                                                      const std::function<void()>& before_step,
+                                                      const std::function<void()>& queued) {
+  return impl_->compute->Run(
+      [&]() -> absl::StatusOr<std::vector<StepOutput>> {
+        std::vector<StepOutput> outs;
+        for (int i = 0; i < std::max(steps, 1); ++i) {
+          if (i > 0) {
+            std::lock_guard<std::mutex> lock(impl_->step_mu);
+            if (impl_->running.empty()) break;
+          }
+          if (before_step) before_step();
+          absl::StatusOr<StepOutput> out =
+              i == 0 ? StepOnComputeThread(add, remove) : StepOnComputeThread({}, {});
+          if (!out.ok()) return out.status();
+          outs.push_back(std::move(*out));
+        }
+        return outs;
+      },
+      queued);
 }
 
 absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequence>& add,

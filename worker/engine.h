@@ -143,10 +143,12 @@ class Engine {
   // thread, while a sequence runs, up to `steps` in all: one StepOutput per step run. A step
   // that fails ends the call with its error (the earlier steps' tokens are lost: the caller
   // fails the batch, as for one failed step). `before_step` (optional) runs on the compute thread
-  // before each step (the worker's --debug-step-delay-ms).
+  // before each step (the worker's --debug-step-delay-ms). `queued` (optional) is called once
+  // the call is queued on the compute thread, whose calls run in the order they were queued.
   [[nodiscard]] absl::StatusOr<std::vector<StepOutput>> Steps(
       const std::vector<NewSequence>& add, const std::vector<int64_t>& remove, int steps,
-      const std::function<void()>& before_step = nullptr);
+      const std::function<void()>& before_step = nullptr,
+      const std::function<void()>& queued = nullptr);
 
   EngineInfo Info() const;
 

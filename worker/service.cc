@@ -102,10 +102,12 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   Engine* e = engine();
   if (!e) return NotReady();
   if (req->after_step() != 0) {
-    // Sent ahead: wait for the call before it. Polled in slices, so that a cancelled call or one
-    // past its deadline gives up without stepping.
+    // Sent ahead: wait until the call before it is queued on the compute thread (at once, in the
+    // usual case: it is running), then queue behind it, so that the compute thread goes on to
+    // this call without a hand-off. Polled in slices, so that a cancelled call or one past its
+    // deadline gives up without stepping.
     std::unique_lock<std::mutex> lock(order_mu_);
-    while (last_ended_step_ != req->after_step()) {
+    while (passed_step_ != req->after_step()) {
       if (ctx->IsCancelled()) {
         return grpc::Status(
             grpc::StatusCode::CANCELLED,
@@ -113,26 +115,30 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
                          req->after_step()));
       }
       if (std::chrono::system_clock::now() >= ctx->deadline()) {
-        return grpc::Status(
-            grpc::StatusCode::DEADLINE_EXCEEDED,
-            absl::StrCat("step ", req->step(), " waited for step ", req->after_step(),
-                         ", which has not ended on this worker"));
+        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                            absl::StrCat("step ", req->step(), " waited for step ",
+                                         req->after_step(), ", which has not come to this worker"));
       }
       order_cv_.wait_for(lock, std::chrono::milliseconds(5));
     }
   }
-  // Whatever this call's outcome, a call sent ahead of it may run once it returns.
-  struct MarkEnded {
+  // This call has passed once its work is queued on the compute thread, or when it returns
+  // without having queued any (a call sent ahead of it may go then).
+  struct Pass {
     WorkerService* s;
     int64_t step;
-    ~MarkEnded() {
+    bool done = false;
+    void operator()() {
+      if (done) return;
+      done = true;
       {
         std::lock_guard<std::mutex> lock(s->order_mu_);
-        s->last_ended_step_ = step;
+        s->passed_step_ = step;
       }
       s->order_cv_.notify_all();
     }
-  } mark_ended{this, req->step()};
+    ~Pass() { (*this)(); }
+  } pass{this, req->step()};
   std::vector<NewSequence> add;
   for (const v1::SequenceSpec& s : req->add()) {
     NewSequence n;
@@ -155,7 +161,7 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   // many calls of one.
   std::function<void()> delay;
   if (step_delay_.count() > 0) delay = [d = step_delay_] { std::this_thread::sleep_for(d); };
-  auto out = e->Steps(add, remove, req->decode_steps(), delay);
+  auto out = e->Steps(add, remove, req->decode_steps(), delay, [&pass] { pass(); });
   if (!out.ok()) {
     if (out.status().code() == absl::StatusCode::kUnavailable && comm_ && comm_->world_size() > 1) {
       // A failed collective leaves this rank out of step with its peers for good: exit so the

@@ -54,11 +54,11 @@ class WorkerService final : public moelora::v1::Worker::Service {
   std::unique_ptr<Engine> owned_engine_;
   std::atomic<Engine*> engine_{nullptr};
   std::chrono::milliseconds step_delay_{0};
-  // The `step` of the last Step call that ended here: a call sent ahead (after_step) waits for
-  // its predecessor's.
+  // The `step` of the last Step call that queued its work on the compute thread (or returned
+  // without): a call sent ahead (after_step) waits for its predecessor's, then queues behind it.
   std::mutex order_mu_;
   std::condition_variable order_cv_;
-  int64_t last_ended_step_ = 0;
+  int64_t passed_step_ = 0;
   mutable std::mutex detail_mu_;
   std::string detail_ = "loading the model";
 };

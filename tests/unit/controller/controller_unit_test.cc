@@ -85,7 +85,8 @@ struct Harness {
   std::unique_ptr<Controller> c;
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
-                   int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1)
+                   int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1,
+                   bool call_ahead = false)
       : group(max_loras) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -100,6 +101,7 @@ struct Harness {
     o.batch_window_ms = batch_window_ms;
     o.batch_window_max_ms = batch_window_max_ms;
     o.decode_steps = decode_steps;
+    o.call_ahead = call_ahead;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -271,6 +273,45 @@ TEST(ControllerUnitTest, SeveralDecodeStepsACallGiveEachRequestItsTokensInOrder)
   // The burst joined in one step, the rest ran 4 steps a call: 1 + 2 calls for 9 tokens.
   EXPECT_EQ(h.group.adds_per_step(), std::vector<int>{5});
   EXPECT_EQ(h.group.step_calls(), 3);
+}
+
+// --call-ahead: decode calls go out before the call in flight ends and run after it; every
+// request still gets its own tokens in order, and one that joins meanwhile joins.
+TEST(ControllerUnitTest, CallsSentAheadGiveEachRequestItsTokensInOrder) {
+  Harness h(4, 64, "", 50, 1000, /*decode_steps=*/4, /*call_ahead=*/true);
+  h.group.set_step_delay(std::chrono::milliseconds(3));
+  auto want = [](const std::shared_ptr<GenRequest>& r, int n) {
+    std::vector<int32_t> w;
+    for (int g = 0; g < n; ++g) w.push_back(static_cast<int32_t>((r->seq_id * 7 + g) % 384));
+    return w;
+  };
+  const std::vector<int> max_tokens = {3, 9, 17, 30};
+  std::vector<std::shared_ptr<GenRequest>> rs;
+  for (int m : max_tokens) rs.push_back(h.Submit("", m));
+  ASSERT_TRUE(WaitUntil([&] { return rs[3]->num_tokens() >= 10; }));
+  auto joiner = h.Submit("", 6);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    ASSERT_OK(Harness::Wait(rs[i]));
+    EXPECT_EQ(rs[i]->GetResult().tokens, want(rs[i], max_tokens[i])) << "request " << i;
+  }
+  ASSERT_OK(Harness::Wait(joiner));
+  EXPECT_EQ(joiner->GetResult().tokens, want(joiner, 6));
+  EXPECT_GT(h.group.ahead_calls(), 0) << "no call was sent ahead";
+  EXPECT_EQ(h.metrics.calls_ahead.Value(), h.group.ahead_calls());
+}
+
+// A failed call with a call sent ahead of it: the running requests fail with UNAVAILABLE, the
+// call sent ahead is given up, and the next request runs.
+TEST(ControllerUnitTest, AFailedCallWithACallSentAheadFailsTheRunningRequestsAndServesOn) {
+  Harness h(1, 64, "", 0, 0, /*decode_steps=*/4, /*call_ahead=*/true);
+  h.group.set_step_delay(std::chrono::milliseconds(3));
+  auto r = h.Submit("", 60);
+  ASSERT_TRUE(WaitUntil([&] { return h.group.ahead_calls() > 1; }));
+  h.group.FailNextSteps(1);
+  EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
+  auto next = h.Submit("", 12);
+  ASSERT_OK(Harness::Wait(next));
+  EXPECT_EQ(next->num_tokens(), 12u);
 }
 
 TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {

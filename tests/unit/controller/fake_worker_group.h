@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <set>
@@ -93,8 +94,29 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     return std::vector<int64_t>(committed_.begin(), committed_.end());
   }
   [[nodiscard]] absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override {
-    if (step_delay_.count() > 0) std::this_thread::sleep_for(step_delay_);
-    std::lock_guard<std::mutex> l(mu_);
+    // A call sent ahead waits for the call it names, as a worker does.
+    std::unique_lock<std::mutex> l(mu_);
+    if (req.after_step() != 0) {
+      ++ahead_calls_;
+      if (!order_cv_.wait_for(l, std::chrono::seconds(10),
+                              [&] { return last_ended_ == req.after_step(); })) {
+        return absl::DeadlineExceededError("fake: the call before never ended");
+      }
+    }
+    struct MarkEnded {
+      FakeWorkerGroup* g;
+      int64_t step;
+      ~MarkEnded() {
+        g->last_ended_ = step;
+        g->order_cv_.notify_all();
+      }
+    } mark{this, req.step()};
+    if (step_delay_.count() > 0) {
+      const std::chrono::milliseconds delay = step_delay_;
+      l.unlock();
+      std::this_thread::sleep_for(delay * std::max(1, req.decode_steps()));
+      l.lock();
+    }
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");
     for (int64_t id : req.remove()) running_.erase(id);
     for (const v1::SequenceSpec& s : req.add()) {  // all or nothing, as the workers
@@ -138,7 +160,10 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   // Test controls and observations.
   void set_serving(bool s) { serving_ = s; }
   // Each step takes this long (so that a test can act while a sequence runs).
-  void set_step_delay(std::chrono::milliseconds d) { step_delay_ = d; }
+  void set_step_delay(std::chrono::milliseconds d) {
+    std::lock_guard<std::mutex> l(mu_);
+    step_delay_ = d;
+  }
   void FailNextUnloads(int n) {
     std::lock_guard<std::mutex> l(mu_);
     fail_unload_ = n;
@@ -179,6 +204,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     std::lock_guard<std::mutex> l(mu_);
     return admitted_adapters_;
   }
+  // Calls sent ahead (after_step set).
+  int ahead_calls() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return ahead_calls_;
+  }
   // StepAll calls that stepped.
   int step_calls() const {
     std::lock_guard<std::mutex> l(mu_);
@@ -215,6 +245,9 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::vector<int> adds_per_step_;  // sequences added by each step that added any
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
   int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0, step_calls_ = 0;
+  int ahead_calls_ = 0;
+  int64_t last_ended_ = 0;  // the step of the last StepAll that returned
+  std::condition_variable order_cv_;
 };
 
 }  // namespace moelora::testing
