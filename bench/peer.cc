@@ -200,6 +200,9 @@ struct Side {
   // steps (RPCs, hand-offs) and the scheduler's gaps between calls (sum, count).
   double call_overhead_sum = 0, gap_sum = 0;
   int64_t calls = 0, gaps = 0, ahead = 0;  // calls: those not sent ahead
+  // The worker's moelora_step_idle_seconds over the generate wave (sum, count).
+  double idle_sum = 0;
+  int64_t idles = 0;
   std::vector<std::vector<int32_t>> outputs;
 };
 
@@ -217,15 +220,19 @@ double MetricSum(const std::string& page, const std::string& name) {
   return v;
 }
 
-// The worker's (rank 0 of the first group) step seconds so far: (sum, count).
-std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
+// The worker's (rank 0 of the first group) `metric` (a histogram) so far: (sum, count).
+std::pair<double, int64_t> WorkerHistogram(const std::string& state_dir,
+                                           const std::string& metric = "moelora_step_seconds") {
   std::ifstream f(state_dir + "/run/group.1/port.0");
   if (!f) return {0, 0};
   const auto j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || !j.contains("metrics_port")) return {0, 0};
   const std::string page = testing::HttpGet(j["metrics_port"].get<int>(), "/metrics");
-  return {MetricSum(page, "moelora_step_seconds_sum"),
-          static_cast<int64_t>(MetricSum(page, "moelora_step_seconds_count"))};
+  return {MetricSum(page, metric + "_sum"),
+          static_cast<int64_t>(MetricSum(page, metric + "_count"))};
+}
+std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
+  return WorkerHistogram(state_dir);
 }
 
 // The controller's moelora_worker_call_overhead_seconds and moelora_scheduler_gap_seconds so
@@ -327,7 +334,9 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
       const double fl0 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
       const auto s1 = WorkerSteps(state_dir);
       const CallCosts k1 = ControllerCallCosts(c);
+      const auto i1 = WorkerHistogram(state_dir, "moelora_step_idle_seconds");
       const double gen = wave(cs.adapters, new_tokens, &outs);
+      const auto i2 = WorkerHistogram(state_dir, "moelora_step_idle_seconds");
       const CallCosts k2 = ControllerCallCosts(c);
       const auto s2 = WorkerSteps(state_dir);
       const double bw1 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
@@ -351,6 +360,8 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
       out->gap_sum = k2.gap - k1.gap;
       out->gaps = k2.gaps - k1.gaps;
       out->ahead = k2.ahead - k1.ahead;
+      out->idle_sum = i2.first - i1.first;
+      out->idles = i2.second - i1.second;
       out->seconds = gen;
       out->tok_s = static_cast<double>(batch) * new_tokens / gen;
       out->wave_prefill_tok_s = pf_tok_s;
@@ -631,12 +642,15 @@ int main(int argc, char** argv) {
             extra.push_back(absl::StrFormat(
                 "batch %d: the generate wave's %lld worker calls (%.1f steps a call), %lld sent "
                 "ahead; the others %.3f ms a call beyond their steps (RPCs, hand-offs), the "
-                "scheduler %.3f ms before each of %lld; %.2f ms a step in all",
+                "scheduler %.3f ms before each of %lld; %.2f ms a step in all; the worker idled "
+                "%.3f ms between calls (%lld), %.3f ms a step",
                 b, static_cast<long long>(all),
                 static_cast<double>(s.gen_steps) / static_cast<double>(all),
                 static_cast<long long>(s.ahead), s.call_overhead_sum / s.calls * 1e3,
                 s.gaps > 0 ? s.gap_sum / s.gaps * 1e3 : 0.0, static_cast<long long>(s.gaps),
-                (s.call_overhead_sum + s.gap_sum) / std::max<int64_t>(1, s.gen_steps) * 1e3));
+                (s.call_overhead_sum + s.gap_sum) / std::max<int64_t>(1, s.gen_steps) * 1e3,
+                s.idles > 0 ? s.idle_sum / s.idles * 1e3 : 0.0, static_cast<long long>(s.idles),
+                s.idle_sum / std::max<int64_t>(1, s.gen_steps) * 1e3));
           }
         } else {
           extra.push_back(mixed_line());

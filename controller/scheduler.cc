@@ -275,9 +275,11 @@ void Scheduler::Loop() {
       // sequence produced past them are dropped (GenRequest keeps the text up to the stop).
       if (decode_steps_ > 1 && admitted.empty() && !queued) step.set_decode_steps(decode_steps_);
     }
-    // A call sent ahead starts on the workers about when the call before it came back.
+    // A call sent ahead starts on the workers when the call before it ends there: estimated when
+    // it was sent (its predecessor's answer can come back late: the worker's compute thread goes
+    // straight on to this call and the answer's thread waits for a core, up to a step).
     const bool sent_ahead = call != nullptr;
-    const auto call_start = sent_ahead ? last_return_ : Clock::now();
+    const auto call_start = sent_ahead ? ahead_start_ : Clock::now();
     if (!sent_ahead && ran_on_) metrics_->scheduler_gap.Observe(Seconds(call_start - last_return_));
     absl::StatusOr<v1::StepResponse> resp;
     if (call_ahead_ && step.decode_steps() > 1 && step.add().empty() && step.remove().empty()) {
@@ -290,6 +292,7 @@ void Scheduler::Loop() {
       const auto lead = std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(kAheadLeadSeconds + 2 * call_overhead_seconds_));
       if (!call->WaitUntil(call_start + expected - lead) && SendAheadAllowed(step.decode_steps())) {
+        ahead_start_ = std::max(Clock::now(), call_start + expected);
         ahead_req_.Clear();
         ahead_req_.set_step(++step_no_);
         ahead_req_.set_decode_steps(decode_steps_);
@@ -351,7 +354,10 @@ void Scheduler::Loop() {
     }
     metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
     metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
-    if (resp->steps() > 0 && resp->seconds() > 0) step_seconds_ = resp->seconds() / resp->steps();
+    // The decode step's time (a prefill step, with joiners, says nothing of it).
+    if (step.add().empty() && resp->steps() > 0 && resp->seconds() > 0) {
+      step_seconds_ = resp->seconds() / resp->steps();
+    }
     if (!sent_ahead) {
       // (A call sent ahead waited for its predecessor: its wall time says nothing of the RPCs.)
       const double overhead = std::max(0.0, Seconds(last_return_ - call_start) - resp->seconds());

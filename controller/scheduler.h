@@ -99,6 +99,7 @@ class Scheduler {
   // seconds and a running mean of the calls' overhead (when to send the next one ahead).
   std::unique_ptr<PendingStep> ahead_;
   v1::StepRequest ahead_req_;
+  std::chrono::steady_clock::time_point ahead_start_;  // when it should start on the workers
   double step_seconds_ = 0;
   double call_overhead_seconds_ = 0;
   // The part of the lead that does not scale with the measured overhead (seconds).

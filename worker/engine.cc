@@ -135,6 +135,8 @@ struct Engine::Impl {
     int generated = 0;
   };
   mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
+  // When the last Steps call's work ended (compute thread; under step_mu).
+  std::optional<std::chrono::steady_clock::time_point> last_steps_end;
   std::deque<Sequence> running;
 
   struct AdapterEntry {
@@ -412,6 +414,14 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSeque
                                                       const std::function<void()>& queued) {
   return impl_->compute->Run(
       [&]() -> absl::StatusOr<std::vector<StepOutput>> {
+        const auto start = std::chrono::steady_clock::now();
+        double idle = -1;
+        {
+          std::lock_guard<std::mutex> lock(impl_->step_mu);
+          if (!impl_->running.empty() && impl_->last_steps_end) {
+            idle = std::chrono::duration<double>(start - *impl_->last_steps_end).count();
+          }
+        }
         std::vector<StepOutput> outs;
         for (int i = 0; i < std::max(steps, 1); ++i) {
           if (i > 0) {
@@ -423,6 +433,11 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSeque
               i == 0 ? StepOnComputeThread(add, remove) : StepOnComputeThread({}, {});
           if (!out.ok()) return out.status();
           outs.push_back(std::move(*out));
+        }
+        if (!outs.empty()) outs.front().idle_before_seconds = idle;
+        {
+          std::lock_guard<std::mutex> lock(impl_->step_mu);
+          impl_->last_steps_end = std::chrono::steady_clock::now();
         }
         return outs;
       },

@@ -74,6 +74,10 @@ struct StepOutput {
   int batch_tokens = 0;
   int distinct_adapters = 0;  // adapters in the batch (base model not counted)
   double seconds = 0;
+  // The first step of a Steps call that continued sequences left running by the call before
+  // it: how long the compute thread waited between the two (the round trip to the controller;
+  // -1 otherwise).
+  double idle_before_seconds = -1;
 };
 
 struct StageResult {

@@ -41,6 +41,16 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
                        .Labels(rl)
                        .Register(*registry_)
                        .Add({}, SecondsBuckets());
+  step_idle_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("moelora_step_idle_seconds")
+           .Help(
+               "Time the compute thread waited between two step calls while sequences ran "
+               "(the round trip to the controller; --call-ahead hides it)")
+           .Labels(rl)
+           .Register(*registry_)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.0002, 0.0005, 0.001,
+                                                            0.002, 0.005, 0.01, 0.05, 0.5});
   batch_size_ = &prometheus::BuildHistogram()
                      .Name("moelora_batch_size")
                      .Help("Tokens in one step's forward pass")
@@ -104,6 +114,8 @@ void WorkerMetrics::SetHostCache(int adapters, int64_t bytes) {
   adapters_->Add({{"state", "host_cached"}}).Set(adapters);
   host_cache_bytes_->Set(static_cast<double>(bytes));
 }
+
+void WorkerMetrics::StepIdle(double seconds) { step_idle_seconds_->Observe(seconds); }
 
 void WorkerMetrics::StepDone(int batch_tokens, int distinct, double seconds, int generated,
                              int running) {

@@ -30,6 +30,8 @@ class WorkerMetrics {
   void SetHostCache(int adapters, int64_t bytes);
   void StepDone(int batch_tokens, int distinct_adapters, double seconds, int generated,
                 int running);
+  // The compute thread's wait between two step calls while sequences ran.
+  void StepIdle(double seconds);
   void SetReady(bool ready);
 
  private:
@@ -39,6 +41,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Gauge>* adapters_;
   prometheus::Gauge* host_cache_bytes_;
   prometheus::Histogram* step_seconds_;
+  prometheus::Histogram* step_idle_seconds_;
   prometheus::Histogram* batch_size_;
   prometheus::Histogram* batch_distinct_;
   prometheus::Counter* generated_;

@@ -175,6 +175,7 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   double seconds = 0;
   for (size_t i = 0; i < out->size(); ++i) {
     const StepOutput& o = (*out)[i];
+    if (o.idle_before_seconds >= 0) metrics_->StepIdle(o.idle_before_seconds);
     for (const TokenOut& t : o.tokens) {
       v1::SequenceToken* p = resp->add_tokens();
       p->set_sequence_id(t.sequence_id);

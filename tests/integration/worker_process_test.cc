@@ -329,6 +329,8 @@ TEST(WorkerProcessTest, MetricsReportAdapterLoadPhasesAndTokens) {
   EXPECT_THAT(m, HasSubstr("moelora_generated_tokens_total{rank=\"0\"} 6"));
   EXPECT_THAT(m, HasSubstr("moelora_adapters{rank=\"0\",state=\"loaded\"} 1"));
   EXPECT_THAT(m, HasSubstr("moelora_batch_distinct_adapters_count{rank=\"0\"} 3"));
+  // The two calls that continued running sequences (the prefill's found none running).
+  EXPECT_THAT(m, HasSubstr("moelora_step_idle_seconds_count{rank=\"0\"} 2"));
   grpc::ClientContext ctx;
   v1::WorkerInfoResponse info;
   ASSERT_TRUE(g.stub(0).Info(&ctx, {}, &info).ok());
