@@ -79,10 +79,22 @@ class ComputeThread {
     cv_.notify_all();
     thread_.join();
   }
+  // The reply of the last task run with `replied` is on its way.
+  void Replied() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      awaiting_reply_ = false;
+    }
+    cv_.notify_all();
+  }
   // Runs f there and waits for it (at once when called from there). Tasks run in the order they
   // were queued; `queued` (if any) is called once f is queued, before the wait.
+  // `replied`: after f the thread waits (up to kReplyWait) for Replied(), before the next task:
+  // the caller's gRPC thread then sends its reply on a free core instead of waiting for one
+  // while the next call (sent ahead) keeps both busy (replies came up to two steps late).
   template <typename F>
-  auto Run(F&& f, const std::function<void()>& queued = nullptr) -> decltype(f()) {
+  auto Run(F&& f, const std::function<void()>& queued = nullptr, bool replied = false)
+      -> decltype(f()) {
     if (std::this_thread::get_id() == thread_.get_id()) {
       if (queued) queued();
       return f();
@@ -91,7 +103,13 @@ class ComputeThread {
     auto result = task.get_future();
     {
       std::lock_guard<std::mutex> l(mu_);
-      tasks_.push_back([&task] { task(); });
+      tasks_.push_back([this, &task, replied] {
+        if (replied) {
+          std::lock_guard<std::mutex> l(mu_);
+          awaiting_reply_ = true;
+        }
+        task();
+      });
     }
     cv_.notify_all();
     if (queued) queued();
@@ -111,9 +129,16 @@ class ComputeThread {
         tasks_.pop_front();
       }
       t();
+      std::unique_lock<std::mutex> l(mu_);
+      if (awaiting_reply_) {
+        cv_.wait_for(l, kReplyWait, [this] { return !awaiting_reply_ || stop_; });
+        awaiting_reply_ = false;
+      }
     }
   }
+  static constexpr std::chrono::microseconds kReplyWait{1000};
   std::mutex mu_;
+  bool awaiting_reply_ = false;  // under mu_
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
@@ -441,8 +466,10 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSeque
         }
         return outs;
       },
-      queued);
+      queued, /*replied=*/true);
 }
+
+void Engine::StepsReplied() { impl_->compute->Replied(); }
 
 absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequence>& add,
                                                        const std::vector<int64_t>& remove) {

@@ -162,6 +162,11 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   std::function<void()> delay;
   if (step_delay_.count() > 0) delay = [d = step_delay_] { std::this_thread::sleep_for(d); };
   auto out = e->Steps(add, remove, req->decode_steps(), delay, [&pass] { pass(); });
+  // The reply is built below; then the compute thread may go on (it waits for this).
+  struct Replied {
+    Engine* e;
+    ~Replied() { e->StepsReplied(); }
+  } replied{e};
   if (!out.ok()) {
     if (out.status().code() == absl::StatusCode::kUnavailable && comm_ && comm_->world_size() > 1) {
       // A failed collective leaves this rank out of step with its peers for good: exit so the
