@@ -282,19 +282,16 @@ void Scheduler::Loop() {
     const auto call_start = sent_ahead ? ahead_start_ : Clock::now();
     if (!sent_ahead && ran_on_) metrics_->scheduler_gap.Observe(Seconds(call_start - last_return_));
     absl::StatusOr<v1::StepResponse> resp;
-    if (call_ahead_) {
-      // Shortly before this call should end, the next decode call goes out, to run on the
+    if (call_ahead_ && step.decode_steps() > 1 && step.add().empty() && step.remove().empty()) {
+      // A decode-only call: shortly before it should end, the next one goes out, to run on the
       // workers right after it (after_step) instead of after the round trip. The lead covers the
-      // request's way to the workers; a request that arrives within it waits one call more. (A
-      // call with joiners prefills: it takes longer than the decode steps the estimate counts,
-      // so the next call goes out early and waits on the workers.)
-      const int steps = std::max(1, step.decode_steps());
+      // request's way to the workers; a request that arrives within it waits one call more.
       if (call == nullptr) call = group_->StartStepAll(step);
       const auto expected = std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(step_seconds_ * steps));
+          std::chrono::duration<double>(step_seconds_ * step.decode_steps()));
       const auto lead = std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(kAheadLeadSeconds + 2 * call_overhead_seconds_));
-      if (!call->WaitUntil(call_start + expected - lead) && SendAheadAllowed(steps)) {
+      if (!call->WaitUntil(call_start + expected - lead) && SendAheadAllowed(step.decode_steps())) {
         ahead_start_ = std::max(Clock::now(), call_start + expected);
         ahead_req_.Clear();
         ahead_req_.set_step(++step_no_);
@@ -309,16 +306,9 @@ void Scheduler::Loop() {
     }
     last_return_ = Clock::now();
     ran_on_ = false;
-    // The workers refused a joiner and did not step: the running sequences go on (in the call
-    // sent after this one, if any, which then runs as this one's successor and is taken next).
-    const bool refused =
-        !resp.ok() && (resp.status().code() == absl::StatusCode::kInvalidArgument ||
-                       resp.status().code() == absl::StatusCode::kNotFound ||
-                       resp.status().code() == absl::StatusCode::kAlreadyExists ||
-                       resp.status().code() == absl::StatusCode::kResourceExhausted);
-    if (!resp.ok() && !refused && ahead_ != nullptr) {
-      // Every running request fails below: the call sent after this one comes to nothing
-      // (cancelled while it waits, or its tokens dropped).
+    if (!resp.ok() && ahead_ != nullptr) {
+      // The call sent after this one comes to nothing: cancelled while it waits (or its tokens,
+      // for sequences failed below, dropped).
       ahead_->Cancel();
       (void)ahead_->Get();
       ahead_.reset();
@@ -328,7 +318,8 @@ void Scheduler::Loop() {
       std::vector<std::shared_ptr<GenRequest>> victims;
       {
         MutexLock lock(&mu_);
-        if (refused) {
+        if (c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound ||
+            c == absl::StatusCode::kAlreadyExists || c == absl::StatusCode::kResourceExhausted) {
           // The workers refused a joiner and did not step: fail the joiners only.
           for (auto& r : admitted) {
             running_.erase(r->seq_id);

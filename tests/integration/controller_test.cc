@@ -276,19 +276,15 @@ TEST_F(ControllerTest, DecodeStepsChangeNoTokenAndJoinersStillJoin) {
     ASSERT_GT(calls, 0) << m;
     // Every call's RPC overhead is observed but for the calls sent ahead (--call-ahead, on by
     // default: their wall time includes their predecessor's), and the scheduler's gap before
-    // each call not sent ahead that continued running sequences: a call after the first of a
-    // burst comes one way or the other.
+    // each call that continued running sequences.
     const double ahead = Sample(m, "moelora_worker_calls_ahead_total");
     ASSERT_GE(ahead, 0) << m;
     EXPECT_EQ(Sample(m, "moelora_worker_call_overhead_seconds_count") + ahead, calls) << m;
     EXPECT_GT(Sample(m, "moelora_worker_call_overhead_seconds_sum"), 0) << m;
     const double gaps = Sample(m, "moelora_scheduler_gap_seconds_count");
-    ASSERT_GE(gaps, 0) << m;
-    EXPECT_GT(gaps + ahead, 0) << m;
+    EXPECT_GT(gaps, 0) << m;
     EXPECT_LT(gaps, calls) << "the first call of a burst follows no running call";
-    if (gaps > 0) {
-      EXPECT_GT(Sample(m, "moelora_scheduler_gap_seconds_sum"), 0) << m;
-    }
+    EXPECT_GT(Sample(m, "moelora_scheduler_gap_seconds_sum"), 0) << m;
     if (steps == "1") {
       EXPECT_EQ(single, calls);
     } else {

@@ -300,27 +300,6 @@ TEST(ControllerUnitTest, CallsSentAheadGiveEachRequestItsTokensInOrder) {
   EXPECT_EQ(h.metrics.calls_ahead.Value(), h.group.ahead_calls());
 }
 
-// A call with a joiner that the workers refuse, with a call sent ahead of it: the joiner fails
-// alone, and the running request takes the call sent ahead's tokens, in order, to its end.
-TEST(ControllerUnitTest, ARefusedJoinerWithACallSentAheadFailsAloneAndTheOthersGoOn) {
-  Harness h(4, 64, "", 0, 0, /*decode_steps=*/4, /*call_ahead=*/true);
-  h.group.set_step_delay(std::chrono::milliseconds(3));
-  auto a = h.Submit("", 40);
-  ASSERT_TRUE(WaitUntil([&] { return a->num_tokens() >= 5; }));
-  const int ahead_before = h.group.ahead_calls();
-  h.group.RefuseNextJoins(1);
-  auto b = h.Submit("", 5);
-  EXPECT_EQ(Harness::Wait(b).code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_OK(Harness::Wait(a));
-  std::vector<int32_t> want;
-  for (int g = 0; g < 40; ++g) want.push_back(static_cast<int32_t>((a->seq_id * 7 + g) % 384));
-  EXPECT_EQ(a->GetResult().tokens, want);
-  EXPECT_GT(h.group.ahead_calls(), ahead_before);
-  auto c = h.Submit("", 6);
-  ASSERT_OK(Harness::Wait(c));
-  EXPECT_EQ(c->num_tokens(), 6u);
-}
-
 // A failed call with a call sent ahead of it: the running requests fail with UNAVAILABLE, the
 // call sent ahead is given up, and the next request runs.
 TEST(ControllerUnitTest, AFailedCallWithACallSentAheadFailsTheRunningRequestsAndServesOn) {

@@ -118,9 +118,6 @@ class FakeWorkerGroup : public WorkerGroupInterface {
       l.lock();
     }
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");
-    if (req.add_size() > 0 && refuse_join_ > 0 && refuse_join_--) {
-      return absl::InvalidArgumentError("fake: a joiner refused");  // nothing changes
-    }
     for (int64_t id : req.remove()) running_.erase(id);
     for (const v1::SequenceSpec& s : req.add()) {  // all or nothing, as the workers
       if (s.adapter_id() != 0 && !committed_.count(s.adapter_id())) {
@@ -166,11 +163,6 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   void set_step_delay(std::chrono::milliseconds d) {
     std::lock_guard<std::mutex> l(mu_);
     step_delay_ = d;
-  }
-  // The next n calls with joiners fail with INVALID_ARGUMENT and change nothing.
-  void RefuseNextJoins(int n) {
-    std::lock_guard<std::mutex> l(mu_);
-    refuse_join_ = n;
   }
   void FailNextUnloads(int n) {
     std::lock_guard<std::mutex> l(mu_);
@@ -254,7 +246,6 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
   int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0, step_calls_ = 0;
   int ahead_calls_ = 0;
-  int refuse_join_ = 0;
   int64_t last_ended_ = 0;  // the step of the last StepAll that returned
   std::condition_variable order_cv_;
 };
