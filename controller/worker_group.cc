@@ -349,7 +349,8 @@ class WorkerGroup::AllRankCall {
               std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
                   grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
               const Req& req, std::chrono::milliseconds timeout, bool fail_fast)
-      : n_(static_cast<int>(stubs.size())),
+      : stubs_(stubs),
+        n_(static_cast<int>(stubs.size())),
         fail_fast_(fail_fast),
         ctx_(n_),
         resp_(n_),
@@ -418,6 +419,8 @@ class WorkerGroup::AllRankCall {
   }
 
  private:
+  // Kept for the calls' lifetime (a group restart replaces the ranks' stubs meanwhile).
+  const std::vector<std::shared_ptr<v1::Worker::Stub>> stubs_;
   const int n_;
   const bool fail_fast_;
   grpc::CompletionQueue cq_;
