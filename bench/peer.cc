@@ -231,9 +231,6 @@ std::pair<double, int64_t> WorkerHistogram(const std::string& state_dir,
   return {MetricSum(page, metric + "_sum"),
           static_cast<int64_t>(MetricSum(page, metric + "_count"))};
 }
-std::pair<double, int64_t> WorkerSteps(const std::string& state_dir) {
-  return WorkerHistogram(state_dir);
-}
 
 // The controller's moelora_worker_call_overhead_seconds and moelora_scheduler_gap_seconds so
 // far, and moelora_worker_calls_ahead_total.
@@ -310,9 +307,9 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
     std::vector<std::string> steps;
     int split = 0;
     for (int i = 0; i < prefill_waves; ++i) {
-      const auto s0 = WorkerSteps(state_dir);
+      const auto s0 = WorkerHistogram(state_dir);
       const double t = wave(cases[0].adapters, 1, &scratch);
-      const auto s1 = WorkerSteps(state_dir);
+      const auto s1 = WorkerHistogram(state_dir);
       if (t < 0) return false;
       times.push_back(t);
       steps.push_back(std::to_string(s1.second - s0.second));
@@ -328,17 +325,17 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
   for (int r = 0; r < repeat; ++r) {
     for (const Case& cs : cases) {
       Side* out = cs.out;
-      const auto s0 = WorkerSteps(state_dir);
+      const auto s0 = WorkerHistogram(state_dir);
       const double pf = wave(cs.adapters, 1, &scratch);
       const double bw0 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
       const double fl0 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
-      const auto s1 = WorkerSteps(state_dir);
+      const auto s1 = WorkerHistogram(state_dir);
       const CallCosts k1 = ControllerCallCosts(c);
       const auto i1 = WorkerHistogram(state_dir, "moelora_step_idle_seconds");
       const double gen = wave(cs.adapters, new_tokens, &outs);
       const auto i2 = WorkerHistogram(state_dir, "moelora_step_idle_seconds");
       const CallCosts k2 = ControllerCallCosts(c);
-      const auto s2 = WorkerSteps(state_dir);
+      const auto s2 = WorkerHistogram(state_dir);
       const double bw1 = cs.probe != nullptr ? cs.probe->GBs() : 0.0;
       const double fl1 = cs.probe != nullptr && cs.compute ? cs.compute() : 0.0;
       if (pf < 0 || gen < 0) return false;

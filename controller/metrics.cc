@@ -5,6 +5,10 @@ namespace {
 prometheus::Histogram::BucketBoundaries Seconds() {
   return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 }
+// The controller/worker round trip's pieces: 50 us to 50 ms.
+prometheus::Histogram::BucketBoundaries RoundTripBuckets() {
+  return {0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05};
+}
 }  // namespace
 
 ControllerMetrics::ControllerMetrics()
@@ -59,16 +63,14 @@ ControllerMetrics::ControllerMetrics()
               .Help("A step call's time beyond the steps rank 0 reports: the RPCs and the "
                     "workers' hand-offs to and from their compute threads")
               .Register(*registry_)
-              .Add({}, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.0002, 0.0005,
-                                                               0.001, 0.002, 0.005, 0.01, 0.05})),
+              .Add({}, RoundTripBuckets())),
       scheduler_gap(
           prometheus::BuildHistogram()
               .Name("moelora_scheduler_gap_seconds")
               .Help("From a step call's return to the next call while sequences run: the "
                     "scheduler's handling of the tokens and its admission pass (the workers idle)")
               .Register(*registry_)
-              .Add({}, prometheus::Histogram::BucketBoundaries{0.00005, 0.0001, 0.0002, 0.0005,
-                                                               0.001, 0.002, 0.005, 0.01, 0.05})),
+              .Add({}, RoundTripBuckets())),
       calls_ahead(prometheus::BuildCounter()
                       .Name("moelora_worker_calls_ahead_total")
                       .Help("Decode calls sent before the call in flight ended (--call-ahead)")
