@@ -8,7 +8,7 @@
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
-//               [--ab-attention-row-prefetch 1]
+//               [--ab-attention-row-prefetch 1] [--ab-row-stream-nta 1]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -32,6 +32,8 @@
 // at 5-8 x rows (SkinnyRowStreamFarPrefetchBytes, into L2) and BYTES (0: none).
 // --ab-attention-row-prefetch 1: the same, between the decode attention's whole-row prefetch for
 // the other KV heads (SetDecodeAttentionRowPrefetch) on and off.
+// --ab-row-stream-nta 1: the same, between the row streams' prefetches with the non-temporal hint
+// and with the L1 / L2 ones (SetSkinnyRowStreamNonTemporal).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -416,11 +418,12 @@ struct Case {
 // ab[1]); or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); or
 // with ab_prefetch >= 0, the CPU's prefetch distance (even) and ab_prefetch bytes (odd); or with
 // ab_far >= 0, the same for the far prefetch; or with ab_attention, the attention's row prefetch
-// on (even) and off (odd); each step's seconds appended.
+// on (even) and off (odd); or with ab_nta, the row streams' non-temporal prefetch hint on (even)
+// and off (odd); each step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
                   int64_t* next_id, double* prefill = nullptr,
                   std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0, int64_t ab_prefetch = -1,
-                  int64_t ab_far = -1, bool ab_attention = false) {
+                  int64_t ab_far = -1, bool ab_attention = false, bool ab_nta = false) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -443,6 +446,8 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     for (int s = 0; s < steps; ++s) {
       if (ab != nullptr && ab_attention) {
         SetDecodeAttentionRowPrefetch(s % 2 == 0);
+      } else if (ab != nullptr && ab_nta) {
+        SetSkinnyRowStreamNonTemporal(s % 2 == 0 ? 1 : 0);
       } else if (ab != nullptr && ab_prefetch >= 0) {
         SetSkinnyRowStreamPrefetchBytes(s % 2 == 0 ? -1 : ab_prefetch);
       } else if (ab != nullptr && ab_far >= 0) {
@@ -462,6 +467,7 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
       SetSkinnyRowStreamPrefetchBytes(-1);
       SetSkinnyRowStreamFarPrefetchBytes(-1);
       SetDecodeAttentionRowPrefetch(true);
+      SetSkinnyRowStreamNonTemporal(-1);
     }
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
@@ -480,6 +486,7 @@ struct RunFlags {
   int64_t ab_prefetch = -1;   // --ab-row-stream-prefetch
   int64_t ab_far = -1;        // --ab-row-stream-far-prefetch
   bool ab_attention = false;  // --ab-attention-row-prefetch
+  bool ab_nta = false;        // --ab-row-stream-nta
 };
 
 double Median(std::vector<double> v) {
@@ -519,12 +526,12 @@ void Run(const std::string& label, const std::string& model,
     for (int i = 0; i < b_size; ++i) eight[i] = 1 + i % 8;
     double prefill = 0;
     std::vector<double> ab[2];
-    const double a = TimeDecode(
-        **engine, none, steps, repeat, vocab, &next_id, &prefill,
-        f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 || f.ab_far >= 0 || f.ab_attention
-            ? &ab
-            : nullptr,
-        f.ab_rows, f.ab_prefetch, f.ab_far, f.ab_attention);
+    const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
+                                f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 ||
+                                        f.ab_far >= 0 || f.ab_attention || f.ab_nta
+                                    ? &ab
+                                    : nullptr,
+                                f.ab_rows, f.ab_prefetch, f.ab_far, f.ab_attention, f.ab_nta);
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -539,7 +546,14 @@ void Run(const std::string& label, const std::string& model,
     for (size_t i = 0; i < ab[0].size() && i < ab[1].size(); ++i) {
       ratios.push_back(ab[0][i] / ab[1][i]);
     }
-    if (f.ab_attention) {
+    if (f.ab_nta) {
+      std::printf(
+          "%-7s batch %3d  (a) steps alternating: row streams prefetching non-temporal "
+          "%.3f ms, with the L1 / L2 hints %.3f ms (medians), median ratio of neighbouring steps "
+          "%.3f (%zu pairs)\n",
+          label.c_str(), b_size, Median(ab[0]) * 1e3, Median(ab[1]) * 1e3, Median(ratios),
+          ratios.size());
+    } else if (f.ab_attention) {
       std::printf(
           "%-7s batch %3d  (a) steps alternating: the attention's whole-row prefetch on %.3f ms, "
           "off %.3f ms (medians), median ratio of neighbouring steps %.3f (%zu pairs)\n",
@@ -587,7 +601,7 @@ int main(int argc, char** argv) {
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
       "[--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES] "
-      "[--ab-attention-row-prefetch 1]\n";
+      "[--ab-attention-row-prefetch 1] [--ab-row-stream-nta 1]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -616,6 +630,8 @@ int main(int argc, char** argv) {
       f.ab_row_streams = v != "0";
     } else if (flag == "--ab-attention-row-prefetch") {
       f.ab_attention = v != "0";
+    } else if (flag == "--ab-row-stream-nta") {
+      f.ab_nta = v != "0";
     } else if (flag == "--ab-row-stream-rows") {
       f.ab_rows = std::atoi(v.c_str());
       if (f.ab_rows < 1 || f.ab_rows > 8) {
@@ -634,7 +650,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) + f.ab_attention >
+  if (f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) + f.ab_attention +
+          f.ab_nta >
       1) {
     std::fprintf(stderr, "decode_step: one --ab-* flag at a time\n%s", usage);
     return 2;

@@ -84,6 +84,14 @@ void SetSkinnyRowStreamPrefetchBytes(int64_t bytes);
 // CPU's default again), for the tests and for bench/decode_step --ab-row-stream-far-prefetch.
 int64_t SkinnyRowStreamFarPrefetchBytes();
 void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes);
+// Whether the row streams' prefetches (both distances) use the non-temporal hint (prefetchnta)
+// rather than the L1 / L2 ones: a row stream reads each weight row once a call, so its lines need
+// not displace what the caches hold. By CPU as measured: on AMD Zen 5 and later, off elsewhere
+// (not measured there). MOELORA_SKINNY_PREFETCH_NTA=0 or 1 at
+// start replaces the default (other values are ignored); SetSkinnyRowStreamNonTemporal overrides
+// it (-1: the default again), for the tests and for bench/decode_step --ab-row-stream-nta.
+bool SkinnyRowStreamNonTemporal();
+void SetSkinnyRowStreamNonTemporal(int on);
 
 // Output columns [n0, n1) of y = x · wᵀ. Needs SkinnyGemmAvailable(); 0 <= n0 <= n1 <= n.
 void SkinnyGemmRows(const SkinnyGemmArgs& a, int64_t n0, int64_t n1);

@@ -266,6 +266,30 @@ PrefetchBytes& RowStreamFarPrefetch() {
   return bytes;
 }
 
+// On the Zen 5, the row streams prefetch with the non-temporal hint (prefetchnta): a row stream
+// reads each weight row once a call, and a decode step streams far more than the L3 holds (a
+// layer's experts are 100 MB in bf16 at bench/peer's model, the L3 32 MB); the L3 there takes
+// the lines L2 evicts, so with the L1 / L2 hints the stream displaced what the step reads again
+// (the KV cache, the activations, the wide kernel's dense weights) and paid for the victim
+// writes. decode_step --only peer --ab-row-stream-nta 1 (steps alternating in one run), steps with
+// over steps without: bf16 batch 32 / 8 / 1 0.977 / 0.965 / 0.988, f32 0.983 / 0.970 / 0.991
+// (9.97 / 6.37 / 1.41 ms bf16 steps); the experts' streams alone 0.98-0.99 (docs/performance.md,
+// thirty-first session).
+std::atomic<int>& RowStreamNonTemporalFlag() {
+  static std::atomic<int> on{[] {
+    const char* e = std::getenv("MOELORA_SKINNY_PREFETCH_NTA");
+    if (e != nullptr && std::strcmp(e, "0") == 0) return 0;
+    if (e != nullptr && std::strcmp(e, "1") == 0) return 1;
+    return FullWidthZen() ? 1 : 0;
+  }()};
+  return on;
+}
+
+std::atomic<int>& RowStreamNonTemporalOverride() {
+  static std::atomic<int> on{-1};
+  return on;
+}
+
 std::atomic<bool>& RowStreamsFlag() {
   static std::atomic<bool> on{[] {
     const char* e = std::getenv("MOELORA_SKINNY_ROW_STREAMS");
@@ -299,6 +323,15 @@ void SetSkinnyRowStreamPrefetchBytes(int64_t bytes) {
 int64_t SkinnyRowStreamFarPrefetchBytes() { return RowStreamFarPrefetch().Get(); }
 
 void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes) { RowStreamFarPrefetch().Set(bytes); }
+
+bool SkinnyRowStreamNonTemporal() {
+  const int o = RowStreamNonTemporalOverride().load(std::memory_order_relaxed);
+  return (o >= 0 ? o : RowStreamNonTemporalFlag().load(std::memory_order_relaxed)) != 0;
+}
+
+void SetSkinnyRowStreamNonTemporal(int on) {
+  RowStreamNonTemporalOverride().store(on < 0 ? -1 : (on != 0 ? 1 : 0), std::memory_order_relaxed);
+}
 
 SkinnyIsa SkinnyGemmIsa() {
   static const SkinnyIsa isa = Detect();

@@ -28,8 +28,8 @@ void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16, bool n
 // Every (m, n, k) shape, on every instruction set this CPU has: one weight row at a time (1-8 x
 // rows), tiles of 6 / 3 / 2 / 1 x rows and their tails, 8 / 4 / 2 / 1 weight rows, k with and
 // without an 8- and a 16-lane tail; strided x and y; any output-column split; row streams with
-// the CPU's prefetch distance and with 4 KB (into the next product's rows past the last); against
-// a double-precision reference.
+// the CPU's prefetch distance and hint, and with 4 KB (into the next product's rows past the last)
+// both with the L1 / L2 hints and non-temporal; against a double-precision reference.
 TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
   if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
   for (SkinnyIsa isa : {SkinnyIsa::kAvx2, SkinnyIsa::kAvx512, SkinnyIsa::kAvx512Bf16}) {
@@ -38,8 +38,11 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
       // Row streams up to the CPU's default rows, up to 8 (every RowStream instantiation, on
       // any CPU), and off (tiles at every row count).
       for (int rows : {0, 8, -1}) {
-        for (int64_t prefetch : {int64_t{-1}, int64_t{4096}}) {
-          if (rows < 0 && prefetch >= 0) continue;  // tiles: no row streams to prefetch for
+        for (int64_t prefetch : {int64_t{-1}, int64_t{4096}, int64_t{-4096}}) {
+          if (rows < 0 && prefetch != -1) continue;  // tiles: no row streams to prefetch for
+          // -4096: 4 KB with the non-temporal hint.
+          const bool nta = prefetch == -4096;
+          if (nta) prefetch = 4096;
           SCOPED_TRACE(isa == SkinnyIsa::kAvx2     ? "AVX2"
                        : isa == SkinnyIsa::kAvx512 ? "AVX-512"
                                                    : "AVX512-BF16");
@@ -48,16 +51,19 @@ TEST_P(SkinnyGemmTest, MatchesADoubleReferenceInF32AndBf16) {
                        : rows == 8 ? "row streams up to 8 x rows"
                                    : "tiles at every x row count");
           SCOPED_TRACE(prefetch < 0 ? "the CPU's prefetch"
+                       : nta        ? "prefetch 4 KB (f32 also 8 KB), non-temporal, then next_w"
                                     : "prefetch 4 KB (f32 also 8 KB into L2), then next_w");
           SetSkinnyRowStreams(rows >= 0);
           SetSkinnyRowStreamRows(std::max(rows, 0));
           SetSkinnyRowStreamPrefetchBytes(prefetch);
           SetSkinnyRowStreamFarPrefetchBytes(prefetch < 0 ? -1 : 2 * prefetch);
+          SetSkinnyRowStreamNonTemporal(prefetch < 0 ? -1 : (nta ? 1 : 0));
           CheckAgainstReference(GetParam(), isa, x_bf16, prefetch >= 0);
           SetSkinnyRowStreams(true);
           SetSkinnyRowStreamRows(0);
           SetSkinnyRowStreamPrefetchBytes(-1);
           SetSkinnyRowStreamFarPrefetchBytes(-1);
+          SetSkinnyRowStreamNonTemporal(-1);
         }
       }
     }
@@ -83,6 +89,22 @@ TEST(SkinnyGemmSettingsTest, PrefetchBytesPerWeightTypeEnvAndOverride) {
   SetSkinnyRowStreamPrefetchBytes(-1);
   EXPECT_EQ(SkinnyRowStreamPrefetchBytes(SkinnyWeight::kF32), f32);
   EXPECT_EQ(SkinnyRowStreamPrefetchBytes(SkinnyWeight::kBF16), bf16);
+}
+
+// The row streams' prefetch hint: MOELORA_SKINNY_PREFETCH_NTA=0|1 (when the process starts with
+// it; ctest runs this test once more with it set to 0) replaces the CPU's default (non-temporal on
+// Zen 5 and later), SetSkinnyRowStreamNonTemporal overrides it, and -1 gives back what was there.
+TEST(SkinnyGemmSettingsTest, NonTemporalHintEnvAndOverride) {
+  const bool hint = SkinnyRowStreamNonTemporal();
+  if (const char* env = std::getenv("MOELORA_SKINNY_PREFETCH_NTA")) {
+    EXPECT_EQ(hint, std::strcmp(env, "1") == 0);
+  }
+  SetSkinnyRowStreamNonTemporal(hint ? 0 : 1);
+  EXPECT_EQ(SkinnyRowStreamNonTemporal(), !hint);
+  SetSkinnyRowStreamNonTemporal(7);  // any other value: on
+  EXPECT_TRUE(SkinnyRowStreamNonTemporal());
+  SetSkinnyRowStreamNonTemporal(-1);
+  EXPECT_EQ(SkinnyRowStreamNonTemporal(), hint);
 }
 
 void CheckAgainstReference(const Case& shape, SkinnyIsa isa, bool x_bf16, bool next_w) {
