@@ -37,6 +37,14 @@ float SumSquares(const float* x, int64_t n);
 // loop (a compare and branch per logit) was 0.30 % of a whole `decode_step --only peer` run at
 // bf16 batch 32 in perf, and this is 0.04 % (about 0.1 ms a step: below that bench's noise).
 int64_t ArgMax(const float* x, int64_t n, float* max);
+// p[i] = exp(l[i] - max) · (1 / Σ_j exp(l[j] - max)), the softmax of n logits in f32 (ATen's
+// softmax(·, kFloat) in form), l either f32 or bf16 (bf16_logits: widened exactly). exp: the
+// AVX-512 polynomial (within 2 ulp of f32 exp) and the sum in 16 lanes, or std::exp and a plain
+// sum where the CPU has no AVX-512. The MoE router's softmax over a token's experts: by hand
+// because at::softmax, its bf16 -> f32 copy and at::topk were a pass and a dispatch each, and
+// std::exp one element at a time took most of what is left (14-16 µs a layer of a bf16 decode
+// step at batch 32 on the Zen 5, timers).
+void SoftmaxRow(const void* l, bool bf16_logits, float* p, int64_t n);
 
 // The forms of RmsNorm the served architectures use (the worker's NormKind): with
 // r = 1 / sqrt(SumSquares(x, n) / n + eps),
@@ -65,11 +73,15 @@ void RotaryRow(const float* x, const float* c, const float* s, float* out, int64
 // (These and the rounding helpers give the same bits on every path: each product and sum is
 // rounded on its own, never fused into an FMA; SumSquares sums in the same order.)
 
-// Rows per parallel task for a pass over rows of `row` elements: at least 32768 elements a task,
-// so a decode step's small tensors stay on the calling thread (waking the thread pool costs more
-// than such a pass).
+// Rows per parallel task for a pass over rows of `row` elements: at least 8192 elements a task,
+// so the smallest passes (a decode step of up to 8 sequences) stay on the calling thread, where
+// waking the thread pool costs more than the pass. 32768 before the thirty-first session: on the
+// Zen 5 a bf16 step at batch 32's two RmsNorm passes a layer (32 rows of 1024) ran on one thread
+// while the other spun, 10.5-11.8 µs each; split from 8192, 7.3-8.0 (timers, decode_step --only
+// peer; a warm at::parallel_for costs about 0.55 µs there). The passes already split (rotary,
+// SwiGLU, the MoE combine) were unchanged.
 inline int64_t ElementwiseGrain(int64_t row) {
-  const int64_t rows = 32768 / (row > 0 ? row : 1);
+  const int64_t rows = 8192 / (row > 0 ? row : 1);
   return rows > 0 ? rows : 1;
 }
 

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -257,9 +258,54 @@ MOELORA_AVX512F int64_t ArgMaxAvx512(const float* x, int64_t n, float* max) {
   return first;
 }
 
+MOELORA_AVX512F void SoftmaxRowAvx512(const void* l, bool bf16, float* p, int64_t n) {
+  const auto* lf = static_cast<const float*>(l);
+  const auto* lb = static_cast<const uint16_t*>(l);
+  auto load = [&](int64_t i, __mmask16 m) MOELORA_AVX512F {
+    return bf16 ? LoadBf16(lb + i, n - i) : _mm512_maskz_loadu_ps(m, lf + i);
+  };
+  const float ninf = -std::numeric_limits<float>::infinity();
+  __m512 mv = _mm512_set1_ps(ninf);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n, i);
+    mv = _mm512_mask_max_ps(mv, m, mv, load(i, m));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n, i);
+    const __m512 e = Exp16(_mm512_sub_ps(load(i, m), mx));
+    _mm512_mask_storeu_ps(p + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n, i);
+    _mm512_mask_storeu_ps(p + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + i), inv));
+  }
+}
+
 }  // namespace
 
 bool ElementwiseVectorised() { return HasAvx512(); }
+
+void SoftmaxRow(const void* l, bool bf16_logits, float* p, int64_t n) {
+  if (n <= 0) return;
+  if (HasAvx512()) return SoftmaxRowAvx512(l, bf16_logits, p, n);
+  auto at = [&](int64_t i) {
+    return bf16_logits ? avx2::ToF32(static_cast<const uint16_t*>(l)[i])
+                       : static_cast<const float*>(l)[i];
+  };
+  float mx = at(0);
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, at(i));
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = std::exp(at(i) - mx);
+    sum += p[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < n; ++i) p[i] *= inv;
+}
 
 void RmsNormRow(const float* x, const float* w, float* out, int64_t n, float eps, NormForm form,
                 bool round_bf16) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 
@@ -86,40 +87,40 @@ void CombineRows(const T* ys, const T* ws, const std::vector<int64_t>& token, in
 
 // By hand: at::softmax(·, kFloat), at::topk, the division, the scaling and the cast were 5-6 ATen
 // ops a layer, each its own pass and dispatch (0.15-0.33 ms of a decode step of bench/peer's
-// model); here one pass. p[e] = exp(l[e] - max) · (1 / Σ), as ATen's softmax computes it; its
-// exp (Sleef) and std::exp differ by an ulp at most.
+// model); here one pass. p[e] = exp(l[e] - max) · (1 / Σ), as ATen's softmax computes it
+// (SoftmaxRow: its exp within 2 ulp of ATen's Sleef one; bf16 logits read as they are).
 void SoftmaxTopKCpu(const at::Tensor& logits, int k, bool norm, double scale, at::Tensor& wts,
                     at::Tensor& idx) {
   const int64_t T = logits.size(0), E = logits.size(1);
-  const at::Tensor l32 = logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
-  const float* lp = l32.data_ptr<float>();
+  // f32 or bf16 logits as they are (SoftmaxRow widens bf16); other types in f32.
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const at::Tensor lt =
+      (bf16 || logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat)).contiguous();
+  const char* lp = static_cast<const char*>(lt.data_ptr());
+  const int64_t row_bytes = E * static_cast<int64_t>(lt.element_size());
   at::Tensor w32 = at::empty({T, k}, at::kFloat);
   idx = at::empty({T, k}, at::kLong);
   float* wp = w32.data_ptr<float>();
   int64_t* ip = idx.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, T, ElementwiseGrain(8 * E), [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(E);
+    std::vector<float> p(E), q(E);
     std::vector<char> taken(E);
+    constexpr float kTaken = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < t1; ++t) {
-      const float* l = lp + t * E;
-      float mx = l[0];
-      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, l[e]);
-      float sum = 0.0f;
-      for (int64_t e = 0; e < E; ++e) {
-        p[e] = std::exp(l[e] - mx);
-        sum += p[e];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+      SoftmaxRow(lp + t * row_bytes, bf16, p.data(), E);
+      // The k largest, each the first of its value among those not taken (ArgMax over a copy
+      // whose taken entries are -inf: probabilities are >= 0). Where none is left above -inf
+      // (NaN logits), the first not taken, as a scalar scan finds it.
+      std::copy(p.begin(), p.end(), q.begin());
       std::fill(taken.begin(), taken.end(), 0);
       float top_sum = 0.0f;
       for (int j = 0; j < k; ++j) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; ++e) {
-          if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-        }
+        float v = 0.0f;
+        int64_t best = ArgMax(q.data(), E, &v);
+        if (!(v > kTaken)) best = std::find(taken.begin(), taken.end(), 0) - taken.begin();
         taken[best] = 1;
+        q[best] = kTaken;
         ip[t * k + j] = best;
         wp[t * k + j] = p[best];
         top_sum += p[best];

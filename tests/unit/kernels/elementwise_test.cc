@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,6 +15,7 @@ namespace moelora {
 namespace {
 
 using testing::FromBf16;
+using testing::ToBf16;
 
 uint32_t Bits(float f) {
   uint32_t u;
@@ -124,6 +126,39 @@ TEST(ElementwiseKernelTest, SiluMulIsWithinTwoUlpOfADoubleReference) {
       const float sf = static_cast<float>(s);
       const float sb = FromBf16(ReferenceRound(sf));
       ASSERT_NEAR(outr[i], sb * u[i], std::abs(s * u[i]) / 128 + 1e-30) << "g " << g[i];
+    }
+  }
+}
+
+// The router's softmax against a double-precision one, f32 and bf16 logits, lengths with and
+// without a 16-lane tail; a logit far below the others underflows to 0 (not NaN).
+TEST(ElementwiseKernelTest, SoftmaxRowIsWithinAFewUlpOfADoubleSoftmax) {
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{16}, int64_t{32}, int64_t{45}, int64_t{128}}) {
+    std::mt19937 rng(static_cast<uint32_t>(n + 3));
+    std::normal_distribution<float> d(0, 4);
+    for (bool bf16 : {false, true}) {
+      std::vector<float> l(n);
+      std::vector<uint16_t> lb(n);
+      for (int64_t i = 0; i < n; ++i) {
+        lb[i] = ToBf16(d(rng));
+        l[i] = bf16 ? FromBf16(lb[i]) : d(rng);
+      }
+      if (n > 1) l[n - 1] = l[0] - 200.0f, lb[n - 1] = ToBf16(l[n - 1]);
+      if (bf16) {
+        for (int64_t i = 0; i < n; ++i) l[i] = FromBf16(lb[i]);
+      }
+      std::vector<float> p(n, -1.0f);
+      SoftmaxRow(bf16 ? static_cast<const void*>(lb.data()) : l.data(), bf16, p.data(), n);
+      // exp of l - max as f32 computes the difference (rounded: exp's argument is that).
+      float mx = l[0];
+      for (float v : l) mx = std::max(mx, v);
+      double sum = 0;
+      for (float v : l) sum += std::exp(static_cast<double>(v - mx));
+      for (int64_t i = 0; i < n; ++i) {
+        const double want = std::exp(static_cast<double>(l[i] - mx)) / sum;
+        ASSERT_NEAR(p[i], want, want * 8e-7 + 1e-30)
+            << "n " << n << (bf16 ? " bf16" : " f32") << " i " << i;
+      }
     }
   }
 }
