@@ -87,9 +87,9 @@ void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes);
 // Whether the row streams' prefetches (both distances) use the non-temporal hint (prefetchnta)
 // rather than the L1 / L2 ones: a row stream reads each weight row once a call, so its lines need
 // not displace what the caches hold. By CPU as measured: on AMD Zen 5 and later, off elsewhere
-// (not measured there). MOELORA_SKINNY_PREFETCH_NTA=0 or 1 at
-// start replaces the default (other values are ignored); SetSkinnyRowStreamNonTemporal overrides
-// it (-1: the default again), for the tests and for bench/decode_step --ab-row-stream-nta.
+// (not measured there). MOELORA_SKINNY_PREFETCH_NTA=0 or 1 at start replaces the default (other
+// values are ignored); SetSkinnyRowStreamNonTemporal overrides it (0: off, -1: the default again,
+// any other value: on), for the tests and for bench/decode_step --ab-row-stream-nta.
 bool SkinnyRowStreamNonTemporal();
 void SetSkinnyRowStreamNonTemporal(int on);
 
