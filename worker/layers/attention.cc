@@ -341,7 +341,6 @@ void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer
   }
 }
 
-// Capacity for `total` rows (doubling), keeping the rows held so far.
 // Rows a sequence's cache gets past its prompt when first allocated: room for that many decode
 // tokens before the first growth. With the prompt's length exactly (and 16 at least) the first
 // decode token of every sequence grew every layer's cache (a new tensor and a copy of the
@@ -349,6 +348,8 @@ void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer
 // meets cost a bf16 step 7-10 µs a layer on average (timers).
 constexpr int64_t kCacheHeadroomRows = 64;
 
+// Capacity for `total` rows (the prompt plus kCacheHeadroomRows at first, then doubling), keeping
+// the rows held so far.
 void GrowCache(LayerState& st, int64_t total, int64_t hkv, int64_t d, const at::TensorOptions& o) {
   if (st.k.defined() && st.k.size(0) >= total) return;
   const int64_t cap =

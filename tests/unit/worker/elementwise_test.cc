@@ -371,7 +371,7 @@ TEST(ElementwiseTest, SoftmaxTopKMatchesItsAtenForm) {
   EXPECT_EQ(idx[0][0].item<int64_t>(), 0);
   EXPECT_EQ(idx[0][2].item<int64_t>(), 2);
   EXPECT_NEAR(wts[0][0].item<float>(), 1.0f / 3, 1e-7);
-  // NaN logits: k distinct experts all the same (the first ones), as a scalar scan picks them.
+  // NaN logits: still k distinct experts, the first k, as a scalar scan picks them.
   at::Tensor nan = at::full({2, 8}, std::numeric_limits<float>::quiet_NaN());
   nan[1][5] = 1.0f;  // a row where one is a number: softmax is NaN everywhere still
   SoftmaxTopKCpu(nan, 3, false, 1.0, wts, idx);
