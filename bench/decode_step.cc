@@ -44,6 +44,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -415,15 +416,12 @@ struct Case {
 // Mean seconds of one decode step for `batch` sequences (best of `repeat`); *prefill: the best
 // time of the step that prefills their 16-token prompts.
 // ab (optional): the decode steps alternate row streams on (even steps, ab[0]) and off (odd,
-// ab[1]); or with ab_rows, row streams up to the CPU's rows (even) and up to ab_rows (odd); or
-// with ab_prefetch >= 0, the CPU's prefetch distance (even) and ab_prefetch bytes (odd); or with
-// ab_far >= 0, the same for the far prefetch; or with ab_attention, the attention's row prefetch
-// on (even) and off (odd); or with ab_nta, the row streams' non-temporal prefetch hint on (even)
-// and off (odd); each step's seconds appended.
+// ab[1]), as side(0) and side(1) set them (AbSide below); side(-1) restores the defaults after;
+// each step's seconds appended.
 double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, int repeat, int vocab,
                   int64_t* next_id, double* prefill = nullptr,
-                  std::vector<double> (*ab)[2] = nullptr, int ab_rows = 0, int64_t ab_prefetch = -1,
-                  int64_t ab_far = -1, bool ab_attention = false, bool ab_nta = false) {
+                  std::vector<double> (*ab)[2] = nullptr,
+                  const std::function<void(int)>& side = {}) {
   double best = 1e30, best_prefill = 1e30;
   for (int rep = 0; rep < repeat; ++rep) {
     std::vector<NewSequence> add;
@@ -444,31 +442,12 @@ double TimeDecode(Engine& e, const std::vector<int64_t>& adapters, int steps, in
     for (int w = 0; w < 2; ++w) Check(e.Step({}, {}).status(), "warmup");
     const double t0 = Now();
     for (int s = 0; s < steps; ++s) {
-      if (ab != nullptr && ab_attention) {
-        SetDecodeAttentionRowPrefetch(s % 2 == 0);
-      } else if (ab != nullptr && ab_nta) {
-        SetSkinnyRowStreamNonTemporal(s % 2 == 0 ? 1 : 0);
-      } else if (ab != nullptr && ab_prefetch >= 0) {
-        SetSkinnyRowStreamPrefetchBytes(s % 2 == 0 ? -1 : ab_prefetch);
-      } else if (ab != nullptr && ab_far >= 0) {
-        SetSkinnyRowStreamFarPrefetchBytes(s % 2 == 0 ? -1 : ab_far);
-      } else if (ab != nullptr && ab_rows > 0) {
-        SetSkinnyRowStreamRows(s % 2 == 0 ? 0 : ab_rows);
-      } else if (ab != nullptr) {
-        SetSkinnyRowStreams(s % 2 == 0);
-      }
+      if (ab != nullptr) side(s % 2);
       const double ts = Now();
       Check(e.Step({}, {}).status(), "decode");
       if (ab != nullptr) (*ab)[s % 2].push_back(Now() - ts);
     }
-    if (ab != nullptr) {
-      SetSkinnyRowStreams(true);
-      SetSkinnyRowStreamRows(0);
-      SetSkinnyRowStreamPrefetchBytes(-1);
-      SetSkinnyRowStreamFarPrefetchBytes(-1);
-      SetDecodeAttentionRowPrefetch(true);
-      SetSkinnyRowStreamNonTemporal(-1);
-    }
+    if (ab != nullptr) side(-1);
     best = std::min(best, (Now() - t0) / steps);
     Check(e.Step({}, ids).status(), "remove");
   }
@@ -488,6 +467,30 @@ struct RunFlags {
   bool ab_attention = false;  // --ab-attention-row-prefetch
   bool ab_nta = false;        // --ab-row-stream-nta
 };
+
+// How many --ab-* flags were given (one at most).
+int AbFlags(const RunFlags& f) {
+  return f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) +
+         f.ab_attention + f.ab_nta;
+}
+
+// For the --ab-* flag given: side(0) sets what the even steps run, side(1) the odd ones, side(-1)
+// the default again.
+std::function<void(int)> AbSide(const RunFlags& f) {
+  if (f.ab_attention) return [](int side) { SetDecodeAttentionRowPrefetch(side != 1); };
+  if (f.ab_nta)
+    return [](int side) { SetSkinnyRowStreamNonTemporal(side == 0 ? 1 : side == 1 ? 0 : -1); };
+  if (f.ab_prefetch >= 0) {
+    return [b = f.ab_prefetch](int side) { SetSkinnyRowStreamPrefetchBytes(side == 1 ? b : -1); };
+  }
+  if (f.ab_far >= 0) {
+    return [b = f.ab_far](int side) { SetSkinnyRowStreamFarPrefetchBytes(side == 1 ? b : -1); };
+  }
+  if (f.ab_rows > 0) {
+    return [r = f.ab_rows](int side) { SetSkinnyRowStreamRows(side == 1 ? r : 0); };
+  }
+  return [](int side) { SetSkinnyRowStreams(side != 1); };
+}
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -527,11 +530,7 @@ void Run(const std::string& label, const std::string& model,
     double prefill = 0;
     std::vector<double> ab[2];
     const double a = TimeDecode(**engine, none, steps, repeat, vocab, &next_id, &prefill,
-                                f.ab_row_streams || f.ab_rows > 0 || f.ab_prefetch >= 0 ||
-                                        f.ab_far >= 0 || f.ab_attention || f.ab_nta
-                                    ? &ab
-                                    : nullptr,
-                                f.ab_rows, f.ab_prefetch, f.ab_far, f.ab_attention, f.ab_nta);
+                                AbFlags(f) > 0 ? &ab : nullptr, AbSide(f));
     const double b = TimeDecode(**engine, one, steps, repeat, vocab, &next_id);
     const double c = TimeDecode(**engine, eight, steps, repeat, vocab, &next_id);
     std::printf(
@@ -650,9 +649,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) + f.ab_attention +
-          f.ab_nta >
-      1) {
+  if (moelora::AbFlags(f) > 1) {
     std::fprintf(stderr, "decode_step: one --ab-* flag at a time\n%s", usage);
     return 2;
   }

@@ -275,13 +275,13 @@ PrefetchBytes& RowStreamFarPrefetch() {
 // over steps without: bf16 batch 32 / 8 / 1 0.977 / 0.965 / 0.988, f32 0.983 / 0.970 / 0.991
 // (9.97 / 6.37 / 1.41 ms bf16 steps); the experts' streams alone 0.98-0.99 (docs/performance.md,
 // thirty-first session).
-std::atomic<int>& RowStreamNonTemporalFlag() {
-  static std::atomic<int> on{[] {
+bool RowStreamNonTemporalDefault() {
+  static const bool on = [] {
     const char* e = std::getenv("MOELORA_SKINNY_PREFETCH_NTA");
-    if (e != nullptr && std::strcmp(e, "0") == 0) return 0;
-    if (e != nullptr && std::strcmp(e, "1") == 0) return 1;
-    return FullWidthZen() ? 1 : 0;
-  }()};
+    if (e != nullptr && std::strcmp(e, "0") == 0) return false;
+    if (e != nullptr && std::strcmp(e, "1") == 0) return true;
+    return FullWidthZen();
+  }();
   return on;
 }
 
@@ -326,7 +326,7 @@ void SetSkinnyRowStreamFarPrefetchBytes(int64_t bytes) { RowStreamFarPrefetch().
 
 bool SkinnyRowStreamNonTemporal() {
   const int o = RowStreamNonTemporalOverride().load(std::memory_order_relaxed);
-  return (o >= 0 ? o : RowStreamNonTemporalFlag().load(std::memory_order_relaxed)) != 0;
+  return o >= 0 ? o != 0 : RowStreamNonTemporalDefault();
 }
 
 void SetSkinnyRowStreamNonTemporal(int on) {

@@ -105,7 +105,6 @@ void SoftmaxTopKCpu(const at::Tensor& logits, int k, bool norm, double scale, at
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, T, ElementwiseGrain(8 * E), [&](int64_t t0, int64_t t1) {
     std::vector<float> p(E), q(E);
-    std::vector<char> taken(E);
     constexpr float kTaken = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < t1; ++t) {
       SoftmaxRow(lp + t * row_bytes, bf16, p.data(), E);
@@ -113,13 +112,13 @@ void SoftmaxTopKCpu(const at::Tensor& logits, int k, bool norm, double scale, at
       // whose taken entries are -inf: probabilities are >= 0). Where none is left above -inf
       // (NaN logits), the first not taken, as a scalar scan finds it.
       std::copy(p.begin(), p.end(), q.begin());
-      std::fill(taken.begin(), taken.end(), 0);
       float top_sum = 0.0f;
       for (int j = 0; j < k; ++j) {
         float v = 0.0f;
         int64_t best = ArgMax(q.data(), E, &v);
-        if (!(v > kTaken)) best = std::find(taken.begin(), taken.end(), 0) - taken.begin();
-        taken[best] = 1;
+        if (!(v > kTaken)) {
+          best = std::find_if(q.begin(), q.end(), [&](float x) { return x != kTaken; }) - q.begin();
+        }
         q[best] = kTaken;
         ip[t * k + j] = best;
         wp[t * k + j] = p[best];
