@@ -4,6 +4,8 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "lora/config_defaults.h"
 #include "nlohmann/json.hpp"
 
 namespace moelora {
@@ -66,6 +68,9 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
     return bad("not valid JSON: ", e.what());
   }
   if (!j.is_object()) return bad("not a JSON object");
+  // Absent keys mean the architecture's class defaults (lora/config_defaults.h).
+  MOELORA_ASSIGN_OR_RETURN(const std::string with_defaults, ApplyConfigDefaults(text, file));
+  j = nlohmann::json::parse(with_defaults);
   ModelInfo info;
   if (!j.contains("architectures") || !j["architectures"].is_array() ||
       j["architectures"].empty() || !j["architectures"][0].is_string()) {

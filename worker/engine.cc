@@ -242,6 +242,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.mixed_moe_lora_format = o.enable_mixed_moe_lora_format;
   mo.expert_parallel = o.enable_expert_parallel;
   mo.fully_sharded_loras = o.fully_sharded_loras;
+  mo.dummy_weights = o.dummy_weights;
   MOELORA_ASSIGN_OR_RETURN(impl->model,
                            impl->compute->Run([&] { return LoadCausalLM(o.model_dir, mo, comm); }));
   const int cfg_len = impl->model->config().max_position_embeddings;

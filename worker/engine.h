@@ -40,6 +40,7 @@ struct EngineOptions {
   int max_lora_rank = 16;
   bool enable_mixed_moe_lora_format = false;
   bool enable_expert_parallel = false;  // whole experts per rank (ModelOptions)
+  bool dummy_weights = false;           // --load-format dummy (ModelOptions)
   bool fully_sharded_loras = false;     // ModelOptions::fully_sharded_loras
   int max_num_seqs = 256;
   int max_model_len = 0;  // 0: the model's max_position_embeddings

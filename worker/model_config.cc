@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "lora/config_defaults.h"
 #include "nlohmann/json.hpp"
 
 namespace moelora {
@@ -189,11 +190,13 @@ bool IsBenignConfigKey(const std::string& key) {
   return absl::OkStatus();
 }
 
-[[nodiscard]] absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text,
+[[nodiscard]] absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& raw_text,
                                                            const std::string& file) {
   ModelConfig c;
-  MOELORA_ASSIGN_OR_RETURN(c.info, ParseModelInfo(text, file));
-  // ParseModelInfo already proved this is a JSON object.
+  MOELORA_ASSIGN_OR_RETURN(c.info, ParseModelInfo(raw_text, file));
+  // ParseModelInfo already proved this is a JSON object. Absent keys read as the architecture's
+  // class defaults (lora/config_defaults.h).
+  MOELORA_ASSIGN_OR_RETURN(const std::string text, ApplyConfigDefaults(raw_text, file));
   const nlohmann::json j = nlohmann::json::parse(text);
   const nlohmann::json& t =
       j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;

@@ -18,6 +18,7 @@
 #include "common/port_file.h"
 #include "grpc/health/v1/health.pb.h"
 #include "kernels/device.h"
+#include "lora/config_defaults.h"
 #include "prometheus/exposer.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
@@ -58,6 +59,12 @@ ABSL_FLAG(bool, fully_sharded_loras, false,
           "Shard lora_A of column-parallel and lora_B of row-parallel dense LoRA layers too "
           "(vLLM's meaning), with one more collective per LoRA layer (CPU path)");
 ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
+ABSL_FLAG(std::string, load_format, "auto",
+          "auto: the checkpoint's safetensors | dummy: random weights of the shapes config.json "
+          "implies, no checkpoint read (vLLM's name; to try a config without its weights)");
+ABSL_FLAG(bool, print_config_defaults, false,
+          "Print, as JSON, the default each architecture's configuration class gives the "
+          "config.json keys the worker reads when they are absent, and exit");
 ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
 ABSL_FLAG(int, debug_step_delay_ms, 0,
@@ -88,6 +95,14 @@ int main(int argc, char** argv) {
     return code;
   };
   if (rest.size() > 1) return fail(1, absl::StrCat("unexpected argument \"", rest[1], "\""));
+  if (absl::GetFlag(FLAGS_print_config_defaults)) {
+    std::printf("%s\n", moelora::ConfigDefaultsJson().c_str());
+    return 0;
+  }
+  const std::string load_format = absl::GetFlag(FLAGS_load_format);
+  if (load_format != "auto" && load_format != "dummy") {
+    return fail(1, absl::StrCat("--load-format \"", load_format, "\": auto or dummy"));
+  }
   const std::string model = absl::GetFlag(FLAGS_model);
   if (model.empty()) return fail(1, "--model is required (see --help)");
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_tensor_parallel_size);
@@ -196,6 +211,7 @@ int main(int argc, char** argv) {
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
     eo.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
     eo.fully_sharded_loras = absl::GetFlag(FLAGS_fully_sharded_loras);
+    eo.dummy_weights = load_format == "dummy";
     eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
     eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);

@@ -4,6 +4,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -92,6 +95,92 @@ at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype) {
   return at::empty(shape, at::TensorOptions().dtype(dtype));
 }
 
+namespace {
+
+// This rank's shape of `s` (its full shape split as s.split says); INVALID_ARGUMENT when a split
+// does not divide by the world size.
+[[nodiscard]] absl::StatusOr<std::vector<int64_t>> LocalShape(const ParamSpec& s,
+                                                              const ModelConfig& config,
+                                                              const LoadOptions& opt) {
+  const int E = config.info.num_experts;
+  const int64_t I = config.info.moe_intermediate_size;
+  const int tp = opt.tp_size;
+  std::vector<int64_t> local = s.shape;
+  auto split_dim = [&](size_t d) -> absl::Status {
+    if (d >= local.size() || local[d] % tp != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", s.name, " ", Shape(s.shape), ": dim ", d,
+                       " does not divide by --tensor-parallel-size ", tp));
+    }
+    local[d] /= tp;
+    return absl::OkStatus();
+  };
+  switch (s.split) {
+    case TpSplit::kReplicated:
+      break;
+    case TpSplit::kRows:
+      MOELORA_RETURN_IF_ERROR(split_dim(0));
+      if (!s.sections.empty()) {
+        int64_t sum = 0;
+        for (int64_t n : s.sections) sum += n;
+        auto check = ShardSections(s.sections, 0, tp);
+        if (sum != s.shape[0] || !check.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "parameter ", s.name, " ", Shape(s.shape), ": sections [",
+              absl::StrJoin(s.sections, ", "), "] do not each divide by --tensor-parallel-size ",
+              tp, " or do not sum to dim 0"));
+        }
+      }
+      break;
+    case TpSplit::kCols:
+      MOELORA_RETURN_IF_ERROR(split_dim(1));
+      break;
+    case TpSplit::kExperts:
+      if (opt.expert_parallel) {
+        if (E % tp != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("num_experts ", E, " does not divide by --tensor-parallel-size ", tp,
+                           " (--enable-expert-parallel)"));
+        }
+        local[0] = E / tp;
+        break;
+      }
+      if (I % tp != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "moe_intermediate_size ", I, " does not divide by --tensor-parallel-size ", tp));
+      }
+      if (IsW13(s.name))
+        local[1] = 2 * I / tp;
+      else
+        local[2] = I / tp;
+      break;
+  }
+  return local;
+}
+
+}  // namespace
+
+[[nodiscard]] absl::StatusOr<LoadedWeights> DummyWeights(const ModelConfig& config,
+                                                         const std::vector<ParamSpec>& specs,
+                                                         const LoadOptions& opt) {
+  if (opt.tp_size < 1 || opt.tp_rank < 0 || opt.tp_rank >= opt.tp_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tp rank ", opt.tp_rank, " outside world size ", opt.tp_size));
+  }
+  LoadedWeights out;
+  for (const ParamSpec& s : specs) {
+    MOELORA_ASSIGN_OR_RETURN(const std::vector<int64_t> local, LocalShape(s, config, opt));
+    // N(0, 0.02^2), the usual initializer_range; seeded by the name and rank, so that a load is
+    // repeatable.
+    at::Generator gen = at::detail::createCPUGenerator(
+        std::hash<std::string>{}(s.name) ^ (static_cast<uint64_t>(opt.tp_rank) << 56));
+    at::Tensor t = at::empty(local, at::kFloat);
+    t.normal_(0.0, 0.02, gen);
+    out.params[s.name] = t.to(opt.dtype);
+  }
+  return out;
+}
+
 [[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt,
                                                         const ArchTable& table,
                                                         const ModelConfig& config,
@@ -108,56 +197,7 @@ at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype) {
   std::map<std::string, const ParamSpec*> spec_of;
   std::map<std::string, Coverage> coverage;
   for (const ParamSpec& s : specs) {
-    std::vector<int64_t> local = s.shape;
-    auto split_dim = [&](size_t d) -> absl::Status {
-      if (d >= local.size() || local[d] % tp != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("parameter ", s.name, " ", Shape(s.shape), ": dim ", d,
-                         " does not divide by --tensor-parallel-size ", tp));
-      }
-      local[d] /= tp;
-      return absl::OkStatus();
-    };
-    switch (s.split) {
-      case TpSplit::kReplicated:
-        break;
-      case TpSplit::kRows:
-        MOELORA_RETURN_IF_ERROR(split_dim(0));
-        if (!s.sections.empty()) {
-          int64_t sum = 0;
-          for (int64_t n : s.sections) sum += n;
-          auto check = ShardSections(s.sections, 0, tp);
-          if (sum != s.shape[0] || !check.ok()) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "parameter ", s.name, " ", Shape(s.shape), ": sections [",
-                absl::StrJoin(s.sections, ", "), "] do not each divide by --tensor-parallel-size ",
-                tp, " or do not sum to dim 0"));
-          }
-        }
-        break;
-      case TpSplit::kCols:
-        MOELORA_RETURN_IF_ERROR(split_dim(1));
-        break;
-      case TpSplit::kExperts:
-        if (opt.expert_parallel) {
-          if (E % tp != 0) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("num_experts ", E, " does not divide by --tensor-parallel-size ", tp,
-                             " (--enable-expert-parallel)"));
-          }
-          local[0] = E / tp;
-          break;
-        }
-        if (I % tp != 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "moe_intermediate_size ", I, " does not divide by --tensor-parallel-size ", tp));
-        }
-        if (IsW13(s.name))
-          local[1] = 2 * I / tp;
-        else
-          local[2] = I / tp;
-        break;
-    }
+    MOELORA_ASSIGN_OR_RETURN(const std::vector<int64_t> local, LocalShape(s, config, opt));
     out.params[s.name] = EmptyWeight(local, opt.dtype);
     spec_of[s.name] = &s;
     coverage[s.name].setter.assign(

@@ -68,6 +68,12 @@ at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype);
                                                         const std::vector<ParamSpec>& specs,
                                                         const LoadOptions& options);
 
+// --load-format dummy: every parameter of `specs` as this rank's shard, drawn from N(0, 0.02^2)
+// (repeatable: seeded by name and rank). INVALID_ARGUMENT when a split does not divide.
+[[nodiscard]] absl::StatusOr<LoadedWeights> DummyWeights(const ModelConfig& config,
+                                                         const std::vector<ParamSpec>& specs,
+                                                         const LoadOptions& options);
+
 // Specs inferred from the checkpoint itself (expert parameters from E, I, H; everything else
 // as stored): for architectures that have a name table but no forward pass yet, so their tables
 // can load real checkpoints in tests and tools.

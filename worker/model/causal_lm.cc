@@ -379,7 +379,10 @@ namespace {
       CheckConfigKeys(text, cfg, info.architecture,
                       arch->config_keys ? *arch->config_keys : std::vector<std::string>{}));
   MOELORA_RETURN_IF_ERROR(CheckShared(dir, c, o, *arch));
-  MOELORA_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(dir));
+  std::unique_ptr<Checkpoint> ckpt;
+  if (!o.dummy_weights) {
+    MOELORA_ASSIGN_OR_RETURN(ckpt, Checkpoint::Open(dir));
+  }
   ModelContext ctx;
   ctx.dir = dir;
   ctx.config = c;

@@ -55,6 +55,9 @@ struct ModelOptions {
   // --fully-sharded-loras: dense LoRA layers shard lora_A (column-parallel) / lora_B
   // (row-parallel) too, with one more collective each (worker/layers/linear.h).
   bool fully_sharded_loras = false;
+  // --load-format dummy (vLLM's name): random weights of the shapes config.json implies, no
+  // checkpoint read. For trying a config (release configs in tests, sizing) without its weights.
+  bool dummy_weights = false;
 };
 
 // One layer's part of a sequence's state on this rank: a KV cache (attention layers) or a

@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "lora/config_defaults.h"
 #include "nlohmann/json.hpp"
 #include "worker/layers/gemm.h"
 
@@ -34,13 +35,18 @@ namespace moelora {
     const ModelContext& ctx, const ModelConfig& c,
     const std::function<std::vector<ParamSpec>(bool has_lm_head)>& specs) {
   ModelWeights mw;
+  const ModelOptions& o = ctx.options;
+  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
+  if (o.dummy_weights) {
+    mw.has_lm_head = !c.tie_word_embeddings;
+    MOELORA_ASSIGN_OR_RETURN(mw.weights, DummyWeights(c, specs(mw.has_lm_head), lo));
+    return mw;
+  }
   mw.has_lm_head = ctx.checkpoint->tensors().count("lm_head.weight") > 0;
   if (!mw.has_lm_head && !c.tie_word_embeddings) {
     return absl::InvalidArgumentError(
         absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
   }
-  const ModelOptions& o = ctx.options;
-  LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
   MOELORA_ASSIGN_OR_RETURN(mw.weights,
                            LoadWeights(*ctx.checkpoint, *ctx.arch, c, specs(mw.has_lm_head), lo));
   return mw;
@@ -167,7 +173,8 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::stringstream ss;
   ss << in.rdbuf();
-  return ss.str();
+  // What the model files read: absent keys as the architecture's class defaults.
+  return ApplyConfigDefaults(ss.str(), path);
 }
 
 }  // namespace moelora

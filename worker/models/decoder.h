@@ -82,7 +82,8 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                                               const std::string& file,
                                                               bool required);
 
-// config.json's text, read again by factories that need keys ModelConfig does not keep.
+// config.json's text with the class defaults filled in (lora/config_defaults.h), read again by
+// factories that need keys ModelConfig does not keep.
 [[nodiscard]] absl::StatusOr<std::string> ReadConfigText(const std::string& model_dir);
 
 }  // namespace moelora

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "nlohmann/json.hpp"
 #include "worker/layers/attention.h"
 #include "worker/layers/moe.h"
 #include "worker/model/model_context.h"
@@ -40,7 +41,10 @@ const std::vector<std::string>& Qwen3MoeConfigKeys() {
       "hidden_act", "attention_bias", "use_sliding_window", "sliding_window", "layer_types",
       // Dense-MLP layers: refused when present (mlp_only_layers non-empty, step != 1); the dense
       // MLP's size matters only then.
-      "mlp_only_layers", "decoder_sparse_step", "intermediate_size"};
+      "mlp_only_layers", "decoder_sparse_step", "intermediate_size",
+      // Qwen3-Coder-480B-A35B's release carries these three; transformers and vLLM ignore them.
+      // Accepted where they describe this forward (Create checks them).
+      "qkv_bias", "use_qk_norm", "shared_expert_intermediate_size"};
   return keys;
 }
 
@@ -78,6 +82,17 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
   }
   if (c.attention_bias)
     return refuse("attention_bias true is not implemented for ", c.info.architecture);
+  // Keys Qwen3-Coder's release carries that transformers' Qwen3-MoE does not read: accepted where
+  // they describe this forward (no q/k/v bias, q/k norms on, no shared expert).
+  MOELORA_ASSIGN_OR_RETURN(const std::string text, ReadConfigText(ctx.dir));
+  const nlohmann::json j = nlohmann::json::parse(text);
+  const nlohmann::json& t = j.contains("text_config") ? j["text_config"] : j;
+  if (t.value("qkv_bias", false)) return refuse("qkv_bias true is not implemented");
+  if (!t.value("use_qk_norm", true)) return refuse("use_qk_norm false is not implemented");
+  if (c.info.shared_expert_intermediate_size != 0) {
+    return refuse("shared_expert_intermediate_size ", c.info.shared_expert_intermediate_size,
+                  ": ", c.info.architecture, " has no shared expert");
+  }
   for (size_t i = 0; i < c.layer_types.size(); ++i) {
     if (c.layer_types[i] != "full_attention" && c.layer_types[i] != "sliding_attention") {
       return refuse("layer_types[", i, "] \"", c.layer_types[i], "\" is not a layer of ",

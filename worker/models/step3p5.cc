@@ -12,6 +12,7 @@
 // `mlp.shared_experts.*`: both are accepted. Only composes layers (worker/layers/).
 #include <algorithm>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -164,9 +165,37 @@ struct Step35Layout {
     }
     L.rope.push_back(r);
   }
-  // MLP / MoE per layer.
+  // MLP / MoE per layer: moe_layers_enum decides (as the hub code and vLLM do). The release also
+  // carries the older keys use_moe, moe_layer_offset and moe_every_n_layer; they must agree with
+  // it: MoE layers only with use_moe, and each one a layer the older rule allows
+  // (i >= offset, (i - offset) % every == 0).
   MOELORA_ASSIGN_OR_RETURN(L.moe, MoeLayersEnum(text, n, file, /*required=*/true));
   const int num_moe = static_cast<int>(std::count(L.moe.begin(), L.moe.end(), true));
+  if (t.contains("use_moe") && !t["use_moe"].is_boolean()) return bad("use_moe must be a boolean");
+  if (!flag("use_moe", true) && num_moe > 0) {
+    return refuse("use_moe is false but moe_layers_enum names ", num_moe, " MoE layers");
+  }
+  int64_t offset = 0, every = 1;
+  for (auto [key, out, least] : {std::tuple<const char*, int64_t*, int64_t>{"moe_layer_offset",
+                                                                            &offset, 0},
+                                 {"moe_every_n_layer", &every, 1}}) {
+    if (!t.contains(key)) continue;
+    if (!t[key].is_number_integer() || t[key].get<int64_t>() < least) {
+      return bad(key, " must be an integer >= ", least);
+    }
+    *out = t[key].get<int64_t>();
+  }
+  for (int i = 0; i < n; ++i) {
+    if (L.moe[i] && (i < offset || (i - offset) % every != 0)) {
+      return refuse("moe_layers_enum makes layer ", i, " MoE, but moe_layer_offset ", offset,
+                    " and moe_every_n_layer ", every, " do not");
+    }
+  }
+  // Every norm here is zero-centred and attention has no sinks: the release says so.
+  if (!flag("zero_centered", true)) {
+    return refuse("zero_centered false is not implemented (Step3.5's norms are zero-centred)");
+  }
+  if (flag("sink", false)) return refuse("sink true (attention sinks) is not implemented");
   MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits", 0, &L.limit));
   MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits_shared", 0, &L.limit_shared));
   auto get_int = [&](const char* key, int64_t* out) {
@@ -411,7 +440,9 @@ const std::vector<std::string>& Step3p5ConfigKeys() {
       "norm_expert_weight", "moe_router_scaling_factor", "swiglu_limits", "swiglu_limits_shared",
       "use_rope_layers", "tie_word_embeddings", "hidden_act",
       // The MTP layers are skipped; the longest sequence is --max-model-len's business.
-      "num_nextn_predict_layers", "max_seq_len"};
+      "num_nextn_predict_layers", "max_seq_len",
+      // The release's older keys, checked against moe_layers_enum and the norms (ReadLayout).
+      "use_moe", "moe_layer_offset", "moe_every_n_layer", "zero_centered", "sink"};
   return keys;
 }
 

@@ -1,0 +1,46 @@
+// What a config.json key means when it is absent: the default of each architecture's own
+// configuration class (transformers, or the model's hub/vLLM class where transformers has none).
+// Every reader of config.json (adapter validation, the worker's config and its forward passes)
+// sees the config with these defaults filled in, so an absent key never falls back to a value the
+// model's authors did not choose. Thread-safe: constant tables and pure functions.
+#ifndef MOELORA_LORA_CONFIG_DEFAULTS_H_
+#define MOELORA_LORA_CONFIG_DEFAULTS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moelora {
+
+struct ArchConfigDefaults {
+  std::string architecture;  // config.json architectures[0]
+  std::string source;        // the configuration class the defaults come from
+  // JSON object: key -> the class default, for the text config (the `text_config` of wrapper
+  // classes). "@top" holds defaults of the wrapper's own top-level keys.
+  std::string defaults_json;
+  // Keys that must be present: the sources disagree on their default, so no default is safe.
+  struct Required {
+    std::string key, reason;
+  };
+  std::vector<Required> required;
+};
+
+// Every table, in a fixed order (for --print-config-defaults and the tests).
+const std::vector<ArchConfigDefaults>& AllConfigDefaults();
+// The table for `architecture`, or nullptr.
+const ArchConfigDefaults* FindConfigDefaults(const std::string& architecture);
+
+// `text` (a config.json) with every absent key of its architecture's table filled in. The text
+// unchanged when it names no known architecture (the callers report that themselves); rope
+// defaults are filled only where the config sets no rope of its own. FAILED_PRECONDITION naming
+// `file`, the key and the reason when a required key is absent; INVALID_ARGUMENT for bad JSON.
+[[nodiscard]] absl::StatusOr<std::string> ApplyConfigDefaults(const std::string& text,
+                                                              const std::string& file);
+
+// {"Arch": {"source": ..., "defaults": {...}, "required": {"key": "reason"}}, ...} as JSON text.
+std::string ConfigDefaultsJson();
+
+}  // namespace moelora
+
+#endif  // MOELORA_LORA_CONFIG_DEFAULTS_H_
