@@ -140,12 +140,6 @@ const ArchConfigDefaults* FindConfigDefaults(const std::string& architecture) {
   const nlohmann::json d = nlohmann::json::parse(table->defaults_json);
   const bool wrapped = j.contains("text_config") && j["text_config"].is_object();
   nlohmann::json& t = wrapped ? j["text_config"] : j;
-  for (const ArchConfigDefaults::Required& r : table->required) {
-    if (!t.contains(r.key) || t[r.key].is_null()) {
-      return absl::FailedPreconditionError(absl::StrCat(file, ": ", r.key, " is required for ",
-                                                        table->architecture, " (", r.reason, ")"));
-    }
-  }
   auto set_rope = [](const nlohmann::json& o) {
     for (const char* k : {"rope_parameters", "rope_scaling"}) {
       if (o.contains(k) && !o[k].is_null()) return true;
@@ -165,9 +159,34 @@ const ArchConfigDefaults* FindConfigDefaults(const std::string& architecture) {
       if (!set_rope(t)) t[key] = value;
       continue;
     }
+    // transformers' attribute_map aliases: either spelling sets the value.
+    if (key == "num_experts" || key == "num_local_experts") {
+      if (!t.contains("num_experts") && !t.contains("num_local_experts")) t[key] = value;
+      continue;
+    }
     if (!t.contains(key)) t[key] = value;
   }
   return j.dump();
+}
+
+[[nodiscard]] absl::Status CheckRequiredConfigKeys(const std::string& text,
+                                                   const std::string& file) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("architectures") || !j["architectures"].is_array() ||
+      j["architectures"].empty() || !j["architectures"][0].is_string()) {
+    return absl::OkStatus();
+  }
+  const ArchConfigDefaults* table = FindConfigDefaults(j["architectures"][0].get<std::string>());
+  if (table == nullptr) return absl::OkStatus();
+  const nlohmann::json& t =
+      j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
+  for (const ArchConfigDefaults::Required& r : table->required) {
+    if (!t.contains(r.key) || t[r.key].is_null()) {
+      return absl::FailedPreconditionError(absl::StrCat(file, ": ", r.key, " is required for ",
+                                                        table->architecture, " (", r.reason, ")"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string ConfigDefaultsJson() {

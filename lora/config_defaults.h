@@ -33,10 +33,15 @@ const ArchConfigDefaults* FindConfigDefaults(const std::string& architecture);
 
 // `text` (a config.json) with every absent key of its architecture's table filled in. The text
 // unchanged when it names no known architecture (the callers report that themselves); rope
-// defaults are filled only where the config sets no rope of its own. FAILED_PRECONDITION naming
-// `file`, the key and the reason when a required key is absent; INVALID_ARGUMENT for bad JSON.
+// defaults are filled only where the config sets no rope of its own. INVALID_ARGUMENT for bad
+// JSON.
 [[nodiscard]] absl::StatusOr<std::string> ApplyConfigDefaults(const std::string& text,
                                                               const std::string& file);
+
+// FAILED_PRECONDITION naming `file`, the key and the reason when a key the architecture's table
+// requires is absent (checked before a forward pass is built, not where only names are read).
+[[nodiscard]] absl::Status CheckRequiredConfigKeys(const std::string& text,
+                                                   const std::string& file);
 
 // {"Arch": {"source": ..., "defaults": {...}, "required": {"key": "reason"}}, ...} as JSON text.
 std::string ConfigDefaultsJson();

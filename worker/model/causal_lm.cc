@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "lora/config_defaults.h"
 #include "kernels/bgmv.h"
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
@@ -378,6 +379,7 @@ namespace {
   MOELORA_RETURN_IF_ERROR(
       CheckConfigKeys(text, cfg, info.architecture,
                       arch->config_keys ? *arch->config_keys : std::vector<std::string>{}));
+  MOELORA_RETURN_IF_ERROR(CheckRequiredConfigKeys(text, cfg));
   MOELORA_RETURN_IF_ERROR(CheckShared(dir, c, o, *arch));
   std::unique_ptr<Checkpoint> ckpt;
   if (!o.dummy_weights) {
