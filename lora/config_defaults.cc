@@ -113,7 +113,8 @@ const std::vector<ArchConfigDefaults>& AllConfigDefaults() {
         {"use_head_wise_attn_gate",
          "the hub class has no default and vLLM's Step3p5Config defaults it to false, while the "
          "release uses the gate"}}},
-      {"Step3TextForCausalLM", "vLLM's Step3TextConfig (transformers has no Step3 class)",
+      {"Step3TextForCausalLM",
+       "vLLM's Step3TextConfig (transformers has no Step3 class)",
        kStep3Text,
        {}},
   };

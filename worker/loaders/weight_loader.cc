@@ -1,12 +1,11 @@
 #include "worker/loaders/weight_loader.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <sys/mman.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-
-#include <ATen/CPUGeneratorImpl.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -172,8 +171,8 @@ namespace {
     MOELORA_ASSIGN_OR_RETURN(const std::vector<int64_t> local, LocalShape(s, config, opt));
     // N(0, 0.02^2), the usual initializer_range; seeded by the name and rank, so that a load is
     // repeatable.
-    at::Generator gen = at::detail::createCPUGenerator(
-        std::hash<std::string>{}(s.name) ^ (static_cast<uint64_t>(opt.tp_rank) << 56));
+    at::Generator gen = at::detail::createCPUGenerator(std::hash<std::string>{}(s.name) ^
+                                                       (static_cast<uint64_t>(opt.tp_rank) << 56));
     at::Tensor t = at::empty(local, at::kFloat);
     t.normal_(0.0, 0.02, gen);
     out.params[s.name] = t.to(opt.dtype);

@@ -90,8 +90,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
   if (t.value("qkv_bias", false)) return refuse("qkv_bias true is not implemented");
   if (!t.value("use_qk_norm", true)) return refuse("use_qk_norm false is not implemented");
   if (c.info.shared_expert_intermediate_size != 0) {
-    return refuse("shared_expert_intermediate_size ", c.info.shared_expert_intermediate_size,
-                  ": ", c.info.architecture, " has no shared expert");
+    return refuse("shared_expert_intermediate_size ", c.info.shared_expert_intermediate_size, ": ",
+                  c.info.architecture, " has no shared expert");
   }
   for (size_t i = 0; i < c.layer_types.size(); ++i) {
     if (c.layer_types[i] != "full_attention" && c.layer_types[i] != "sliding_attention") {

@@ -176,9 +176,9 @@ struct Step35Layout {
     return refuse("use_moe is false but moe_layers_enum names ", num_moe, " MoE layers");
   }
   int64_t offset = 0, every = 1;
-  for (auto [key, out, least] : {std::tuple<const char*, int64_t*, int64_t>{"moe_layer_offset",
-                                                                            &offset, 0},
-                                 {"moe_every_n_layer", &every, 1}}) {
+  for (auto [key, out, least] :
+       {std::tuple<const char*, int64_t*, int64_t>{"moe_layer_offset", &offset, 0},
+        {"moe_every_n_layer", &every, 1}}) {
     if (!t.contains(key)) continue;
     if (!t[key].is_number_integer() || t[key].get<int64_t>() < least) {
       return bad(key, " must be an integer >= ", least);

@@ -181,8 +181,8 @@ TEST(ReleaseConfigTest, ScaledDownReleasesLoadAndRun) {
   TempDir tmp;
   for (const Release& r : Releases()) {
     SCOPED_TRACE(r.file);
-    const nlohmann::json j = ScaledDown(Unquantized(nlohmann::json::parse(
-        ReadFile(ReleasePath(r.file)))));
+    const nlohmann::json j =
+        ScaledDown(Unquantized(nlohmann::json::parse(ReadFile(ReleasePath(r.file)))));
     const std::string dir = tmp.path() + "/" + r.file;
     std::filesystem::create_directories(dir);
     std::ofstream(dir + "/config.json") << j.dump(2);
