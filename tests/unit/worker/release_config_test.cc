@@ -204,6 +204,38 @@ TEST(ReleaseConfigTest, ScaledDownReleasesLoadAndRun) {
   }
 }
 
+// A key absent from config.json reads as the model's configuration class defaults it, not as a
+// fallback of ours (each of these read otherwise before the defaults table).
+TEST(ReleaseConfigTest, AbsentKeysReadAsTheClassDefaults) {
+  auto parse = [](const std::string& arch, const std::string& more) {
+    const std::string text = "{\"architectures\": [\"" + arch +
+                             "\"], \"hidden_size\": 32, \"num_attention_heads\": 4, "
+                             "\"head_dim\": 8, \"vocab_size\": 64" + more + "}";
+    auto c = ParseModelConfig(text, "config.json");
+    EXPECT_OK(c.status()) << arch;
+    return c.ok() ? *c : ModelConfig{};
+  };
+  const ModelConfig qwen3 = parse("Qwen3MoeForCausalLM", "");
+  EXPECT_FALSE(qwen3.norm_topk_prob);  // Qwen3MoeConfig.norm_topk_prob = False
+  EXPECT_EQ(qwen3.num_experts_per_tok, 8);
+  EXPECT_EQ(qwen3.info.num_key_value_heads, 4);
+  const ModelConfig vl = parse("Qwen3VLMoeForConditionalGeneration", "");
+  EXPECT_DOUBLE_EQ(vl.rope.theta, 500000.0);
+  const ModelConfig q35 = parse("Qwen3_5MoeForCausalLM", "");
+  EXPECT_DOUBLE_EQ(q35.rope.partial_rotary_factor, 0.25);
+  const ModelConfig oss = parse("GptOssForCausalLM", ", \"rope_scaling\": null");
+  EXPECT_DOUBLE_EQ(oss.rms_norm_eps, 1e-5);
+  EXPECT_TRUE(oss.attention_bias);
+  EXPECT_EQ(oss.rope.type, "yarn");
+  EXPECT_DOUBLE_EQ(oss.rope.factor, 32.0);
+  EXPECT_DOUBLE_EQ(oss.rope.theta, 150000.0);
+  const ModelConfig s35 = parse("Step3p5ForCausalLM", "");
+  EXPECT_DOUBLE_EQ(s35.rms_norm_eps, 1e-5);
+  const ModelConfig s3 = parse("Step3TextForCausalLM", "");
+  EXPECT_DOUBLE_EQ(s3.rms_norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(s3.rope.theta, 500000.0);
+}
+
 // What used to go wrong on the release's own keys: its older MoE keys were refused, and the
 // absent rms_norm_eps read as 1e-6 where the model's class says 1e-5.
 TEST(ReleaseConfigTest, Step35ReleaseKeysAndDefaultEps) {
