@@ -210,7 +210,8 @@ TEST(ReleaseConfigTest, AbsentKeysReadAsTheClassDefaults) {
   auto parse = [](const std::string& arch, const std::string& more) {
     const std::string text = "{\"architectures\": [\"" + arch +
                              "\"], \"hidden_size\": 32, \"num_attention_heads\": 4, "
-                             "\"head_dim\": 8, \"vocab_size\": 64" + more + "}";
+                             "\"head_dim\": 8, \"vocab_size\": 64" +
+                             more + "}";
     auto c = ParseModelConfig(text, "config.json");
     EXPECT_OK(c.status()) << arch;
     return c.ok() ? *c : ModelConfig{};
