@@ -52,6 +52,34 @@ namespace moelora {
   return mw;
 }
 
+absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
+  const at::Device dev = device();
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  std::vector<Rotary::Table> tables;
+  tables.reserve(rotaries_.size());
+  for (const Rotary& r : rotaries_) tables.push_back(r.Compute(in.positions, options_.dtype));
+  ResidualStream x(ends_.embed.index_select(0, in.tokens));
+  const double eps = config_.rms_norm_eps;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    DecoderLayer& L = layers_[l];
+    const int li = static_cast<int>(l);
+    const at::Tensor hn = x.Norm(L.in_norm, eps, norm_);
+    absl::StatusOr<at::Tensor> mixed =
+        L.gdn ? L.gdn->Forward(hn, b, li, lb)
+              : L.attn->Forward(hn, b, li, rotaries_[L.rope], tables[L.rope], lb);
+    if (!mixed.ok()) return mixed.status();
+    MOELORA_RETURN_IF_ERROR(AllReduce(*mixed));
+    x.Add(*mixed);
+    const at::Tensor fn = x.Norm(L.post_norm, eps, norm_);
+    absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(fn, lb) : L.mlp->Forward(fn, lb);
+    if (!f.ok()) return f.status();
+    MOELORA_RETURN_IF_ERROR(AllReduce(*f));
+    x.Add(*f);
+  }
+  return ends_.Finish(b, x.Sum(), eps, norm_);
+}
+
 LmEnds LmEnds::From(const std::map<std::string, at::Tensor>& P, bool has_lm_head) {
   LmEnds e;
   e.embed = P.at("model.embed_tokens.weight");

@@ -1,7 +1,9 @@
-// What the decoder models (worker/models/*.cc) share around their own layer stacks: the start
-// and end of a forward step, the embedding / final norm / LM head, and the parameter specs and
-// modules of the parts every architecture has (attention projections, routed experts).
-// Internal to worker/models. Includes ATen.
+// The one decoder stack the models (worker/models/*.cc) compose: DecoderModel runs every layer
+// as mixer (attention or Gated DeltaNet) and FFN (MoE block or dense MLP), each after its norm
+// and followed by the TP all-reduce and the residual add; a model file only builds its layers.
+// Also the start and end of a forward step, the embedding / final norm / LM head, and the
+// parameter specs and modules of the parts every architecture has (attention projections,
+// routed experts). Internal to worker/models. Includes ATen.
 #ifndef MOELORA_WORKER_MODELS_DECODER_H_
 #define MOELORA_WORKER_MODELS_DECODER_H_
 
@@ -14,6 +16,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/layers/attention.h"
+#include "worker/layers/gated_delta_net.h"
 #include "worker/layers/moe.h"
 #include "worker/layers/norm.h"
 #include "worker/loaders/weight_loader.h"
@@ -50,6 +54,30 @@ struct LmEnds {
   // The step's end: every sequence's state advanced by its new tokens; the rows whose logits
   // are asked for through the final norm and the LM head, f32 on the host.
   at::Tensor Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind) const;
+};
+
+// One decoder layer: exactly one mixer and one FFN.
+struct DecoderLayer {
+  at::Tensor in_norm, post_norm;
+  std::unique_ptr<Attention> attn;     // attention layers
+  std::unique_ptr<GatedDeltaNet> gdn;  // linear-attention (Gated DeltaNet) layers
+  size_t rope = 0;                     // the attention's RoPE: an index into the model's rotaries
+  std::unique_ptr<MoeBlock> moe;       // MoE layers
+  std::unique_ptr<SwiGluMlp> mlp;      // dense layers
+};
+
+// The decoder loop every architecture runs. A model's factory (a static member of its subclass,
+// for CausalLM's protected setup) fills ends_, rotaries_, layers_ and norm_, and registers the
+// layers' LoRA modules.
+class DecoderModel : public CausalLM {
+ public:
+  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) final;
+
+ protected:
+  LmEnds ends_;
+  std::vector<Rotary> rotaries_;  // one per distinct RoPE of the layers
+  std::vector<DecoderLayer> layers_;
+  NormKind norm_ = NormKind::kPlain;  // every norm of the stack, the final one included
 };
 
 // Specs of a layer's attention projections (`<layer>self_attn.{q,k,v,o}_proj`, q with

@@ -56,21 +56,9 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
   return s;
 }
 
-class Qwen35Moe final : public CausalLM {
+class Qwen35Moe final : public DecoderModel {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
-
- private:
-  struct Layer {
-    at::Tensor in_norm, post_norm;
-    std::unique_ptr<GatedDeltaNet> gdn;  // linear_attention layers
-    std::unique_ptr<Attention> attn;     // full_attention layers
-    std::unique_ptr<MoeBlock> moe;
-  };
-  LmEnds ends_;
-  Rotary rope_;
-  std::vector<Layer> layers_;
 };
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& ctx) {
@@ -146,7 +134,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const at::Device dev = m->device();
   m->ends_ = LmEnds::From(P, has_lm_head);
-  m->rope_ = Rotary(c.rope, dev);
+  m->rotaries_.emplace_back(c.rope, dev);
+  m->norm_ = NormKind::kZeroCentred;
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
                 hkv = c.info.num_key_value_heads, Is = c.shared_expert_intermediate_size;
@@ -154,7 +143,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
                 vd = int64_t{lin.num_value_heads} * lin.value_head_dim, nv = lin.num_value_heads;
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    Layer L;
+    DecoderLayer L;
     L.in_norm = P.at(p + "input_layernorm.weight");
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
     auto linear = [&](const std::string& path, TpMode mode, int64_t in, std::vector<int64_t> out) {
@@ -205,7 +194,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
                                        std::move(experts), std::move(shared));
     m->layers_.push_back(std::move(L));
   }
-  for (Layer& L : m->layers_) {
+  for (DecoderLayer& L : m->layers_) {
     if (L.gdn) {
       for (LoraModule* x :
            {L.gdn->in_qkv(), L.gdn->in_z(), L.gdn->in_b(), L.gdn->in_a(), L.gdn->out()}) {
@@ -220,30 +209,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     m->RegisterLora(L.moe->experts());
   }
   return std::unique_ptr<CausalLM>(std::move(m));
-}
-
-absl::StatusOr<at::Tensor> Qwen35Moe::Forward(const ForwardBatch& b) {
-  const at::Device dev = device();
-  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
-  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
-  ResidualStream x(ends_.embed.index_select(0, in.tokens));
-  const double eps = config_.rms_norm_eps;
-  const NormKind zc = NormKind::kZeroCentred;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    Layer& L = layers_[l];
-    at::Tensor hn = x.Norm(L.in_norm, eps, zc);
-    absl::StatusOr<at::Tensor> mixed =
-        L.gdn ? L.gdn->Forward(hn, b, static_cast<int>(l), lb)
-              : L.attn->Forward(hn, b, static_cast<int>(l), rope_, table, lb);
-    if (!mixed.ok()) return mixed.status();
-    MOELORA_RETURN_IF_ERROR(AllReduce(*mixed));
-    x.Add(*mixed);
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(x.Norm(L.post_norm, eps, zc), lb));
-    MOELORA_RETURN_IF_ERROR(AllReduce(mo));
-    x.Add(mo);
-  }
-  return ends_.Finish(b, x.Sum(), eps, zc);
 }
 
 }  // namespace

@@ -50,20 +50,9 @@ const std::vector<std::string>& Qwen3MoeConfigKeys() {
 
 namespace {
 
-class Qwen3Moe final : public CausalLM {
+class Qwen3Moe final : public DecoderModel {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
-
- private:
-  struct Layer {
-    at::Tensor in_norm, post_norm;
-    std::unique_ptr<Attention> attn;
-    std::unique_ptr<MoeBlock> moe;
-  };
-  LmEnds ends_;
-  Rotary rope_;
-  std::vector<Layer> layers_;
 };
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& ctx) {
@@ -117,11 +106,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
                 hkv = c.info.num_key_value_heads;
   const at::Device dev = m->device();
   m->ends_ = LmEnds::From(P, has_lm_head);
-  m->rope_ = Rotary(c.rope, dev);
+  m->rotaries_.emplace_back(c.rope, dev);
+  m->norm_ = NormKind::kPlain;
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    Layer L;
+    DecoderLayer L;
     L.in_norm = P.at(p + "input_layernorm.weight");
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
     auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
@@ -148,7 +138,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
                                        c.num_experts_per_tok, c.norm_topk_prob, std::move(experts));
     m->layers_.push_back(std::move(L));
   }
-  for (Layer& L : m->layers_) {
+  for (DecoderLayer& L : m->layers_) {
     m->RegisterLora(L.attn->q());
     m->RegisterLora(L.attn->k());
     m->RegisterLora(L.attn->v());
@@ -156,27 +146,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     m->RegisterLora(L.moe->experts());
   }
   return std::unique_ptr<CausalLM>(std::move(m));
-}
-
-absl::StatusOr<at::Tensor> Qwen3Moe::Forward(const ForwardBatch& b) {
-  const at::Device dev = device();
-  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
-  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
-  ResidualStream x(ends_.embed.index_select(0, in.tokens));
-  const double eps = config_.rms_norm_eps;
-  const NormKind nk = NormKind::kPlain;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    Layer& L = layers_[l];
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(x.Norm(L.in_norm, eps, nk), b,
-                                                           static_cast<int>(l), rope_, table, lb));
-    MOELORA_RETURN_IF_ERROR(AllReduce(a));
-    x.Add(a);
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor mo, L.moe->Forward(x.Norm(L.post_norm, eps, nk), lb));
-    MOELORA_RETURN_IF_ERROR(AllReduce(mo));
-    x.Add(mo);
-  }
-  return ends_.Finish(b, x.Sum(), eps, nk);
 }
 
 }  // namespace

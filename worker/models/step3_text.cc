@@ -55,21 +55,9 @@ std::vector<ParamSpec> Step3Specs(const ModelConfig& c, const Step3Layout& L, bo
   return s;
 }
 
-class Step3Text final : public CausalLM {
+class Step3Text final : public DecoderModel {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
-
- private:
-  struct Layer {
-    at::Tensor in_norm, post_norm;
-    std::unique_ptr<Attention> attn;
-    std::unique_ptr<MoeBlock> moe;   // MoE layers
-    std::unique_ptr<SwiGluMlp> mlp;  // dense layers
-  };
-  LmEnds ends_;
-  Rotary rope_;
-  std::vector<Layer> layers_;
 };
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& ctx) {
@@ -128,14 +116,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const at::Device dev = m->device();
   m->ends_ = LmEnds::From(P, has_lm_head);
-  m->rope_ = Rotary(c.rope, dev);
+  m->rotaries_.emplace_back(c.rope, dev);
+  m->norm_ = NormKind::kPlain;
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
                 Q = lay.share_q;
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const std::string a = p + "self_attn.";
-    Layer L;
+    DecoderLayer L;
     L.in_norm = P.at(p + "input_layernorm.weight");
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
     auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
@@ -168,7 +157,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
     m->layers_.push_back(std::move(L));
   }
   for (size_t l = 0; l < m->layers_.size(); ++l) {
-    Layer& L = m->layers_[l];
+    DecoderLayer& L = m->layers_[l];
     for (LoraModule* x : {L.attn->q_down(), L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) {
       m->RegisterLora(x);
     }
@@ -177,29 +166,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
     if (L.moe) m->RegisterLora(L.moe->experts());
   }
   return std::unique_ptr<CausalLM>(std::move(m));
-}
-
-absl::StatusOr<at::Tensor> Step3Text::Forward(const ForwardBatch& b) {
-  const at::Device dev = device();
-  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
-  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  const Rotary::Table table = rope_.Compute(in.positions, options_.dtype);
-  ResidualStream x(ends_.embed.index_select(0, in.tokens));
-  const double eps = config_.rms_norm_eps;
-  const NormKind nk = NormKind::kPlain;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    Layer& L = layers_[l];
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor a, L.attn->Forward(x.Norm(L.in_norm, eps, nk), b,
-                                                           static_cast<int>(l), rope_, table, lb));
-    MOELORA_RETURN_IF_ERROR(AllReduce(a));
-    x.Add(a);
-    const at::Tensor hn = x.Norm(L.post_norm, eps, nk);
-    absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(hn, lb) : L.mlp->Forward(hn, lb);
-    if (!f.ok()) return f.status();
-    MOELORA_RETURN_IF_ERROR(AllReduce(*f));
-    x.Add(*f);
-  }
-  return ends_.Finish(b, x.Sum(), eps, nk);
 }
 
 }  // namespace

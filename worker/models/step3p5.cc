@@ -264,22 +264,9 @@ std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, 
   return s;
 }
 
-class Step3p5 final : public CausalLM {
+class Step3p5 final : public DecoderModel {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
-  [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) override;
-
- private:
-  struct Layer {
-    at::Tensor in_norm, post_norm;
-    std::unique_ptr<Attention> attn;
-    std::unique_ptr<MoeBlock> moe;   // MoE layers
-    std::unique_ptr<SwiGluMlp> mlp;  // dense layers
-    size_t rope = 0;                 // index into rotaries_
-  };
-  LmEnds ends_;
-  std::vector<Rotary> rotaries_;  // one per distinct RoPE of the layers
-  std::vector<Layer> layers_;
 };
 
 bool SameRope(const RopeSpec& a, const RopeSpec& b) {
@@ -318,6 +305,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const at::Device dev = m->device();
   m->ends_ = LmEnds::From(P, has_lm_head);
+  m->norm_ = NormKind::kZeroCentred;
   std::vector<RopeSpec> distinct;
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim;
@@ -325,7 +313,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const std::string a = p + "self_attn.";
     const int64_t hq = lay.heads[l], hkv = lay.kv_heads[l];
-    Layer L;
+    DecoderLayer L;
     L.in_norm = P.at(p + "input_layernorm.weight");
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
     auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
@@ -379,7 +367,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     m->layers_.push_back(std::move(L));
   }
   for (size_t l = 0; l < m->layers_.size(); ++l) {
-    Layer& L = m->layers_[l];
+    DecoderLayer& L = m->layers_[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
     if (L.attn->g()) m->RegisterLora(L.attn->g());
@@ -400,31 +388,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     m->RegisterLora(L.moe->experts(), {p + "mlp.experts"});
   }
   return std::unique_ptr<CausalLM>(std::move(m));
-}
-
-absl::StatusOr<at::Tensor> Step3p5::Forward(const ForwardBatch& b) {
-  const at::Device dev = device();
-  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
-  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
-  std::vector<Rotary::Table> tables;
-  for (const Rotary& r : rotaries_) tables.push_back(r.Compute(in.positions, options_.dtype));
-  ResidualStream x(ends_.embed.index_select(0, in.tokens));
-  const double eps = config_.rms_norm_eps;
-  const NormKind zc = NormKind::kZeroCentred;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    Layer& L = layers_[l];
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor a,
-                             L.attn->Forward(x.Norm(L.in_norm, eps, zc), b, static_cast<int>(l),
-                                             rotaries_[L.rope], tables[L.rope], lb));
-    MOELORA_RETURN_IF_ERROR(AllReduce(a));
-    x.Add(a);
-    const at::Tensor hn = x.Norm(L.post_norm, eps, zc);
-    absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(hn, lb) : L.mlp->Forward(hn, lb);
-    if (!f.ok()) return f.status();
-    MOELORA_RETURN_IF_ERROR(AllReduce(*f));
-    x.Add(*f);
-  }
-  return ends_.Finish(b, x.Sum(), eps, zc);
 }
 
 }  // namespace
