@@ -262,7 +262,7 @@ struct Case {
 // 1), then a generate wave; the fastest of each is kept per case. Rounds, not cases, on the
 // outside: the base and the mixed case of a round run within seconds of each other, so that the
 // mixed / base ratio does not hang on which of them met the VM's fast or slow stretch (its read
-// rate jumps by up to 2x within seconds; in the twentieth session's run Q2 the f32 batch-32 base
+// rate jumps by up to 2x within seconds; in one run the f32 batch-32 base
 // waves, all run first, met a fast stretch and the mixed waves after them did not: 29.2 against
 // 37.2 ms a step).
 bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,

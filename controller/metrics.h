@@ -1,4 +1,4 @@
-// The controller's Prometheus metrics (DESIGN.md "Metrics"). Thread-safe.
+// The controller's Prometheus metrics (README: "Operating it"). Thread-safe.
 #ifndef MOELORA_CONTROLLER_METRICS_H_
 #define MOELORA_CONTROLLER_METRICS_H_
 

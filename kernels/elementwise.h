@@ -75,7 +75,7 @@ void RotaryRow(const float* x, const float* c, const float* s, float* out, int64
 
 // Rows per parallel task for a pass over rows of `row` elements: at least 8192 elements a task,
 // so the smallest passes (a decode step of up to 8 sequences) stay on the calling thread, where
-// waking the thread pool costs more than the pass. 32768 before the thirty-first session: on the
+// waking the thread pool costs more than the pass. It was 32768: on the
 // Zen 5 a bf16 step at batch 32's two RmsNorm passes a layer (32 rows of 1024) ran on one thread
 // while the other spun, 10.5-11.8 µs each; split from 8192, 7.3-8.0 (timers, decode_step --only
 // peer; a warm at::parallel_for costs about 0.55 µs there). The passes already split (rotary,

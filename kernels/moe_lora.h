@@ -1,6 +1,6 @@
 // Fused MoE with batched multi-LoRA on the experts: the whole MoE block after routing, for tokens
 // of many adapters at once, with the 2D (w1, w3, w2 per expert) or the 3D (fused w13, w2) LoRA
-// wrapper (FORMATS.md §1.3, §1.4).
+// wrapper (docs/formats.md §2, §3).
 //
 // For every token t and each of its top_k assignments (e = topk_ids[t, k], w = topk_weights[t,
 // k], s = slot_of_token[t]):
@@ -11,7 +11,7 @@
 //         (swiglu_limit L > 0, Step3.5: dtype(min(silu(g), L) · clamp(u, -L, L)))
 //   y   = w2[e] · act  (+ down LoRA the same way, from act) f32 [H]
 //   out[t] = dtype(Σ_k w · y)                              the routing weight scales base + LoRA
-// The LoRA intermediate (A·x, rank-sized) is f32, as are h13, y and the sum over k (FORMATS.md
+// The LoRA intermediate (A·x, rank-sized) is f32, as are h13, y and the sum over k (docs/formats.md
 // §1.7). 2D wrapper: two gate/up projections (gate: out_col 0, up: out_col I, out_dim I each);
 // 3D wrapper: one (w13: out_col 0, out_dim 2I). No projection at all is the base fused MoE.
 //

@@ -8,7 +8,7 @@
 // r_stride] (column j = lora_A row j), B transposed, b_t [r_stride, out_dim] (row j = lora_B
 // column j, scaling folded in), both f32 or bf16 (SgmvParams::w_type; bf16 is widened exactly).
 // Only the first `rank` columns/rows are read. The rank-sized intermediate is kept in f32
-// (FORMATS.md §1.7).
+// (docs/formats.md §1).
 //
 // Where the CPU has AVX-512 (else AVX2 + FMA; checked at run time, the build needs neither) a
 // segment's rows go four at a time, so A and B are read once per four rows, with the four rows'
@@ -36,7 +36,7 @@ struct SgmvSegment {
   int32_t rank = 0;           // 0 < rank <= r_stride; 0 = nothing to add
   // A second B sharing this A (nullptr: none), [r_stride, out_dim]: its expand adds into the
   // out_dim columns after the first B's. One shrink serves both, so A is read once: a 3D
-  // adapter's fused gate/up A, converted to 2D, is both gate's and up's (FORMATS.md §1.5).
+  // adapter's fused gate/up A, converted to 2D, is both gate's and up's (docs/formats.md §4).
   const void* b2_t = nullptr;
   int64_t out_col = 0;  // this segment's first column of out (added to every out row)
 };

@@ -201,7 +201,7 @@ absl::Status Validator::Check3D(const std::string& prefix, Pending* gu, Pending*
   const TensorView& da = *dn->a;
   const TensorView& db = *dn->b;
   // Old PEFT (<= 0.19.0) saved [E,out,in] parameters with in/out swapped: gate_up A [E*r, 2I],
-  // B [H, r*E]; down A [E*r, H], B [I, r*E] (FORMATS.md §7.4).
+  // B [H, r*E]; down A [E*r, H], B [I, r*E] (docs/formats.md §4).
   const bool swapped =
       gua.shape[1] != db.shape[0] && gua.shape[1] == 2 * db.shape[0] && gub.shape[0] == da.shape[1];
   const bool swapped_vs_model =

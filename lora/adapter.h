@@ -1,6 +1,6 @@
 // A LoRA adapter in host memory, read from a PEFT adapter directory and validated.
 //
-// Layouts (FORMATS.md §7.2, §7.3; shapes outermost first, row-major):
+// Layouts (docs/formats.md §2, §3; shapes outermost first, row-major):
 //   dense module        A [r, in], B [out, r]
 //   2D expert e, proj   A [r, in], B [out, r]  (gate/up: in=H, out=I; down: in=I, out=H)
 //   3D gate_up          A [E*r, H]  row e*r+j;  B [2I, r*E]  column j*E+e; rows [gate ; up]

@@ -1,4 +1,4 @@
-// Layout conversions of MoE LoRA (FORMATS.md §7.4, §7.5) and writing adapters back to disk.
+// Layout conversions of MoE LoRA (docs/formats.md §4, §5) and writing adapters back to disk.
 // Thread-safety: functions mutate only the adapter passed in; callers serialise access to it.
 #ifndef MOELORA_LORA_CONVERT_H_
 #define MOELORA_LORA_CONVERT_H_
@@ -28,7 +28,7 @@ namespace moelora {
 void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes,
                       std::vector<uint8_t>* scratch);
 
-// 3D -> 2D, in place (FORMATS.md §7.4): for every 3D layer, lora_B [out, r*E] (column j*E+e) is
+// 3D -> 2D, in place (docs/formats.md §4): for every 3D layer, lora_B [out, r*E] (column j*E+e) is
 // permuted within its own buffer to [E, out, r]; gate_up rows are split into gate (rows [0, I))
 // and up ([I, 2I)), or de-interleaved for GPT-OSS; w1 and w3 share expert e's rows of the
 // gate_up lora_A, which is already expert-major. Afterwards the layer is 2D and its per-expert
@@ -43,7 +43,7 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes,
 void CopyBExpertMajor(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t r, int64_t experts,
                       size_t elem_bytes);
 
-// 2D -> 3D (FORMATS.md §7.5), into new buffers: when every expert's gate and up lora_A are
+// 2D -> 3D (docs/formats.md §5), into new buffers: when every expert's gate and up lora_A are
 // bit-identical (Megatron/ms-swift exports, converted 3D adapters) the fused A is that A and B is
 // [gate ; up] (interleaved for GPT-OSS); otherwise rank-concatenated: A = [A_gate ; A_up],
 // B = blockdiag(B_gate, B_up), per-expert rank 2r (recorded in rank_pattern/alpha_pattern so

@@ -1,4 +1,4 @@
-// LoRA tensor names, parsed as vLLM's parse_fine_tuned_lora_name does (FORMATS.md §2.2), and
+// LoRA tensor names, parsed as vLLM's parse_fine_tuned_lora_name does (docs/formats.md §7), and
 // classified into dense modules, 2D per-expert and 3D fused expert LoRA.
 // Thread-safe: pure functions.
 #ifndef MOELORA_LORA_LORA_NAMES_H_

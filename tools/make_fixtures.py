@@ -18,10 +18,10 @@ What it writes (all float32, tiny, random weights with fixed seeds):
                             experts.down_proj (+ q_proj, o_proj) — the PEFT >= 0.19.1 3D layout
   <model>/adapter_2d/       per-expert gate/up/down_proj (+ q_proj, v_proj): PEFT under transformers
                             v5 cannot write this layout (the experts are fused), so the script writes
-                            it by FORMATS.md §7.2 and then loads it back through PEFT, whose own
+                            it by docs/formats.md §2 and then loads it back through PEFT, whose own
                             v4->v5 conversion must accept it; every expected number below comes from
                             the PEFT-loaded model, never from this script's own arithmetic
-  qwen3_moe/adapter_3d_as_2d/  the 3D adapter rewritten per expert by FORMATS.md §7.4 (Python);
+  qwen3_moe/adapter_3d_as_2d/  the 3D adapter rewritten per expert by docs/formats.md §4 (Python);
                             PEFT must give the same logits for it as for adapter_3d
   gpt_oss/adapter_3d/       PEFT 3D adapter on the interleaved GPT-OSS experts
   */expected_deltas.safetensors  PEFT get_delta_weight() per expert and projection:
@@ -113,7 +113,7 @@ def expert_deltas(peft_model, layer_prefix_fmt, interleaved=False):
 
 
 def write_2d_adapter(path, prefix, r, alpha, dense, seed, base_model_path, share_gate_up_a=False):
-    """A per-expert (2D) adapter by FORMATS.md §7.2; dense: {module_suffix: (out, in)}."""
+    """A per-expert (2D) adapter by docs/formats.md §2; dense: {module_suffix: (out, in)}."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for layer in range(LAYERS):
@@ -150,7 +150,7 @@ def make_3d_adapter(model_fn, path, r, alpha, seed, dense=("q_proj", "o_proj"), 
 
 
 def convert_3d_to_2d_python(src, dst, prefix, interleaved=False):
-    """FORMATS.md §7.4 in numpy, for an independent 2D twin of a 3D adapter."""
+    """docs/formats.md §4 in numpy, for an independent 2D twin of a 3D adapter."""
     sd = load_file(os.path.join(src, "adapter_model.safetensors"))
     cfg = json.load(open(os.path.join(src, "adapter_config.json")))
     out = {}
@@ -258,7 +258,7 @@ def qwen3_vl_moe(out):
     model.load_state_dict(vsd)
     model.save_pretrained(mdir)
     # The released Qwen3-VL-MoE checkpoints store the text experts transposed: gate_up_proj [E,H,2I],
-    # down_proj [E,I,H] (FORMATS.md §3.3). transformers v5 writes its runtime layout [E,2I,H] here, so
+    # down_proj [E,I,H] (docs/formats.md §6). transformers v5 writes its runtime layout [E,2I,H] here, so
     # rewrite those two tensors in the on-disk layout and prove below that transformers reads it back.
     path = os.path.join(mdir, "model.safetensors")
     sd = load_file(path)
@@ -367,7 +367,7 @@ def gpt_oss_lm(out):
 
 
 def gpt_oss_lm_2d(out):
-    """gpt_oss_lm/adapter_2d: the PEFT 3D adapter rewritten per expert by FORMATS.md §7.4 in
+    """gpt_oss_lm/adapter_2d: the PEFT 3D adapter rewritten per expert by docs/formats.md §4 in
     this script's numpy (de-interleaving gate/up). The conversion is exact, so its expected
     logits are PEFT's for the 3D adapter (PEFT cannot load per-expert LoRA for GPT-OSS)."""
     root = os.path.join(out, "gpt_oss_lm")
@@ -468,7 +468,7 @@ def q35_logits(model, prompts=Q35_PROMPTS):
 
 def q35_merged_2d(mdir, adapter_dir, prefix="model"):
     """The base model with a 2D adapter merged by hand (W += scaling · B · A per module and per
-    expert, FORMATS.md §1): a reference for the 2D layout that does not go through PEFT."""
+    expert, docs/formats.md §1): a reference for the 2D layout that does not go through PEFT."""
     model = Qwen3_5MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
     sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     cfg = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
@@ -598,7 +598,7 @@ def qwen3_5_moe(out):
 
 
 # Tiny Step3.5 (Step3p5ForCausalLM, the Step-3.5-Flash hub layout), built through transformers'
-# Step3p7 text classes (MODELS.md §1, §5) from the hub config's legacy keys. One dense layer
+# Step3p7 text classes (docs/models.md §1, §6) from the hub config's legacy keys. One dense layer
 # (0), three MoE layers; full and sliding layers with different head counts, per-layer θ and
 # partial rotary, llama3 scaling on full layers; clamped SwiGLU on one routed-expert layer and
 # on the dense and one shared-expert MLP; one trailing MTP layer the main model must skip.

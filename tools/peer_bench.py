@@ -48,7 +48,7 @@ def make(out, layers):
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                     init_lora_weights=False)
     get_peft_model(base, lc).save_pretrained(os.path.join(out, "adapter_3d"))
-    # 2D adapter (FORMATS.md: per-expert modules), random A and B of std 0.02.
+    # 2D adapter (docs/formats.md §2: per-expert modules), random A and B of std 0.02.
     g = torch.Generator().manual_seed(2)
     sd = {}
     for layer in range(layers):

@@ -2,8 +2,8 @@
 """An independent reference for Step3 text (Step3TextForCausalLM), and its fixture.
 
 transformers has no class for Step3 (its modeling code is remote code on the Hub, which cannot
-be reached here; MODELS.md §1), so this file is the reference: a plain torch forward written
-from MODELS.md §4 (vLLM's step3_text.py semantics), not from moelora's C++:
+be reached here; docs/models.md §1), so this file is the reference: a plain torch forward written
+from docs/models.md §5 (vLLM's step3_text.py semantics), not from moelora's C++:
 
   h += o_proj(attn(rope(wq(inter_norm(q_proj(x)))), rope(k_proj(x)), v_proj(x)))   x = norm(h)
       MQA: every query head attends to the one KV head; neox RoPE over the whole head_dim
@@ -13,7 +13,7 @@ from MODELS.md §4 (vLLM's step3_text.py semantics), not from moelora's C++:
   logits = lm_head(norm(h))           plain RMSNorm everywhere
 
 LoRA is applied by merging W += scaling · B · A into the base weights (per expert for the 2D
-layout; for the 3D layout through PEFT's own einsum of FORMATS.md §7.3), so the reference
+layout; for the 3D layout through PEFT's own einsum of docs/formats.md §3), so the reference
 shares nothing with the engine's batched LoRA.
 
 Run by hand (needs torch and safetensors):

@@ -1,4 +1,4 @@
-// The worker's Prometheus metrics (DESIGN.md "Metrics"; base units, `moelora_` prefix, a
+// The worker's Prometheus metrics (README: "Operating it"; base units, `moelora_` prefix, a
 // constant `rank` label). Thread-safe: prometheus-cpp metrics are.
 #ifndef MOELORA_WORKER_METRICS_H_
 #define MOELORA_WORKER_METRICS_H_

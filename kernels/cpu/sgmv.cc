@@ -35,7 +35,7 @@ using Mid = float[kSgmvMaxRank];
 // own A and each other before use. decode_step --only peer, batch 32 with two adapters (case
 // (c)), the experts' LoRA sections over 20 steps (timers), L1 against L2, alternating, on a Zen 4
 // EPYC: bf16 51.4, 50.4, 42.0, 47.3, 40.5, 43.7 -> 50.1, 41.7, 31.8, 36.2, 41.1, 41.2 ms; f32
-// 70.5, 68.0, 74.6 -> 65.4, 61.0, 68.6 ms (seventeenth session; not measured on the Xeon).
+// 70.5, 68.0, 74.6 -> 65.4, 61.0, 68.6 ms (not measured on the Xeon).
 struct Prefetch {
   const char* a = nullptr;
   const char* b = nullptr;

@@ -84,8 +84,8 @@ template <typename W>
 MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // f32 weights at a decode's few rows per expert: how many weight rows stream at once was
   // measured, not derived (the kernel's rate is what the memory gives its streams). Up to
-  // SkinnyRowStreamRows x rows (2, or 8 on the Zen 5): one weight row at a time (RowStreams,
-  // twenty-first and twenty-fifth sessions). The tiles below were measured at 1-3 x rows before
+  // SkinnyRowStreamRows x rows (2, or 8 on the Zen 5): one weight row at a time
+  // (RowStreams). The tiles below were measured at 1-3 x rows before
   // that and serve the rows past it now. Rows of 4 KB
   // or more (k = 1024: gate/up, the dense products) at 1-3 x rows: 8 rows a tile (8 x 3
   // accumulators); rows of up to 2 KB (k = 512: the down projection) at 1-4 x rows: 2 rows a
@@ -240,8 +240,8 @@ class PrefetchBytes {
 // and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
 // f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
 // 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
-// bf16 weights 8 KB ahead since the twenty-ninth session: those runs had met slow stretches of
-// the VM's memory only. decode_step --only peer --ab-row-stream-prefetch 8192, bf16 batch 32,
+// bf16 weights were prefetched 8 KB ahead once: those runs had met slow stretches of the VM's
+// memory only. decode_step --only peer --ab-row-stream-prefetch 8192, bf16 batch 32,
 // steps at 4 KB over steps at 8 KB, alternating in one run: 1.047, 1.050, 1.052, 1.055, 1.056
 // where steps took 8.3-8.9 ms (memory at about 65 GB/s), 0.989-0.996 (five runs) at 9.9-10.2 ms;
 // batch 8 1.012. 12 / 16 / 24 / 32 KB on fast stretches: 1.038 / 1.045-1.051 / 1.042 / 1.033.
@@ -273,8 +273,7 @@ PrefetchBytes& RowStreamFarPrefetch() {
 // (the KV cache, the activations, the wide kernel's dense weights) and paid for the victim
 // writes. decode_step --only peer --ab-row-stream-nta 1 (steps alternating in one run), steps with
 // over steps without: bf16 batch 32 / 8 / 1 0.977 / 0.965 / 0.988, f32 0.983 / 0.970 / 0.991
-// (9.97 / 6.37 / 1.41 ms bf16 steps); the experts' streams alone 0.98-0.99 (docs/performance.md,
-// thirty-first session).
+// (9.97 / 6.37 / 1.41 ms bf16 steps); the experts' streams alone 0.98-0.99 (docs/performance.md).
 bool RowStreamNonTemporalDefault() {
   static const bool on = [] {
     const char* e = std::getenv("MOELORA_SKINNY_PREFETCH_NTA");

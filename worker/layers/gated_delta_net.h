@@ -1,4 +1,4 @@
-// Gated DeltaNet (Qwen3.5's linear-attention layers, MODELS.md §2.4), for one TP rank:
+// Gated DeltaNet (Qwen3.5's linear-attention layers, docs/models.md §3), for one TP rank:
 //   x = in_proj_qkv(u) -> causal depthwise conv (kernel K, SiLU) -> q | k | v; q, k l2-normed,
 //   q scaled by dk^-0.5; β = sigmoid(in_proj_b(u)), g = -exp(A_log) · softplus(in_proj_a(u) +
 //   dt_bias); per value head a state S [dk, dv]: S ← e^g S; S ← S + k (β (v - Sᵀk))ᵀ; o = Sᵀq;

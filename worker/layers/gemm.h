@@ -32,7 +32,7 @@ inline constexpr int64_t kSkinnyMaxRowsBf16Dp = 2;
 // bfloat16, a layer's 32 experts grouped, kernel against ATen, at 4 / 8 / 16 / 24 / 32 rows each:
 // 3.9 / 5.0 / 8.2 / 11.3 / 14.1 against 7.0 / 8.3 / 10.5 / 12.7 / 13.6 ms; 128 experts from
 // memory at 4 rows 12.6 against 32.1 ms; a dense [m, 1024] x [1024, 1024]ᵀ at 16 / 32 / 64 rows
-// 0.17 / 0.30 / 0.54 against 0.23 / 0.29 / 0.48 ms (seventeenth session).
+// 0.17 / 0.30 / 0.54 against 0.23 / 0.29 / 0.48 ms.
 inline constexpr int64_t kSkinnyMaxRowsBf16DpNoAmx = 24;
 // bf16 on the native route where the CPU has AMX (kernels/amx_gemm.h): rows up to which the AMX
 // kernel serves a product (experts grouped per layer, dense layers), ahead of both of the above.
@@ -46,11 +46,11 @@ inline constexpr int64_t kAmxMaxRows = 256;
 // 8–15 % slower (the skinny kernel streams its rows at the read rate, the wide one multiplies
 // zero rows). A 512-row dense product in OpenBLAS runs at about the wide kernel's rate (380
 // GFLOP/s), so ATen keeps those. Since the skinny kernel prefetches across blocks and products
-// (fifteenth session) it is ahead up to 12 rows: 128 experts from memory, two runs each, wide
+// it is ahead up to 12 rows: 128 experts from memory, two runs each, wide
 // against skinny: 9 rows 34.3, 35.1 / 31.6, 31.8 ms; 10 rows 34.3, 36.1 / 31.7, 32.0; 12 rows
 // 35.0, 35.8 / 33.2, 34.1; 13 rows 36.5, 36.7 / 38.2, 39.9 (so the wide kernel from 13); a dense
 // [9, 1024] x [1024, 1024]ᵀ 0.189, 0.194 / 0.155, 0.159 ms, the LM head at 11 rows 0.680, 0.681
-// / 0.631, 0.643 ms (sixteenth session).
+// / 0.631, 0.643 ms.
 inline constexpr int64_t kWideMinRows = 13;
 inline constexpr int64_t kWideMaxRows = 256;
 // bf16 on the native route where the CPU has AVX512-BF16 but no AMX: the rows of x for which the

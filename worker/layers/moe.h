@@ -4,7 +4,7 @@
 //
 // Experts (one LoraModule at `<layer>.mlp.experts`): this rank's shard of w13 [E, 2·I_p, H]
 // ([gate ; up] per expert) and w2 [E, H, I_p]. Expert LoRA goes through one of two wrappers
-// (FORMATS.md §1.3, §1.4): 2D (w1, w3, w2 per expert) or 3D (fused w13, w2). On the CPU path the
+// (docs/formats.md §2, §3): 2D (w1, w3, w2 per expert) or 3D (fused w13, w2). On the CPU path the
 // (token, expert) assignments are sorted by (expert, slot) and run as one GEMM per expert plus
 // SGMV segments per (expert, slot); on the kernel paths the whole block is one fused call
 // (kernels/moe_lora.h).
@@ -116,7 +116,7 @@ class MoeExperts final : public LoraModule {
   at::Tensor erank_t_[3];  // kernel paths
   // 2D wrapper on the CPU path, not fully sharded: per (slot, expert), 1 where gate's and up's A
   // are equal and of one rank: then one SGMV shrink feeds both expands (SgmvSegment::b2_t). A
-  // 3D adapter converted to 2D shares its fused gate_up A between gate and up (FORMATS.md
+  // 3D adapter converted to 2D shares its fused gate_up A between gate and up (docs/formats.md
   // §1.5), so this saves a fifth of its expert LoRA reads. Found by comparing the slot's bytes
   // after every write (WriteExperts, RestoreSlot, Reset), so it follows the slot whatever wrote it.
   std::vector<uint8_t> shared_a_;

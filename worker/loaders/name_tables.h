@@ -4,8 +4,8 @@
 // weight under `.base_layer.` (dense: `self_attn.q_proj.base_layer.weight`; experts:
 // `mlp.experts.base_layer.w13_weight [E, 2I, H]` = [gate ; up] per expert and
 // `mlp.experts.base_layer.w2_weight [E, H, I]`). With LoRA off the `.base_layer.` segment is
-// absent. FORMATS.md §3 and §7.6 give the checkpoint side per architecture; names that come from
-// a PEFT-wrapped trainer already carry `.base_layer.` and are accepted too (FORMATS.md §3.1).
+// absent. docs/formats.md §6 gives the checkpoint side per architecture; names that come from
+// a PEFT-wrapped trainer already carry `.base_layer.` and are accepted too (docs/formats.md §6).
 //
 // Engine names drop multimodal wrappers' text prefixes (`model.language_model.` -> `model.`), so
 // one transformer implementation serves Qwen3-MoE and the Qwen3-VL-MoE text path.

@@ -1,4 +1,4 @@
-// GPT-OSS (MODELS.md §6): h += o(attn(norm(h))) with biases, sinks and sliding-window layers
+// GPT-OSS (docs/models.md §4): h += o(attn(norm(h))) with biases, sinks and sliding-window layers
 // from layer_types (YaRN RoPE); h += moe(norm(h)) with a biased top-k-then-softmax router and
 // experts with biases and the clamped SwiGLU of interleaved gate/up. bf16 (or f32) checkpoints;
 // MXFP4 ones are refused (CheckConfigKeys). The CPU path only for now: the fused GPU MoE kernel

@@ -1,4 +1,4 @@
-// Qwen3.5-MoE (MODELS.md §2): a hybrid stack from layer_types, Gated DeltaNet
+// Qwen3.5-MoE (docs/models.md §3): a hybrid stack from layer_types, Gated DeltaNet
 // (linear_attention) or gated full attention (full_attention) as the mixer, then a softmax top-k
 // MoE block with a sigmoid-gated shared expert; every norm zero-centred. Text path of
 // Qwen3_5MoeForConditionalGeneration (vision tower and MTP head skipped) and the text-only

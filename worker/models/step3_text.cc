@@ -1,4 +1,4 @@
-// Step3 text (Step3TextForCausalLM; MODELS.md §4): MQA whose query comes from a shared
+// Step3 text (Step3TextForCausalLM; docs/models.md §5): MQA whose query comes from a shared
 // low-rank latent (q_proj → inter_norm → wq) and whose single KV head is replicated on every
 // rank; neox RoPE over the whole head; then a dense SwiGLU MLP (layers outside
 // moe_layers_enum) or the MoE block: softmax over all experts, top-k, renormalised iff

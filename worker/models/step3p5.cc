@@ -1,4 +1,4 @@
-// Step3.5 (Step3p5ForCausalLM, Step-3.5-Flash; MODELS.md §5): per layer, from layer_types,
+// Step3.5 (Step3p5ForCausalLM, Step-3.5-Flash; docs/models.md §6): per layer, from layer_types,
 // full or sliding-window GQA with its own query-head count (attention_other_setting), θ and
 // partial rotary (llama3 scaling on the yarn_only_types layers), zero-centred q/k norms and a
 // head-wise sigmoid gate (g_proj); then a dense SwiGLU MLP (layers outside moe_layers_enum) or

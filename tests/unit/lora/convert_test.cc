@@ -129,7 +129,7 @@ TEST(Convert, GptOssWithoutInterleaveDisagreesWithPeft) {
 }
 
 TEST(Convert, ConvertedThreeDIsBitIdenticalToPythonTwin) {
-  // adapter_3d_as_2d was written by the fixture script's own numpy slicing of FORMATS.md §7.4.
+  // adapter_3d_as_2d was written by the fixture script's own numpy slicing of docs/formats.md §4.
   AdapterReadOptions opt;
   opt.convert_to_2d = true;
   auto ours = ReadAdapter(kData + "/qwen3_moe/adapter_3d", opt);
@@ -307,7 +307,7 @@ TEST(Convert, Bf16ThreeDConvertsLikeF32) {
   b16.config()["target_parameters"] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
   auto a = ReadAdapter(b16.Write(tmp.Sub("bf16")), {.convert_to_2d = true});
   ASSERT_THAT(a, IsOk());
-  // Reference: element-wise from the 3D tensors per FORMATS.md §7.4.
+  // Reference: element-wise from the 3D tensors per docs/formats.md §4.
   auto orig = ReadAdapter(tmp.Sub("bf16"));
   ASSERT_THAT(orig, IsOk());
   const LoraPair& gu = *orig->moe.begin()->second.gate_up;
