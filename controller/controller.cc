@@ -70,7 +70,11 @@ void Controller::RecordRequest(const GenRequest& r, absl::StatusCode code) {
 
 absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
     const v1::GenerateRequest& request, std::chrono::steady_clock::time_point deadline) {
-  if (!serving()) return absl::UnavailableError("not serving: the worker group is not ready");
+  if (!serving()) {
+    const std::string why = group_->not_serving_reason();
+    return absl::UnavailableError(
+        absl::StrCat("not serving: the worker group is not ready", why.empty() ? "" : ": ", why));
+  }
   const v1::WorkerInfoResponse info = group_->info();
   RequestLimits limits;
   limits.vocab_size = info.vocab_size();

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/engine_flags.h"
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/port_file.h"
@@ -47,19 +48,6 @@ ABSL_FLAG(std::string, worker_bin, "",
 ABSL_FLAG(std::string, adapter_root, "", "The only directory adapters may be loaded from");
 ABSL_FLAG(std::string, state_dir, "moelora-state",
           "Registry (SQLite) and worker run files; the registry survives restarts");
-ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
-          "Serve 2D and 3D adapters together (3D converted to 2D in place at load)");
-ABSL_FLAG(bool, enable_expert_parallel, false,
-          "Workers hold num_experts / tensor-parallel-size whole experts each (and only their "
-          "LoRA) instead of a slice of every expert (CPU workers)");
-ABSL_FLAG(bool, fully_sharded_loras, false,
-          "Workers shard lora_A of column-parallel and lora_B of row-parallel layers too");
-ABSL_FLAG(int, max_loras, 4, "Adapters resident in worker LoRA slots at once");
-ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank accepted");
-ABSL_FLAG(int, max_cpu_loras, 8,
-          "Adapters registered at once (>= --max-loras; extra ones are swapped into slots on "
-          "demand, from the workers' host cache of as many)");
-ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch");
 ABSL_FLAG(int, batch_window_ms, 2,
           "When nothing is running, the first prefill step starts once no request has arrived "
           "for this long (ms, 0-1000), so that a burst runs as one step (0: start at once)");
@@ -77,14 +65,7 @@ ABSL_FLAG(bool, call_ahead, true,
           "round trip (about 0.7 ms a call on a 2-core machine); a request arriving in that last "
           "moment waits one call more to join, and a stop string or cancellation can run up to "
           "twice --decode-steps steps before its sequence leaves");
-ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens (0: from config.json)");
-ABSL_FLAG(std::string, device, "cpu",
-          "Worker device: cpu | cuda (rank r uses GPU r % visible GPUs; TP over NCCL) | cpu-twins "
-          "(the GPU code path on the CPU; slow, for debugging)");
-ABSL_FLAG(std::string, dtype, "float32", "Worker compute dtype: float32 | bfloat16");
 ABSL_FLAG(int, drain_timeout_s, 30, "On SIGTERM: seconds in-flight requests may still take");
-ABSL_FLAG(int, dist_timeout_s, 120,
-          "Local mode: the spawned workers' --dist-timeout-s (rendezvous and each collective)");
 ABSL_FLAG(int, step_timeout_s, 60,
           "A step that takes longer fails its requests (UNAVAILABLE); a call of several decode "
           "steps (--decode-steps) has this much per step");
@@ -151,22 +132,15 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
     return fail("need --max-loras >= 1 and --max-cpu-loras >= --max-loras");
   }
-  // The flags the workers take as well, checked here too: a worker that refuses one exits, and the
-  // controller would restart the group with it forever.
-  if (absl::GetFlag(FLAGS_max_num_seqs) < 1) return fail("--max-num-seqs must be >= 1");
-  if (absl::GetFlag(FLAGS_max_lora_rank) < 1 ||
-      absl::GetFlag(FLAGS_max_lora_rank) > moelora::kSgmvMaxRank) {
-    return fail(absl::StrCat("--max-lora-rank must be in 1..", moelora::kSgmvMaxRank));
-  }
-  if (absl::GetFlag(FLAGS_max_model_len) < 0) {
-    return fail("--max-model-len must be >= 0 (0: from config.json)");
-  }
-  if (const std::string dt = absl::GetFlag(FLAGS_dtype); dt != "float32" && dt != "bfloat16") {
-    return fail(absl::StrCat("--dtype ", dt, ": expected float32 or bfloat16"));
+  // The flags the workers take as well, checked here by the same rules as there: a worker that
+  // refuses one exits, and the controller would restart the group with it forever.
+  const moelora::EngineFlags engine_flags = moelora::ReadEngineFlags();
+  if (auto s = moelora::ValidateEngineFlags(engine_flags, static_cast<int>(moelora::kSgmvMaxRank));
+      !s.ok()) {
+    return fail(std::string(s.message()));
   }
   if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
   if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");
-  if (absl::GetFlag(FLAGS_dist_timeout_s) < 1) return fail("--dist-timeout-s must be >= 1");
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
@@ -202,19 +176,9 @@ int main(int argc, char** argv) {
   go.run_dir = std::filesystem::absolute(state_dir + "/run").string();
   go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
   go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
-  go.worker_flags = {"--max-loras",     std::to_string(absl::GetFlag(FLAGS_max_loras)),
-                     "--max-cpu-loras", std::to_string(absl::GetFlag(FLAGS_max_cpu_loras)),
-                     "--max-lora-rank", std::to_string(absl::GetFlag(FLAGS_max_lora_rank)),
-                     "--max-num-seqs",  std::to_string(absl::GetFlag(FLAGS_max_num_seqs)),
-                     "--max-model-len", std::to_string(absl::GetFlag(FLAGS_max_model_len)),
-                     "--dtype",         absl::GetFlag(FLAGS_dtype),
-                     "--device",        device,
-                     "--metrics-port",  "0"};
-  if (absl::GetFlag(FLAGS_enable_mixed_moe_lora_format))
-    go.worker_flags.push_back("--enable-mixed-moe-lora-format");
-  if (absl::GetFlag(FLAGS_enable_expert_parallel))
-    go.worker_flags.push_back("--enable-expert-parallel");
-  if (absl::GetFlag(FLAGS_fully_sharded_loras)) go.worker_flags.push_back("--fully-sharded-loras");
+  go.worker_flags = moelora::EngineFlagArgs(engine_flags);
+  go.worker_flags.insert(go.worker_flags.end(), {"--device", device, "--metrics-port", "0"});
+  go.expected = moelora::WorkerSettingsFromFlags(engine_flags, model);
   for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
     go.worker_flags.push_back(std::string(a));
   }

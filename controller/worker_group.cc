@@ -64,6 +64,11 @@ void WorkerGroup::Stop() {
   if (options_.addresses.empty()) KillAll();
 }
 
+std::string WorkerGroup::not_serving_reason() const {
+  MutexLock lock(&mu_);
+  return not_serving_reason_;
+}
+
 v1::WorkerInfoResponse WorkerGroup::info() const {
   MutexLock lock(&mu_);
   return info_;
@@ -307,20 +312,33 @@ void WorkerGroup::Monitor() {
       continue;
     }
     if (serving_) continue;
-    // Every rank is ready: fetch Info, run the hook (adapter reload), then serve.
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    v1::WorkerInfoResponse info;
-    std::shared_ptr<v1::Worker::Stub> stub0;
-    {
-      MutexLock lock(&mu_);
-      stub0 = ranks[0]->stub;
+    // Every rank is ready: fetch every rank's Info, check their settings, run the hook (adapter
+    // reload), then serve.
+    std::vector<v1::WorkerInfoResponse> infos(ranks.size());
+    bool got_all = true;
+    for (size_t r = 0; r < ranks.size() && got_all; ++r) {
+      std::shared_ptr<v1::Worker::Stub> stub;
+      {
+        MutexLock lock(&mu_);
+        stub = ranks[r]->stub;
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      got_all = stub && stub->Info(&ctx, {}, &infos[r]).ok();
     }
-    if (!stub0 || !stub0->Info(&ctx, {}, &info).ok()) continue;
+    if (!got_all) continue;
+    if (options_.expected) {
+      absl::Status s = CheckWorkerSettings(*options_.expected, infos);
+      MutexLock lock(&mu_);
+      const std::string reason = s.ok() ? "" : std::string(s.message());
+      if (reason != not_serving_reason_ && !reason.empty()) LOG(ERROR) << reason;
+      not_serving_reason_ = reason;
+      if (!s.ok()) continue;
+    }
     std::function<absl::Status()> hook;
     {
       MutexLock lock(&mu_);
-      info_ = info;
+      info_ = infos[0];
       hook = on_ready_;
     }
     serving_ = true;  // the hook's RPCs need it; requests are gated by the controller

@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "common/mutex.h"
 #include "controller/worker_group_interface.h"
+#include "controller/worker_settings.h"
 #include "moelora/v1/worker.grpc.pb.h"
 
 namespace moelora {
@@ -42,6 +44,9 @@ struct WorkerGroupOptions {
   std::chrono::milliseconds load_timeout{300000};
   std::chrono::milliseconds health_period{200};
   int dist_timeout_s = 120;  // local mode: the workers' --dist-timeout-s (rendezvous, collectives)
+  // Checked against every rank's Info before the group serves (CheckWorkerSettings); a
+  // disagreement keeps it out of service, named by not_serving_reason().
+  std::optional<WorkerSettings> expected;
 };
 
 class WorkerGroup final : public WorkerGroupInterface {
@@ -58,6 +63,7 @@ class WorkerGroup final : public WorkerGroupInterface {
   void Stop();  // stops the monitor and (local mode) terminates the workers
 
   bool serving() const override { return serving_.load(); }
+  std::string not_serving_reason() const override;
   // Rank 0's Info from the last time the group became ready (empty before).
   v1::WorkerInfoResponse info() const override;
   int size() const { return options_.tp; }
@@ -109,6 +115,7 @@ class WorkerGroup final : public WorkerGroupInterface {
   mutable Mutex mu_;
   std::vector<std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
   v1::WorkerInfoResponse info_ ABSL_GUARDED_BY(mu_);
+  std::string not_serving_reason_ ABSL_GUARDED_BY(mu_);  // a settings mismatch, or empty
   std::function<absl::Status()> on_ready_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> on_down_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> serving_{false};

@@ -34,6 +34,9 @@ class WorkerGroupInterface {
   virtual ~WorkerGroupInterface() = default;
 
   virtual bool serving() const = 0;
+  // Why the group does not serve when the reason is not just "not ready yet" (a worker whose
+  // settings disagree with the controller's); empty otherwise.
+  virtual std::string not_serving_reason() const { return {}; }
   // Rank 0's Info from the last time the group became ready.
   virtual v1::WorkerInfoResponse info() const = 0;
   // Stages on every rank; rolls back (Abort) the ranks that staged it when any fails.

@@ -1,5 +1,7 @@
 #include "lora/model_info.h"
 
+#include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -122,6 +124,22 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   info.per_layer_heads = t.contains("attention_other_setting");
   get_int({"share_q_dim"}, &info.share_q_dim);
   return info;
+}
+
+[[nodiscard]] absl::StatusOr<std::string> ConfigFingerprint(const std::string& model_dir) {
+  const std::string file = model_dir + "/config.json";
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(file, ": cannot read"));
+  // FNV-1a over the bytes: a mismatch check between processes, not a security boundary, so no
+  // crypto library for it.
+  uint64_t h = 14695981039346656037ull;
+  for (char c; in.get(c);) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return absl::StrCat("fnv1a64:", hex);
 }
 
 [[nodiscard]] absl::StatusOr<ModelInfo> ReadModelInfo(const std::string& model_dir) {

@@ -43,6 +43,11 @@ struct ModelInfo {
 [[nodiscard]] absl::StatusOr<ModelInfo> ParseModelInfo(const std::string& text,
                                                        const std::string& file);
 
+// "fnv1a64:<16 hex digits>" of `model_dir`/config.json's bytes: tells whether two processes
+// serve the same model, wherever it is mounted. Not a cryptographic hash. NOT_FOUND if the file
+// cannot be read.
+[[nodiscard]] absl::StatusOr<std::string> ConfigFingerprint(const std::string& model_dir);
+
 // True for architectures whose expert gate_up rows are interleaved (GPT-OSS).
 bool IsInterleavedGateUpArch(const std::string& architecture);
 

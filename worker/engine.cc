@@ -22,6 +22,7 @@
 #include "glog/logging.h"
 #include "kernels/device.h"
 #include "lora/adapter.h"
+#include "lora/model_info.h"
 #include "worker/model/causal_lm.h"
 #include "worker/torch_guard.h"
 
@@ -150,6 +151,7 @@ struct Engine::Impl {
   Communicator* comm = nullptr;
   std::unique_ptr<CausalLM> model;
   int max_model_len = 0;
+  std::string config_fingerprint;  // of the model's config.json (ConfigFingerprint)
 
   struct Sequence {
     NewSequence spec;
@@ -247,6 +249,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
                            impl->compute->Run([&] { return LoadCausalLM(o.model_dir, mo, comm); }));
   const int cfg_len = impl->model->config().max_position_embeddings;
   impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;
+  MOELORA_ASSIGN_OR_RETURN(impl->config_fingerprint, ConfigFingerprint(o.model_dir));
   if (impl->max_model_len <= 1) {
     return absl::InvalidArgumentError(
         "--max-model-len must be > 1 (config has no max_position_embeddings)");
@@ -628,6 +631,13 @@ EngineInfo Engine::Info() const {
   i.mixed = m.options.enable_mixed_moe_lora_format;
   i.native_format = m.model->native_format();
   i.skipped_tensors = m.model->skipped_tensors();
+  i.dtype = m.options.dtype;
+  i.model_dir = m.options.model_dir;
+  i.config_fingerprint = m.config_fingerprint;
+  i.expert_parallel = m.options.enable_expert_parallel;
+  i.fully_sharded_loras = m.options.fully_sharded_loras;
+  i.max_num_seqs = m.options.max_num_seqs;
+  i.max_cpu_loras = m.options.max_cpu_loras;
   {
     std::lock_guard<std::mutex> lock(m.adapters_mu);
     for (const auto& [id, a] : m.adapters) {

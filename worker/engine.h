@@ -109,6 +109,10 @@ struct EngineInfo {
   int staged_adapters = 0;
   std::vector<int64_t> committed_adapter_ids;  // ascending
   HostCacheStats host_cache;
+  // The options the engine runs with, as Info reports them to the controller.
+  std::string dtype, model_dir, config_fingerprint;
+  bool expert_parallel = false, fully_sharded_loras = false;
+  int max_num_seqs = 0, max_cpu_loras = 0;
 };
 
 class Engine {

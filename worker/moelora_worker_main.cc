@@ -13,11 +13,13 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/engine_flags.h"
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/port_file.h"
 #include "grpc/health/v1/health.pb.h"
 #include "kernels/device.h"
+#include "kernels/sgmv.h"
 #include "lora/config_defaults.h"
 #include "prometheus/exposer.h"
 #include "worker/comm/communicator.h"
@@ -37,28 +39,6 @@ ABSL_FLAG(std::string, dist_init_dir, "",
           "Rendezvous directory shared by all ranks (fresh per start); needed when "
           "--tensor-parallel-size > 1");
 ABSL_FLAG(std::string, dist_host, "127.0.0.1", "This rank's address for collectives (gloo TCP)");
-ABSL_FLAG(int, dist_timeout_s, 120, "Seconds to wait for peers and for each collective");
-ABSL_FLAG(std::string, device, "cpu",
-          "cpu | cuda (GPU tp_rank % visible devices) | cuda:N | cpu-twins (the GPU code path on "
-          "the CPU through the kernels' CPU twins; slow, for debugging). cuda needs a worker "
-          "built against a CUDA libtorch; tensor parallelism then runs over NCCL");
-ABSL_FLAG(std::string, dtype, "float32", "Compute dtype: float32 | bfloat16");
-ABSL_FLAG(int, max_loras, 4, "LoRA slots: distinct adapters resident at once");
-ABSL_FLAG(int, max_cpu_loras, 8,
-          "Swapped-out adapters kept in host memory, converted and TP-sliced, so that a swap-in "
-          "reads no file (least recently used evicted; 0: none)");
-ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank a slot holds");
-ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
-          "Use the 2D expert wrapper for every MoE layer and convert 3D adapters to 2D in "
-          "place at load, so 2D and 3D adapters share batches");
-ABSL_FLAG(bool, enable_expert_parallel, false,
-          "Expert parallelism: this rank holds num_experts / tensor-parallel-size whole experts "
-          "(and their LoRA only) instead of 1/tp of every expert; the MoE all-reduce sums the "
-          "ranks (CPU path)");
-ABSL_FLAG(bool, fully_sharded_loras, false,
-          "Shard lora_A of column-parallel and lora_B of row-parallel dense LoRA layers too "
-          "(vLLM's meaning), with one more collective per LoRA layer (CPU path)");
-ABSL_FLAG(int, max_num_seqs, 256, "Running sequences at most");
 ABSL_FLAG(std::string, load_format, "auto",
           "auto: the checkpoint's safetensors | dummy: random weights of the shapes config.json "
           "implies, no checkpoint read (vLLM's name; to try a config without its weights)");
@@ -70,7 +50,6 @@ ABSL_FLAG(int, cpu_threads, 0,
 ABSL_FLAG(int, debug_step_delay_ms, 0,
           "Testing only: sleep this long before every step, each of a call's decode_steps (to "
           "interrupt generations on purpose)");
-ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens at most (0: from config.json)");
 
 namespace {
 
@@ -122,6 +101,11 @@ int main(int argc, char** argv) {
     return fail(1, absl::StrCat("--device ", device, ": ", moelora::CudaDeviceSummary()));
   }
   if (auto s = moelora::ValidateDType(absl::GetFlag(FLAGS_dtype)); !s.ok()) {
+    return fail(1, std::string(s.message()));
+  }
+  if (auto s = moelora::ValidateEngineFlags(moelora::ReadEngineFlags(),
+                                            static_cast<int>(moelora::kSgmvMaxRank));
+      !s.ok()) {
     return fail(1, std::string(s.message()));
   }
 

@@ -241,6 +241,13 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   std::vector<int64_t> ids = i.committed_adapter_ids;
   std::sort(ids.begin(), ids.end());
   resp->mutable_committed_adapter_ids()->Add(ids.begin(), ids.end());
+  resp->set_dtype(i.dtype);
+  resp->set_expert_parallel(i.expert_parallel);
+  resp->set_fully_sharded_loras(i.fully_sharded_loras);
+  resp->set_max_num_seqs(i.max_num_seqs);
+  resp->set_max_cpu_loras(i.max_cpu_loras);
+  resp->set_model(i.model_dir);
+  resp->set_config_fingerprint(i.config_fingerprint);
   return grpc::Status::OK;
 }
 

@@ -749,6 +749,33 @@ TEST_F(ControllerTest, ConnectModeDrivesRunningWorkers) {
   EXPECT_THAT(c.Metrics(), HasSubstr("moelora_worker_up{rank=\"1\"} 1"));
 }
 
+// Workers started on their own with a setting the controller does not share: the controller
+// does not serve, and says which flag (health NOT_SERVING, requests UNAVAILABLE naming it, the
+// log too) instead of serving with slot counts that disagree.
+TEST_F(ControllerTest, ConnectModeRefusesWorkersWhoseSettingsDisagree) {
+  ::moelora::testing::WorkerGroup workers(Data("qwen3_moe/model"), 2,
+                                          {"--enable-mixed-moe-lora-format", "--max-loras", "2"});
+  ASSERT_TRUE(workers.WaitReady()) << workers.Logs();
+  const std::string addrs = "127.0.0.1:" + std::to_string(workers.port(0)) +
+                            ",127.0.0.1:" + std::to_string(workers.port(1));
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--workers", addrs, "--enable-mixed-moe-lora-format"});
+  ASSERT_TRUE(c.started()) << c.Log();
+  // The mismatch is found as soon as both ranks answer Info; until the controller says so,
+  // requests get UNAVAILABLE for "not ready" only.
+  grpc::Status s;
+  v1::GenerateResponse r;
+  for (int i = 0; i < 300; ++i) {
+    s = c.Generate("", kPrompts[0], 2, &r);
+    if (s.error_message().find("--max-loras") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("runs with --max-loras 2, the controller with 4"));
+  EXPECT_NE(c.Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_THAT(c.Log(), HasSubstr("--max-loras 2"));
+}
+
 namespace text_api {
 
 v1::GenerateRequest TextRequest(const std::string& adapter, const std::string& prompt,

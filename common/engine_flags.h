@@ -1,0 +1,54 @@
+// The engine flags both binaries take, defined once: moelora-controller forwards them to the
+// workers it spawns (EngineFlagArgs) and, in --workers mode, checks them against what each worker
+// reports (controller/worker_settings.h); moelora-worker runs with them. Same names, defaults,
+// help and ranges in both.
+#ifndef MOELORA_COMMON_ENGINE_FLAGS_H_
+#define MOELORA_COMMON_ENGINE_FLAGS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+
+ABSL_DECLARE_FLAG(int, max_loras);
+ABSL_DECLARE_FLAG(int, max_cpu_loras);
+ABSL_DECLARE_FLAG(int, max_lora_rank);
+ABSL_DECLARE_FLAG(bool, enable_mixed_moe_lora_format);
+ABSL_DECLARE_FLAG(bool, enable_expert_parallel);
+ABSL_DECLARE_FLAG(bool, fully_sharded_loras);
+ABSL_DECLARE_FLAG(int, max_num_seqs);
+ABSL_DECLARE_FLAG(int, max_model_len);
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(int, dist_timeout_s);
+
+namespace moelora {
+
+struct EngineFlags {
+  int max_loras = 4;
+  int max_cpu_loras = 8;
+  int max_lora_rank = 16;
+  bool mixed = false;
+  bool expert_parallel = false;
+  bool fully_sharded_loras = false;
+  int max_num_seqs = 64;
+  int max_model_len = 0;  // 0: from config.json
+  std::string dtype = "float32";
+  std::string device = "cpu";
+  int dist_timeout_s = 120;
+};
+
+// The parsed flags.
+EngineFlags ReadEngineFlags();
+
+// INVALID_ARGUMENT naming the first flag out of range. `largest_rank`: what the LoRA kernels take.
+[[nodiscard]] absl::Status ValidateEngineFlags(const EngineFlags& f, int largest_rank);
+
+// The flags as a worker's command line ("--max-loras", "4", ...); --device and
+// --dist-timeout-s excluded (the worker group passes them).
+std::vector<std::string> EngineFlagArgs(const EngineFlags& f);
+
+}  // namespace moelora
+
+#endif  // MOELORA_COMMON_ENGINE_FLAGS_H_
