@@ -6,6 +6,7 @@
 #include "absl/flags/internal/program_name.h"
 #include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -17,8 +18,9 @@ std::vector<std::string> ParseFlags(int argc, char** argv, const std::string& us
   absl::flags_internal::SetProgramInvocationName(argv[0]);
   absl::SetProgramUsageMessage(usage);
   absl::FlagsUsageConfig cfg;
+  // The binary's own flags and the engine flags both binaries share (common/engine_flags.cc).
   cfg.contains_help_flags = [main_file](absl::string_view f) {
-    return absl::StrContains(f, main_file);
+    return absl::StrContains(f, main_file) || absl::StrContains(f, "common/engine_flags.cc");
   };
   cfg.contains_helpshort_flags = cfg.contains_help_flags;
   cfg.normalize_filename = [](absl::string_view f) { return std::string(f); };
@@ -45,6 +47,11 @@ std::vector<std::string> ParseFlags(int argc, char** argv, const std::string& us
     if (args[i] == "--help" || args[i] == "-help" || args[i] == "-h") {
       absl::flags_internal::FlagsHelp(std::cout, main_file,
                                       absl::flags_internal::HelpFormat::kHumanReadable, usage);
+      // The shared engine flags, where this binary has them.
+      if (absl::FindCommandLineFlag("max_loras") != nullptr) {
+        absl::flags_internal::FlagsHelp(std::cout, "common/engine_flags.cc",
+                                        absl::flags_internal::HelpFormat::kHumanReadable, "");
+      }
       std::exit(0);
     }
   }

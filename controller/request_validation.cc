@@ -4,6 +4,8 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "common/request_rules.h"
+#include "common/status_macros.h"
 
 namespace moelora {
 
@@ -52,29 +54,17 @@ absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(const v1::GenerateReque
       }
     }
   }
-  for (int i = 0; i < req.prompt_token_ids_size(); ++i) {
-    const int32_t t = req.prompt_token_ids(i);
-    if (t < 0 || t >= limits.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "] = ", t,
-                                                     " is outside the vocabulary [0, ",
-                                                     limits.vocab_size, ")"));
-    }
+  if (const int i = FirstTokenOutsideVocabulary(req.prompt_token_ids(), limits.vocab_size);
+      i >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_token_ids[", i, "] = ", req.prompt_token_ids(i),
+                     " is outside the vocabulary [0, ", limits.vocab_size, ")"));
   }
-  const int64_t room = static_cast<int64_t>(limits.max_model_len) - req.prompt_token_ids_size();
-  if (req.max_tokens() <= 0 || req.max_tokens() > room) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_tokens ", req.max_tokens(), " must be in [1, ", std::max<int64_t>(room, 0),
-        "] (max_model_len ", limits.max_model_len, " minus the prompt)"));
-  }
-  if (!(req.temperature() >= 0) || !(req.top_p() >= 0 && req.top_p() <= 1) || req.top_k() < 0) {
-    return absl::InvalidArgumentError("temperature must be >= 0, top_p in [0, 1], top_k >= 0");
-  }
-  for (int32_t t : req.stop_token_ids()) {
-    if (t < 0 || t >= limits.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("stop token ", t, " is outside the vocabulary"));
-    }
-  }
+  // The rules the workers apply too (common/request_rules.h).
+  MOELORA_RETURN_IF_ERROR(
+      CheckMaxTokens(req.max_tokens(), req.prompt_token_ids_size(), limits.max_model_len));
+  MOELORA_RETURN_IF_ERROR(CheckSampling(req.temperature(), req.top_p(), req.top_k()));
+  MOELORA_RETURN_IF_ERROR(CheckStopTokenIds(req.stop_token_ids(), limits.vocab_size));
   if (!req.ignore_eos()) {
     for (int32_t id : limits.eos_token_ids) {
       if (id >= 0 && id < limits.vocab_size &&

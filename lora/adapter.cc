@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "lora/architectures.h"
 #include "lora/convert.h"
 
 namespace moelora {
@@ -529,9 +530,10 @@ size_t LoraAdapter::num_tensors() const {
   adapter.num_experts_inferred = v.inferred;
   adapter.max_rank = v.max_rank;
   adapter.notes = v.notes;
+  const ArchFacts* arch = options.arch.empty() ? nullptr : FindArchFacts(options.arch);
   adapter.interleaved_gate_up = options.arch.empty()
                                     ? (options.model && options.model->interleaved_gate_up)
-                                    : IsInterleavedGateUpArch(options.arch);
+                                    : (arch != nullptr && arch->interleaved_gate_up);
   const AdapterConfig& cfg = adapter.config;
   // Buffers first (the pairs' places in the maps are stable), the copies together after.
   std::vector<Copy> copies;

@@ -1,5 +1,6 @@
 // What a config.json key means when it is absent: the default of each architecture's own
-// configuration class (transformers, or the model's hub/vLLM class where transformers has none).
+// configuration class (transformers, or the model's hub/vLLM class where transformers has none),
+// as its entry in lora/architectures.cc gives it.
 // Every reader of config.json (adapter validation, the worker's config and its forward passes)
 // sees the config with these defaults filled in, so an absent key never falls back to a value the
 // model's authors did not choose. Thread-safe: constant tables and pure functions.
@@ -7,29 +8,10 @@
 #define MOELORA_LORA_CONFIG_DEFAULTS_H_
 
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
 
 namespace moelora {
-
-struct ArchConfigDefaults {
-  std::string architecture;  // config.json architectures[0]
-  std::string source;        // the configuration class the defaults come from
-  // JSON object: key -> the class default, for the text config (the `text_config` of wrapper
-  // classes). "@top" holds defaults of the wrapper's own top-level keys.
-  std::string defaults_json;
-  // Keys that must be present: the sources disagree on their default, so no default is safe.
-  struct Required {
-    std::string key, reason;
-  };
-  std::vector<Required> required;
-};
-
-// Every table, in a fixed order (for --print-config-defaults and the tests).
-const std::vector<ArchConfigDefaults>& AllConfigDefaults();
-// The table for `architecture`, or nullptr.
-const ArchConfigDefaults* FindConfigDefaults(const std::string& architecture);
 
 // `text` (a config.json) with every absent key of its architecture's table filled in. The text
 // unchanged when it names no known architecture (the callers report that themselves); rope

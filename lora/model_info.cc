@@ -7,14 +7,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "lora/architectures.h"
 #include "lora/config_defaults.h"
 #include "nlohmann/json.hpp"
 
 namespace moelora {
-
-bool IsInterleavedGateUpArch(const std::string& architecture) {
-  return architecture == "GptOssForCausalLM";
-}
 
 bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   auto ends = [&](const std::string& suffix) {
@@ -79,11 +76,22 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
     return bad("no architectures[0] (cannot tell which model this is)");
   }
   info.architecture = j["architectures"][0].get<std::string>();
-  info.interleaved_gate_up = IsInterleavedGateUpArch(info.architecture);
+  // What differs between architectures comes from their entry (lora/architectures.h); an unknown
+  // architecture reads every spelling, so that the caller can name it as unsupported.
+  static const ArchFacts kAnyArchitecture = [] {
+    ArchFacts a;
+    a.kv_heads_keys = {"num_key_value_heads", "num_attention_groups"};
+    a.experts_keys = {"num_experts", "num_local_experts", "moe_num_experts"};
+    a.shared_expert_keys = {"shared_expert_intermediate_size", "share_expert_dim"};
+    return a;
+  }();
+  const ArchFacts* known = FindArchFacts(info.architecture);
+  const ArchFacts& facts = known ? *known : kAnyArchitecture;
+  info.interleaved_gate_up = facts.interleaved_gate_up;
   const nlohmann::json& t =
       j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
-  auto get_int = [&](std::initializer_list<const char*> keys, int* out) {
-    for (const char* k : keys) {
+  auto get_int = [&](const std::vector<std::string>& keys, int* out) {
+    for (const std::string& k : keys) {
       if (t.contains(k) && t[k].is_number_integer()) {
         *out = t[k].get<int>();
         return true;
@@ -94,32 +102,23 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   if (!get_int({"hidden_size"}, &info.hidden_size)) return bad("no hidden_size");
   get_int({"num_hidden_layers"}, &info.num_layers);
   get_int({"num_attention_heads"}, &info.num_attention_heads);
-  // Step3 and Step3.5 call the KV heads attention groups.
-  if (!get_int({"num_key_value_heads", "num_attention_groups"}, &info.num_key_value_heads)) {
+  if (!get_int(facts.kv_heads_keys, &info.num_key_value_heads)) {
     info.num_key_value_heads = info.num_attention_heads;
   }
   if (!get_int({"head_dim"}, &info.head_dim) && info.num_attention_heads > 0) {
     info.head_dim = info.hidden_size / info.num_attention_heads;
   }
-  get_int({"num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts"},
-          &info.num_experts);
-  // GPT-OSS calls the per-expert size intermediate_size; the Qwen and Step families use
-  // moe_intermediate_size.
-  if (!get_int({"moe_intermediate_size"}, &info.moe_intermediate_size) && info.num_experts > 0) {
-    get_int({"intermediate_size"}, &info.moe_intermediate_size);
-  }
-  if (info.architecture.rfind("Qwen3_5Moe", 0) == 0) {
-    // transformers always gates Qwen3.5's attention output; vLLM reads attn_output_gate.
-    info.attn_output_gate =
-        !(t.contains("attn_output_gate") && t["attn_output_gate"].is_boolean() &&
-          !t["attn_output_gate"].get<bool>());
-  }
+  get_int(facts.experts_keys, &info.num_experts);
+  get_int(facts.expert_inter_keys, &info.moe_intermediate_size);
+  // transformers always gates Qwen3.5's attention output; vLLM reads attn_output_gate.
+  info.attn_output_gate = facts.attn_output_gate &&
+                          !(t.contains("attn_output_gate") && t["attn_output_gate"].is_boolean() &&
+                            !t["attn_output_gate"].get<bool>());
   get_int({"linear_num_key_heads"}, &info.linear_num_key_heads);
   get_int({"linear_num_value_heads"}, &info.linear_num_value_heads);
   get_int({"linear_key_head_dim"}, &info.linear_key_head_dim);
   get_int({"linear_value_head_dim"}, &info.linear_value_head_dim);
-  get_int({"shared_expert_intermediate_size", "share_expert_dim"},
-          &info.shared_expert_intermediate_size);
+  get_int(facts.shared_expert_keys, &info.shared_expert_intermediate_size);
   // Step3.5's sliding layers have their own head count (attention_other_setting).
   info.per_layer_heads = t.contains("attention_other_setting");
   get_int({"share_q_dim"}, &info.share_q_dim);

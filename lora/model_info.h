@@ -48,9 +48,6 @@ struct ModelInfo {
 // cannot be read.
 [[nodiscard]] absl::StatusOr<std::string> ConfigFingerprint(const std::string& model_dir);
 
-// True for architectures whose expert gate_up rows are interleaved (GPT-OSS).
-bool IsInterleavedGateUpArch(const std::string& architecture);
-
 }  // namespace moelora
 
 #endif  // MOELORA_LORA_MODEL_INFO_H_

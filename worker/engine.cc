@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/request_rules.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
 #include "kernels/device.h"
@@ -496,19 +497,12 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       return absl::AlreadyExistsError(absl::StrCat("sequence ", n.id, " is already running"));
     }
     if (n.prompt.empty()) return bad("empty prompt");
-    for (size_t i = 0; i < n.prompt.size(); ++i) {
-      if (n.prompt[i] < 0 || n.prompt[i] >= vocab) {
-        return bad("prompt token ", n.prompt[i], " at position ", i, " is outside [0, ", vocab,
-                   ")");
-      }
+    if (const int i = FirstTokenOutsideVocabulary(n.prompt, vocab); i >= 0) {
+      return bad("prompt token ", n.prompt[i], " at position ", i, " is outside [0, ", vocab, ")");
     }
     if (static_cast<int>(n.prompt.size()) >= m.max_model_len) {
       return bad("prompt of ", n.prompt.size(), " tokens leaves no room under max_model_len ",
                  m.max_model_len);
-    }
-    if (n.max_tokens < 0) return bad("max_tokens ", n.max_tokens, " < 0");
-    if (n.sampling.temperature < 0 || n.sampling.top_p < 0 || n.sampling.top_k < 0) {
-      return bad("temperature, top_p and top_k must be >= 0");
     }
     int32_t slot = -1;
     if (n.adapter_id != 0) {
@@ -519,6 +513,13 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
             absl::StrCat("sequence ", n.id, ": adapter id ", n.adapter_id, " is not loaded"));
       }
       slot = it->second.slot;
+    }
+    // The rules the controller applies too (common/request_rules.h).
+    for (absl::Status st :
+         {CheckMaxTokens(n.max_tokens, static_cast<int64_t>(n.prompt.size()), m.max_model_len),
+          CheckSampling(n.sampling.temperature, n.sampling.top_p, n.sampling.top_k),
+          CheckStopTokenIds(n.stop_token_ids, vocab)}) {
+      if (!st.ok()) return bad(st.message());
     }
     slots.push_back(slot);
   }

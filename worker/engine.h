@@ -53,7 +53,7 @@ struct NewSequence {
   int64_t adapter_id = 0;  // 0 = base model
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  int max_tokens = 0;  // 0: until max_model_len
+  int max_tokens = 0;  // 1 .. max_model_len - prompt (common/request_rules.h)
   std::vector<int32_t> stop_token_ids;
   bool return_logprobs = false;
   bool return_logits = false;         // full logits row of every sampled position (tests, debug)

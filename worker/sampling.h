@@ -14,7 +14,7 @@ namespace moelora {
 
 struct SamplingParams {
   float temperature = 0;  // 0 = greedy
-  float top_p = 0;        // (0, 1): nucleus; 0 or >= 1 = off
+  float top_p = 0;        // (0, 1): nucleus; 0 or 1 = off (> 1 refused: common/request_rules.h)
   int top_k = 0;          // 0 = off
   uint64_t seed = 0;
 };

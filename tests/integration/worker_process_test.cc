@@ -229,6 +229,7 @@ TEST(WorkerProcessTest, RejectedAdaptersGetClearCodesAndChangeNothing) {
   seq->set_sequence_id(1);
   seq->set_adapter_id(9);
   seq->add_prompt_token_ids(1);
+  seq->set_max_tokens(4);  // 1 .. max_model_len - prompt, as the controller requires too
   v1::StepResponse resp;
   EXPECT_EQ(g.Step(bad, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
   seq->set_adapter_id(1);

@@ -1,5 +1,5 @@
 // Rotary position embedding (neox pairs) on the first rotary_dim dims of each head, with the
-// frequencies of worker/rope.h (default, linear, yarn, llama3; partial rotary).
+// frequencies of lora/rope.h (default, linear, yarn, llama3; partial rotary).
 #ifndef MOELORA_WORKER_LAYERS_ROTARY_H_
 #define MOELORA_WORKER_LAYERS_ROTARY_H_
 
@@ -10,7 +10,7 @@
 #include <mutex>
 #include <vector>
 
-#include "worker/rope.h"
+#include "lora/rope.h"
 
 namespace moelora {
 

@@ -205,7 +205,7 @@ namespace {
 
   std::vector<std::string> unconsumed;
   for (const auto& [name, view] : ckpt.tensors()) {
-    if (table.mtp_layers_follow && LayerIndex(name) >= config.info.num_layers) {
+    if (table.facts->mtp_layers_follow && LayerIndex(name) >= config.info.num_layers) {
       out.skipped.push_back(absl::StrCat(
           name, " (an MTP layer after num_hidden_layers: speculative decoding is not served)"));
       continue;

@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "lora/model_config.h"
 #include "worker/checkpoint.h"
 #include "worker/loaders/name_tables.h"
 #include "worker/model/registry.h"
-#include "worker/model_config.h"
 
 namespace moelora {
 

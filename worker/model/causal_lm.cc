@@ -73,7 +73,7 @@ absl::Status CausalLM::Adopt(const ModelContext& ctx, const ModelConfig& c,
   config_ = c;
   options_ = ctx.options;
   comm_ = ctx.comm;
-  native_ = ctx.arch->native_moe_format;
+  native_ = ctx.arch->native_moe_format();
   wrapper_ = options_.mixed_moe_lora_format ? AdapterFormat::k2D : native_;
   skipped_ = std::move(skipped);
   num_layers_ = c.info.num_layers;
@@ -290,7 +290,7 @@ namespace {
     return bad("inconsistent attention dims (layers, heads, kv heads, even head_dim)");
   }
   const int tp = o.tp_size;
-  if ((!arch.kv_replicated && c.info.num_key_value_heads % tp != 0) ||
+  if ((!arch.facts->kv_replicated && c.info.num_key_value_heads % tp != 0) ||
       c.info.num_attention_heads % tp != 0) {
     return bad("num_key_value_heads ", c.info.num_key_value_heads,
                " and num_attention_heads must divide by --tensor-parallel-size ", tp);

@@ -23,9 +23,9 @@
 
 #include "absl/status/statusor.h"
 #include "lora/adapter.h"
+#include "lora/model_config.h"
 #include "worker/comm/communicator.h"
 #include "worker/layers/lora_module.h"
-#include "worker/model_config.h"
 
 namespace moelora {
 

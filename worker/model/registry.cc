@@ -1,5 +1,8 @@
 #include "worker/model/registry.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -7,30 +10,38 @@ namespace moelora {
 
 namespace {
 
+// One entry per architecture of lora/architectures.cc that the worker can load; the facts come
+// from there (FindArchFacts), so a layout is written down once.
+ArchTable Entry(const char* arch, NameRule map, ModelFactory factory = nullptr,
+                const std::vector<std::string>* keys = nullptr) {
+  ArchTable t{arch, map, factory, keys, FindArchFacts(arch)};
+  if (t.facts == nullptr) {
+    std::fprintf(stderr, "registry: %s has no entry in lora/architectures.cc\n", arch);
+    std::abort();
+  }
+  return t;
+}
+
 const std::vector<ArchTable>& Tables() {
   static const std::vector<ArchTable> tables = {
-      {"Qwen3MoeForCausalLM", AdapterFormat::k2D, &MapQwen3Moe, &CreateQwen3Moe,
-       &Qwen3MoeConfigKeys()},
+      Entry("Qwen3MoeForCausalLM", &MapQwen3Moe, &CreateQwen3Moe, &Qwen3MoeConfigKeys()),
       // The text path of the VL model is Qwen3-MoE with fused, transposed expert storage.
-      {"Qwen3VLMoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen3VlMoe, &CreateQwen3Moe,
-       &Qwen3MoeConfigKeys()},
+      Entry("Qwen3VLMoeForConditionalGeneration", &MapQwen3VlMoe, &CreateQwen3Moe,
+            &Qwen3MoeConfigKeys()),
       // Qwen3.5/3.6-MoE: the text path of the VL release, and text-only checkpoints.
-      {"Qwen3_5MoeForConditionalGeneration", AdapterFormat::k3D, &MapQwen35MoeMain,
-       &CreateQwen35Moe, &Qwen35MoeConfigKeys()},
-      {"Qwen3_5MoeForCausalLM", AdapterFormat::k3D, &MapQwen35MoeMain, &CreateQwen35Moe,
-       &Qwen35MoeConfigKeys()},
+      Entry("Qwen3_5MoeForConditionalGeneration", &MapQwen35MoeMain, &CreateQwen35Moe,
+            &Qwen35MoeConfigKeys()),
+      Entry("Qwen3_5MoeForCausalLM", &MapQwen35MoeMain, &CreateQwen35Moe, &Qwen35MoeConfigKeys()),
       // The MTP head's checkpoint keys are `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
-      {"Qwen3_5MoeMTP", AdapterFormat::k3D, &MapQwen35Moe},
-      // GPT-OSS (bf16 checkpoints; 3D-native with interleaved gate/up). CPU path.
-      {"GptOssForCausalLM", AdapterFormat::k3D, &MapGptOss, &CreateGptOss, &GptOssConfigKeys()},
+      Entry("Qwen3_5MoeMTP", &MapQwen35Moe),
+      // GPT-OSS (bf16 checkpoints; interleaved gate/up). CPU path.
+      Entry("GptOssForCausalLM", &MapGptOss, &CreateGptOss, &GptOssConfigKeys()),
       // Step3 text: MQA with one replicated KV head and the shared low-rank query.
-      {"Step3TextForCausalLM", AdapterFormat::k2D, &MapStep3, &CreateStep3Text,
-       &Step3TextConfigKeys(), /*mtp_layers_follow=*/false, /*kv_replicated=*/true},
+      Entry("Step3TextForCausalLM", &MapStep3, &CreateStep3Text, &Step3TextConfigKeys()),
       // Step3.5 (Step-3.5-Flash): the hub layout, its MTP layers skipped.
-      {"Step3p5ForCausalLM", AdapterFormat::k2D, &MapStep3, &CreateStep3p5, &Step3p5ConfigKeys(),
-       /*mtp_layers_follow=*/true},
+      Entry("Step3p5ForCausalLM", &MapStep3, &CreateStep3p5, &Step3p5ConfigKeys()),
       // The Step3.5 MTP layers follow the backbone's (model.layers.{N+i}.moe.*_proj.weight).
-      {"Step3p5MTP", AdapterFormat::k2D, &MapStep3},
+      Entry("Step3p5MTP", &MapStep3),
   };
   return tables;
 }

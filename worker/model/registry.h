@@ -1,7 +1,8 @@
 // The one architecture registry: config.json `architectures[0]` -> the checkpoint name rule, the
-// native MoE LoRA layout, the config keys its forward pass implements, and the factory that
-// builds its model (none: the weights can be named and loaded, but nothing runs them). Nothing
-// else decides which architectures exist. No libtorch in this header.
+// config keys its forward pass implements, the factory that builds its model (none: the weights
+// can be named and loaded, but nothing runs them), and its facts (lora/architectures.h: native
+// MoE LoRA layout, checkpoint layout, key names). Nothing else decides which architectures
+// exist. No libtorch in this header.
 #ifndef MOELORA_WORKER_MODEL_REGISTRY_H_
 #define MOELORA_WORKER_MODEL_REGISTRY_H_
 
@@ -11,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "lora/adapter.h"
+#include "lora/architectures.h"
 #include "worker/loaders/name_tables.h"
 
 namespace moelora {
@@ -20,19 +22,15 @@ struct ModelContext;  // worker/model/model_context.h
 using ModelFactory = absl::StatusOr<std::unique_ptr<CausalLM>> (*)(const ModelContext& ctx);
 
 struct ArchTable {
-  std::string architecture;         // config.json architectures[0]
-  AdapterFormat native_moe_format;  // k2D or k3D (vLLM `is_3d_moe_weight`)
-  NameRule map = nullptr;           // checkpoint name -> engine parameter
-  ModelFactory factory = nullptr;   // nullptr: weight names only, no forward pass
-  // config.json keys (besides the benign ones, model_config.h) that the forward implements.
+  std::string architecture;        // config.json architectures[0]
+  NameRule map = nullptr;          // checkpoint name -> engine parameter
+  ModelFactory factory = nullptr;  // nullptr: weight names only, no forward pass
+  // config.json keys (besides the benign ones, lora/model_config.h) that the forward implements.
   const std::vector<std::string>* config_keys = nullptr;
-  // The checkpoint appends the MTP layers to the backbone's (Step3.5: model.layers.{N + i}.*,
-  // N = num_hidden_layers): the main model skips them.
-  bool mtp_layers_follow = false;
-  // KV heads are replicated on every rank instead of sharded (Step3's single KV head): the
-  // shared check that they divide by the TP size does not apply; the model checks its own.
-  bool kv_replicated = false;
+  // What needs no forward pass: native MoE LoRA layout, checkpoint layout facts, key names.
+  const ArchFacts* facts = nullptr;
   bool has_forward() const { return factory != nullptr; }
+  AdapterFormat native_moe_format() const { return facts->native_moe_format; }
 };
 
 // The entry for `architecture`; INVALID_ARGUMENT listing the supported ones when unknown.

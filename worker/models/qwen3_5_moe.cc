@@ -22,10 +22,10 @@ bool IsLinear(const ModelConfig& c, int l) { return c.layer_types[l] == "linear_
 std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
   const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
                 d = c.info.head_dim, hq = c.info.num_attention_heads,
-                Is = c.shared_expert_intermediate_size;
-  const int64_t kd = int64_t{c.linear.num_key_heads} * c.linear.key_head_dim,
-                vd = int64_t{c.linear.num_value_heads} * c.linear.value_head_dim,
-                nv = c.linear.num_value_heads, K = c.linear.conv_kernel;
+                Is = c.info.shared_expert_intermediate_size;
+  const int64_t kd = int64_t{c.info.linear_num_key_heads} * c.info.linear_key_head_dim,
+                vd = int64_t{c.info.linear_num_value_heads} * c.info.linear_value_head_dim,
+                nv = c.info.linear_num_value_heads, K = c.linear_conv_kernel;
   std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
                               {"model.norm.weight", {H}, TpSplit::kReplicated}};
   if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
@@ -43,7 +43,7 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
       s.push_back({a + "conv1d.weight", {2 * kd + vd, 1, K}, TpSplit::kRows, {kd, kd, vd}});
       s.push_back({a + "dt_bias", {nv}, TpSplit::kRows});
       s.push_back({a + "A_log", {nv}, TpSplit::kRows});
-      s.push_back({a + "norm.weight", {c.linear.value_head_dim}, TpSplit::kReplicated});
+      s.push_back({a + "norm.weight", {c.info.linear_value_head_dim}, TpSplit::kReplicated});
       s.push_back({a + "out_proj.base_layer.weight", {H, vd}, TpSplit::kCols});
     } else {
       AddAttentionSpecs(s, p, c, 2 * hq * d, /*qk_norm=*/true, /*lora_wrapped=*/true);
@@ -108,21 +108,22 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
                c.info.head_dim, " gives an odd number of rotary dims");
   }
   const int tp = o.tp_size;
-  const auto& lin = c.linear;
-  if (lin.num_key_heads <= 0 || lin.num_value_heads <= 0 || lin.key_head_dim <= 0 ||
-      lin.value_head_dim <= 0 || lin.conv_kernel < 1 ||
-      lin.num_value_heads % lin.num_key_heads != 0) {
+  const ModelInfo& lin = c.info;
+  if (lin.linear_num_key_heads <= 0 || lin.linear_num_value_heads <= 0 ||
+      lin.linear_key_head_dim <= 0 || lin.linear_value_head_dim <= 0 || c.linear_conv_kernel < 1 ||
+      lin.linear_num_value_heads % lin.linear_num_key_heads != 0) {
     return bad(
         "linear_num_key_heads, linear_num_value_heads (a multiple of it), "
         "linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim must be "
         "positive");
   }
-  if (lin.num_key_heads % tp != 0 || lin.num_value_heads % tp != 0) {
-    return bad("linear_num_key_heads ", lin.num_key_heads, " and linear_num_value_heads ",
-               lin.num_value_heads, " must divide by --tensor-parallel-size ", tp);
+  if (lin.linear_num_key_heads % tp != 0 || lin.linear_num_value_heads % tp != 0) {
+    return bad("linear_num_key_heads ", lin.linear_num_key_heads, " and linear_num_value_heads ",
+               lin.linear_num_value_heads, " must divide by --tensor-parallel-size ", tp);
   }
-  if (c.shared_expert_intermediate_size <= 0 || c.shared_expert_intermediate_size % tp != 0) {
-    return bad("shared_expert_intermediate_size ", c.shared_expert_intermediate_size,
+  if (c.info.shared_expert_intermediate_size <= 0 ||
+      c.info.shared_expert_intermediate_size % tp != 0) {
+    return bad("shared_expert_intermediate_size ", c.info.shared_expert_intermediate_size,
                " must be positive and divide by --tensor-parallel-size ", tp);
   }
   MOELORA_ASSIGN_OR_RETURN(ModelWeights mw,
@@ -138,9 +139,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   m->norm_ = NormKind::kZeroCentred;
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim, hq = c.info.num_attention_heads,
-                hkv = c.info.num_key_value_heads, Is = c.shared_expert_intermediate_size;
-  const int64_t kd = int64_t{lin.num_key_heads} * lin.key_head_dim,
-                vd = int64_t{lin.num_value_heads} * lin.value_head_dim, nv = lin.num_value_heads;
+                hkv = c.info.num_key_value_heads, Is = c.info.shared_expert_intermediate_size;
+  const int64_t kd = int64_t{lin.linear_num_key_heads} * lin.linear_key_head_dim,
+                vd = int64_t{lin.linear_num_value_heads} * lin.linear_value_head_dim,
+                nv = lin.linear_num_value_heads;
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     DecoderLayer L;
@@ -159,11 +161,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
       MOELORA_ASSIGN_OR_RETURN(auto ap, linear(a + "in_proj_a", TpMode::kColumn, H, {nv}));
       MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "out_proj", TpMode::kRow, vd, {H}));
       GatedDeltaNetSpec gs;
-      gs.num_key_heads = lin.num_key_heads / tp;
-      gs.num_value_heads = lin.num_value_heads / tp;
-      gs.key_head_dim = lin.key_head_dim;
-      gs.value_head_dim = lin.value_head_dim;
-      gs.conv_kernel = lin.conv_kernel;
+      gs.num_key_heads = lin.linear_num_key_heads / tp;
+      gs.num_value_heads = lin.linear_num_value_heads / tp;
+      gs.key_head_dim = lin.linear_key_head_dim;
+      gs.value_head_dim = lin.linear_value_head_dim;
+      gs.conv_kernel = c.linear_conv_kernel;
       gs.eps = c.rms_norm_eps;
       L.gdn = std::make_unique<GatedDeltaNet>(
           gs, std::move(qkv), std::move(z), std::move(bp), std::move(ap), std::move(out),

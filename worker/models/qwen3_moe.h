@@ -6,8 +6,8 @@
 
 #include <vector>
 
+#include "lora/model_config.h"
 #include "worker/loaders/weight_loader.h"
-#include "worker/model_config.h"
 
 namespace moelora {
 

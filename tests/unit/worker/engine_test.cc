@@ -784,3 +784,28 @@ TEST(EngineTest, ModelErrorsAreClear) {
 
 }  // namespace
 }  // namespace moelora
+
+namespace moelora {
+namespace {
+
+// The engine refuses what the controller refuses (common/request_rules.h): one set of rules.
+TEST(EngineTest, RequestBoundsAreTheControllersToo) {
+  auto h = ::moelora::testing::MakeEngine("qwen3_moe/model", false);
+  ASSERT_NE(h, nullptr);
+  NewSequence zero{.id = 1, .prompt = {1, 2}, .max_tokens = 0};
+  EXPECT_THAT(h->engine->Step({zero}, {}).status(),
+              ::moelora::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                           ::testing::HasSubstr("max_tokens 0 must be in [1, ")));
+  NewSequence top_p{.id = 2, .prompt = {1, 2}, .sampling = {.top_p = 1.5f}, .max_tokens = 2};
+  EXPECT_THAT(h->engine->Step({top_p}, {}).status(),
+              ::moelora::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                           ::testing::HasSubstr("top_p in [0, 1]")));
+  NewSequence stop{.id = 3, .prompt = {1, 2}, .max_tokens = 2, .stop_token_ids = {100000}};
+  EXPECT_THAT(h->engine->Step({stop}, {}).status(),
+              ::moelora::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                           ::testing::HasSubstr("stop token 100000")));
+  EXPECT_EQ(h->engine->Info().running, 0);
+}
+
+}  // namespace
+}  // namespace moelora

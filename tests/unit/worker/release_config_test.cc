@@ -11,13 +11,13 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lora/model_config.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
 #include "worker/model/causal_lm.h"
 #include "worker/model/registry.h"
-#include "worker/model_config.h"
 
 namespace moelora {
 namespace {

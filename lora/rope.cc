@@ -1,4 +1,4 @@
-#include "worker/rope.h"
+#include "lora/rope.h"
 
 #include <algorithm>
 #include <cmath>

@@ -2,8 +2,8 @@
 // C++ (no libtorch), following transformers' modeling_rope_utils (default, linear, yarn,
 // llama3) so that a checkpoint's rope_parameters / rope_scaling mean what they meant in
 // training. Thread-safe: plain data and pure functions.
-#ifndef MOELORA_WORKER_ROPE_H_
-#define MOELORA_WORKER_ROPE_H_
+#ifndef MOELORA_LORA_ROPE_H_
+#define MOELORA_LORA_ROPE_H_
 
 #include <optional>
 #include <string>
@@ -36,4 +36,4 @@ std::vector<double> RopeInvFreq(const RopeSpec& spec, double* attention_scaling)
 
 }  // namespace moelora
 
-#endif  // MOELORA_WORKER_ROPE_H_
+#endif  // MOELORA_LORA_ROPE_H_

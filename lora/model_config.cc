@@ -1,4 +1,4 @@
-#include "worker/model_config.h"
+#include "lora/model_config.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "lora/architectures.h"
 #include "lora/config_defaults.h"
 #include "nlohmann/json.hpp"
 
@@ -218,7 +219,14 @@ bool IsBenignConfigKey(const std::string& key) {
     return false;
   };
   if (!integer("vocab_size", &c.vocab_size) || c.vocab_size <= 0) return bad("no vocab_size");
-  integer("num_experts_per_tok", &c.num_experts_per_tok);
+  // Top-k under the architecture's key names (lora/architectures.h).
+  if (const ArchFacts* facts = FindArchFacts(c.info.architecture)) {
+    for (const std::string& k : facts->top_k_keys) {
+      if (integer(k.c_str(), &c.num_experts_per_tok)) break;
+    }
+  } else {
+    integer("num_experts_per_tok", &c.num_experts_per_tok);
+  }
   integer("max_position_embeddings", &c.max_position_embeddings);
   if (t.contains("norm_topk_prob") && t["norm_topk_prob"].is_boolean()) {
     c.norm_topk_prob = t["norm_topk_prob"].get<bool>();
@@ -254,16 +262,9 @@ bool IsBenignConfigKey(const std::string& key) {
                  " layers");
     }
   }
-  integer("linear_conv_kernel_dim", &c.linear.conv_kernel);
-  integer("linear_key_head_dim", &c.linear.key_head_dim);
-  integer("linear_value_head_dim", &c.linear.value_head_dim);
-  integer("linear_num_key_heads", &c.linear.num_key_heads);
-  integer("linear_num_value_heads", &c.linear.num_value_heads);
-  integer("shared_expert_intermediate_size", &c.shared_expert_intermediate_size);
+  integer("linear_conv_kernel_dim", &c.linear_conv_kernel);
   num("swiglu_alpha", &c.swiglu_alpha);
   num("swiglu_limit", &c.swiglu_limit);
-  if (c.num_experts_per_tok == 0) integer("experts_per_token", &c.num_experts_per_tok);
-  if (c.num_experts_per_tok == 0) integer("moe_top_k", &c.num_experts_per_tok);  // Step3.x
   if (integer("full_attention_interval", &c.full_attention_interval) &&
       c.full_attention_interval < 1) {
     return bad("full_attention_interval must be >= 1");

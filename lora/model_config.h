@@ -1,14 +1,14 @@
 // What the worker needs from a model's config.json: the architecture and every dimension of the
 // text model. Thread-safe: plain data and pure functions.
-#ifndef MOELORA_WORKER_MODEL_CONFIG_H_
-#define MOELORA_WORKER_MODEL_CONFIG_H_
+#ifndef MOELORA_LORA_MODEL_CONFIG_H_
+#define MOELORA_LORA_MODEL_CONFIG_H_
 
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "lora/model_info.h"
-#include "worker/rope.h"
+#include "lora/rope.h"
 
 namespace moelora {
 
@@ -39,13 +39,9 @@ struct ModelConfig {
   int sliding_window_value = 0;
   std::string hidden_act = "silu";
   bool attention_bias = false;
-  // Qwen3.5 Gated DeltaNet layers (linear_attention) and the shared expert.
-  struct Linear {
-    int conv_kernel = 4;
-    int key_head_dim = 0, value_head_dim = 0;
-    int num_key_heads = 0, num_value_heads = 0;
-  } linear;
-  int shared_expert_intermediate_size = 0;
+  // Qwen3.5 Gated DeltaNet layers: the causal conv's kernel (their heads and head dims, and the
+  // shared expert's size, are in `info`).
+  int linear_conv_kernel = 4;
   int full_attention_interval = 4;  // Qwen3.5 without layer_types: every N-th layer is full
   double swiglu_alpha = 1.702, swiglu_limit = 7.0;  // GPT-OSS's clamped SwiGLU
 };
@@ -70,4 +66,4 @@ bool IsBenignConfigKey(const std::string& key);
 
 }  // namespace moelora
 
-#endif  // MOELORA_WORKER_MODEL_CONFIG_H_
+#endif  // MOELORA_LORA_MODEL_CONFIG_H_
