@@ -17,9 +17,9 @@ int FirstTokenOutsideVocabulary(absl::Span<const int32_t> ids, int vocab_size) {
                                           int max_model_len) {
   const int64_t room = static_cast<int64_t>(max_model_len) - prompt_len;
   if (max_tokens <= 0 || max_tokens > room) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_tokens ", max_tokens, " must be in [1, ", std::max<int64_t>(room, 0),
-        "] (max_model_len ", max_model_len, " minus the prompt)"));
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens ", max_tokens, " must be in [1, ",
+                                                   std::max<int64_t>(room, 0), "] (max_model_len ",
+                                                   max_model_len, " minus the prompt)"));
   }
   return absl::OkStatus();
 }

@@ -152,7 +152,8 @@ const std::vector<ArchFacts>& AllArchFacts() {
          "the hub class has no default and vLLM's Step3p5Config defaults it to false, while the "
          "release uses the gate"}};
     f.push_back(step35);
-    step35.architecture = "Step3p5MTP";
+    step35.architecture = "Step3p5MTP";  // the MTP layers themselves: none to skip
+    step35.mtp_layers_follow = false;
     step35.defaults_source.clear();
     step35.defaults_json = nullptr;
     step35.required.clear();

@@ -1,8 +1,9 @@
 // The facts about each supported architecture that do not need its forward pass: its native MoE
 // LoRA layout, how its checkpoint stores experts and heads, which config.json key names it uses,
-// and its configuration class's defaults. One table: the worker's registry (worker/model/registry.h) adds the name rules and
-// forward passes to these entries, and adapter validation, config parsing and the loader read
-// them here instead of testing architecture names. Thread-safe: a constant table.
+// and its configuration class's defaults. One table: the worker's registry
+// (worker/model/registry.h) adds the name rules and forward passes to these entries, and adapter
+// validation, config parsing and the loader read them here instead of testing architecture names.
+// Thread-safe: a constant table.
 #ifndef MOELORA_LORA_ARCHITECTURES_H_
 #define MOELORA_LORA_ARCHITECTURES_H_
 
@@ -14,7 +15,7 @@
 namespace moelora {
 
 struct ArchFacts {
-  std::string architecture;  // config.json architectures[0]
+  std::string architecture;                              // config.json architectures[0]
   AdapterFormat native_moe_format = AdapterFormat::k2D;  // vLLM's `is_3d_moe_weight`
   bool interleaved_gate_up = false;  // gate/up rows interleaved (GPT-OSS), else [gate ; up]
   // q_proj emits [q ; gate] per head unless config.json says attn_output_gate false (Qwen3.5).

@@ -233,7 +233,9 @@ std::string Config(const std::string& arch) {
   return "{\"architectures\": [\"" + arch +
          "\"], \"hidden_size\": 6, \"moe_intermediate_size\": 4, \"num_experts\": 3, "
          "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_key_value_heads\": 2, "
-         "\"head_dim\": 4, \"vocab_size\": 10, \"partial_rotary_factor\": 1.0}";
+         "\"head_dim\": 4, \"vocab_size\": 10, \"partial_rotary_factor\": 1.0, "
+         // The Step architectures' names for the same sizes (lora/architectures.cc).
+         "\"moe_num_experts\": 3, \"num_attention_groups\": 2}";
 }
 
 struct LandCase {
