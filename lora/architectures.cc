@@ -81,6 +81,83 @@ const char kStep3Text[] = R"({
                       43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
 })";
 
+// The config.json keys (besides the benign ones, lora/model_config.h) each forward pass
+// implements; CheckConfigKeys refuses any other.
+const std::vector<std::string>& Qwen3MoeConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+      "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+      "norm_topk_prob", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+      "partial_rotary_factor", "original_max_position_embeddings", "max_position_embeddings",
+      "vocab_size", "tie_word_embeddings",
+      // Checked below: silu only, no attention biases, full or sliding attention layers.
+      "hidden_act", "attention_bias", "use_sliding_window", "sliding_window", "layer_types",
+      // Dense-MLP layers: refused when present (mlp_only_layers non-empty, step != 1); the dense
+      // MLP's size matters only then.
+      "mlp_only_layers", "decoder_sparse_step", "intermediate_size",
+      // Qwen3-Coder-480B-A35B's release carries these three; transformers and vLLM ignore them.
+      // Accepted where they describe this forward (Create checks them).
+      "qkv_bias", "use_qk_norm", "shared_expert_intermediate_size"};
+  return keys;
+}
+
+const std::vector<std::string>& Qwen35MoeConfigKeys() {
+  static const std::vector<std::string> keys = [] {
+    std::vector<std::string> k = Qwen3MoeConfigKeys();
+    k.insert(k.end(),
+             {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size",
+              "full_attention_interval", "attn_output_gate",
+              // Always float32 here (the SSM state is kept in f32).
+              "mamba_ssm_dtype",
+              // The MTP head is not served; it does not change the main model.
+              "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"});
+    return k;
+  }();
+  return keys;
+}
+
+const std::vector<std::string>& GptOssConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+      "num_local_experts", "num_experts", "num_experts_per_tok", "experts_per_token",
+      "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+      "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias",
+      "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit",
+      // transformers' GptOssConfig carries it; the forward does not read it.
+      "initial_context_length", "hidden_act"};
+  return keys;
+}
+
+const std::vector<std::string>& Step3p5ConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_attention_groups", "head_dim",
+      "vocab_size", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "rope_theta",
+      "partial_rotary_factors", "rope_scaling", "yarn_only_types", "layer_types", "sliding_window",
+      "attention_other_setting", "use_head_wise_attn_gate", "att_impl_type", "use_qk_norm",
+      "moe_layers_enum", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
+      "share_expert_dim", "moe_router_activation", "use_moe_router_bias", "need_fp32_gate",
+      "norm_expert_weight", "moe_router_scaling_factor", "swiglu_limits", "swiglu_limits_shared",
+      "use_rope_layers", "tie_word_embeddings", "hidden_act",
+      // The MTP layers are skipped; the longest sequence is --max-model-len's business.
+      "num_nextn_predict_layers", "max_seq_len",
+      // The release's older keys, checked against moe_layers_enum and the norms (ReadLayout).
+      "use_moe", "moe_layer_offset", "moe_every_n_layer", "zero_centered", "sink"};
+  return keys;
+}
+
+const std::vector<std::string>& Step3TextConfigKeys() {
+  static const std::vector<std::string> keys = {
+      "hidden_size", "intermediate_size", "num_attention_heads", "num_attention_groups", "head_dim",
+      "share_q_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "moe_num_experts",
+      "moe_top_k", "moe_intermediate_size", "share_expert_dim", "norm_expert_weight",
+      "moe_layers_enum", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embedding",
+      "max_position_embeddings", "tie_word_embeddings", "hidden_act",
+      // The longest sequence is --max-model-len's business.
+      "max_seq_len"};
+  return keys;
+}
+
 }  // namespace
 
 const std::vector<ArchFacts>& AllArchFacts() {
@@ -90,6 +167,8 @@ const std::vector<ArchFacts>& AllArchFacts() {
     qwen3.architecture = "Qwen3MoeForCausalLM";
     qwen3.defaults_source = "transformers 5.24.0 Qwen3MoeConfig";
     qwen3.defaults_json = kQwen3Moe;
+    qwen3.map = &MapQwen3Moe;
+    qwen3.config_keys = Qwen3MoeConfigKeys();
     f.push_back(qwen3);
     // The text path of the VL release: fused, transposed experts.
     ArchFacts vl = qwen3;
@@ -98,6 +177,7 @@ const std::vector<ArchFacts>& AllArchFacts() {
     vl.defaults_source =
         "transformers 5.24.0 Qwen3VLMoeTextConfig (text_config) and Qwen3VLMoeConfig";
     vl.defaults_json = kQwen3VlMoe;
+    vl.map = &MapQwen3VlMoe;
     f.push_back(vl);
     ArchFacts q35;
     q35.architecture = "Qwen3_5MoeForConditionalGeneration";
@@ -106,6 +186,8 @@ const std::vector<ArchFacts>& AllArchFacts() {
     q35.defaults_source =
         "transformers 5.24.0 Qwen3_5MoeTextConfig (text_config) and Qwen3_5MoeConfig";
     q35.defaults_json = kQwen35Moe;
+    q35.map = &MapQwen35MoeMain;
+    q35.config_keys = Qwen35MoeConfigKeys();
     f.push_back(q35);
     q35.architecture = "Qwen3_5MoeForCausalLM";
     q35.defaults_source = "transformers 5.24.0 Qwen3_5MoeTextConfig";
@@ -113,6 +195,8 @@ const std::vector<ArchFacts>& AllArchFacts() {
     q35.architecture = "Qwen3_5MoeMTP";
     q35.defaults_source.clear();
     q35.defaults_json = nullptr;
+    q35.map = &MapQwen35Moe;  // the MTP head: `mtp.layers.{i}.mlp.experts.gate_up_proj` etc.
+    q35.config_keys.clear();
     f.push_back(q35);
     ArchFacts oss;
     oss.architecture = "GptOssForCausalLM";
@@ -122,8 +206,11 @@ const std::vector<ArchFacts>& AllArchFacts() {
     oss.top_k_keys = {"num_experts_per_tok", "experts_per_token"};
     oss.defaults_source = "transformers 5.24.0 GptOssConfig";
     oss.defaults_json = kGptOss;
+    oss.map = &MapGptOss;
+    oss.config_keys = GptOssConfigKeys();
     f.push_back(oss);
     ArchFacts step;  // Step3 and Step3.5 name their keys alike
+    step.map = &MapStep3;
     step.kv_heads_keys = {"num_attention_groups"};
     step.experts_keys = {"moe_num_experts"};
     step.shared_expert_keys = {"share_expert_dim"};
@@ -133,12 +220,14 @@ const std::vector<ArchFacts>& AllArchFacts() {
     step3.kv_replicated = true;
     step3.defaults_source = "vLLM's Step3TextConfig (transformers has no Step3 class)";
     step3.defaults_json = kStep3Text;
+    step3.config_keys = Step3TextConfigKeys();
     f.push_back(step3);
     ArchFacts step35 = step;
     step35.architecture = "Step3p5ForCausalLM";
     step35.mtp_layers_follow = true;
     step35.defaults_source = "the hub's configuration_step3p5.py (stepfun-ai/Step-3.5-Flash)";
     step35.defaults_json = kStep3p5;
+    step35.config_keys = Step3p5ConfigKeys();
     step35.required = {
         {"layer_types",
          "the hub class defaults it to None and transformers' Step3p7 to all full attention"},
@@ -157,6 +246,7 @@ const std::vector<ArchFacts>& AllArchFacts() {
     step35.defaults_source.clear();
     step35.defaults_json = nullptr;
     step35.required.clear();
+    step35.config_keys.clear();
     f.push_back(step35);
     return f;
   }();

@@ -1,9 +1,9 @@
-// The facts about each supported architecture that do not need its forward pass: its native MoE
-// LoRA layout, how its checkpoint stores experts and heads, which config.json key names it uses,
-// and its configuration class's defaults. One table: the worker's registry
-// (worker/model/registry.h) adds the name rules and forward passes to these entries, and adapter
-// validation, config parsing and the loader read them here instead of testing architecture names.
-// Thread-safe: a constant table.
+// Everything about each supported architecture but its forward pass: its checkpoint name rule,
+// native MoE LoRA layout, how its checkpoint stores experts and heads, which config.json keys it
+// uses and implements, and its configuration class's defaults. One entry per architecture: the
+// worker's registry (worker/model/registry.h) only binds forward passes to these entries, and
+// adapter validation, config parsing and the loader read them here instead of testing
+// architecture names. Thread-safe: a constant table.
 #ifndef MOELORA_LORA_ARCHITECTURES_H_
 #define MOELORA_LORA_ARCHITECTURES_H_
 
@@ -11,11 +11,16 @@
 #include <vector>
 
 #include "lora/adapter.h"
+#include "lora/name_tables.h"
 
 namespace moelora {
 
 struct ArchFacts {
-  std::string architecture;                              // config.json architectures[0]
+  std::string architecture;  // config.json architectures[0]
+  NameRule map = nullptr;    // checkpoint tensor name -> engine parameter (lora/name_tables.h)
+  // The config.json keys its forward pass implements besides the benign ones (CheckConfigKeys);
+  // empty for entries without a forward pass of their own (MTP heads).
+  std::vector<std::string> config_keys;
   AdapterFormat native_moe_format = AdapterFormat::k2D;  // vLLM's `is_3d_moe_weight`
   bool interleaved_gate_up = false;  // gate/up rows interleaved (GPT-OSS), else [gate ; up]
   // q_proj emits [q ; gate] per head unless config.json says attn_output_gate false (Qwen3.5).

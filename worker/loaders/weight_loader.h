@@ -15,8 +15,8 @@
 
 #include "absl/status/statusor.h"
 #include "lora/model_config.h"
+#include "lora/name_tables.h"
 #include "worker/checkpoint.h"
-#include "worker/loaders/name_tables.h"
 #include "worker/model/registry.h"
 
 namespace moelora {

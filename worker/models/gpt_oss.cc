@@ -142,18 +142,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
 
 }  // namespace
 
-const std::vector<std::string>& GptOssConfigKeys() {
-  static const std::vector<std::string> keys = {
-      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-      "num_local_experts", "num_experts", "num_experts_per_tok", "experts_per_token",
-      "intermediate_size", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
-      "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias",
-      "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit",
-      // transformers' GptOssConfig carries it; the forward does not read it.
-      "initial_context_length", "hidden_act"};
-  return keys;
-}
-
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx) {
   return GptOss::Create(ctx);
 }

@@ -215,22 +215,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
 
 }  // namespace
 
-const std::vector<std::string>& Qwen35MoeConfigKeys() {
-  static const std::vector<std::string> keys = [] {
-    std::vector<std::string> k = Qwen3MoeConfigKeys();
-    k.insert(k.end(),
-             {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size",
-              "full_attention_interval", "attn_output_gate",
-              // Always float32 here (the SSM state is kept in f32).
-              "mamba_ssm_dtype",
-              // The MTP head is not served; it does not change the main model.
-              "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"});
-    return k;
-  }();
-  return keys;
-}
-
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx) {
   return Qwen35Moe::Create(ctx);
 }

@@ -30,24 +30,6 @@ std::vector<ParamSpec> Qwen3MoeParamSpecs(const ModelConfig& c, bool lw, bool wi
   return s;
 }
 
-const std::vector<std::string>& Qwen3MoeConfigKeys() {
-  static const std::vector<std::string> keys = {
-      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-      "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
-      "norm_topk_prob", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
-      "partial_rotary_factor", "original_max_position_embeddings", "max_position_embeddings",
-      "vocab_size", "tie_word_embeddings",
-      // Checked below: silu only, no attention biases, full or sliding attention layers.
-      "hidden_act", "attention_bias", "use_sliding_window", "sliding_window", "layer_types",
-      // Dense-MLP layers: refused when present (mlp_only_layers non-empty, step != 1); the dense
-      // MLP's size matters only then.
-      "mlp_only_layers", "decoder_sparse_step", "intermediate_size",
-      // Qwen3-Coder-480B-A35B's release carries these three; transformers and vLLM ignore them.
-      // Accepted where they describe this forward (Create checks them).
-      "qkv_bias", "use_qk_norm", "shared_expert_intermediate_size"};
-  return keys;
-}
-
 namespace {
 
 class Qwen3Moe final : public DecoderModel {

@@ -170,18 +170,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
 
 }  // namespace
 
-const std::vector<std::string>& Step3TextConfigKeys() {
-  static const std::vector<std::string> keys = {
-      "hidden_size", "intermediate_size", "num_attention_heads", "num_attention_groups", "head_dim",
-      "share_q_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "moe_num_experts",
-      "moe_top_k", "moe_intermediate_size", "share_expert_dim", "norm_expert_weight",
-      "moe_layers_enum", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embedding",
-      "max_position_embeddings", "tie_word_embeddings", "hidden_act",
-      // The longest sequence is --max-model-len's business.
-      "max_seq_len"};
-  return keys;
-}
-
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3Text(const ModelContext& ctx) {
   return Step3Text::Create(ctx);
 }

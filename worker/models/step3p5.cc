@@ -392,23 +392,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
 
 }  // namespace
 
-const std::vector<std::string>& Step3p5ConfigKeys() {
-  static const std::vector<std::string> keys = {
-      "hidden_size", "num_hidden_layers", "num_attention_heads", "num_attention_groups", "head_dim",
-      "vocab_size", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "rope_theta",
-      "partial_rotary_factors", "rope_scaling", "yarn_only_types", "layer_types", "sliding_window",
-      "attention_other_setting", "use_head_wise_attn_gate", "att_impl_type", "use_qk_norm",
-      "moe_layers_enum", "moe_num_experts", "moe_top_k", "moe_intermediate_size",
-      "share_expert_dim", "moe_router_activation", "use_moe_router_bias", "need_fp32_gate",
-      "norm_expert_weight", "moe_router_scaling_factor", "swiglu_limits", "swiglu_limits_shared",
-      "use_rope_layers", "tie_word_embeddings", "hidden_act",
-      // The MTP layers are skipped; the longest sequence is --max-model-len's business.
-      "num_nextn_predict_layers", "max_seq_len",
-      // The release's older keys, checked against moe_layers_enum and the norms (ReadLayout).
-      "use_moe", "moe_layer_offset", "moe_every_n_layer", "zero_centered", "sink"};
-  return keys;
-}
-
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateStep3p5(const ModelContext& ctx) {
   return Step3p5::Create(ctx);
 }

@@ -10,10 +10,10 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lora/name_tables.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/checkpoint.h"
-#include "worker/loaders/name_tables.h"
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/causal_lm.h"
 #include "worker/model/registry.h"

@@ -1,4 +1,4 @@
-#include "worker/loaders/name_tables.h"
+#include "lora/name_tables.h"
 
 #include <regex>
 

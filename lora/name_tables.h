@@ -11,8 +11,8 @@
 // one transformer implementation serves Qwen3-MoE and the Qwen3-VL-MoE text path.
 //
 // Thread-safe: the tables are immutable.
-#ifndef MOELORA_WORKER_LOADERS_NAME_TABLES_H_
-#define MOELORA_WORKER_LOADERS_NAME_TABLES_H_
+#ifndef MOELORA_LORA_NAME_TABLES_H_
+#define MOELORA_LORA_NAME_TABLES_H_
 
 #include <string>
 #include <vector>
@@ -70,4 +70,4 @@ std::string W2Name(const std::string& experts_prefix, bool lora_wrapped);
 
 }  // namespace moelora
 
-#endif  // MOELORA_WORKER_LOADERS_NAME_TABLES_H_
+#endif  // MOELORA_LORA_NAME_TABLES_H_
