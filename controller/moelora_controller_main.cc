@@ -186,11 +186,11 @@ int main(int argc, char** argv) {
 
   moelora::ControllerOptions co;
   co.adapter_root = absl::GetFlag(FLAGS_adapter_root);
-  co.max_loras = absl::GetFlag(FLAGS_max_loras);
-  co.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
-  co.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
-  co.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
-  co.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
+  co.max_loras = engine_flags.max_loras;
+  co.max_cpu_loras = engine_flags.max_cpu_loras;
+  co.max_lora_rank = engine_flags.max_lora_rank;
+  co.mixed = engine_flags.mixed;
+  co.max_num_seqs = engine_flags.max_num_seqs;
   co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.decode_steps = absl::GetFlag(FLAGS_decode_steps);

@@ -732,13 +732,18 @@ TEST_F(ControllerTest, WorkersDieWithTheirController) {
   EXPECT_EQ(n, 0);
 }
 
+// --workers for a group started on its own, rank order.
+std::string WorkerAddresses(::moelora::testing::WorkerGroup& workers) {
+  return "127.0.0.1:" + std::to_string(workers.port(0)) +
+         ",127.0.0.1:" + std::to_string(workers.port(1));
+}
+
 TEST_F(ControllerTest, ConnectModeDrivesRunningWorkers) {
   // Two ranks started on their own (as Kubernetes would), then a controller with --workers.
   ::moelora::testing::WorkerGroup workers(Data("qwen3_moe/model"), 2,
                                           {"--enable-mixed-moe-lora-format"});
   ASSERT_TRUE(workers.WaitReady()) << workers.Logs();
-  const std::string addrs = "127.0.0.1:" + std::to_string(workers.port(0)) +
-                            ",127.0.0.1:" + std::to_string(workers.port(1));
+  const std::string addrs = WorkerAddresses(workers);
   ControllerProcess c(state_.path(), adapters_.root,
                       {"--workers", addrs, "--enable-mixed-moe-lora-format"});
   ASSERT_TRUE(c.WaitServing()) << c.Log();
@@ -756,8 +761,7 @@ TEST_F(ControllerTest, ConnectModeRefusesWorkersWhoseSettingsDisagree) {
   ::moelora::testing::WorkerGroup workers(Data("qwen3_moe/model"), 2,
                                           {"--enable-mixed-moe-lora-format", "--max-loras", "2"});
   ASSERT_TRUE(workers.WaitReady()) << workers.Logs();
-  const std::string addrs = "127.0.0.1:" + std::to_string(workers.port(0)) +
-                            ",127.0.0.1:" + std::to_string(workers.port(1));
+  const std::string addrs = WorkerAddresses(workers);
   ControllerProcess c(state_.path(), adapters_.root,
                       {"--workers", addrs, "--enable-mixed-moe-lora-format"});
   ASSERT_TRUE(c.started()) << c.Log();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "gmock/gmock.h"
@@ -246,10 +247,11 @@ TEST(ReleaseConfigTest, Step35ReleaseKeysAndDefaultEps) {
   EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
   // The older keys must agree with moe_layers_enum and the norms.
   TempDir tmp;
+  int n = 0;
   auto load_with = [&](const std::function<void(nlohmann::json&)>& edit) {
     nlohmann::json j = ScaledDown(nlohmann::json::parse(ReadFile(path)));
     edit(j);
-    const std::string dir = tmp.path() + "/m" + std::to_string(std::rand());
+    const std::string dir = tmp.path() + "/m" + std::to_string(n++);
     std::filesystem::create_directories(dir);
     std::ofstream(dir + "/config.json") << j.dump();
     auto comm = MakeLocalCommunicator();
