@@ -1,6 +1,12 @@
 #include "common/engine_flags.h"
 
+#include <climits>
+#include <cstring>
+#include <utility>
+
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 ABSL_FLAG(int, max_loras, 4, "LoRA slots: adapters resident in the workers at once");
@@ -24,11 +30,46 @@ ABSL_FLAG(std::string, device, "cpu",
           "cpu | cuda (rank r on GPU r % visible GPUs; TP over NCCL) | cuda:N (worker) | cpu-twins "
           "(the GPU code path on the CPU through the kernels' CPU twins; slow, for debugging)");
 ABSL_FLAG(int, dist_timeout_s, 120, "Seconds to wait for peers and for each collective");
+ABSL_FLAG(int, block_size, 16, "Token positions per KV cache block");
+ABSL_FLAG(std::string, kv_cache_memory_bytes, "4Gi",
+          "KV cache budget of each worker: bytes, or with a K/M/G (1000) or Ki/Mi/Gi (1024) "
+          "suffix; the worker holds as many blocks as it buys (no more than --max-num-seqs "
+          "sequences of --max-model-len tokens can fill)");
+ABSL_FLAG(int, max_num_batched_tokens, 2048,
+          "Tokens one step computes at most: running decodes first, then chunks of prompts");
 
 namespace moelora {
 
-EngineFlags ReadEngineFlags() {
-  EngineFlags f;
+absl::Status ParseByteCount(const std::string& text, int64_t* bytes) {
+  static const std::pair<const char*, int64_t> kSuffixes[] = {{"Ki", int64_t{1} << 10},
+                                                              {"Mi", int64_t{1} << 20},
+                                                              {"Gi", int64_t{1} << 30},
+                                                              {"Ti", int64_t{1} << 40},
+                                                              {"K", 1000},
+                                                              {"M", 1000000},
+                                                              {"G", 1000000000},
+                                                              {"T", 1000000000000}};
+  std::string digits = text;
+  int64_t unit = 1;
+  for (const auto& [suffix, value] : kSuffixes) {
+    if (absl::EndsWith(text, suffix)) {
+      digits = text.substr(0, text.size() - std::strlen(suffix));
+      unit = value;
+      break;
+    }
+  }
+  int64_t n = 0;
+  if (!absl::SimpleAtoi(digits, &n) || n < 0 || n > INT64_MAX / unit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "\"", text,
+        "\" is not a byte count (an integer, or with a K/M/G/T or Ki/Mi/Gi/Ti suffix)"));
+  }
+  *bytes = n * unit;
+  return absl::OkStatus();
+}
+
+absl::Status ReadEngineFlags(EngineFlags* out) {
+  EngineFlags& f = *out;
   f.max_loras = absl::GetFlag(FLAGS_max_loras);
   f.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
   f.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
@@ -40,7 +81,13 @@ EngineFlags ReadEngineFlags() {
   f.dtype = absl::GetFlag(FLAGS_dtype);
   f.device = absl::GetFlag(FLAGS_device);
   f.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
-  return f;
+  f.block_size = absl::GetFlag(FLAGS_block_size);
+  f.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  const absl::Status s =
+      ParseByteCount(absl::GetFlag(FLAGS_kv_cache_memory_bytes), &f.kv_cache_memory_bytes);
+  if (!s.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache-memory-bytes: ", s.message()));
+  return absl::OkStatus();
 }
 
 [[nodiscard]] absl::Status ValidateEngineFlags(const EngineFlags& f, int largest_rank) {
@@ -56,16 +103,31 @@ EngineFlags ReadEngineFlags() {
     return bad("--dtype ", f.dtype, ": expected float32 or bfloat16");
   }
   if (f.dist_timeout_s < 1) return bad("--dist-timeout-s must be >= 1");
+  if (f.block_size < 1 || f.block_size > 1024) return bad("--block-size must be in 1..1024");
+  if (f.max_num_batched_tokens < 1) return bad("--max-num-batched-tokens must be >= 1");
+  if (f.kv_cache_memory_bytes < 1) return bad("--kv-cache-memory-bytes must be > 0");
   return absl::OkStatus();
 }
 
 std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
-  std::vector<std::string> a = {"--max-loras",     std::to_string(f.max_loras),
-                                "--max-cpu-loras", std::to_string(f.max_cpu_loras),
-                                "--max-lora-rank", std::to_string(f.max_lora_rank),
-                                "--max-num-seqs",  std::to_string(f.max_num_seqs),
-                                "--max-model-len", std::to_string(f.max_model_len),
-                                "--dtype",         f.dtype};
+  std::vector<std::string> a = {"--max-loras",
+                                std::to_string(f.max_loras),
+                                "--max-cpu-loras",
+                                std::to_string(f.max_cpu_loras),
+                                "--max-lora-rank",
+                                std::to_string(f.max_lora_rank),
+                                "--max-num-seqs",
+                                std::to_string(f.max_num_seqs),
+                                "--max-model-len",
+                                std::to_string(f.max_model_len),
+                                "--dtype",
+                                f.dtype,
+                                "--block-size",
+                                std::to_string(f.block_size),
+                                "--kv-cache-memory-bytes",
+                                std::to_string(f.kv_cache_memory_bytes),
+                                "--max-num-batched-tokens",
+                                std::to_string(f.max_num_batched_tokens)};
   if (f.mixed) a.push_back("--enable-mixed-moe-lora-format");
   if (f.expert_parallel) a.push_back("--enable-expert-parallel");
   if (f.fully_sharded_loras) a.push_back("--fully-sharded-loras");

@@ -5,6 +5,7 @@
 #ifndef MOELORA_COMMON_ENGINE_FLAGS_H_
 #define MOELORA_COMMON_ENGINE_FLAGS_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,9 @@ ABSL_DECLARE_FLAG(int, max_model_len);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(int, dist_timeout_s);
+ABSL_DECLARE_FLAG(int, block_size);
+ABSL_DECLARE_FLAG(std::string, kv_cache_memory_bytes);
+ABSL_DECLARE_FLAG(int, max_num_batched_tokens);
 
 namespace moelora {
 
@@ -37,10 +41,17 @@ struct EngineFlags {
   std::string dtype = "float32";
   std::string device = "cpu";
   int dist_timeout_s = 120;
+  int block_size = 16;                               // tokens per KV cache block
+  int64_t kv_cache_memory_bytes = int64_t{4} << 30;  // per worker
+  int max_num_batched_tokens = 2048;                 // tokens of one step at most
 };
 
-// The parsed flags.
-EngineFlags ReadEngineFlags();
+// A byte count: an integer, or one with a K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of
+// 1024) suffix, as vLLM's --kv-cache-memory-bytes takes it. INVALID_ARGUMENT otherwise.
+[[nodiscard]] absl::Status ParseByteCount(const std::string& text, int64_t* bytes);
+
+// The parsed flags (INVALID_ARGUMENT for a --kv-cache-memory-bytes that is no byte count).
+[[nodiscard]] absl::Status ReadEngineFlags(EngineFlags* f);
 
 // INVALID_ARGUMENT naming the first flag out of range. `largest_rank`: what the LoRA kernels take.
 [[nodiscard]] absl::Status ValidateEngineFlags(const EngineFlags& f, int largest_rank);

@@ -39,4 +39,15 @@ int FirstTokenOutsideVocabulary(absl::Span<const int32_t> ids, int vocab_size) {
   return absl::OkStatus();
 }
 
+absl::Status CheckFitsKvCache(int64_t prompt_len, int64_t max_tokens, int64_t num_blocks,
+                              int64_t block_size) {
+  if (num_blocks <= 0 || prompt_len + max_tokens <= num_blocks * block_size) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (", max_tokens,
+                   ") exceed the KV cache: ", num_blocks, " blocks of ", block_size, " tokens (",
+                   num_blocks * block_size, " tokens; raise --kv-cache-memory-bytes)"));
+}
+
 }  // namespace moelora

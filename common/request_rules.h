@@ -23,6 +23,12 @@ int FirstTokenOutsideVocabulary(absl::Span<const int32_t> ids, int vocab_size);
 // INVALID_ARGUMENT naming the first stop token id outside the vocabulary.
 [[nodiscard]] absl::Status CheckStopTokenIds(absl::Span<const int32_t> ids, int vocab_size);
 
+// INVALID_ARGUMENT unless prompt_len + max_tokens token positions fit in the whole KV cache
+// (num_blocks blocks of block_size), naming the budget: such a request could never complete, even
+// alone. num_blocks 0: not known (no check).
+[[nodiscard]] absl::Status CheckFitsKvCache(int64_t prompt_len, int64_t max_tokens,
+                                            int64_t num_blocks, int64_t block_size);
+
 }  // namespace moelora
 
 #endif  // MOELORA_COMMON_REQUEST_RULES_H_

@@ -79,6 +79,8 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
   RequestLimits limits;
   limits.vocab_size = info.vocab_size();
   limits.max_model_len = info.max_model_len();
+  limits.kv_num_blocks = info.num_blocks();
+  limits.kv_block_size = info.block_size();
   limits.tokenizer = options_.tokenizer.get();
   limits.eos_token_ids = options_.eos_token_ids;
   // A text prompt is encoded here, in the RPC thread: the scheduler and the workers never wait

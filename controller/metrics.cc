@@ -128,7 +128,20 @@ ControllerMetrics::ControllerMetrics()
               .Help("Adapters of running and waiting requests (comma-separated) and max_lora, as "
                     "vLLM's vllm:lora_requests_info; the value is when it last changed (Unix "
                     "seconds). For the Gateway API inference extension's --lora-info-metric")
-              .Register(*registry_)) {}
+              .Register(*registry_)),
+      kv_cache_usage(prometheus::BuildGauge()
+                         .Name("moelora_kv_cache_usage_ratio")
+                         .Help("Fraction of the workers' KV cache blocks in use (0..1), after the "
+                               "last step. For the Gateway API inference extension's "
+                               "--kv-cache-usage-percentage-metric")
+                         .Register(*registry_)
+                         .Add({})),
+      preemptions(prometheus::BuildCounter()
+                      .Name("moelora_preemptions_total")
+                      .Help("Sequences preempted by the workers (KV blocks freed, recomputed "
+                            "later with the same output)")
+                      .Register(*registry_)
+                      .Add({})) {}
 
 void ControllerMetrics::ObserveLoad(const std::string& format, bool converted,
                                     const std::string& phase, double s) {

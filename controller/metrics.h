@@ -43,6 +43,8 @@ class ControllerMetrics {
   prometheus::Counter& stop_strings;
   prometheus::Family<prometheus::Gauge>& adapter_resident;    // {adapter, tier}
   prometheus::Family<prometheus::Gauge>& lora_requests_info;  // vLLM's, for LoRA-affinity routing
+  prometheus::Gauge& kv_cache_usage;  // 0..1, rank 0's blocks in use after the last step
+  prometheus::Counter& preemptions;
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
 };

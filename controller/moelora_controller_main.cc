@@ -134,7 +134,9 @@ int main(int argc, char** argv) {
   }
   // The flags the workers take as well, checked here by the same rules as there: a worker that
   // refuses one exits, and the controller would restart the group with it forever.
-  const moelora::EngineFlags engine_flags = moelora::ReadEngineFlags();
+  moelora::EngineFlags engine_flags;
+  if (auto s = moelora::ReadEngineFlags(&engine_flags); !s.ok())
+    return fail(std::string(s.message()));
   if (auto s = moelora::ValidateEngineFlags(engine_flags, static_cast<int>(moelora::kSgmvMaxRank));
       !s.ok()) {
     return fail(std::string(s.message()));

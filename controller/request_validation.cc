@@ -63,6 +63,8 @@ absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(const v1::GenerateReque
   // The rules the workers apply too (common/request_rules.h).
   MOELORA_RETURN_IF_ERROR(
       CheckMaxTokens(req.max_tokens(), req.prompt_token_ids_size(), limits.max_model_len));
+  MOELORA_RETURN_IF_ERROR(CheckFitsKvCache(req.prompt_token_ids_size(), req.max_tokens(),
+                                           limits.kv_num_blocks, limits.kv_block_size));
   MOELORA_RETURN_IF_ERROR(CheckSampling(req.temperature(), req.top_p(), req.top_k()));
   MOELORA_RETURN_IF_ERROR(CheckStopTokenIds(req.stop_token_ids(), limits.vocab_size));
   if (!req.ignore_eos()) {

@@ -21,6 +21,9 @@ inline constexpr size_t kMaxStopBytes = 256;
 struct RequestLimits {
   int vocab_size = 0;
   int max_model_len = 0;
+  // The workers' KV cache (0 blocks: not known): prompt + max_tokens must fit in it.
+  int64_t kv_num_blocks = 0;
+  int64_t kv_block_size = 0;
   const tok::Tokenizer* tokenizer = nullptr;  // null: text prompts and stop strings refused
   std::vector<int32_t> eos_token_ids;         // added to the stop tokens unless ignore_eos
 };

@@ -167,6 +167,9 @@ void Scheduler::Loop() {
       }
       // Deferred unloads whose last request has finished (calls the workers: no lock held).
       adapters_->RunDeferredUnloads();
+      const v1::WorkerInfoResponse info = group_->info();
+      kv_blocks_ = info.num_blocks();
+      kv_block_size_ = info.block_size();
       {
         MutexLock lock(&mu_);
         if (!serving_()) continue;
@@ -190,10 +193,20 @@ void Scheduler::Loop() {
             ++it;
           }
         }
-        // Strict FIFO admission.
+        // Strict FIFO admission, while the workers' KV cache has blocks for the head's prompt
+        // next to what the running sequences hold (the workers preempt when decodes outgrow
+        // it; with nothing running the head goes in: it fits the cache alone, checked at
+        // submission).
+        int64_t blocks_used = 0;
+        for (const auto& [id, r] : running_) blocks_used += BlocksHeld(*r);
         while (!pending_.empty() &&
                static_cast<int>(running_.size() + admitted.size()) < max_num_seqs_) {
           std::shared_ptr<GenRequest> head = pending_.front();
+          const int64_t need = BlocksHeld(*head);
+          if (kv_blocks_ > 0 && (!running_.empty() || !admitted.empty()) &&
+              blocks_used + need > kv_blocks_) {
+            break;
+          }
           if (!head->adapter.empty()) {
             const AdapterManager::Residency res = adapters_->Admit(head->adapter, now);
             if (res == AdapterManager::Residency::kGone) {
@@ -209,6 +222,7 @@ void Scheduler::Loop() {
           pending_.pop_front();
           head->SetQueueSeconds(Seconds(now - head->arrival));
           admitted.push_back(head);
+          blocks_used += need;
         }
         metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
         metrics_->running.Set(static_cast<double>(running_.size() + admitted.size()));
@@ -353,6 +367,11 @@ void Scheduler::Loop() {
       metrics_->batch_size.Observe(static_cast<double>(seen.size()));
     }
     metrics_->batch_distinct_adapters.Observe(resp->distinct_adapters());
+    if (kv_blocks_ > 0) {
+      metrics_->kv_cache_usage.Set(1.0 - static_cast<double>(resp->kv_free_blocks()) /
+                                             static_cast<double>(kv_blocks_));
+    }
+    if (resp->preempted() > 0) metrics_->preemptions.Increment(resp->preempted());
     metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
     // The decode step's time (a prefill step, with joiners, says nothing of it).
     if (step.add().empty() && resp->steps() > 0 && resp->seconds() > 0) {
@@ -414,6 +433,12 @@ void Scheduler::Loop() {
     (void)ahead_->Get();
     ahead_.reset();
   }
+}
+
+int64_t Scheduler::BlocksHeld(const GenRequest& r) const {
+  if (kv_block_size_ <= 0) return 0;
+  const int64_t tokens = r.req.prompt_token_ids_size() + static_cast<int64_t>(r.num_tokens()) + 1;
+  return (tokens + kv_block_size_ - 1) / kv_block_size_;
 }
 
 bool Scheduler::SendAheadAllowed(int steps) {

@@ -66,6 +66,9 @@ class Scheduler {
   // nothing queued or woken for, no running request expired, cancelled or stopped by a stop
   // string, and one of them still to run after the call in flight.
   bool SendAheadAllowed(int steps) ABSL_LOCKS_EXCLUDED(mu_);
+  // KV cache blocks a request holds on the workers once admitted (prompt, tokens so far and the
+  // next one); 0 while the block size is not known.
+  int64_t BlocksHeld(const GenRequest& r) const;
   // Ends a request and releases its adapter.
   void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -77,6 +80,9 @@ class Scheduler {
   const int decode_steps_;
   const bool call_ahead_;
   const int max_loras_;
+  // The workers' KV cache, from their Info at each pass (the loop thread only).
+  int64_t kv_blocks_ = 0;
+  int64_t kv_block_size_ = 0;
   AdapterManager* const adapters_;
   WorkerGroupInterface* const group_;
   ControllerMetrics* const metrics_;

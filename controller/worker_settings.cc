@@ -62,6 +62,16 @@ WorkerSettings WorkerSettingsFromFlags(const EngineFlags& flags, const std::stri
     if (f.max_model_len > 0 && w.max_model_len() != f.max_model_len) {
       return differ("--max-model-len", f.max_model_len, w.max_model_len());
     }
+    if (w.block_size() != f.block_size) return differ("--block-size", f.block_size, w.block_size());
+    if (w.max_num_batched_tokens() != f.max_num_batched_tokens) {
+      return differ("--max-num-batched-tokens", f.max_num_batched_tokens,
+                    w.max_num_batched_tokens());
+    }
+    if (w.num_blocks() != ranks[0].num_blocks()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker rank ", r, " has ", w.num_blocks(), " KV cache blocks, rank 0 ",
+          ranks[0].num_blocks(), ": start every rank with the same --kv-cache-memory-bytes"));
+    }
   }
   return absl::OkStatus();
 }

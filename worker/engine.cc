@@ -161,7 +161,17 @@ struct Engine::Impl {
     std::unique_ptr<Sampler> sampler;
     int32_t pending = -1;  // last sampled token, fed at the next step
     int generated = 0;
+    // Tokens to compute before the next sample: the prompt, read in chunks of at most
+    // --max-num-batched-tokens a step; after a preemption, the prompt and every sampled token
+    // (recomputed, so the sequence goes on as if it had not stopped).
+    std::vector<int32_t> feed;
+    size_t fed = 0;
+    bool recompute = false;
+    std::vector<int32_t> sampled;      // every token sampled so far
+    std::vector<float> prompt_logits;  // return_prompt_logits: collected over the chunks
+    bool Prefilling() const { return fed < feed.size(); }
   };
+  KvCache* kv = nullptr;       // the model's
   mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
   // When the last Steps call's work ended (compute thread; under step_mu).
   std::optional<std::chrono::steady_clock::time_point> last_steps_end;
@@ -255,6 +265,23 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
     return absl::InvalidArgumentError(
         "--max-model-len must be > 1 (config has no max_position_embeddings)");
   }
+  if (o.max_num_batched_tokens < o.max_num_seqs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-num-batched-tokens ", o.max_num_batched_tokens,
+                     " must be >= --max-num-seqs ", o.max_num_seqs, " (every decode in one step)"));
+  }
+  KvCacheOptions ko;
+  ko.block_size = o.block_size;
+  ko.memory_bytes = o.kv_cache_memory_bytes;
+  // No more blocks than --max-num-seqs sequences of max_model_len tokens can hold.
+  ko.max_blocks = static_cast<int64_t>(o.max_num_seqs) *
+                  ((impl->max_model_len + o.block_size - 1) / o.block_size);
+  CausalLM* model = impl->model.get();
+  MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
+  impl->kv = model->kv_cache();
+  LOG(INFO) << "KV cache: " << impl->kv->num_blocks() << " blocks of " << o.block_size
+            << " tokens, " << impl->kv->bytes_per_block() << " bytes each ("
+            << impl->kv->num_blocks() * impl->kv->bytes_per_block() << " bytes reserved)";
   for (int s = 0; s < o.max_loras; ++s) impl->free_slots.insert(s);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -521,6 +548,11 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
           CheckStopTokenIds(n.stop_token_ids, vocab)}) {
       if (!st.ok()) return bad(st.message());
     }
+    if (absl::Status st = CheckFitsKvCache(static_cast<int64_t>(n.prompt.size()), n.max_tokens,
+                                           m.kv->num_blocks(), m.kv->block_size());
+        !st.ok()) {
+      return bad(st.message());
+    }
     slots.push_back(slot);
   }
   if (static_cast<int>(ids.size()) > m.options.max_num_seqs) {
@@ -531,34 +563,106 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   for (auto it = m.running.begin(); it != m.running.end();) {
     it = remove_set.count(it->spec.id) ? m.running.erase(it) : std::next(it);
   }
-  const size_t first_new = m.running.size();
   for (size_t i = 0; i < add.size(); ++i) {
     Impl::Sequence s;
     s.spec = add[i];
     s.slot = slots[i];
     s.state = m.model->NewState();
     s.sampler = std::make_unique<Sampler>(add[i].sampling);
+    s.feed = add[i].prompt;
     m.running.push_back(std::move(s));
   }
   StepOutput out;
   if (m.running.empty()) return out;
+  // The step's plan: how many tokens each sequence computes (0: none this step).
+  const size_t nrun = m.running.size();
+  std::vector<int64_t> take(nrun, 0);
+  auto preempt = [&](size_t j) {
+    Impl::Sequence& v = m.running[j];
+    // Recomputed from the start: the prompt and every token sampled, the last of which (the
+    // pending one) is fed last, so the next sample is the one its decode step would have made.
+    std::vector<int32_t> feed = v.spec.prompt;
+    feed.insert(feed.end(), v.sampled.begin(), v.sampled.end());
+    v.feed = std::move(feed);
+    v.fed = 0;
+    v.recompute = true;
+    v.state = m.model->NewState();  // frees its blocks
+    take[j] = 0;
+    ++out.preempted;
+  };
+  // The latest admitted sequence holding blocks, after `after` (or `after` itself).
+  auto victim = [&](size_t after) {
+    for (size_t j = nrun; j-- > after + 1;) {
+      if (!m.running[j].state.blocks.empty()) return j;
+    }
+    return after;
+  };
+  int64_t budget = m.options.max_num_batched_tokens;
+  for (;;) {
+    // Decodes first, in admission order; a decode that finds no free block preempts the latest
+    // admitted sequence (itself if it is the latest).
+    for (size_t i = 0; i < nrun && budget > 0; ++i) {
+      Impl::Sequence& s = m.running[i];
+      if (s.Prefilling() || take[i] > 0) continue;
+      bool self = false;
+      while (!m.kv->Reserve(s.state.blocks, s.state.len + 1)) {
+        const size_t j = victim(i);
+        preempt(j);
+        if (j == i) {
+          self = true;
+          break;
+        }
+      }
+      if (self) continue;
+      take[i] = 1;
+      --budget;
+    }
+    // Then chunks of prompts (and recomputations), in admission order, while the budget and the
+    // free blocks last.
+    for (size_t i = 0; i < nrun && budget > 0; ++i) {
+      Impl::Sequence& s = m.running[i];
+      if (!s.Prefilling() || take[i] > 0) continue;
+      const int64_t fits =
+          (static_cast<int64_t>(s.state.blocks.size()) + m.kv->free_blocks()) * m.kv->block_size() -
+          s.state.len;
+      const int64_t n =
+          std::min<int64_t>({static_cast<int64_t>(s.feed.size() - s.fed), budget, fits});
+      if (n <= 0) break;  // later sequences wait for this one's blocks
+      if (!m.kv->Reserve(s.state.blocks, s.state.len + n)) break;
+      take[i] = n;
+      budget -= n;
+    }
+    bool any = false;
+    for (int64_t t : take) any = any || t > 0;
+    if (any) break;
+    // Nothing could run: every block is held by prompts still being read. The latest admitted
+    // one gives its blocks back (each sequence fits the cache alone: checked at admission).
+    size_t j = victim(0);
+    if (m.running[j].state.blocks.empty()) {
+      return absl::InternalError("the KV cache is full and no sequence holds a block");
+    }
+    preempt(j);
+  }
   ForwardBatch b;
   std::set<int32_t> distinct;
-  for (size_t i = 0; i < m.running.size(); ++i) {
+  std::vector<size_t> in_batch;  // running index of each b.seqs entry
+  for (size_t i = 0; i < nrun; ++i) {
+    if (take[i] == 0) continue;
     Impl::Sequence& s = m.running[i];
     ForwardBatch::Seq fs;
     fs.state = &s.state;
     fs.begin = static_cast<int64_t>(b.tokens.size());
-    if (i >= first_new) {
-      for (int32_t t : s.spec.prompt) b.tokens.push_back(t);
-      fs.all_logits = s.spec.return_prompt_logits;
+    if (s.Prefilling()) {
+      b.tokens.insert(b.tokens.end(), s.feed.begin() + s.fed, s.feed.begin() + s.fed + take[i]);
+      fs.all_logits = s.spec.return_prompt_logits && !s.recompute;
     } else {
       b.tokens.push_back(s.pending);
     }
-    fs.count = static_cast<int64_t>(b.tokens.size()) - fs.begin;
+    fs.count = take[i];
     b.slots.insert(b.slots.end(), fs.count, s.slot);
     if (s.slot >= 0) distinct.insert(s.slot);
     b.seqs.push_back(fs);
+    in_batch.push_back(i);
   }
   absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&] { return m.model->Forward(b); });
   if (!logits.ok()) {
@@ -568,36 +672,54 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     return logits.status();
   }
   const float* L = logits->data_ptr<float>();
-  // Each sequence's row of logits (its last; all_logits sequences have one per prompt token
-  // before it), then the tokens: sequences in parallel (each has its own sampler), a task at
-  // least 32768 logits, so a small vocabulary stays on this thread.
-  const int64_t n = static_cast<int64_t>(m.running.size());
+  // Each sequence's row of logits (its last; all_logits sequences have one per new token before
+  // it). Sequences that finish reading their feed (or decode) sample a token: in parallel (each
+  // has its own sampler), a task at least 32768 logits, so a small vocabulary stays on this
+  // thread.
+  const int64_t n = static_cast<int64_t>(b.seqs.size());
   std::vector<int64_t> last_row(n);
-  for (int64_t i = 0, row = 0; i < n; ++i) {
-    row += b.seqs[i].all_logits ? b.seqs[i].count : 1;
-    last_row[i] = row - 1;
+  std::vector<char> samples(n, 0);
+  for (int64_t k = 0, row = 0; k < n; ++k) {
+    Impl::Sequence& s = m.running[in_batch[k]];
+    row += b.seqs[k].all_logits ? b.seqs[k].count : 1;
+    last_row[k] = row - 1;
+    if (s.Prefilling()) {
+      if (b.seqs[k].all_logits) {
+        const float* r = L + last_row[k] * vocab;
+        s.prompt_logits.insert(s.prompt_logits.end(), r - (b.seqs[k].count - 1) * vocab, r + vocab);
+      }
+      s.fed += b.seqs[k].count;
+      samples[k] = !s.Prefilling();
+    } else {
+      samples[k] = 1;
+    }
   }
   std::vector<int32_t> tokens(n);
   std::vector<float> logprobs(n, 0.0f);
   at::parallel_for(
       0, n, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, vocab)), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
-          Impl::Sequence& s = m.running[i];
-          tokens[i] = s.sampler->Sample(L + last_row[i] * vocab, vocab,
-                                        s.spec.return_logprobs ? &logprobs[i] : nullptr);
+        for (int64_t k = i0; k < i1; ++k) {
+          if (!samples[k]) continue;
+          Impl::Sequence& s = m.running[in_batch[k]];
+          tokens[k] = s.sampler->Sample(L + last_row[k] * vocab, vocab,
+                                        s.spec.return_logprobs ? &logprobs[k] : nullptr);
         }
       });
-  for (size_t i = 0; i < m.running.size(); ++i) {
-    Impl::Sequence& s = m.running[i];
+  std::set<int64_t> finished;
+  for (int64_t k = 0; k < n; ++k) {
+    if (!samples[k]) continue;
+    Impl::Sequence& s = m.running[in_batch[k]];
     TokenOut t;
     t.sequence_id = s.spec.id;
-    const ForwardBatch::Seq& fs = b.seqs[i];
-    const float* r = L + last_row[i] * vocab;
-    if (fs.all_logits) t.prompt_logits.assign(r - (fs.count - 1) * vocab, r + vocab);
-    t.token = tokens[i];
-    if (s.spec.return_logprobs) t.logprob = logprobs[i];
+    const float* r = L + last_row[k] * vocab;
+    if (!s.prompt_logits.empty()) t.prompt_logits = std::move(s.prompt_logits);
+    s.prompt_logits.clear();
+    s.recompute = false;
+    t.token = tokens[k];
+    if (s.spec.return_logprobs) t.logprob = logprobs[k];
     if (s.spec.return_logits) t.logits.assign(r, r + vocab);
     s.pending = t.token;
+    s.sampled.push_back(t.token);
     ++s.generated;
     const auto& stop = s.spec.stop_token_ids;
     if (std::find(stop.begin(), stop.end(), t.token) != stop.end()) {
@@ -606,15 +728,15 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
                s.state.len + 1 >= m.max_model_len) {
       t.finished = true, t.finish_reason = "length";
     }
+    if (t.finished) finished.insert(s.spec.id);
     out.tokens.push_back(std::move(t));
   }
   out.batch_tokens = static_cast<int>(b.tokens.size());
   out.distinct_adapters = static_cast<int>(distinct.size());
-  // out.tokens[i] belongs to m.running[i]: drop the finished ones in one pass.
-  size_t i = 0;
-  for (auto it = m.running.begin(); it != m.running.end(); ++i) {
-    it = out.tokens[i].finished ? m.running.erase(it) : std::next(it);
+  for (auto it = m.running.begin(); it != m.running.end();) {
+    it = finished.count(it->spec.id) ? m.running.erase(it) : std::next(it);
   }
+  out.kv_free_blocks = m.kv->free_blocks();
   out.seconds = Since(t0);
   return out;
 }
@@ -648,6 +770,11 @@ EngineInfo Engine::Info() const {
     }
     i.host_cache = m.CacheStats();
   }
+  i.block_size = static_cast<int>(m.kv->block_size());
+  i.num_blocks = m.kv->num_blocks();
+  i.free_blocks = m.kv->free_blocks();
+  i.bytes_per_block = m.kv->bytes_per_block();
+  i.max_num_batched_tokens = m.options.max_num_batched_tokens;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());
   return i;

@@ -44,6 +44,10 @@ struct EngineOptions {
   bool fully_sharded_loras = false;     // ModelOptions::fully_sharded_loras
   int max_num_seqs = 256;
   int max_model_len = 0;  // 0: the model's max_position_embeddings
+  int block_size = 16;    // KV cache block (token positions)
+  int64_t kv_cache_memory_bytes = int64_t{4} << 30;
+  // Tokens one step computes at most: the running decodes, then prompt chunks in admission order.
+  int max_num_batched_tokens = 2048;
   // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.
   int num_threads = 0;
 };
@@ -71,9 +75,13 @@ struct TokenOut {
 };
 
 struct StepOutput {
-  std::vector<TokenOut> tokens;  // one per sequence that ran, running ones first, then joiners
+  // One per sequence that sampled a token, in admission order (a sequence whose prompt is still
+  // being read in chunks, or recomputed after a preemption, has none).
+  std::vector<TokenOut> tokens;
   int batch_tokens = 0;
-  int distinct_adapters = 0;  // adapters in the batch (base model not counted)
+  int preempted = 0;           // sequences preempted by this step (blocks freed, to recompute)
+  int64_t kv_free_blocks = 0;  // after the step
+  int distinct_adapters = 0;   // adapters in the batch (base model not counted)
   double seconds = 0;
   // The first step of a Steps call that continued sequences left running by the call before
   // it: how long the compute thread waited between the two (the round trip to the controller;
@@ -113,6 +121,10 @@ struct EngineInfo {
   std::string dtype, model_dir, config_fingerprint;
   bool expert_parallel = false, fully_sharded_loras = false;
   int max_num_seqs = 0, max_cpu_loras = 0;
+  // The KV cache: block size (tokens), blocks in all and free now; the step's token budget.
+  int block_size = 0;
+  int64_t num_blocks = 0, free_blocks = 0, bytes_per_block = 0;
+  int max_num_batched_tokens = 0;
 };
 
 class Engine {

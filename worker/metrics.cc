@@ -1,5 +1,7 @@
 #include "worker/metrics.h"
 
+#include <mutex>
+
 namespace moelora {
 namespace {
 prometheus::Histogram::BucketBoundaries SecondsBuckets() {
@@ -76,6 +78,23 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
                   .Labels(rl)
                   .Register(*registry_)
                   .Add({});
+  kv_usage_ = &prometheus::BuildGauge()
+                   .Name("moelora_kv_cache_usage_ratio")
+                   .Help("Fraction of the KV cache's blocks in use (0..1)")
+                   .Labels(rl)
+                   .Register(*registry_)
+                   .Add({});
+  kv_info_ = &prometheus::BuildGauge()
+                  .Name("moelora_kv_cache_config_info")
+                  .Help("The KV cache's block size and block count, as labels (value 1)")
+                  .Labels(rl)
+                  .Register(*registry_);
+  preemptions_ = &prometheus::BuildCounter()
+                      .Name("moelora_preemptions_total")
+                      .Help("Sequences preempted (KV blocks freed, recomputed later)")
+                      .Labels(rl)
+                      .Register(*registry_)
+                      .Add({});
   ready_ = &prometheus::BuildGauge()
                 .Name("moelora_worker_ready")
                 .Help("1 once the model is loaded and the communicator is up")
@@ -127,5 +146,21 @@ void WorkerMetrics::StepDone(int batch_tokens, int distinct, double seconds, int
 }
 
 void WorkerMetrics::SetReady(bool ready) { ready_->Set(ready ? 1 : 0); }
+
+void WorkerMetrics::KvCache(int64_t num_blocks, int64_t free_blocks, int block_size,
+                            int preempted) {
+  if (num_blocks > 0) {
+    kv_usage_->Set(static_cast<double>(num_blocks - free_blocks) / static_cast<double>(num_blocks));
+  }
+  if (num_blocks > 0) {
+    std::call_once(kv_info_once_, [&] {
+      kv_info_
+          ->Add({{"block_size", std::to_string(block_size)},
+                 {"num_gpu_blocks", std::to_string(num_blocks)}})
+          .Set(1);
+    });
+  }
+  if (preempted > 0) preemptions_->Increment(preempted);
+}
 
 }  // namespace moelora

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "prometheus/counter.h"
@@ -33,6 +34,8 @@ class WorkerMetrics {
   // The compute thread's wait between two step calls while sequences ran.
   void StepIdle(double seconds);
   void SetReady(bool ready);
+  // After each Step call: the KV cache's blocks (in all and free) and the call's preemptions.
+  void KvCache(int64_t num_blocks, int64_t free_blocks, int block_size, int preempted);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -47,6 +50,10 @@ class WorkerMetrics {
   prometheus::Counter* generated_;
   prometheus::Gauge* running_;
   prometheus::Gauge* ready_;
+  prometheus::Gauge* kv_usage_;
+  prometheus::Family<prometheus::Gauge>* kv_info_;
+  std::once_flag kv_info_once_;
+  prometheus::Counter* preemptions_;
 };
 
 }  // namespace moelora

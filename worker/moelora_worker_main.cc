@@ -103,8 +103,11 @@ int main(int argc, char** argv) {
   if (auto s = moelora::ValidateDType(absl::GetFlag(FLAGS_dtype)); !s.ok()) {
     return fail(1, std::string(s.message()));
   }
-  if (auto s = moelora::ValidateEngineFlags(moelora::ReadEngineFlags(),
-                                            static_cast<int>(moelora::kSgmvMaxRank));
+  moelora::EngineFlags engine_flags;
+  if (auto s = moelora::ReadEngineFlags(&engine_flags); !s.ok()) {
+    return fail(1, std::string(s.message()));
+  }
+  if (auto s = moelora::ValidateEngineFlags(engine_flags, static_cast<int>(moelora::kSgmvMaxRank));
       !s.ok()) {
     return fail(1, std::string(s.message()));
   }
@@ -198,6 +201,9 @@ int main(int argc, char** argv) {
     eo.dummy_weights = load_format == "dummy";
     eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
+    eo.block_size = engine_flags.block_size;
+    eo.kv_cache_memory_bytes = engine_flags.kv_cache_memory_bytes;
+    eo.max_num_batched_tokens = engine_flags.max_num_batched_tokens;
     eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);
     auto engine = moelora::Engine::Create(eo, comm->get());
     if (!engine.ok()) {

@@ -178,8 +178,10 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   }
   int batch_tokens = 0;
   double seconds = 0;
+  int preempted = 0;
   for (size_t i = 0; i < out->size(); ++i) {
     const StepOutput& o = (*out)[i];
+    preempted += o.preempted;
     if (o.idle_before_seconds >= 0) metrics_->StepIdle(o.idle_before_seconds);
     for (const TokenOut& t : o.tokens) {
       v1::SequenceToken* p = resp->add_tokens();
@@ -206,6 +208,12 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   resp->set_distinct_adapters(out->empty() ? 0 : out->front().distinct_adapters);
   resp->set_seconds(seconds);
   resp->set_steps(static_cast<int>(out->size()));
+  resp->set_preempted(preempted);
+  if (!out->empty()) resp->set_kv_free_blocks(out->back().kv_free_blocks);
+  {
+    const EngineInfo info = e->Info();
+    metrics_->KvCache(info.num_blocks, info.free_blocks, info.block_size, preempted);
+  }
   return grpc::Status::OK;
 }
 
@@ -248,6 +256,10 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_max_cpu_loras(i.max_cpu_loras);
   resp->set_model(i.model_dir);
   resp->set_config_fingerprint(i.config_fingerprint);
+  resp->set_block_size(i.block_size);
+  resp->set_num_blocks(i.num_blocks);
+  resp->set_free_blocks(i.free_blocks);
+  resp->set_max_num_batched_tokens(i.max_num_batched_tokens);
   return grpc::Status::OK;
 }
 

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "common/status_macros.h"
-#include "kernels/decode_attention.h"
 #include "kernels/elementwise.h"
+#include "kernels/paged_attention.h"
 #include "worker/layers/gather.h"
 #include "worker/layers/gemm.h"
 
@@ -186,184 +186,157 @@ Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarT
 
 namespace {
 
-// Attention on the CPU for query rows whose K/V rows are already in their sequence's cache:
-// every decode token, and the prompt tokens of sequences with short contexts (a query at
-// position p sees keys up to p, from p - window + 1 with a window). Written by hand, not with
-// ATen ops per sequence: those were ~15 ops per sequence and layer (2000 op dispatches a decode
-// step at batch 32, as many in a prefill of 32 prompts), and libtorch 1.13 has no fused
-// scaled_dot_product_attention. One OpenMP loop over (query, head); f32 accumulation, the
-// softmax in f32 as on the ATen path; with `sinks` the sink joins the denominator only.
-// Prompt tokens go through that loop while their sequence's keys (past + new) are at most this
-// many; longer prompts through ATen GEMMs per sequence, whose BLAS beats the scalar dot products
-// once each query has many keys to read.
-constexpr int64_t kCachedAttentionMaxKeys = 256;
+// Query rows per task of the paged attention on the CPU: a prompt's rows in tiles of this many
+// (each tile reads its keys once for all its rows), a decode row alone.
+constexpr int64_t kQueryTile = 32;
 
-struct QueryRow {
-  const ForwardBatch::Seq* seq;
-  int64_t row;  // in the batch
-  int64_t pos;  // its position: the last key it sees
-};
+// Writes the step's new keys and values (k, v: [T, hkv, d], contiguous) into each sequence's
+// blocks at positions len .. len + count - 1.
+void WriteKv(const at::Tensor& k, const at::Tensor& v, const ForwardBatch& b, const at::Tensor& kp,
+             const at::Tensor& vp, int64_t bs) {
+  const int64_t hkv = k.size(1), d = k.size(2);
+  if (kp.device().is_cpu()) {
+    const size_t row = static_cast<size_t>(hkv * d) * k.element_size();
+    char* K = static_cast<char*>(kp.data_ptr());
+    char* V = static_cast<char*>(vp.data_ptr());
+    const char* ks = static_cast<const char*>(k.data_ptr());
+    const char* vs = static_cast<const char*>(v.data_ptr());
+    for (const auto& seq : b.seqs) {
+      for (int64_t i = 0; i < seq.count; ++i) {
+        const int64_t pos = seq.state->len + i;
+        const int64_t at = seq.state->blocks[pos / bs] * bs + pos % bs;
+        std::memcpy(K + at * row, ks + (seq.begin + i) * row, row);
+        std::memcpy(V + at * row, vs + (seq.begin + i) * row, row);
+      }
+    }
+    return;
+  }
+  std::vector<int64_t> rows;
+  for (const auto& seq : b.seqs) {
+    for (int64_t i = 0; i < seq.count; ++i) {
+      const int64_t pos = seq.state->len + i;
+      rows.push_back(seq.state->blocks[pos / bs] * bs + pos % bs);
+    }
+  }
+  at::Tensor idx =
+      at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(kp.device());
+  kp.view({-1, hkv, d}).index_copy_(0, idx, k);
+  vp.view({-1, hkv, d}).index_copy_(0, idx, v);
+}
 
-// Per (query, KV head): the KV head's key and value rows are widened to f32 once (bf16) and
-// serve the hq / hkv query heads that share them.
-template <typename T>
-void CachedAttentionCpu(const T* q, const std::vector<QueryRow>& rows, int layer, int64_t hq,
-                        int64_t hkv, int64_t d, int64_t window, double scale, const float* sinks,
-                        T* out) {
-  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  const int64_t groups = hq / hkv, Q = static_cast<int64_t>(rows.size());
-  // kernels/decode_attention.h where the CPU has AVX-512, the loop below elsewhere. Decode step
-  // of bench/peer's model (decode_step --only peer, two runs each): bf16 batch 32 20.4 / 20.3 ->
-  // 19.8 / 19.6 ms, f32 batch 32 40.9 / 40.9 -> 40.3 / 40.2.
-  const bool fast = DecodeAttentionAvailable(d);
-  // One task per query row, its KV heads one after the other (from 4 rows a thread on): the row's
-  // keys and values are one contiguous stretch of its cache ([position, KV head, d]), which the
-  // first head brings into the caches for the others. One task per (query, KV head) read that
-  // stretch as hkv strided streams, on both threads at once: the attention's time over a
-  // decode_step --only peer run (276 calls, batch 32), three runs each: bf16 56.7, 53.0, 54.4
-  // -> 44.9, 47.5, 45.5 ms; f32, two runs, 60.5, 59.2 -> 48.2, 49.9 ms (batch 8: 15.7, 15.2
-  // -> 13.4, 13.2 ms). With fewer than 4 query rows a thread (a decode at batch 1-7 on 2 threads),
-  // one task per (query, KV head) as before, so that every thread has work.
-  const int64_t span = Q >= 4 * static_cast<int64_t>(omp_get_max_threads()) ? hkv : 1;
-  // Where a task takes all of a row's KV heads, its first head's call prefetches the whole cache
-  // rows (every KV head's part, a few rows ahead: DecodeAttentionArgs::k_rows) for the calls on
-  // the other heads after it: each of those had read its part of every row from memory again, a
-  // stream with a stride of a whole row. Timers around this function, decode_step --only peer
-  // (bf16, batch 32, 600 steps: 16-616 keys, 316 on average), two runs each: 544, 554 -> 344,
-  // 334 µs a layer; steps 10.55, 10.77 -> 9.86, 9.67 ms.
-  const bool row_prefetch = span == hkv && DecodeAttentionRowPrefetch();
-#pragma omp parallel
-  {
-    std::vector<float> kf, vf, scores, acc(d), qf(d);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < Q * hkv / span; ++task) {
-      for (int64_t u = task * span; u < (task + 1) * span; ++u) {
-        const QueryRow& qr = rows[u / hkv];
-        const int64_t g = u % hkv;
-        const LayerState& st = qr.seq->state->layers[layer];
-        const int64_t total = qr.pos + 1;
-        const int64_t k0 = window > 0 ? std::max<int64_t>(0, qr.pos - window + 1) : 0;
-        const int64_t n = total - k0, stride = hkv * d;
-        const T* K = st.k.data_ptr<T>() + (k0 * hkv + g) * d;
-        const T* V = st.v.data_ptr<T>() + (k0 * hkv + g) * d;
-        if (fast) {
-          // The group's query heads (widened from bf16) against the rows in place.
-          DecodeAttentionArgs a;
-          const T* q0 = q + (qr.row * hq + g * groups) * d;
-          if constexpr (kBf16) {
-            qf.resize(groups * d);
-            WidenBf16(reinterpret_cast<const uint16_t*>(q0), qf.data(), groups * d);
-            a.q = qf.data();
-            acc.resize(groups * d);
-            a.out = acc.data();
-          } else {
-            a.q = q0;
-            a.out = out + (qr.row * hq + g * groups) * d;
-          }
-          a.q_stride = a.out_stride = d;
-          a.k = K;
-          a.v = V;
-          a.kv_bf16 = kBf16;
-          a.kv_stride = stride;
-          a.n = n;
-          a.d = d;
-          a.heads = groups;
-          a.scale = static_cast<float>(scale);
-          a.sinks = sinks != nullptr ? sinks + g * groups : nullptr;
-          if (row_prefetch && g == 0) {
-            a.k_rows = K;
-            a.v_rows = V;
-            a.row_bytes = stride * static_cast<int64_t>(sizeof(T));
-          }
-          scores.resize(groups * (n + 16));
-          DecodeAttention(a, scores.data());
-          if constexpr (kBf16) {
-            RoundToBf16(acc.data(),
-                        reinterpret_cast<uint16_t*>(out + (qr.row * hq + g * groups) * d),
-                        groups * d);
-          }
-          continue;
-        }
-        const float *kb, *vb;
-        int64_t kstride;
-        if constexpr (kBf16) {
-          kf.resize(n * d);
-          vf.resize(n * d);
-          for (int64_t j = 0; j < n; ++j) {
-            WidenBf16(reinterpret_cast<const uint16_t*>(K + j * stride), kf.data() + j * d, d);
-            WidenBf16(reinterpret_cast<const uint16_t*>(V + j * stride), vf.data() + j * d, d);
-          }
-          kb = kf.data();
-          vb = vf.data();
-          kstride = d;
-        } else {
-          kb = K;
-          vb = V;
-          kstride = stride;
-        }
-        scores.resize(n);
-        for (int64_t h = g * groups; h < (g + 1) * groups; ++h) {
-          const T* qh = q + (qr.row * hq + h) * d;
-          if constexpr (kBf16) {
-            WidenBf16(reinterpret_cast<const uint16_t*>(qh), qf.data(), d);
-          } else {
-            std::copy(qh, qh + d, qf.begin());
-          }
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) {
-            const float s = static_cast<float>(Dot(qf.data(), kb + j * kstride, d) * scale);
-            scores[j] = s;
-            mx = std::max(mx, s);
-          }
-          if (sinks) mx = std::max(mx, sinks[h]);
-          float denom = sinks ? std::exp(sinks[h] - mx) : 0.0f;
-          for (float& s : scores) {
-            s = std::exp(s - mx);
-            denom += s;
-          }
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int64_t j = 0; j < n; ++j) {
-            const float* vr = vb + j * kstride;
-            const float p = scores[j];
-            for (int64_t c = 0; c < d; ++c) acc[c] += p * vr[c];
-          }
-          const float inv = 1.0f / denom;
-          for (int64_t c = 0; c < d; ++c) acc[c] *= inv;
-          T* o = out + (qr.row * hq + h) * d;
-          if constexpr (kBf16) {
-            RoundToBf16(acc.data(), reinterpret_cast<uint16_t*>(o), d);
-          } else {
-            std::copy(acc.begin(), acc.end(), o);
-          }
-        }
+// The CPU path: kernels/paged_attention.h over (sequence, query tile, KV head) tasks. q [T, hq, d]
+// f32 contiguous; returns [T, hq, d] f32.
+at::Tensor PagedAttentionCpu(const at::Tensor& q, const ForwardBatch& b, const at::Tensor& kp,
+                             const at::Tensor& vp, int64_t bs, int64_t hkv, int64_t window,
+                             double scale, const float* sinks) {
+  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), groups = hq / hkv;
+  at::Tensor out = at::empty({T, hq, d}, q.options());
+  struct Task {
+    const ForwardBatch::Seq* seq;
+    int64_t row0, rows, g;
+  };
+  std::vector<Task> tasks;
+  for (const auto& seq : b.seqs) {
+    for (int64_t r = 0; r < seq.count; r += kQueryTile) {
+      for (int64_t g = 0; g < hkv; ++g) {
+        tasks.push_back({&seq, r, std::min(kQueryTile, seq.count - r), g});
       }
     }
   }
+  const bool bf16 = kp.scalar_type() == at::kBFloat16;
+  const int64_t elem = kp.element_size();
+  const char* K = static_cast<const char*>(kp.data_ptr());
+  const char* V = static_cast<const char*>(vp.data_ptr());
+  const float* qd = q.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp parallel if (n > 1)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const Task& t = tasks[i];
+      PagedAttentionArgs a;
+      const int64_t row = t.seq->begin + t.row0;
+      a.q = qd + (row * hq + t.g * groups) * d;
+      a.q_row_stride = hq * d;
+      a.q_head_stride = d;
+      a.rows = t.rows;
+      a.heads = groups;
+      a.d = d;
+      a.pos0 = t.seq->state->len + t.row0;
+      a.window = window;
+      a.blocks = t.seq->state->blocks.data();
+      a.block_size = bs;
+      a.k = K + t.g * d * elem;
+      a.v = V + t.g * d * elem;
+      a.kv_bf16 = bf16;
+      a.block_stride = bs * hkv * d;
+      a.row_stride = hkv * d;
+      a.scale = static_cast<float>(scale);
+      a.sinks = sinks != nullptr ? sinks + t.g * groups : nullptr;
+      a.out = od + (row * hq + t.g * groups) * d;
+      a.out_row_stride = hq * d;
+      a.out_head_stride = d;
+      scratch.resize(PagedAttentionScratchFloats(a));
+      PagedAttention(a, scratch.data());
+    }
+  }
+  return out;
 }
 
-// Rows a sequence's cache gets past its prompt when first allocated: room for that many decode
-// tokens before the first growth. With the prompt's length exactly (and 16 at least) the first
-// decode token of every sequence grew every layer's cache (a new tensor and a copy of the
-// prompt's rows); at bench/peer's 32 sequences of 16 + 32 tokens the two growths a sequence
-// meets cost a bf16 step 7-10 µs a layer on average (timers).
-constexpr int64_t kCacheHeadroomRows = 64;
+// Any device and dtype, in ATen ops: each sequence's keys and values gathered from its blocks,
+// its queries in chunks of kAtenQueryChunk rows, so the scores take [hq, chunk, keys].
+constexpr int64_t kAtenQueryChunk = 256;
 
-// Capacity for `total` rows (the prompt plus kCacheHeadroomRows at first, then doubling), keeping
-// the rows held so far.
-void GrowCache(LayerState& st, int64_t total, int64_t hkv, int64_t d, const at::TensorOptions& o) {
-  if (st.k.defined() && st.k.size(0) >= total) return;
-  const int64_t cap =
-      st.k.defined() ? std::max<int64_t>(total, 2 * st.k.size(0)) : total + kCacheHeadroomRows;
-  at::Tensor nk = at::empty({cap, hkv, d}, o), nv = at::empty({cap, hkv, d}, o);
-  if (st.k.defined()) {
-    // Every row of the old cache (fewer than `total`; rows past the sequence's length are
-    // unused and copied along).
-    const int64_t held = std::min(st.k.size(0), total);
-    nk.narrow(0, 0, held).copy_(st.k.narrow(0, 0, held));
-    nv.narrow(0, 0, held).copy_(st.v.narrow(0, 0, held));
+at::Tensor PagedAttentionAten(const at::Tensor& q, const ForwardBatch& b, const at::Tensor& kp,
+                              const at::Tensor& vp, int64_t W, double scale,
+                              const at::Tensor& sinks, at::ScalarType dtype) {
+  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = kp.size(2);
+  const int64_t groups = hq / hkv;
+  at::Tensor attn = at::empty({T, hq * d}, q.options().dtype(dtype));
+  const auto lopt = at::TensorOptions().dtype(at::kLong).device(q.device());
+  for (const auto& seq : b.seqs) {
+    const int64_t past = seq.state->len, total = past + seq.count;
+    std::vector<int64_t> ids(seq.state->blocks.begin(), seq.state->blocks.end());
+    at::Tensor idx =
+        at::from_blob(ids.data(), {static_cast<int64_t>(ids.size())}, at::kLong).to(q.device());
+    at::Tensor kc = kp.index_select(0, idx).view({-1, hkv, d}).narrow(0, 0, total);
+    at::Tensor vc = vp.index_select(0, idx).view({-1, hkv, d}).narrow(0, 0, total);
+    for (int64_t c0 = 0; c0 < seq.count; c0 += kAtenQueryChunk) {
+      const int64_t n = std::min(kAtenQueryChunk, seq.count - c0);
+      const int64_t first = past + c0, last = first + n - 1;
+      // Keys a query can see: causal, and with a window only positions > p - W.
+      const int64_t k0 = W > 0 ? std::max<int64_t>(0, first - W + 1) : 0;
+      at::Tensor K = kc.narrow(0, k0, last + 1 - k0).permute({1, 0, 2}).to(dtype);
+      at::Tensor Vv = vc.narrow(0, k0, last + 1 - k0).permute({1, 0, 2}).to(dtype);
+      if (groups > 1) {
+        K = K.repeat_interleave(groups, 0);
+        Vv = Vv.repeat_interleave(groups, 0);
+      }
+      at::Tensor qs = q.narrow(0, seq.begin + c0, n).permute({1, 0, 2}).to(dtype);  // [hq, n, d]
+      at::Tensor scores = CpuMatmul(qs, K.transpose(1, 2)) * scale;                 // [hq, n, keys]
+      at::Tensor qpos = at::arange(first, last + 1, lopt).unsqueeze(1);
+      at::Tensor kpos = at::arange(k0, last + 1, lopt).unsqueeze(0);
+      at::Tensor masked = kpos > qpos;
+      if (W > 0) masked = masked.logical_or(kpos <= qpos - W);
+      scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+      at::Tensor probs;
+      if (sinks.defined()) {
+        // The sink joins the denominator as one more column, then is dropped.
+        const int64_t keys = scores.size(2);
+        at::Tensor sink = sinks.to(scores.scalar_type()).view({hq, 1, 1}).expand({hq, n, 1});
+        probs = at::softmax(at::cat({scores, sink}, -1), -1, scores.scalar_type())
+                    .narrow(-1, 0, keys)
+                    .to(dtype);
+      } else {
+        probs = at::softmax(scores, -1, at::kFloat).to(dtype);
+      }
+      at::Tensor o = CpuMatmul(probs, Vv);  // [hq, n, d]
+      attn.narrow(0, seq.begin + c0, n).copy_(o.permute({1, 0, 2}).reshape({n, hq * d}));
+    }
   }
-  st.k = nk;
-  st.v = nv;
+  return attn;
 }
 
 at::Tensor RotateHalf(const at::Tensor& x) {
@@ -593,89 +566,26 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
     q = rope.Apply(q, table);
     k = rope.Apply(k, table);
   }
-  at::Tensor attn = at::empty({T, hq * d}, h.options());
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  const int64_t groups = hq / hkv, W = spec_.sliding_window;
-  // Sequences the hand-written loop takes (below), the rest one by one through ATen GEMMs.
-  const bool cached_cpu =
-      h.device().is_cpu() && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
-  std::vector<const ForwardBatch::Seq*> by_aten;
-  std::vector<QueryRow> rows;
-  if (cached_cpu) {
-    // Append each sequence's K/V rows (growing the cache as below), then all queries at once.
-    at::Tensor kn = k.contiguous(), vn = v.contiguous();
-    const size_t row = static_cast<size_t>(hkv * d) * kn.element_size();
-    for (const auto& seq : b.seqs) {
-      const int64_t past = seq.state->len, n = seq.count;
-      if (n > 1 && past + n > kCachedAttentionMaxKeys) {
-        by_aten.push_back(&seq);
-        continue;
-      }
-      LayerState& st = seq.state->layers[layer];
-      GrowCache(st, past + n, hkv, d, h.options());
-      std::memcpy(static_cast<char*>(st.k.data_ptr()) + past * row,
-                  static_cast<const char*>(kn.data_ptr()) + seq.begin * row, n * row);
-      std::memcpy(static_cast<char*>(st.v.data_ptr()) + past * row,
-                  static_cast<const char*>(vn.data_ptr()) + seq.begin * row, n * row);
-      for (int64_t i = 0; i < n; ++i) rows.push_back({&seq, seq.begin + i, past + i});
-    }
-    at::Tensor qc = q.contiguous();
-    at::Tensor sk = sinks_.defined() ? sinks_.to(at::kFloat).contiguous() : at::Tensor();
-    const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
-    if (rows.empty()) {
-      // Every sequence is a long prompt.
-    } else if (h.scalar_type() == at::kFloat) {
-      CachedAttentionCpu(qc.data_ptr<float>(), rows, layer, hq, hkv, d, W, scale, sp,
-                         attn.data_ptr<float>());
-    } else {
-      CachedAttentionCpu(qc.data_ptr<at::BFloat16>(), rows, layer, hq, hkv, d, W, scale, sp,
-                         attn.data_ptr<at::BFloat16>());
-    }
-  } else {
-    for (const auto& seq : b.seqs) by_aten.push_back(&seq);
+  KvCache* kv = b.seqs.empty() ? nullptr : b.seqs.front().state->kv;
+  if (kv == nullptr || !kv->k(layer).defined()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("attention layer ", layer, ": the sequence has no KV cache"));
   }
-  for (const ForwardBatch::Seq* sq : by_aten) {
-    const ForwardBatch::Seq& seq = *sq;
-    LayerState& st = seq.state->layers[layer];
-    const int64_t n = seq.count, past = seq.state->len, total = past + n;
-    GrowCache(st, total, hkv, d, h.options());
-    at::Tensor& kc = st.k;
-    at::Tensor& vc = st.v;
-    kc.narrow(0, past, n).copy_(k.narrow(0, seq.begin, n));
-    vc.narrow(0, past, n).copy_(v.narrow(0, seq.begin, n));
-    // Keys a query can see: causal, and with a window only positions > p - W. The first query
-    // (position `past`) sees from past - W + 1 on: older keys are skipped outright.
-    const int64_t k0 = W > 0 ? std::max<int64_t>(0, past - W + 1) : 0;
-    at::Tensor K = kc.narrow(0, k0, total - k0).permute({1, 0, 2});  // [hkv, keys, d]
-    at::Tensor Vv = vc.narrow(0, k0, total - k0).permute({1, 0, 2});
-    if (groups > 1) {
-      K = K.repeat_interleave(groups, 0);
-      Vv = Vv.repeat_interleave(groups, 0);
-    }
-    at::Tensor qs = q.narrow(0, seq.begin, n).permute({1, 0, 2});  // [hq, n, d]
-    at::Tensor scores = CpuMatmul(qs, K.transpose(1, 2)) * scale;  // [hq, n, keys]
-    if (n > 1 || (W > 0 && total - k0 > W)) {
-      const auto lopt = at::TensorOptions().dtype(at::kLong).device(h.device());
-      at::Tensor qpos = at::arange(past, total, lopt).unsqueeze(1);
-      at::Tensor kpos = at::arange(k0, total, lopt).unsqueeze(0);
-      at::Tensor masked = kpos > qpos;
-      if (W > 0) masked = masked.logical_or(kpos <= qpos - W);
-      scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
-    }
-    at::Tensor probs;
-    if (sinks_.defined()) {
-      // The sink joins the denominator as one more column, then is dropped (transformers: the
-      // row max is subtracted first; softmax does that anyway).
-      const int64_t keys = scores.size(2);
-      at::Tensor sink = sinks_.to(scores.scalar_type()).view({hq, 1, 1}).expand({hq, n, 1});
-      probs = at::softmax(at::cat({scores, sink}, -1), -1, scores.scalar_type())
-                  .narrow(-1, 0, keys)
-                  .to(h.scalar_type());
-    } else {
-      probs = at::softmax(scores, -1, at::kFloat).to(h.scalar_type());
-    }
-    at::Tensor o = CpuMatmul(probs, Vv);  // [hq, n, d]
-    attn.narrow(0, seq.begin, n).copy_(o.permute({1, 0, 2}).reshape({n, hq * d}));
+  const at::Tensor& kp = kv->k(layer);
+  const at::Tensor& vp = kv->v(layer);
+  const int64_t bs = kv->block_size();
+  WriteKv(k.contiguous().to(kp.scalar_type()), v.contiguous().to(kp.scalar_type()), b, kp, vp, bs);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  at::Tensor attn;
+  if (h.device().is_cpu() &&
+      (kp.scalar_type() == at::kFloat || kp.scalar_type() == at::kBFloat16)) {
+    at::Tensor sk = sinks_.defined() ? sinks_.to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor o =
+        PagedAttentionCpu(q.to(at::kFloat).contiguous(), b, kp, vp, bs, hkv, spec_.sliding_window,
+                          scale, sk.defined() ? sk.data_ptr<float>() : nullptr);
+    attn = o.view({T, hq * d}).to(h.scalar_type());
+  } else {
+    attn = PagedAttentionAten(q, b, kp, vp, spec_.sliding_window, scale, sinks_, h.scalar_type());
   }
   if (spec_.output_gate) attn = attn * at::sigmoid(gate);
   if (g_) {

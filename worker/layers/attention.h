@@ -49,10 +49,13 @@ class Attention {
             std::unique_ptr<LoraLinear> v, std::unique_ptr<LoraLinear> o, at::Tensor q_norm,
             at::Tensor k_norm, at::Tensor sinks = at::Tensor());
 
-  // h [T, H] (normalised); appends the new tokens' K/V to state.layers[layer] of each sequence.
+  // h [T, H] (normalised); writes the new tokens' K/V into each sequence's KV cache blocks
+  // (reserved by the caller: SeqState::blocks covers len + count positions) and attends over
+  // them.
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b,
                                                    int layer, const Rotary& rope,
                                                    const Rotary::Table& table, const LoraBatch& lb);
+  const AttentionSpec& spec() const { return spec_; }
   LoraLinear* q() { return q_.get(); }
   LoraLinear* k() { return k_.get(); }
   LoraLinear* v() { return v_.get(); }

@@ -44,9 +44,42 @@ at::Device CausalLM::device() const {
              : at::Device(at::kCPU);
 }
 
-SeqState CausalLM::NewState() const {
+SeqState& SeqState::operator=(SeqState&& o) noexcept {
+  if (this == &o) return *this;
+  if (kv != nullptr) kv->Release(blocks);
+  layers = std::move(o.layers);
+  len = o.len;
+  blocks = std::move(o.blocks);
+  kv = o.kv;
+  o.blocks.clear();
+  o.kv = nullptr;
+  o.len = 0;
+  return *this;
+}
+
+SeqState::~SeqState() {
+  if (kv != nullptr) kv->Release(blocks);
+}
+
+absl::Status CausalLM::InitKvCache(const KvCacheOptions& o) {
+  if (kv_ != nullptr) return absl::FailedPreconditionError("the KV cache exists already");
+  MOELORA_ASSIGN_OR_RETURN(kv_,
+                           KvCache::Create(KvShapes(), num_layers_, o, options_.dtype, device()));
+  return absl::OkStatus();
+}
+
+SeqState CausalLM::NewState() {
+  if (kv_ == nullptr) {
+    // Direct users (tests, benchmarks): a budget of 256 MiB.
+    KvCacheOptions o;
+    o.memory_bytes = int64_t{256} << 20;
+    absl::StatusOr<std::unique_ptr<KvCache>> c =
+        KvCache::Create(KvShapes(), num_layers_, o, options_.dtype, device());
+    if (c.ok()) kv_ = std::move(*c);
+  }
   SeqState s;
   s.layers.resize(num_layers_);
+  s.kv = kv_.get();
   return s;
 }
 

@@ -26,6 +26,7 @@
 #include "lora/model_config.h"
 #include "worker/comm/communicator.h"
 #include "worker/layers/lora_module.h"
+#include "worker/model/kv_cache.h"
 
 namespace moelora {
 
@@ -60,17 +61,26 @@ struct ModelOptions {
   bool dummy_weights = false;
 };
 
-// One layer's part of a sequence's state on this rank: a KV cache (attention layers) or a
-// fixed-size recurrent state (linear-attention layers: the conv window and the SSM state).
+// One layer's part of a sequence's state on this rank, for linear-attention layers: the conv
+// window and the SSM state (attention layers keep their keys and values in the KV cache's blocks).
 struct LayerState {
-  at::Tensor k, v;       // attention: [capacity, kv_heads_local, head_dim]
   at::Tensor conv, ssm;  // recurrent: [channels_local, K - 1], [heads_local, dk, dv] (f32)
 };
 
-// A sequence's state: one LayerState per decoder layer, and the tokens seen so far.
+// A sequence's state: one LayerState per decoder layer, the tokens seen so far, and its block
+// table in the KV cache (released when the state goes).
 struct SeqState {
+  SeqState() = default;
+  SeqState(SeqState&& o) noexcept { *this = std::move(o); }
+  SeqState& operator=(SeqState&& o) noexcept;
+  SeqState(const SeqState&) = delete;
+  SeqState& operator=(const SeqState&) = delete;
+  ~SeqState();
+
   std::vector<LayerState> layers;
   int64_t len = 0;
+  std::vector<int32_t> blocks;  // KV cache blocks: positions b · block_size .. in blocks[b]
+  KvCache* kv = nullptr;
 };
 
 struct ForwardBatch {
@@ -96,8 +106,16 @@ class CausalLM {
   // (all_logits) or the last one. Advances each sequence's state by its new tokens.
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
 
-  // A fresh per-sequence state (empty caches, zero recurrent state).
-  SeqState NewState() const;
+  // A fresh per-sequence state (no KV blocks, zero recurrent state). Creates a KV cache with
+  // the default options when InitKvCache was not called.
+  SeqState NewState();
+
+  // The KV cache: one pool for this rank's attention layers (worker/model/kv_cache.h). The
+  // engine calls this once, after the load; FAILED_PRECONDITION when a cache exists.
+  [[nodiscard]] absl::Status InitKvCache(const KvCacheOptions& o);
+  KvCache* kv_cache() { return kv_.get(); }
+  // This rank's attention layers and their K/V shapes.
+  virtual std::vector<KvLayerShape> KvShapes() const { return {}; }
 
   // Copies `adapter` (TP-sliced) into `slot`, replacing what was there (on kCuda: a host image of
   // the slot, uploaded through pinned staging buffers). Checks first and changes nothing on
@@ -154,6 +172,7 @@ class CausalLM {
   AdapterFormat native_ = AdapterFormat::k2D;
   std::vector<std::string> skipped_;
   int num_layers_ = 0;  // SeqState::layers size
+  std::unique_ptr<KvCache> kv_;
 
  private:
   // Kernel paths: uploads SetSlot's host images (keyed by the full slot tensor) and the ranks.

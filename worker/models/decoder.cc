@@ -22,6 +22,17 @@ namespace moelora {
     return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
   }
   if (o.kernels == LoraKernels::kCuda) MOELORA_RETURN_IF_ERROR(CudaSetDevice(o.cuda_device));
+  for (const auto& s : b.seqs) {
+    // The blocks for the new tokens' keys and values (the engine reserves them before the step;
+    // direct callers get them here).
+    if (s.state->kv != nullptr && !s.state->kv->Reserve(s.state->blocks, s.state->len + s.count)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the KV cache has ", s.state->kv->free_blocks(), " free blocks of ",
+          s.state->kv->block_size(), " tokens; a sequence of ", s.state->len + s.count,
+          " tokens needs ", s.state->kv->BlocksFor(s.state->len + s.count) - s.state->blocks.size(),
+          " more"));
+    }
+  }
   StepInputs in;
   in.positions.resize(T);
   for (const auto& s : b.seqs) {
@@ -78,6 +89,16 @@ absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
     x.Add(*f);
   }
   return ends_.Finish(b, x.Sum(), eps, norm_);
+}
+
+std::vector<KvLayerShape> DecoderModel::KvShapes() const {
+  std::vector<KvLayerShape> v;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (!layers_[l].attn) continue;
+    const AttentionSpec& a = layers_[l].attn->spec();
+    v.push_back({static_cast<int>(l), a.kv_heads, a.head_dim});
+  }
+  return v;
 }
 
 LmEnds LmEnds::From(const std::map<std::string, at::Tensor>& P, bool has_lm_head) {

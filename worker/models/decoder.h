@@ -72,6 +72,7 @@ struct DecoderLayer {
 class DecoderModel : public CausalLM {
  public:
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) final;
+  std::vector<KvLayerShape> KvShapes() const final;
 
  protected:
   LmEnds ends_;

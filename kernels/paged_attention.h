@@ -1,0 +1,58 @@
+// Causal attention of a run of query rows against keys and values held in fixed-size blocks (the
+// worker's paged KV cache), with an online softmax: the scores of one block of keys at a time are
+// folded into a running maximum, denominator and weighted sum per query head, so memory stays
+// O(rows · heads · d) whatever the number of keys (no [queries, keys] score matrix). Serves the
+// prompt rows of a prefill chunk and the decode rows alike. Optional sliding window and per-head
+// sinks (a logit that joins the denominator and has no value). Arithmetic in f32; keys and
+// values f32 or bf16 (widened as they are read). AVX-512 where the CPU has it, a portable loop
+// with the same order of operations elsewhere.
+//
+// Why by hand: libtorch 1.13 has no fused attention, and the ATen form of one sequence's prefill
+// builds [heads, queries, keys] scores (then masked and softmax copies): 4 GB at 8,192 tokens.
+#ifndef MOELORA_KERNELS_PAGED_ATTENTION_H_
+#define MOELORA_KERNELS_PAGED_ATTENTION_H_
+
+#include <cstdint>
+
+namespace moelora {
+
+struct PagedAttentionArgs {
+  // Query vectors, f32: row i (position pos0 + i), head h at q + i · q_row_stride + h · q_head_stride,
+  // d values each.
+  const float* q = nullptr;
+  int64_t q_row_stride = 0, q_head_stride = 0;
+  int64_t rows = 0;   // consecutive query positions pos0 .. pos0 + rows - 1
+  int64_t heads = 0;  // query heads that share this KV head
+  int64_t d = 0;
+  int64_t pos0 = 0;
+  int64_t window = 0;  // > 0: a query at p sees keys p - window + 1 .. p; 0: every key up to p
+  // Keys: the sequence's block table; key position p lives in block blocks[p / block_size], row
+  // p % block_size, at k + blocks[..] · block_stride + row · row_stride elements (v the same).
+  const int32_t* blocks = nullptr;
+  int64_t block_size = 0;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  bool kv_bf16 = false;
+  int64_t block_stride = 0, row_stride = 0;
+  float scale = 1.0f;            // applied to q · k
+  const float* sinks = nullptr;  // heads logits, or null
+  // Output, f32: row i, head h at out + i · out_row_stride + h · out_head_stride.
+  float* out = nullptr;
+  int64_t out_row_stride = 0, out_head_stride = 0;
+};
+
+// Floats of scratch PagedAttention needs for these arguments.
+int64_t PagedAttentionScratchFloats(const PagedAttentionArgs& a);
+
+// out = softmax(scale · q · kᵀ over the visible keys [+ sink]) · v, per query row and head.
+void PagedAttention(const PagedAttentionArgs& a, float* scratch);
+
+// The portable loop, whatever the CPU (tests compare the two).
+void PagedAttentionPortable(const PagedAttentionArgs& a, float* scratch);
+
+// Whether PagedAttention takes the AVX-512 path here: AVX-512F, d a multiple of 16 up to 256.
+bool PagedAttentionVectorized(int64_t d);
+
+}  // namespace moelora
+
+#endif  // MOELORA_KERNELS_PAGED_ATTENTION_H_
