@@ -37,6 +37,9 @@ ABSL_FLAG(std::string, kv_cache_memory_bytes, "4Gi",
           "sequences of --max-model-len tokens can fill)");
 ABSL_FLAG(int, max_num_batched_tokens, 2048,
           "Tokens one step computes at most: running decodes first, then chunks of prompts");
+ABSL_FLAG(bool, enable_prefix_caching, true,
+          "Reuse the KV blocks of a prompt prefix computed before under the same adapter (models "
+          "with recurrent layers, Qwen3.5's Gated DeltaNet, never do)");
 
 namespace moelora {
 
@@ -83,6 +86,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   f.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   f.block_size = absl::GetFlag(FLAGS_block_size);
   f.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  f.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   const absl::Status s =
       ParseByteCount(absl::GetFlag(FLAGS_kv_cache_memory_bytes), &f.kv_cache_memory_bytes);
   if (!s.ok())
@@ -128,6 +132,7 @@ std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
                                 std::to_string(f.kv_cache_memory_bytes),
                                 "--max-num-batched-tokens",
                                 std::to_string(f.max_num_batched_tokens)};
+  a.push_back(f.prefix_caching ? "--enable-prefix-caching" : "--noenable-prefix-caching");
   if (f.mixed) a.push_back("--enable-mixed-moe-lora-format");
   if (f.expert_parallel) a.push_back("--enable-expert-parallel");
   if (f.fully_sharded_loras) a.push_back("--fully-sharded-loras");

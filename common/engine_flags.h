@@ -26,6 +26,7 @@ ABSL_DECLARE_FLAG(int, dist_timeout_s);
 ABSL_DECLARE_FLAG(int, block_size);
 ABSL_DECLARE_FLAG(std::string, kv_cache_memory_bytes);
 ABSL_DECLARE_FLAG(int, max_num_batched_tokens);
+ABSL_DECLARE_FLAG(bool, enable_prefix_caching);
 
 namespace moelora {
 
@@ -44,6 +45,7 @@ struct EngineFlags {
   int block_size = 16;                               // tokens per KV cache block
   int64_t kv_cache_memory_bytes = int64_t{4} << 30;  // per worker
   int max_num_batched_tokens = 2048;                 // tokens of one step at most
+  bool prefix_caching = true;  // where the model allows it (no recurrent layers)
 };
 
 // A byte count: an integer, or one with a K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of

@@ -141,7 +141,17 @@ ControllerMetrics::ControllerMetrics()
                       .Help("Sequences preempted by the workers (KV blocks freed, recomputed "
                             "later with the same output)")
                       .Register(*registry_)
-                      .Add({})) {}
+                      .Add({})),
+      prefix_cache_queries(prometheus::BuildCounter()
+                               .Name("moelora_prefix_cache_queries_total")
+                               .Help("Prompt tokens looked up in the workers' prefix cache")
+                               .Register(*registry_)
+                               .Add({})),
+      prefix_cache_hits(prometheus::BuildCounter()
+                            .Name("moelora_prefix_cache_hits_total")
+                            .Help("Prompt tokens found in the prefix cache (not computed again)")
+                            .Register(*registry_)
+                            .Add({})) {}
 
 void ControllerMetrics::ObserveLoad(const std::string& format, bool converted,
                                     const std::string& phase, double s) {

@@ -45,6 +45,8 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>& lora_requests_info;  // vLLM's, for LoRA-affinity routing
   prometheus::Gauge& kv_cache_usage;  // 0..1, rank 0's blocks in use after the last step
   prometheus::Counter& preemptions;
+  prometheus::Counter& prefix_cache_queries;  // prompt tokens looked up
+  prometheus::Counter& prefix_cache_hits;     // of those, found cached
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
 };

@@ -372,6 +372,10 @@ void Scheduler::Loop() {
                                              static_cast<double>(kv_blocks_));
     }
     if (resp->preempted() > 0) metrics_->preemptions.Increment(resp->preempted());
+    if (resp->prefix_cache_queries() > 0) {
+      metrics_->prefix_cache_queries.Increment(static_cast<double>(resp->prefix_cache_queries()));
+      metrics_->prefix_cache_hits.Increment(static_cast<double>(resp->prefix_cache_hits()));
+    }
     metrics_->steps_per_call.Observe(std::max(resp->steps(), 1));
     // The decode step's time (a prefill step, with joiners, says nothing of it).
     if (step.add().empty() && resp->steps() > 0 && resp->seconds() > 0) {

@@ -67,6 +67,13 @@ WorkerSettings WorkerSettingsFromFlags(const EngineFlags& flags, const std::stri
       return differ("--max-num-batched-tokens", f.max_num_batched_tokens,
                     w.max_num_batched_tokens());
     }
+    if (w.prefix_caching() != ranks[0].prefix_caching()) {
+      return absl::FailedPreconditionError(absl::StrCat("worker rank ", r, " has prefix caching ",
+                                                        flag_value(w.prefix_caching()), ", rank 0 ",
+                                                        flag_value(ranks[0].prefix_caching()),
+                                                        ": start every rank with the same "
+                                                        "--enable-prefix-caching"));
+    }
     if (w.num_blocks() != ranks[0].num_blocks()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "worker rank ", r, " has ", w.num_blocks(), " KV cache blocks, rank 0 ",

@@ -17,8 +17,8 @@
 namespace moelora {
 
 struct PagedAttentionArgs {
-  // Query vectors, f32: row i (position pos0 + i), head h at q + i · q_row_stride + h · q_head_stride,
-  // d values each.
+  // Query vectors, f32: row i (position pos0 + i), head h at q + i · q_row_stride + h ·
+  // q_head_stride, d values each.
   const float* q = nullptr;
   int64_t q_row_stride = 0, q_head_stride = 0;
   int64_t rows = 0;   // consecutive query positions pos0 .. pos0 + rows - 1

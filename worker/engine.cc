@@ -168,10 +168,12 @@ struct Engine::Impl {
     size_t fed = 0;
     bool recompute = false;
     std::vector<int32_t> sampled;      // every token sampled so far
+    std::vector<int32_t> history;      // the token at each position: the prompt, then sampled
     std::vector<float> prompt_logits;  // return_prompt_logits: collected over the chunks
     bool Prefilling() const { return fed < feed.size(); }
   };
-  KvCache* kv = nullptr;       // the model's
+  KvCache* kv = nullptr;  // the model's
+  bool prefix_caching = false;
   mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
   // When the last Steps call's work ended (compute thread; under step_mu).
   std::optional<std::chrono::steady_clock::time_point> last_steps_end;
@@ -279,6 +281,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   CausalLM* model = impl->model.get();
   MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
   impl->kv = model->kv_cache();
+  impl->prefix_caching = o.enable_prefix_caching && !model->has_recurrent_layers();
   LOG(INFO) << "KV cache: " << impl->kv->num_blocks() << " blocks of " << o.block_size
             << " tokens, " << impl->kv->bytes_per_block() << " bytes each ("
             << impl->kv->num_blocks() * impl->kv->bytes_per_block() << " bytes reserved)";
@@ -570,6 +573,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     s.state = m.model->NewState();
     s.sampler = std::make_unique<Sampler>(add[i].sampling);
     s.feed = add[i].prompt;
+    s.history = add[i].prompt;
     m.running.push_back(std::move(s));
   }
   StepOutput out;
@@ -622,6 +626,16 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     for (size_t i = 0; i < nrun && budget > 0; ++i) {
       Impl::Sequence& s = m.running[i];
       if (!s.Prefilling() || take[i] > 0) continue;
+      if (m.prefix_caching && s.fed == 0 && s.state.blocks.empty() &&
+          !(s.spec.return_prompt_logits && !s.recompute)) {
+        // Blocks of a prefix computed before under the same adapter: not computed again.
+        const int64_t hit =
+            m.kv->Match(s.spec.adapter_id, s.feed, s.state.blocks, s.state.block_hashes);
+        s.state.len = hit;
+        s.fed = static_cast<size_t>(hit);
+        out.prefix_queries += static_cast<int64_t>(s.feed.size());
+        out.prefix_hits += hit;
+      }
       const int64_t fits =
           (static_cast<int64_t>(s.state.blocks.size()) + m.kv->free_blocks()) * m.kv->block_size() -
           s.state.len;
@@ -720,6 +734,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     if (s.spec.return_logits) t.logits.assign(r, r + vocab);
     s.pending = t.token;
     s.sampled.push_back(t.token);
+    s.history.push_back(t.token);
     ++s.generated;
     const auto& stop = s.spec.stop_token_ids;
     if (std::find(stop.begin(), stop.end(), t.token) != stop.end()) {
@@ -733,6 +748,15 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   }
   out.batch_tokens = static_cast<int>(b.tokens.size());
   out.distinct_adapters = static_cast<int>(distinct.size());
+  if (m.prefix_caching) {
+    // The full blocks this step completed become findable (before finished sequences release
+    // theirs, which then stay cached until evicted).
+    for (size_t k = 0; k < in_batch.size(); ++k) {
+      Impl::Sequence& s = m.running[in_batch[k]];
+      m.kv->Publish(s.spec.adapter_id, s.history, s.state.len, s.state.blocks,
+                    s.state.block_hashes);
+    }
+  }
   for (auto it = m.running.begin(); it != m.running.end();) {
     it = finished.count(it->spec.id) ? m.running.erase(it) : std::next(it);
   }
@@ -775,6 +799,7 @@ EngineInfo Engine::Info() const {
   i.free_blocks = m.kv->free_blocks();
   i.bytes_per_block = m.kv->bytes_per_block();
   i.max_num_batched_tokens = m.options.max_num_batched_tokens;
+  i.prefix_caching = m.prefix_caching;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());
   return i;

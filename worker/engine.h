@@ -48,6 +48,8 @@ struct EngineOptions {
   int64_t kv_cache_memory_bytes = int64_t{4} << 30;
   // Tokens one step computes at most: the running decodes, then prompt chunks in admission order.
   int max_num_batched_tokens = 2048;
+  // Automatic prefix caching (models without recurrent layers only).
+  bool enable_prefix_caching = true;
   // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.
   int num_threads = 0;
 };
@@ -79,7 +81,9 @@ struct StepOutput {
   // being read in chunks, or recomputed after a preemption, has none).
   std::vector<TokenOut> tokens;
   int batch_tokens = 0;
-  int preempted = 0;           // sequences preempted by this step (blocks freed, to recompute)
+  int preempted = 0;  // sequences preempted by this step (blocks freed, to recompute)
+  // Prefix cache: prompt tokens looked up and found in this step.
+  int64_t prefix_queries = 0, prefix_hits = 0;
   int64_t kv_free_blocks = 0;  // after the step
   int distinct_adapters = 0;   // adapters in the batch (base model not counted)
   double seconds = 0;
@@ -125,6 +129,7 @@ struct EngineInfo {
   int block_size = 0;
   int64_t num_blocks = 0, free_blocks = 0, bytes_per_block = 0;
   int max_num_batched_tokens = 0;
+  bool prefix_caching = false;  // on and supported by the model
 };
 
 class Engine {

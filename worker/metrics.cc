@@ -95,6 +95,18 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
                       .Labels(rl)
                       .Register(*registry_)
                       .Add({});
+  prefix_queries_ = &prometheus::BuildCounter()
+                         .Name("moelora_prefix_cache_queries_total")
+                         .Help("Prompt tokens looked up in the prefix cache")
+                         .Labels(rl)
+                         .Register(*registry_)
+                         .Add({});
+  prefix_hits_ = &prometheus::BuildCounter()
+                      .Name("moelora_prefix_cache_hits_total")
+                      .Help("Prompt tokens found in the prefix cache (not computed again)")
+                      .Labels(rl)
+                      .Register(*registry_)
+                      .Add({});
   ready_ = &prometheus::BuildGauge()
                 .Name("moelora_worker_ready")
                 .Help("1 once the model is loaded and the communicator is up")
@@ -147,8 +159,10 @@ void WorkerMetrics::StepDone(int batch_tokens, int distinct, double seconds, int
 
 void WorkerMetrics::SetReady(bool ready) { ready_->Set(ready ? 1 : 0); }
 
-void WorkerMetrics::KvCache(int64_t num_blocks, int64_t free_blocks, int block_size,
-                            int preempted) {
+void WorkerMetrics::KvCache(int64_t num_blocks, int64_t free_blocks, int block_size, int preempted,
+                            int64_t prefix_queries, int64_t prefix_hits) {
+  if (prefix_queries > 0) prefix_queries_->Increment(static_cast<double>(prefix_queries));
+  if (prefix_hits > 0) prefix_hits_->Increment(static_cast<double>(prefix_hits));
   if (num_blocks > 0) {
     kv_usage_->Set(static_cast<double>(num_blocks - free_blocks) / static_cast<double>(num_blocks));
   }

@@ -34,8 +34,10 @@ class WorkerMetrics {
   // The compute thread's wait between two step calls while sequences ran.
   void StepIdle(double seconds);
   void SetReady(bool ready);
-  // After each Step call: the KV cache's blocks (in all and free) and the call's preemptions.
-  void KvCache(int64_t num_blocks, int64_t free_blocks, int block_size, int preempted);
+  // After each Step call: the KV cache's blocks (in all and free), the call's preemptions and
+  // its prefix-cache lookups (prompt tokens looked up, found).
+  void KvCache(int64_t num_blocks, int64_t free_blocks, int block_size, int preempted,
+               int64_t prefix_queries, int64_t prefix_hits);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -54,6 +56,8 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Gauge>* kv_info_;
   std::once_flag kv_info_once_;
   prometheus::Counter* preemptions_;
+  prometheus::Counter* prefix_queries_;
+  prometheus::Counter* prefix_hits_;
 };
 
 }  // namespace moelora

@@ -179,9 +179,12 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   int batch_tokens = 0;
   double seconds = 0;
   int preempted = 0;
+  int64_t prefix_queries = 0, prefix_hits = 0;
   for (size_t i = 0; i < out->size(); ++i) {
     const StepOutput& o = (*out)[i];
     preempted += o.preempted;
+    prefix_queries += o.prefix_queries;
+    prefix_hits += o.prefix_hits;
     if (o.idle_before_seconds >= 0) metrics_->StepIdle(o.idle_before_seconds);
     for (const TokenOut& t : o.tokens) {
       v1::SequenceToken* p = resp->add_tokens();
@@ -209,10 +212,13 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   resp->set_seconds(seconds);
   resp->set_steps(static_cast<int>(out->size()));
   resp->set_preempted(preempted);
+  resp->set_prefix_cache_queries(prefix_queries);
+  resp->set_prefix_cache_hits(prefix_hits);
   if (!out->empty()) resp->set_kv_free_blocks(out->back().kv_free_blocks);
   {
     const EngineInfo info = e->Info();
-    metrics_->KvCache(info.num_blocks, info.free_blocks, info.block_size, preempted);
+    metrics_->KvCache(info.num_blocks, info.free_blocks, info.block_size, preempted, prefix_queries,
+                      prefix_hits);
   }
   return grpc::Status::OK;
 }
@@ -260,6 +266,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_num_blocks(i.num_blocks);
   resp->set_free_blocks(i.free_blocks);
   resp->set_max_num_batched_tokens(i.max_num_batched_tokens);
+  resp->set_prefix_caching(i.prefix_caching);
   return grpc::Status::OK;
 }
 

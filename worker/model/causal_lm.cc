@@ -50,6 +50,7 @@ SeqState& SeqState::operator=(SeqState&& o) noexcept {
   layers = std::move(o.layers);
   len = o.len;
   blocks = std::move(o.blocks);
+  block_hashes = std::move(o.block_hashes);
   kv = o.kv;
   o.blocks.clear();
   o.kv = nullptr;

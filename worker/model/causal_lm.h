@@ -79,7 +79,8 @@ struct SeqState {
 
   std::vector<LayerState> layers;
   int64_t len = 0;
-  std::vector<int32_t> blocks;  // KV cache blocks: positions b · block_size .. in blocks[b]
+  std::vector<int32_t> blocks;         // KV cache blocks: positions b · block_size .. in blocks[b]
+  std::vector<uint64_t> block_hashes;  // prefix-cache keys of its leading full blocks
   KvCache* kv = nullptr;
 };
 
@@ -116,6 +117,8 @@ class CausalLM {
   KvCache* kv_cache() { return kv_.get(); }
   // This rank's attention layers and their K/V shapes.
   virtual std::vector<KvLayerShape> KvShapes() const { return {}; }
+  // Whether some layer keeps a recurrent state (Gated DeltaNet) beside the KV cache.
+  bool has_recurrent_layers() const { return static_cast<int>(KvShapes().size()) < num_layers_; }
 
   // Copies `adapter` (TP-sliced) into `slot`, replacing what was there (on kCuda: a host image of
   // the slot, uploaded through pinned staging buffers). Checks first and changes nothing on

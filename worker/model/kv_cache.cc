@@ -35,29 +35,125 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const std::vector<KvLay
     c->k_[l.layer] = at::empty({blocks, o.block_size, l.kv_heads, l.head_dim}, opts);
     c->v_[l.layer] = at::empty({blocks, o.block_size, l.kv_heads, l.head_dim}, opts);
   }
+  c->meta_.resize(blocks);
   c->free_.resize(blocks);
   // Block 0 on top of the stack: a fresh cache hands out blocks in ascending order.
   for (int64_t i = 0; i < blocks; ++i) c->free_[i] = static_cast<int32_t>(blocks - 1 - i);
-  c->free_count_ = blocks;
+  c->Count();
   return c;
+}
+
+void KvCache::Count() {
+  free_count_.store(static_cast<int64_t>(free_.size() + evictable_.size()),
+                    std::memory_order_relaxed);
+}
+
+int32_t KvCache::Take() {
+  int32_t b = -1;
+  if (!free_.empty()) {
+    b = free_.back();
+    free_.pop_back();
+  } else if (!evictable_.empty()) {
+    b = evictable_.front();
+    evictable_.pop_front();
+    Meta& m = meta_[b];
+    by_hash_.erase(m.hash);
+    m.cached = false;
+    m.key.clear();
+  }
+  if (b >= 0) meta_[b].ref = 1;
+  return b;
 }
 
 bool KvCache::Reserve(std::vector<int32_t>& table, int64_t tokens) {
   const int64_t need = BlocksFor(tokens) - static_cast<int64_t>(table.size());
   if (need <= 0) return true;
-  if (need > static_cast<int64_t>(free_.size())) return false;
-  for (int64_t i = 0; i < need; ++i) {
-    table.push_back(free_.back());
-    free_.pop_back();
-  }
-  free_count_.store(static_cast<int64_t>(free_.size()), std::memory_order_relaxed);
+  if (need > static_cast<int64_t>(free_.size() + evictable_.size())) return false;
+  for (int64_t i = 0; i < need; ++i) table.push_back(Take());
+  Count();
   return true;
 }
 
 void KvCache::Release(std::vector<int32_t>& table) {
-  for (auto it = table.rbegin(); it != table.rend(); ++it) free_.push_back(*it);
+  for (auto it = table.rbegin(); it != table.rend(); ++it) {
+    Meta& m = meta_[*it];
+    if (--m.ref > 0) continue;
+    if (m.cached) {
+      m.lru = evictable_.insert(evictable_.end(), *it);
+    } else {
+      free_.push_back(*it);
+    }
+  }
   table.clear();
-  free_count_.store(static_cast<int64_t>(free_.size()), std::memory_order_relaxed);
+  Count();
+}
+
+namespace {
+
+// The key of a full block: the same on every rank (absl::Hash is seeded per process, and the
+// ranks must make the same choices), a splitmix64 chain over the adapter, the parent key and the
+// tokens.
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+  h ^= h >> 30;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 27;
+  h *= 0x94D049BB133111EBull;
+  return h ^ (h >> 31);
+}
+
+std::vector<int32_t> BlockKey(int64_t adapter, uint64_t parent, const int32_t* tokens, int64_t n) {
+  std::vector<int32_t> k = {static_cast<int32_t>(adapter), static_cast<int32_t>(adapter >> 32),
+                            static_cast<int32_t>(parent), static_cast<int32_t>(parent >> 32)};
+  k.insert(k.end(), tokens, tokens + n);
+  return k;
+}
+
+uint64_t KeyHash(const std::vector<int32_t>& key) {
+  uint64_t h = 0;
+  for (int32_t v : key) h = Mix(h, static_cast<uint32_t>(v));
+  return h;
+}
+
+}  // namespace
+
+int64_t KvCache::Match(int64_t adapter, const std::vector<int32_t>& tokens,
+                       std::vector<int32_t>& table, std::vector<uint64_t>& hashes) {
+  if (!table.empty()) return 0;
+  const int64_t most = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
+  uint64_t parent = 0;
+  for (int64_t b = 0; b < most; ++b) {
+    std::vector<int32_t> key =
+        BlockKey(adapter, parent, tokens.data() + b * block_size_, block_size_);
+    const uint64_t h = KeyHash(key);
+    auto it = by_hash_.find(h);
+    if (it == by_hash_.end() || meta_[it->second].key != key) break;
+    Meta& m = meta_[it->second];
+    if (m.ref++ == 0) evictable_.erase(m.lru);
+    table.push_back(it->second);
+    hashes.push_back(h);
+    parent = h;
+  }
+  Count();
+  return static_cast<int64_t>(table.size()) * block_size_;
+}
+
+void KvCache::Publish(int64_t adapter, const std::vector<int32_t>& tokens, int64_t len,
+                      const std::vector<int32_t>& table, std::vector<uint64_t>& hashes) {
+  const int64_t full = std::min<int64_t>(len / block_size_, static_cast<int64_t>(table.size()));
+  for (int64_t b = static_cast<int64_t>(hashes.size()); b < full; ++b) {
+    const uint64_t parent = b > 0 ? hashes[b - 1] : 0;
+    std::vector<int32_t> key =
+        BlockKey(adapter, parent, tokens.data() + b * block_size_, block_size_);
+    const uint64_t h = KeyHash(key);
+    hashes.push_back(h);
+    Meta& m = meta_[table[b]];
+    if (m.cached || by_hash_.count(h)) continue;
+    m.cached = true;
+    m.hash = h;
+    m.key = std::move(key);
+    by_hash_[h] = table[b];
+  }
 }
 
 }  // namespace moelora

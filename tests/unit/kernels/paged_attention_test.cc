@@ -56,12 +56,12 @@ void Check(const Case& c) {
   for (auto& x : sinks) x = dist(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
   auto key = [&](const std::vector<float>& pool, int64_t p, int64_t i) {
-    return pool[table[p / c.block_size] * block_stride + (p % c.block_size) * row_stride + c.d +
-                i];
+    return pool[table[p / c.block_size] * block_stride + (p % c.block_size) * row_stride + c.d + i];
   };
   std::vector<double> want(q.size());
   for (int64_t r = 0; r < c.rows; ++r) {
-    const int64_t pos = c.pos0 + r, lo = c.window > 0 ? std::max<int64_t>(0, pos - c.window + 1) : 0;
+    const int64_t pos = c.pos0 + r,
+                  lo = c.window > 0 ? std::max<int64_t>(0, pos - c.window + 1) : 0;
     for (int64_t h = 0; h < c.heads; ++h) {
       const float* qh = q.data() + (r * c.heads + h) * c.d;
       std::vector<double> s;

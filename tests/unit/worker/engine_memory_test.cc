@@ -50,6 +50,48 @@ TEST(KvCacheTest, ReserveTakesWholeBlocksAndReleaseGivesThemBack) {
   EXPECT_NE(none.status().message().find("512 bytes"), std::string::npos) << none.status();
 }
 
+TEST(KvCacheTest, PrefixBlocksAreSharedUnderTheSameAdapterAndEvictedLeastRecentlyUsedFirst) {
+  KvCacheOptions o;
+  o.block_size = 2;
+  o.max_blocks = 4;
+  auto c = KvCache::Create({{0, 1, 4}}, 1, o, at::kFloat, at::kCPU);
+  ASSERT_OK(c);
+  KvCache& kv = **c;
+  const std::vector<int32_t> tokens = {5, 6, 7, 8, 9};
+  std::vector<int32_t> a;
+  std::vector<uint64_t> ha;
+  ASSERT_TRUE(kv.Reserve(a, 5));  // 3 blocks
+  kv.Publish(/*adapter=*/1, tokens, 5, a, ha);
+  EXPECT_EQ(ha.size(), 2u);  // the two full blocks
+  // Another sequence with the same prompt and adapter shares them (one token left to compute);
+  // under another adapter, or with another token, nothing matches.
+  std::vector<int32_t> b, other;
+  std::vector<uint64_t> hb, ho;
+  EXPECT_EQ(kv.Match(2, tokens, other, ho), 0);
+  EXPECT_EQ(kv.Match(1, {5, 6, 7, 0, 9}, other, ho), 2);
+  kv.Release(other);
+  ho.clear();
+  EXPECT_EQ(kv.Match(1, tokens, b, hb), 4);
+  EXPECT_EQ(b, std::vector<int32_t>(a.begin(), a.begin() + 2));
+  EXPECT_EQ(hb, ha);
+  EXPECT_EQ(kv.free_blocks(), 1);
+  // Released by both, the cached blocks count as free and stay findable until taken.
+  kv.Release(a);
+  kv.Release(b);
+  EXPECT_EQ(kv.free_blocks(), 4);
+  std::vector<int32_t> c1;
+  std::vector<uint64_t> h1;
+  EXPECT_EQ(kv.Match(1, tokens, c1, h1), 4);
+  kv.Release(c1);
+  // Taking all four blocks evicts them; the prefix is gone.
+  std::vector<int32_t> all;
+  ASSERT_TRUE(kv.Reserve(all, 8));
+  kv.Release(all);
+  std::vector<int32_t> d;
+  std::vector<uint64_t> hd;
+  EXPECT_EQ(kv.Match(1, tokens, d, hd), 0);
+}
+
 std::unique_ptr<EngineHolder> MakeEngineWith(const std::string& model,
                                              const std::function<void(EngineOptions&)>& tweak) {
   auto h = std::make_unique<EngineHolder>();
@@ -120,9 +162,8 @@ class ChunkedPrefillTest : public ::testing::TestWithParam<ChunkCase> {};
 // continuation (logits included) of a prompt read in one forward with blocks of 16.
 TEST_P(ChunkedPrefillTest, EqualsOneShotPrefill) {
   const ChunkCase c = GetParam();
-  auto one = MakeEngineWith(std::string(c.model) + "/model", [&](EngineOptions& o) {
-    o.enable_mixed_moe_lora_format = c.mixed;
-  });
+  auto one = MakeEngineWith(std::string(c.model) + "/model",
+                            [&](EngineOptions& o) { o.enable_mixed_moe_lora_format = c.mixed; });
   auto chunked = MakeEngineWith(std::string(c.model) + "/model", [&](EngineOptions& o) {
     o.enable_mixed_moe_lora_format = c.mixed;
     o.block_size = 4;
@@ -138,8 +179,12 @@ TEST_P(ChunkedPrefillTest, EqualsOneShotPrefill) {
     ASSERT_OK(Load(*chunked->engine, adapter, std::string(c.model) + "/" + c.adapter));
   }
   const int vocab = one->engine->Info().vocab_size;
-  NewSequence n{.id = 5, .adapter_id = adapter, .prompt = Prompt(29, 3, vocab), .max_tokens = 6,
-                .return_logits = true, .return_prompt_logits = true};
+  NewSequence n{.id = 5,
+                .adapter_id = adapter,
+                .prompt = Prompt(29, 3, vocab),
+                .max_tokens = 6,
+                .return_logits = true,
+                .return_prompt_logits = true};
   Outcome a = RunToEnd(*one->engine, {n});
   Outcome b = RunToEnd(*chunked->engine, {n});
   EXPECT_GE(b.steps, 29 / 3 + 5);  // the prompt took 10 steps
@@ -175,8 +220,10 @@ TEST(EngineMemoryTest, PreemptedSequencesEqualTheirUninterruptedRuns) {
   const int vocab = small->engine->Info().vocab_size;
   std::vector<NewSequence> seqs;
   for (int i = 0; i < 3; ++i) {
-    seqs.push_back(NewSequence{.id = 10 + i, .adapter_id = i == 1 ? 1 : 0,
-                               .prompt = Prompt(6 + i, i, vocab), .max_tokens = 12 - i,
+    seqs.push_back(NewSequence{.id = 10 + i,
+                               .adapter_id = i == 1 ? 1 : 0,
+                               .prompt = Prompt(6 + i, i, vocab),
+                               .max_tokens = 12 - i,
                                .return_logits = true});
   }
   Outcome together = RunToEnd(*small->engine, seqs);
@@ -203,11 +250,85 @@ TEST(EngineMemoryTest, ARequestBeyondTheWholeCacheIsRefusedNamingTheBudget) {
   EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(out.status().message().find("--kv-cache-memory-bytes"), std::string::npos)
       << out.status();
-  EXPECT_NE(out.status().message().find("3 blocks of 4 tokens"), std::string::npos)
-      << out.status();
+  EXPECT_NE(out.status().message().find("3 blocks of 4 tokens"), std::string::npos) << out.status();
   EXPECT_EQ(small->engine->Info().running, 0);
   n.max_tokens = 2;  // 12 positions: fits
   EXPECT_OK(small->engine->Step({n}, {}));
+}
+
+// A second prompt that shares a prefix with the first (under the same adapter) computes only its
+// own tokens and gives what a cold engine gives; under another adapter (or the base model) the
+// prefix is not reused. Not for Qwen3.5 (recurrent layers).
+TEST(EngineMemoryTest, PrefixCacheReusesOnlyUnderTheSameAdapter) {
+  auto warm = MakeEngineWith("qwen3_moe/model", [](EngineOptions& o) {
+    o.block_size = 4;
+    o.enable_mixed_moe_lora_format = true;
+  });
+  auto cold = MakeEngineWith("qwen3_moe/model", [](EngineOptions& o) {
+    o.block_size = 4;
+    o.enable_mixed_moe_lora_format = true;
+    o.enable_prefix_caching = false;
+  });
+  ASSERT_NE(warm, nullptr);
+  ASSERT_NE(cold, nullptr);
+  EXPECT_TRUE(warm->engine->Info().prefix_caching);
+  EXPECT_FALSE(cold->engine->Info().prefix_caching);
+  for (auto* e : {warm->engine.get(), cold->engine.get()}) {
+    ASSERT_OK(Load(*e, 1, "qwen3_moe/adapter_2d"));
+    ASSERT_OK(Load(*e, 2, "qwen3_moe/adapter_3d"));
+  }
+  const int vocab = warm->engine->Info().vocab_size;
+  const std::vector<int32_t> prefix = Prompt(20, 7, vocab);
+  auto with = [&](int64_t id, int64_t adapter, int tail_seed) {
+    std::vector<int32_t> p = prefix;
+    for (int32_t t : Prompt(5, tail_seed, vocab)) p.push_back(t);
+    return NewSequence{
+        .id = id, .adapter_id = adapter, .prompt = p, .max_tokens = 4, .return_logits = true};
+  };
+  int64_t hits = 0, queries = 0;
+  auto run = [&](Engine& e, const NewSequence& n) {
+    Outcome r;
+    std::vector<NewSequence> add = {n};
+    for (int step = 0; step < 50; ++step) {
+      auto out = e.Step(step == 0 ? add : std::vector<NewSequence>{}, {});
+      EXPECT_TRUE(out.ok()) << out.status();
+      if (!out.ok()) break;
+      if (&e == warm->engine.get()) {
+        hits += out->prefix_hits;
+        queries += out->prefix_queries;
+      }
+      bool done = false;
+      for (const TokenOut& t : out->tokens) {
+        r.tokens[t.sequence_id].push_back(t.token);
+        r.logits[t.sequence_id].push_back(t.logits);
+        done = done || t.finished;
+      }
+      if (done) break;
+    }
+    return r;
+  };
+  run(*warm->engine, with(1, 1, 1));  // computes and caches the prefix under adapter 1
+  EXPECT_EQ(hits, 0);
+  // The same adapter: 20 prefix tokens = 5 blocks found.
+  NewSequence second = with(2, 1, 2);
+  Outcome a = run(*warm->engine, second), b = run(*cold->engine, second);
+  EXPECT_EQ(hits, 20);
+  EXPECT_EQ(queries, 50);
+  EXPECT_EQ(a.tokens[2], b.tokens[2]);
+  EXPECT_LE(Worst(a.logits[2], b.logits[2]), 5e-5);
+  // Another adapter and the base model: nothing found, and the output is a cold run's.
+  for (int64_t adapter : {2, 0}) {
+    hits = 0;
+    NewSequence n = with(3 + adapter, adapter, 2);
+    Outcome x = run(*warm->engine, n), y = run(*cold->engine, n);
+    EXPECT_EQ(hits, 0) << "adapter " << adapter;
+    EXPECT_EQ(x.tokens[n.id], y.tokens[n.id]);
+    EXPECT_LE(Worst(x.logits[n.id], y.logits[n.id]), 5e-5);
+  }
+  // A model with recurrent layers never caches prefixes.
+  auto hybrid = MakeEngineWith("qwen3_5_moe/model", [](EngineOptions&) {});
+  ASSERT_NE(hybrid, nullptr);
+  EXPECT_FALSE(hybrid->engine->Info().prefix_caching);
 }
 
 TEST(EngineMemoryTest, TheTokenBudgetMustCoverEveryDecode) {
