@@ -55,10 +55,17 @@ def vocab(self):
     self.gguf_writer.add_bos_token_id(0)
     self.gguf_writer.add_eos_token_id(1)
 
-c.TextModel.set_vocab = vocab
-for cls in list(c.ModelBase._model_classes.get(c.ModelType.TEXT, {}).values()):
-    if "set_vocab" in cls.__dict__:
-        cls.set_vocab = vocab
+from conversion.base import TextModel
+find = c.get_model_class
+
+def model_class(name, mmproj=False):
+    cls = find(name, mmproj)
+    for k in cls.__mro__:
+        if "set_vocab" in k.__dict__ and issubclass(k, TextModel):
+            k.set_vocab = vocab
+    return cls
+
+c.get_model_class = model_class
 sys.argv = ["convert_hf_to_gguf.py", model, "--outfile", out, "--outtype", outtype]
 c.main()
 PYEOF
