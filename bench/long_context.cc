@@ -3,14 +3,15 @@
 //   1. Time to first token of one N-token prompt (max_tokens 1), best of --repeat, and the
 //      worker's peak RSS over its RSS after loading; with --llama-bench and --gguf, llama.cpp's
 //      `llama-bench -p N -n 0` on the same model and threads (the ratio is ours / theirs).
-//   2. --concurrent C prompts of --concurrent-len tokens at once under a KV budget smaller than
-//      their total (so the workers must preempt): all complete, greedy outputs equal to each
+//   2. --concurrent C prompts of --concurrent-len tokens, each generating --concurrent-new, at
+//      once under a KV budget smaller than their total (the controller admits what the prompts'
+//      blocks allow; the workers preempt when decodes outgrow the cache): all complete, greedy outputs equal to each
 //      prompt run alone (the first --check of them), preemptions counted, peak RSS.
 //   3. 8 streams decoding while --joiners prompts of --concurrent-len tokens arrive: their median
 //      inter-token time against the same streams' with nothing else running.
 //   long_context --model DIR [--dtype D] [--lens 512,2048,8192] [--repeat R] [--threads T]
 //                [--llama-bench BIN --gguf FILE] [--concurrent C] [--concurrent-len N]
-//                [--kv-blocks B] [--check K] [--joiners J] [--only ttft|preempt|stream]
+//                [--concurrent-new G] [--kv-blocks B] [--check K] [--joiners J] [--only ttft|preempt|stream]
 //                [--extra-flags "--max-num-batched-tokens 512 ..."]
 // MOELORA_CONTROLLER_BIN / MOELORA_WORKER_BIN run other binaries (an older build: figure 1 passes
 // only flags every build takes).
@@ -59,6 +60,10 @@ int64_t ProcBytes(int pid, const std::string& field) {
   return 0;
 }
 
+// Resets the process's peak RSS (VmHWM) to its current RSS, so a later peak is the work's, not
+// the load's.
+void ResetPeak(int pid) { std::ofstream("/proc/" + std::to_string(pid) + "/clear_refs") << "5"; }
+
 // The controller's first child process (its rank-0 worker), or -1.
 int WorkerPid(int controller) {
   DIR* d = opendir("/proc");
@@ -95,6 +100,7 @@ struct Flags {
   std::string model, dtype = "bfloat16", llama_bench, gguf, only, extra;
   std::vector<int> lens = {512, 2048, 8192};
   int repeat = 2, threads = 2, concurrent = 16, concurrent_len = 8192, check = 2, joiners = 4;
+  int concurrent_new = 8;  // tokens each concurrent prompt generates
   int64_t kv_blocks = 0;  // 0: half of what the concurrent prompts need
 };
 
@@ -140,6 +146,7 @@ void Ttft(const Flags& f) {
       return;
     }
     const int worker = WorkerPid(c.process().pid());
+    ResetPeak(worker);
     const int64_t loaded = ProcBytes(worker, "VmRSS");
     double best = 1e30;
     for (int r = 0; r < f.repeat; ++r) {
@@ -168,7 +175,7 @@ void Ttft(const Flags& f) {
 
 void Preempt(const Flags& f) {
   const int vocab = Vocab(f.model), n = f.concurrent_len, C = f.concurrent;
-  const int max_new = 8, block = 16;
+  const int max_new = f.concurrent_new, block = 16;
   const int64_t blocks = f.kv_blocks > 0 ? f.kv_blocks : int64_t{C} * (n + max_new) / block / 2;
   std::printf("== %d concurrent %d-token prompts, KV cache of %lld blocks of %d (%.0f%% of their "
               "total)\n",
@@ -184,24 +191,29 @@ void Preempt(const Flags& f) {
   const int64_t bytes = blocks * 2 * block * layers * kvh * hd * (f.dtype == "bfloat16" ? 2 : 4);
   testing::TempDir state;
   std::vector<std::string> flags = BaseFlags(f, n + 64);
-  for (std::string x : {"--kv-cache-memory-bytes", std::to_string(bytes).c_str(), "--max-num-seqs",
-                        std::to_string(C).c_str()}) {
-    flags.push_back(x);
-  }
+  flags.insert(flags.end(), {"--kv-cache-memory-bytes", std::to_string(bytes), "--max-num-seqs",
+                             std::to_string(C)});
   testing::ControllerProcess c(state.path(), f.model, flags, f.model);
   if (!c.WaitServing()) {
     std::printf("controller did not serve:\n%s\n", c.Log().c_str());
     return;
   }
   const int worker = WorkerPid(c.process().pid());
+  ResetPeak(worker);
   const int64_t loaded = ProcBytes(worker, "VmRSS");
   std::vector<std::future<std::pair<grpc::Status, std::vector<int32_t>>>> calls;
   const auto t0 = Clock::now();
   for (int i = 0; i < C; ++i) {
     calls.push_back(std::async(std::launch::async, [&, i] {
       v1::GenerateResponse out;
-      grpc::Status s = c.Generate("", Prompt(n, 100 + i, vocab), max_new, &out, false,
-                                  std::chrono::seconds(7200));
+      v1::GenerateRequest req;
+      auto p = Prompt(n, 100 + i, vocab);
+      req.mutable_prompt_token_ids()->Add(p.begin(), p.end());
+      req.set_max_tokens(max_new);
+      req.set_ignore_eos(true);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(2));
+      grpc::Status s = c.stub().Generate(&ctx, req, &out);
       return std::make_pair(s, std::vector<int32_t>(out.token_ids().begin(), out.token_ids().end()));
     }));
   }
@@ -222,8 +234,14 @@ void Preempt(const Flags& f) {
   int same = 0;
   for (int i = 0; i < std::min(f.check, C); ++i) {
     v1::GenerateResponse out;
-    if (c.Generate("", Prompt(n, 100 + i, vocab), max_new, &out, false, std::chrono::seconds(3600))
-            .ok()) {
+    v1::GenerateRequest req;
+    auto p = Prompt(n, 100 + i, vocab);
+    req.mutable_prompt_token_ids()->Add(p.begin(), p.end());
+    req.set_max_tokens(max_new);
+    req.set_ignore_eos(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
+    if (c.stub().Generate(&ctx, req, &out).ok()) {
       same += std::vector<int32_t>(out.token_ids().begin(), out.token_ids().end()) == got[i];
     }
   }
@@ -315,7 +333,7 @@ int main(int argc, char** argv) {
     if (a == "--help") {
       std::printf("usage: long_context --model DIR [--dtype D] [--lens 512,2048,8192] [--repeat R] "
                   "[--threads T] [--llama-bench BIN --gguf FILE] [--concurrent C] "
-                  "[--concurrent-len N] [--kv-blocks B] [--check K] [--joiners J] "
+                  "[--concurrent-len N] [--concurrent-new G] [--kv-blocks B] [--check K] [--joiners J] "
                   "[--only ttft|preempt|stream] [--extra-flags \"...\"]\n");
       return 0;
     }
@@ -331,6 +349,7 @@ int main(int argc, char** argv) {
     else if (a == "--concurrent-len") f.concurrent_len = std::atoi(v.c_str());
     else if (a == "--kv-blocks") f.kv_blocks = std::atoll(v.c_str());
     else if (a == "--check") f.check = std::atoi(v.c_str());
+    else if (a == "--concurrent-new") f.concurrent_new = std::atoi(v.c_str());
     else if (a == "--joiners") f.joiners = std::atoi(v.c_str());
     else if (a == "--only") f.only = v;
     else if (a == "--extra-flags") f.extra = v;

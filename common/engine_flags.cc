@@ -35,8 +35,11 @@ ABSL_FLAG(std::string, kv_cache_memory_bytes, "4Gi",
           "KV cache budget of each worker: bytes, or with a K/M/G (1000) or Ki/Mi/Gi (1024) "
           "suffix; the worker holds as many blocks as it buys (no more than --max-num-seqs "
           "sequences of --max-model-len tokens can fill)");
-ABSL_FLAG(int, max_num_batched_tokens, 2048,
+ABSL_FLAG(int, max_num_batched_tokens, 512,
           "Tokens one step computes at most: running decodes first, then chunks of prompts");
+ABSL_FLAG(int, prefill_tokens_beside_decodes, 32,
+          "Prompt tokens one step reads at most while other sequences decode, so their "
+          "inter-token time stays near a decode step's (0: up to --max-num-batched-tokens)");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "Reuse the KV blocks of a prompt prefix computed before under the same adapter (models "
           "with recurrent layers, Qwen3.5's Gated DeltaNet, never do)");
@@ -87,6 +90,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   f.block_size = absl::GetFlag(FLAGS_block_size);
   f.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   f.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
+  f.prefill_tokens_beside_decodes = absl::GetFlag(FLAGS_prefill_tokens_beside_decodes);
   const absl::Status s =
       ParseByteCount(absl::GetFlag(FLAGS_kv_cache_memory_bytes), &f.kv_cache_memory_bytes);
   if (!s.ok())
@@ -109,6 +113,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   if (f.dist_timeout_s < 1) return bad("--dist-timeout-s must be >= 1");
   if (f.block_size < 1 || f.block_size > 1024) return bad("--block-size must be in 1..1024");
   if (f.max_num_batched_tokens < 1) return bad("--max-num-batched-tokens must be >= 1");
+  if (f.prefill_tokens_beside_decodes < 0) return bad("--prefill-tokens-beside-decodes must be >= 0");
   if (f.kv_cache_memory_bytes < 1) return bad("--kv-cache-memory-bytes must be > 0");
   return absl::OkStatus();
 }
@@ -133,6 +138,8 @@ std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
                                 "--max-num-batched-tokens",
                                 std::to_string(f.max_num_batched_tokens)};
   a.push_back(f.prefix_caching ? "--enable-prefix-caching" : "--noenable-prefix-caching");
+  a.push_back("--prefill-tokens-beside-decodes");
+  a.push_back(std::to_string(f.prefill_tokens_beside_decodes));
   if (f.mixed) a.push_back("--enable-mixed-moe-lora-format");
   if (f.expert_parallel) a.push_back("--enable-expert-parallel");
   if (f.fully_sharded_loras) a.push_back("--fully-sharded-loras");

@@ -67,6 +67,10 @@ WorkerSettings WorkerSettingsFromFlags(const EngineFlags& flags, const std::stri
       return differ("--max-num-batched-tokens", f.max_num_batched_tokens,
                     w.max_num_batched_tokens());
     }
+    if (w.prefill_tokens_beside_decodes() != f.prefill_tokens_beside_decodes) {
+      return differ("--prefill-tokens-beside-decodes", f.prefill_tokens_beside_decodes,
+                    w.prefill_tokens_beside_decodes());
+    }
     if (w.prefix_caching() != ranks[0].prefix_caching()) {
       return absl::FailedPreconditionError(absl::StrCat("worker rank ", r, " has prefix caching ",
                                                         flag_value(w.prefix_caching()), ", rank 0 ",

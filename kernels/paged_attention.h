@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+
 namespace moelora {
 
 struct PagedAttentionArgs {
@@ -52,6 +54,36 @@ void PagedAttentionPortable(const PagedAttentionArgs& a, float* scratch);
 
 // Whether PagedAttention takes the AVX-512 path here: AVX-512F, d a multiple of 16 up to 256.
 bool PagedAttentionVectorized(int64_t d);
+
+// The same attention for every query row of a step at once, as the device kernel takes it:
+// row t (of sequence seq_of_row[t], at position pos_of_row[t]) and query head h attend to that
+// sequence's keys of KV head h / (hq / hkv). Pointers are host pointers for the twin, device
+// pointers for PagedAttentionCuda.
+struct PagedAttentionBatch {
+  const float* q = nullptr;  // [rows, hq, d]
+  float* out = nullptr;      // [rows, hq, d]
+  const void* k = nullptr;   // pools [blocks, block_size, hkv, d]
+  const void* v = nullptr;
+  bool kv_bf16 = false;
+  int64_t rows = 0, hq = 0, hkv = 0, d = 0, block_size = 0;
+  const int32_t* block_tables = nullptr;  // [sequences, max_blocks]
+  int64_t max_blocks = 0;
+  const int32_t* seq_of_row = nullptr;  // [rows]
+  const int64_t* pos_of_row = nullptr;  // [rows]
+  int64_t window = 0;
+  float scale = 1.0f;
+  const float* sinks = nullptr;  // [hq] or null
+
+  // INVALID_ARGUMENT naming the field.
+  [[nodiscard]] absl::Status Validate() const;
+};
+
+// The host twin: PagedAttentionPortable per (row, KV head).
+[[nodiscard]] absl::Status PagedAttentionBatchCpu(const PagedAttentionBatch& b);
+
+// Device pointers; `stream` a cudaStream_t (nullptr: the default stream). Asynchronous.
+// UNIMPLEMENTED without CUDA; INVALID_ARGUMENT for d > 256.
+[[nodiscard]] absl::Status PagedAttentionCuda(const PagedAttentionBatch& b, void* stream);
 
 }  // namespace moelora
 

@@ -45,13 +45,26 @@ import convert_hf_to_gguf as c
 import gguf
 model, out, outtype = sys.argv[1:4]
 
+def byte_chars():
+    # GPT-2's byte-level alphabet: every byte as one printable character.
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
 def vocab(self):
     n = self.hparams["vocab_size"]
+    tokens = byte_chars() + [f"<t{i}>" for i in range(256, n)]
     self.gguf_writer.add_tokenizer_model("gpt2")
     self.gguf_writer.add_tokenizer_pre("qwen2")
-    self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
+    self.gguf_writer.add_token_list(tokens[:n])
     self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-    self.gguf_writer.add_token_merges([])
+    self.gguf_writer.add_token_merges([tokens[71] + " " + tokens[72]])
     self.gguf_writer.add_bos_token_id(0)
     self.gguf_writer.add_eos_token_id(1)
 

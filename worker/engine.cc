@@ -621,6 +621,13 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       take[i] = 1;
       --budget;
     }
+    // While sequences decode, a step reads at most --prefill-tokens-beside-decodes prompt
+    // tokens, so a long prompt cannot stretch their inter-token time to its chunk's.
+    int64_t decodes = 0;
+    for (int64_t t : take) decodes += t;
+    if (decodes > 0 && m.options.prefill_tokens_beside_decodes > 0) {
+      budget = std::min<int64_t>(budget, m.options.prefill_tokens_beside_decodes);
+    }
     // Then chunks of prompts (and recomputations), in admission order, while the budget and the
     // free blocks last.
     for (size_t i = 0; i < nrun && budget > 0; ++i) {
@@ -800,6 +807,7 @@ EngineInfo Engine::Info() const {
   i.bytes_per_block = m.kv->bytes_per_block();
   i.max_num_batched_tokens = m.options.max_num_batched_tokens;
   i.prefix_caching = m.prefix_caching;
+  i.prefill_tokens_beside_decodes = m.options.prefill_tokens_beside_decodes;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());
   return i;

@@ -47,7 +47,9 @@ struct EngineOptions {
   int block_size = 16;    // KV cache block (token positions)
   int64_t kv_cache_memory_bytes = int64_t{4} << 30;
   // Tokens one step computes at most: the running decodes, then prompt chunks in admission order.
-  int max_num_batched_tokens = 2048;
+  int max_num_batched_tokens = 512;
+  // Prompt tokens a step reads at most while other sequences decode (0: the whole budget).
+  int prefill_tokens_beside_decodes = 32;
   // Automatic prefix caching (models without recurrent layers only).
   bool enable_prefix_caching = true;
   // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.
@@ -130,6 +132,7 @@ struct EngineInfo {
   int64_t num_blocks = 0, free_blocks = 0, bytes_per_block = 0;
   int max_num_batched_tokens = 0;
   bool prefix_caching = false;  // on and supported by the model
+  int prefill_tokens_beside_decodes = 0;
 };
 
 class Engine {

@@ -3,6 +3,7 @@
 #include "kernels/bgmv.h"
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
+#include "kernels/paged_attention.h"
 
 namespace moelora {
 
@@ -33,5 +34,8 @@ absl::StatusOr<std::unique_ptr<DeviceTimer>> DeviceTimer::Create() { return NoCu
 
 [[nodiscard]] absl::Status BgmvCuda(const BgmvParams&, void*) { return NoCuda(); }
 [[nodiscard]] absl::Status MoeLoraCuda(const MoeLoraParams&, void*) { return NoCuda(); }
+[[nodiscard]] absl::Status PagedAttentionCuda(const PagedAttentionBatch&, void*) {
+  return NoCuda();
+}
 
 }  // namespace moelora

@@ -54,6 +54,22 @@ struct MoeArgs {
 };
 cudaError_t LaunchMoeLora(const MoeArgs& a, cudaStream_t stream);
 
+// PagedAttentionCuda's arguments (kernels/paged_attention.h, PagedAttentionBatch), d <= 256.
+struct PagedAttentionArgsDev {
+  const float* q = nullptr;
+  float* out = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  bool kv_bf16 = false;
+  int64_t rows = 0, hq = 0, hkv = 0, d = 0, block_size = 0, max_blocks = 0, window = 0;
+  const int32_t* block_tables = nullptr;
+  const int32_t* seq_of_row = nullptr;
+  const int64_t* pos_of_row = nullptr;
+  float scale = 1.0f;
+  const float* sinks = nullptr;
+};
+cudaError_t LaunchPagedAttention(const PagedAttentionArgsDev& a, cudaStream_t stream);
+
 }  // namespace cuda_internal
 }  // namespace moelora
 

@@ -5,6 +5,7 @@
 #include "kernels/cuda/status.h"
 #include "kernels/internal/moe_lora_workspace.h"
 #include "kernels/moe_lora.h"
+#include "kernels/paged_attention.h"
 
 namespace moelora {
 
@@ -88,6 +89,35 @@ ElemType ToElem(DType d) {
   a.workspace = p.workspace;
   return CudaStatus(cuda_internal::LaunchMoeLora(a, static_cast<cudaStream_t>(stream)),
                     "moe_lora launch");
+}
+
+[[nodiscard]] absl::Status PagedAttentionCuda(const PagedAttentionBatch& b, void* stream) {
+  if (auto s = b.Validate(); !s.ok()) return s;
+  if (b.d > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged_attention: head dim ", b.d, " > 256 (CUDA kernel)"));
+  }
+  cuda_internal::PagedAttentionArgsDev a;
+  a.q = b.q;
+  a.out = b.out;
+  a.k = b.k;
+  a.v = b.v;
+  a.kv_bf16 = b.kv_bf16;
+  a.rows = b.rows;
+  a.hq = b.hq;
+  a.hkv = b.hkv;
+  a.d = b.d;
+  a.block_size = b.block_size;
+  a.max_blocks = b.max_blocks;
+  a.window = b.window;
+  a.block_tables = b.block_tables;
+  a.seq_of_row = b.seq_of_row;
+  a.pos_of_row = b.pos_of_row;
+  a.scale = b.scale;
+  a.sinks = b.sinks;
+  return CudaStatus(
+      cuda_internal::LaunchPagedAttention(a, static_cast<cudaStream_t>(stream)),
+      "paged attention launch");
 }
 
 }  // namespace moelora

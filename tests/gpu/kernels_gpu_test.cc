@@ -4,12 +4,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
 #include "kernels/bgmv.h"
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
+#include "kernels/paged_attention.h"
+#include "tests/testing/bf16.h"
 #include "tests/testing/moe_problem.h"
 #include "tests/testing/require_device.h"
 #include "tests/testing/status_matchers.h"
@@ -252,6 +255,76 @@ TEST(MoeLoraGpuShapes, AtTheSortLimit) {
 INSTANTIATE_TEST_SUITE_P(DTypes, MoeLoraGpu,
                          ::testing::Values(DType::kF32, DType::kF16, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+// The paged attention kernel against its CPU twin: f32 and bf16 pools, GQA, a window and sinks,
+// prompt rows and decode rows of two sequences, head dims 64 and 128.
+TEST(PagedAttentionGpu, MatchesCpuTwin) {
+  SKIP_WITHOUT_DEVICE();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0, 1);
+  for (bool bf16 : {false, true}) {
+    for (int64_t d : {64, 128}) {
+      for (int64_t window : {0, 100}) {
+        SCOPED_TRACE(::testing::Message() << "bf16 " << bf16 << " d " << d << " window " << window);
+        const int64_t hq = 8, hkv = 2, bs = 16, blocks = 80, max_blocks = 40;
+        std::vector<float> kf(blocks * bs * hkv * d), vf(kf.size()), sinks(hq);
+        for (auto& x : kf) x = dist(rng);
+        for (auto& x : vf) x = dist(rng);
+        for (auto& x : sinks) x = dist(rng);
+        std::vector<uint16_t> kb(kf.size()), vb(vf.size());
+        for (size_t i = 0; i < kf.size(); ++i) {
+          kb[i] = testing::ToBf16(kf[i]);
+          vb[i] = testing::ToBf16(vf[i]);
+        }
+        std::vector<int32_t> tables(2 * max_blocks);
+        for (int64_t i = 0; i < 2 * max_blocks; ++i) tables[i] = static_cast<int32_t>((i * 37) % blocks);
+        std::vector<int32_t> seq_of_row;
+        std::vector<int64_t> pos_of_row;
+        for (int64_t p = 300; p < 340; ++p) seq_of_row.push_back(0), pos_of_row.push_back(p);
+        seq_of_row.push_back(1), pos_of_row.push_back(620);
+        const int64_t rows = static_cast<int64_t>(seq_of_row.size());
+        std::vector<float> q(rows * hq * d), want(q.size()), got(q.size());
+        for (auto& x : q) x = dist(rng);
+        PagedAttentionBatch b;
+        b.q = q.data();
+        b.out = want.data();
+        b.k = bf16 ? static_cast<const void*>(kb.data()) : kf.data();
+        b.v = bf16 ? static_cast<const void*>(vb.data()) : vf.data();
+        b.kv_bf16 = bf16;
+        b.rows = rows;
+        b.hq = hq;
+        b.hkv = hkv;
+        b.d = d;
+        b.block_size = bs;
+        b.block_tables = tables.data();
+        b.max_blocks = max_blocks;
+        b.seq_of_row = seq_of_row.data();
+        b.pos_of_row = pos_of_row.data();
+        b.window = window;
+        b.scale = 0.125f;
+        b.sinks = sinks.data();
+        ASSERT_THAT(PagedAttentionBatchCpu(b), IsOk());
+        DeviceArena arena;
+        PagedAttentionBatch g = b;
+        g.q = arena.Put(q);
+        float* dev_out = static_cast<float*>(arena.Scratch(q.size() * sizeof(float)));
+        g.out = dev_out;
+        g.k = bf16 ? static_cast<const void*>(arena.Put(kb)) : arena.Put(kf);
+        g.v = bf16 ? static_cast<const void*>(arena.Put(vb)) : arena.Put(vf);
+        g.block_tables = arena.Put(tables);
+        g.seq_of_row = arena.Put(seq_of_row);
+        g.pos_of_row = arena.Put(pos_of_row);
+        g.sinks = arena.Put(sinks);
+        ASSERT_THAT(PagedAttentionCuda(g, nullptr), IsOk());
+        ASSERT_THAT(DeviceSynchronize(), IsOk());
+        ASSERT_THAT(CopyToHost(got.data(), dev_out, got.size() * sizeof(float)), IsOk());
+        double worst = 0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, double{std::fabs(got[i] - want[i])});
+        EXPECT_LT(worst, 1e-4);
+      }
+    }
+  }
+}
 
 TEST(PinnedUploaderGpu, CopiesEveryByte) {
   SKIP_WITHOUT_DEVICE();

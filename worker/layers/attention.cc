@@ -285,6 +285,54 @@ at::Tensor PagedAttentionCpu(const at::Tensor& q, const ForwardBatch& b, const a
   return out;
 }
 
+// On a CUDA device: kernels/paged_attention.h's device kernel for every row at once (the block
+// tables, each row's sequence and position uploaded per call). q [T, hq, d] f32 on the device.
+absl::StatusOr<at::Tensor> PagedAttentionDevice(const at::Tensor& q, const ForwardBatch& b,
+                                                const at::Tensor& kp, const at::Tensor& vp,
+                                                int64_t bs, int64_t window, double scale,
+                                                const at::Tensor& sinks) {
+  const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = kp.size(2);
+  size_t max_blocks = 1;
+  for (const auto& seq : b.seqs) max_blocks = std::max(max_blocks, seq.state->blocks.size());
+  std::vector<int32_t> tables(b.seqs.size() * max_blocks, 0), seq_of_row(T);
+  std::vector<int64_t> pos_of_row(T);
+  for (size_t i = 0; i < b.seqs.size(); ++i) {
+    const auto& seq = b.seqs[i];
+    std::copy(seq.state->blocks.begin(), seq.state->blocks.end(),
+              tables.begin() + static_cast<int64_t>(i * max_blocks));
+    for (int64_t r = 0; r < seq.count; ++r) {
+      seq_of_row[seq.begin + r] = static_cast<int32_t>(i);
+      pos_of_row[seq.begin + r] = seq.state->len + r;
+    }
+  }
+  auto up = [&](auto& v, at::ScalarType t) {
+    return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, t).to(q.device());
+  };
+  at::Tensor tt = up(tables, at::kInt), st = up(seq_of_row, at::kInt), pt = up(pos_of_row, at::kLong);
+  at::Tensor sk = sinks.defined() ? sinks.to(q.device(), at::kFloat).contiguous() : at::Tensor();
+  at::Tensor out = at::empty_like(q);
+  PagedAttentionBatch a;
+  a.q = q.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.k = kp.data_ptr();
+  a.v = vp.data_ptr();
+  a.kv_bf16 = kp.scalar_type() == at::kBFloat16;
+  a.rows = T;
+  a.hq = hq;
+  a.hkv = hkv;
+  a.d = d;
+  a.block_size = bs;
+  a.block_tables = tt.data_ptr<int32_t>();
+  a.max_blocks = static_cast<int64_t>(max_blocks);
+  a.seq_of_row = st.data_ptr<int32_t>();
+  a.pos_of_row = pt.data_ptr<int64_t>();
+  a.window = window;
+  a.scale = static_cast<float>(scale);
+  a.sinks = sk.defined() ? sk.data_ptr<float>() : nullptr;
+  MOELORA_RETURN_IF_ERROR(PagedAttentionCuda(a, nullptr));
+  return out;
+}
+
 // Any device and dtype, in ATen ops: each sequence's keys and values gathered from its blocks,
 // its queries in chunks of kAtenQueryChunk rows, so the scores take [hq, chunk, keys].
 constexpr int64_t kAtenQueryChunk = 256;
@@ -583,6 +631,12 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
     at::Tensor o =
         PagedAttentionCpu(q.to(at::kFloat).contiguous(), b, kp, vp, bs, hkv, spec_.sliding_window,
                           scale, sk.defined() ? sk.data_ptr<float>() : nullptr);
+    attn = o.view({T, hq * d}).to(h.scalar_type());
+  } else if (h.device().is_cuda() && d <= 256 &&
+             (kp.scalar_type() == at::kFloat || kp.scalar_type() == at::kBFloat16)) {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor o,
+                             PagedAttentionDevice(q.to(at::kFloat).contiguous(), b, kp, vp, bs,
+                                                  spec_.sliding_window, scale, sinks_));
     attn = o.view({T, hq * d}).to(h.scalar_type());
   } else {
     attn = PagedAttentionAten(q, b, kp, vp, spec_.sliding_window, scale, sinks_, h.scalar_type());

@@ -38,9 +38,10 @@ std::vector<v1::WorkerInfoResponse> Agreeing(int n) {
     w.set_model("/mnt/elsewhere/a");  // another mount of the same model
     w.set_config_fingerprint("fnv1a64:0000000000000001");
     w.set_block_size(16);
-    w.set_max_num_batched_tokens(2048);
+    w.set_max_num_batched_tokens(512);
     w.set_num_blocks(1000);
     w.set_prefix_caching(true);
+    w.set_prefill_tokens_beside_decodes(32);
   }
   return ranks;
 }
@@ -64,12 +65,14 @@ TEST(WorkerSettingsTest, AgreeingWorkersPassAndEachDisagreementIsNamed) {
        "both must be the same model"},
       {[](auto& w) { w.set_rank(0); }, "list the 2 ranks in rank order"},
       {[](auto& w) { w.set_block_size(32); }, "--block-size 32, the controller with 16"},
-      {[](auto& w) { w.set_max_num_batched_tokens(512); },
-       "--max-num-batched-tokens 512, the controller with 2048"},
+      {[](auto& w) { w.set_max_num_batched_tokens(256); },
+       "--max-num-batched-tokens 256, the controller with 512"},
       {[](auto& w) { w.set_num_blocks(999); },
        "rank 1 has 999 KV cache blocks, rank 0 1000: start every rank with the same "
        "--kv-cache-memory-bytes"},
       {[](auto& w) { w.set_prefix_caching(false); }, "--enable-prefix-caching"},
+      {[](auto& w) { w.set_prefill_tokens_beside_decodes(0); },
+       "--prefill-tokens-beside-decodes 0, the controller with 32"},
   };
   for (const Case& c : cases) {
     auto ranks = Agreeing(2);

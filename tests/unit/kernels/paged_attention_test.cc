@@ -162,5 +162,70 @@ TEST(PagedAttentionTest, OneKeyGivesItsValue) {
   for (int64_t i = 0; i < d; ++i) EXPECT_FLOAT_EQ(out[i], v[i]);
 }
 
+// The batched twin (what the CUDA kernel is checked against) equals the per-task kernel: two
+// sequences with their own block tables and positions, rows of both in one call, GQA and sinks.
+TEST(PagedAttentionTest, BatchTwinEqualsPerTaskCalls) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0, 1);
+  const int64_t hq = 4, hkv = 2, d = 16, bs = 4, blocks = 12;
+  std::vector<float> k(blocks * bs * hkv * d), v(k.size()), sinks(hq);
+  for (auto& x : k) x = dist(rng);
+  for (auto& x : v) x = dist(rng);
+  for (auto& x : sinks) x = dist(rng);
+  // Sequence 0: 3 rows at positions 5..7 (blocks 3, 0); sequence 1: 1 row at 13 (blocks 7..10).
+  const int64_t max_blocks = 4;
+  std::vector<int32_t> tables = {3, 0, 0, 0, 7, 8, 9, 10}, seq_of_row = {0, 0, 0, 1};
+  std::vector<int64_t> pos_of_row = {5, 6, 7, 13};
+  std::vector<float> q(4 * hq * d), out(q.size(), NAN), want(q.size(), NAN);
+  for (auto& x : q) x = dist(rng);
+  PagedAttentionBatch b;
+  b.q = q.data();
+  b.out = out.data();
+  b.k = k.data();
+  b.v = v.data();
+  b.rows = 4;
+  b.hq = hq;
+  b.hkv = hkv;
+  b.d = d;
+  b.block_size = bs;
+  b.block_tables = tables.data();
+  b.max_blocks = max_blocks;
+  b.seq_of_row = seq_of_row.data();
+  b.pos_of_row = pos_of_row.data();
+  b.window = 6;
+  b.scale = 0.25f;
+  b.sinks = sinks.data();
+  ASSERT_TRUE(PagedAttentionBatchCpu(b).ok());
+  for (int64_t t = 0; t < 4; ++t) {
+    for (int64_t g = 0; g < hkv; ++g) {
+      PagedAttentionArgs a;
+      a.q = q.data() + (t * hq + g * 2) * d;
+      a.q_row_stride = hq * d;
+      a.q_head_stride = d;
+      a.rows = 1;
+      a.heads = 2;
+      a.d = d;
+      a.pos0 = pos_of_row[t];
+      a.window = 6;
+      a.blocks = tables.data() + seq_of_row[t] * max_blocks;
+      a.block_size = bs;
+      a.k = k.data() + g * d;
+      a.v = v.data() + g * d;
+      a.block_stride = bs * hkv * d;
+      a.row_stride = hkv * d;
+      a.scale = 0.25f;
+      a.sinks = sinks.data() + g * 2;
+      a.out = want.data() + (t * hq + g * 2) * d;
+      a.out_row_stride = hq * d;
+      a.out_head_stride = d;
+      std::vector<float> scratch(PagedAttentionScratchFloats(a));
+      PagedAttentionPortable(a, scratch.data());
+    }
+  }
+  EXPECT_EQ(out, want);
+  b.hkv = 3;  // not a divisor of hq
+  EXPECT_EQ(PagedAttentionBatchCpu(b).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace moelora
