@@ -5,13 +5,18 @@
 //      `llama-bench -p N -n 0` on the same model and threads (the ratio is ours / theirs).
 //   2. --concurrent C prompts of --concurrent-len tokens, each generating --concurrent-new, at
 //      once under a KV budget smaller than their total (the controller admits what the prompts'
-//      blocks allow; the workers preempt when decodes outgrow the cache): all complete, greedy outputs equal to each
-//      prompt run alone (the first --check of them), preemptions counted, peak RSS.
+//      blocks allow; the workers preempt when decodes outgrow the cache): all complete, greedy
+//      outputs equal to each prompt run alone (the first --check of them), preemptions counted,
+//      peak RSS.
 //   3. 8 streams decoding while --joiners prompts of --concurrent-len tokens arrive: their median
 //      inter-token time against the same streams' with nothing else running.
+//   4. Prefix caching: a second request sharing a --prefix-len prefix, against the first; the
+//      same prefix under an adapter (--model's sibling adapter_2d) is not reused and gives a cold
+//      run's tokens.
 //   long_context --model DIR [--dtype D] [--lens 512,2048,8192] [--repeat R] [--threads T]
 //                [--llama-bench BIN --gguf FILE] [--concurrent C] [--concurrent-len N]
-//                [--concurrent-new G] [--kv-blocks B] [--check K] [--joiners J] [--only ttft|preempt|stream]
+//                [--concurrent-new G] [--kv-blocks B] [--check K] [--joiners J] [--only
+//                ttft|preempt|stream|prefix] [--prefix-len N]
 //                [--extra-flags "--max-num-batched-tokens 512 ..."]
 // MOELORA_CONTROLLER_BIN / MOELORA_WORKER_BIN run other binaries (an older build: figure 1 passes
 // only flags every build takes).
@@ -101,12 +106,14 @@ struct Flags {
   std::vector<int> lens = {512, 2048, 8192};
   int repeat = 2, threads = 2, concurrent = 16, concurrent_len = 8192, check = 2, joiners = 4;
   int concurrent_new = 8;  // tokens each concurrent prompt generates
+  int prefix_len = 4096;
   int64_t kv_blocks = 0;  // 0: half of what the concurrent prompts need
 };
 
 std::vector<std::string> BaseFlags(const Flags& f, int max_len) {
-  std::vector<std::string> v = {"--dtype", f.dtype, "--max-model-len", std::to_string(max_len),
-                                "--worker-args", "--cpu-threads=" + std::to_string(f.threads)};
+  std::vector<std::string> v = {"--dtype",         f.dtype,
+                                "--max-model-len", std::to_string(max_len),
+                                "--worker-args",   "--cpu-threads=" + std::to_string(f.threads)};
   for (auto& x : absl::StrSplit(f.extra, ' ', absl::SkipEmpty())) v.emplace_back(x);
   return v;
 }
@@ -152,8 +159,8 @@ void Ttft(const Flags& f) {
     for (int r = 0; r < f.repeat; ++r) {
       v1::GenerateResponse out;
       const auto t0 = Clock::now();
-      const grpc::Status s = c.Generate("", Prompt(n, r, vocab), 1, &out, false,
-                                        std::chrono::seconds(3600));
+      const grpc::Status s =
+          c.Generate("", Prompt(n, r, vocab), 1, &out, false, std::chrono::seconds(3600));
       const double t = Sec(Clock::now() - t0);
       if (!s.ok()) {
         std::printf("  %d tokens: %s\n", n, s.error_message().c_str());
@@ -177,20 +184,23 @@ void Preempt(const Flags& f) {
   const int vocab = Vocab(f.model), n = f.concurrent_len, C = f.concurrent;
   const int max_new = f.concurrent_new, block = 16;
   const int64_t blocks = f.kv_blocks > 0 ? f.kv_blocks : int64_t{C} * (n + max_new) / block / 2;
-  std::printf("== %d concurrent %d-token prompts, KV cache of %lld blocks of %d (%.0f%% of their "
-              "total)\n",
-              C, n, static_cast<long long>(blocks), block,
-              100.0 * blocks * block / (static_cast<double>(C) * (n + max_new)));
+  std::printf(
+      "== %d concurrent %d-token prompts, KV cache of %lld blocks of %d (%.0f%% of their "
+      "total)\n",
+      C, n, static_cast<long long>(blocks), block,
+      100.0 * blocks * block / (static_cast<double>(C) * (n + max_new)));
   // The budget in blocks needs the bytes of one block: asked of a worker started with the
   // default budget (its Info via the controller's log line is not public; the bytes follow from
   // config.json instead).
   std::ifstream in(f.model + "/config.json");
   auto cfg = nlohmann::json::parse(in);
-  const int64_t layers = cfg.value("num_hidden_layers", 0), kvh = cfg.value("num_key_value_heads", 0);
-  const int64_t hd = cfg.value("head_dim", cfg.value("hidden_size", 0) / cfg.value("num_attention_heads", 1));
+  const int64_t layers = cfg.value("num_hidden_layers", 0),
+                kvh = cfg.value("num_key_value_heads", 0);
+  const int64_t hd =
+      cfg.value("head_dim", cfg.value("hidden_size", 0) / cfg.value("num_attention_heads", 1));
   const int64_t bytes = blocks * 2 * block * layers * kvh * hd * (f.dtype == "bfloat16" ? 2 : 4);
   testing::TempDir state;
-  std::vector<std::string> flags = BaseFlags(f, n + 64);
+  std::vector<std::string> flags = BaseFlags(f, n + max_new + 64);
   flags.insert(flags.end(), {"--kv-cache-memory-bytes", std::to_string(bytes), "--max-num-seqs",
                              std::to_string(C)});
   testing::ControllerProcess c(state.path(), f.model, flags, f.model);
@@ -214,7 +224,8 @@ void Preempt(const Flags& f) {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(2));
       grpc::Status s = c.stub().Generate(&ctx, req, &out);
-      return std::make_pair(s, std::vector<int32_t>(out.token_ids().begin(), out.token_ids().end()));
+      return std::make_pair(s,
+                            std::vector<int32_t>(out.token_ids().begin(), out.token_ids().end()));
     }));
   }
   std::vector<std::vector<int32_t>> got;
@@ -245,10 +256,11 @@ void Preempt(const Flags& f) {
       same += std::vector<int32_t>(out.token_ids().begin(), out.token_ids().end()) == got[i];
     }
   }
-  std::printf("  %d of %d completed in %.1f s, preemptions %s, %d of %d equal to the prompt run "
-              "alone; worker RSS loaded %.0f MB, peak +%.0f MB (budget %.0f MB)\n",
-              ok, C, wall, preempted.c_str(), same, std::min(f.check, C), loaded / 1e6,
-              (peak - loaded) / 1e6, bytes / 1e6);
+  std::printf(
+      "  %d of %d completed in %.1f s, preemptions %s, %d of %d equal to the prompt run "
+      "alone; worker RSS loaded %.0f MB, peak +%.0f MB (budget %.0f MB)\n",
+      ok, C, wall, preempted.c_str(), same, std::min(f.check, C), loaded / 1e6,
+      (peak - loaded) / 1e6, bytes / 1e6);
 }
 
 void Streams(const Flags& f) {
@@ -301,7 +313,8 @@ void Streams(const Flags& f) {
   // With joiners: 8 long streams; the prompts arrive once they run, and the inter-token times
   // are taken while the prompts are being read (until the last joiner's answer).
   calls.clear();
-  for (int i = 0; i < 8; ++i) calls.push_back(std::async(std::launch::async, stream, 10 + i, 100000 / 100));
+  for (int i = 0; i < 8; ++i)
+    calls.push_back(std::async(std::launch::async, stream, 10 + i, 100000 / 100));
   std::this_thread::sleep_for(std::chrono::seconds(2));
   const double from = Sec(Clock::now().time_since_epoch());
   std::vector<std::future<grpc::Status>> joins;
@@ -317,9 +330,63 @@ void Streams(const Flags& f) {
   std::vector<std::vector<std::pair<double, int>>> busy;
   for (auto& x : calls) busy.push_back(x.get());
   const double during = Median(gaps(busy, from, to));
-  std::printf("  median inter-token: alone %.1f ms, while the prompts are read %.1f ms (%.2fx; "
-              "prompts read in %.1f s)\n",
-              base * 1e3, during * 1e3, during / base, to - from);
+  std::printf(
+      "  median inter-token: alone %.1f ms, while the prompts are read %.1f ms (%.2fx; "
+      "prompts read in %.1f s)\n",
+      base * 1e3, during * 1e3, during / base, to - from);
+}
+
+// 4. Prefix caching: a --prefix-len prompt prefix + 16 tokens, then the same prefix with 16 other
+// tokens (TTFT of the second against the first), then under an adapter (not reused: about the
+// first's TTFT), whose greedy tokens must equal a run on a server with prefix caching off.
+void Prefix(const Flags& f) {
+  const int vocab = Vocab(f.model);
+  std::printf("== prefix cache: %d-token prefix + 16 tokens\n", f.prefix_len);
+  const std::string adapters = f.model + "/..";
+  auto prompt = [&](int tail) {
+    std::vector<int32_t> p = Prompt(f.prefix_len, 7, vocab);
+    for (int32_t t : Prompt(16, 1000 + tail, vocab)) p.push_back(t);
+    return p;
+  };
+  auto run = [&](testing::ControllerProcess& c, const std::string& adapter, int tail,
+                 std::vector<int32_t>* tokens) {
+    v1::GenerateResponse out;
+    const auto t0 = Clock::now();
+    const grpc::Status s =
+        c.Generate(adapter, prompt(tail), 8, &out, false, std::chrono::seconds(3600));
+    const double t = Sec(Clock::now() - t0);
+    if (!s.ok()) std::printf("  %s\n", s.error_message().c_str());
+    if (tokens) tokens->assign(out.token_ids().begin(), out.token_ids().end());
+    return t;
+  };
+  std::vector<int32_t> warm_tokens, cold_tokens;
+  double first, second, other;
+  {
+    testing::TempDir state;
+    std::vector<std::string> flags = BaseFlags(f, f.prefix_len + 64);
+    flags.push_back("--enable-mixed-moe-lora-format");
+    testing::ControllerProcess c(state.path(), adapters, flags, f.model);
+    if (!c.WaitServing() || !c.Load("a2d", adapters + "/adapter_2d").ok()) {
+      std::printf("controller did not serve or load adapter_2d:\n%s\n", c.Log().c_str());
+      return;
+    }
+    first = run(c, "", 1, nullptr);
+    second = run(c, "", 2, nullptr);
+    other = run(c, "a2d", 2, &warm_tokens);
+  }
+  {
+    testing::TempDir state;
+    std::vector<std::string> flags = BaseFlags(f, f.prefix_len + 64);
+    flags.insert(flags.end(), {"--enable-mixed-moe-lora-format", "--noenable-prefix-caching"});
+    testing::ControllerProcess c(state.path(), adapters, flags, f.model);
+    if (!c.WaitServing() || !c.Load("a2d", adapters + "/adapter_2d").ok()) return;
+    run(c, "a2d", 2, &cold_tokens);
+  }
+  std::printf(
+      "  TTFT first %.3f s, second (prefix cached) %.3f s (%.3fx); under an adapter %.3f s "
+      "(%.2fx), tokens %s a server without prefix caching\n",
+      first, second, second / first, other, other / first,
+      warm_tokens == cold_tokens ? "equal to" : "DIFFERENT from");
 }
 
 }  // namespace
@@ -331,28 +398,45 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help") {
-      std::printf("usage: long_context --model DIR [--dtype D] [--lens 512,2048,8192] [--repeat R] "
-                  "[--threads T] [--llama-bench BIN --gguf FILE] [--concurrent C] "
-                  "[--concurrent-len N] [--concurrent-new G] [--kv-blocks B] [--check K] [--joiners J] "
-                  "[--only ttft|preempt|stream] [--extra-flags \"...\"]\n");
+      std::printf(
+          "usage: long_context --model DIR [--dtype D] [--lens 512,2048,8192] [--repeat R] "
+          "[--threads T] [--llama-bench BIN --gguf FILE] [--concurrent C] "
+          "[--concurrent-len N] [--concurrent-new G] [--kv-blocks B] [--check K] [--joiners J] "
+          "[--only ttft|preempt|stream|prefix] [--prefix-len N] [--extra-flags \"...\"]\n");
       return 0;
     }
     if (i + 1 >= argc) return 2;
     const std::string v = argv[++i];
-    if (a == "--model") f.model = v;
-    else if (a == "--dtype") f.dtype = v;
-    else if (a == "--repeat") f.repeat = std::atoi(v.c_str());
-    else if (a == "--threads") f.threads = std::atoi(v.c_str());
-    else if (a == "--llama-bench") f.llama_bench = v;
-    else if (a == "--gguf") f.gguf = v;
-    else if (a == "--concurrent") f.concurrent = std::atoi(v.c_str());
-    else if (a == "--concurrent-len") f.concurrent_len = std::atoi(v.c_str());
-    else if (a == "--kv-blocks") f.kv_blocks = std::atoll(v.c_str());
-    else if (a == "--check") f.check = std::atoi(v.c_str());
-    else if (a == "--concurrent-new") f.concurrent_new = std::atoi(v.c_str());
-    else if (a == "--joiners") f.joiners = std::atoi(v.c_str());
-    else if (a == "--only") f.only = v;
-    else if (a == "--extra-flags") f.extra = v;
+    if (a == "--model")
+      f.model = v;
+    else if (a == "--dtype")
+      f.dtype = v;
+    else if (a == "--repeat")
+      f.repeat = std::atoi(v.c_str());
+    else if (a == "--threads")
+      f.threads = std::atoi(v.c_str());
+    else if (a == "--llama-bench")
+      f.llama_bench = v;
+    else if (a == "--gguf")
+      f.gguf = v;
+    else if (a == "--concurrent")
+      f.concurrent = std::atoi(v.c_str());
+    else if (a == "--concurrent-len")
+      f.concurrent_len = std::atoi(v.c_str());
+    else if (a == "--kv-blocks")
+      f.kv_blocks = std::atoll(v.c_str());
+    else if (a == "--check")
+      f.check = std::atoi(v.c_str());
+    else if (a == "--concurrent-new")
+      f.concurrent_new = std::atoi(v.c_str());
+    else if (a == "--prefix-len")
+      f.prefix_len = std::atoi(v.c_str());
+    else if (a == "--joiners")
+      f.joiners = std::atoi(v.c_str());
+    else if (a == "--only")
+      f.only = v;
+    else if (a == "--extra-flags")
+      f.extra = v;
     else if (a == "--lens") {
       f.lens.clear();
       for (auto& x : absl::StrSplit(v, ',')) f.lens.push_back(std::atoi(std::string(x).c_str()));
@@ -368,5 +452,6 @@ int main(int argc, char** argv) {
   if (f.only.empty() || f.only == "ttft") Ttft(f);
   if (f.only.empty() || f.only == "preempt") Preempt(f);
   if (f.only.empty() || f.only == "stream") Streams(f);
+  if (f.only.empty() || f.only == "prefix") Prefix(f);
   return 0;
 }

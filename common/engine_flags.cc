@@ -37,7 +37,7 @@ ABSL_FLAG(std::string, kv_cache_memory_bytes, "4Gi",
           "sequences of --max-model-len tokens can fill)");
 ABSL_FLAG(int, max_num_batched_tokens, 512,
           "Tokens one step computes at most: running decodes first, then chunks of prompts");
-ABSL_FLAG(int, prefill_tokens_beside_decodes, 32,
+ABSL_FLAG(int, prefill_tokens_beside_decodes, 16,
           "Prompt tokens one step reads at most while other sequences decode, so their "
           "inter-token time stays near a decode step's (0: up to --max-num-batched-tokens)");
 ABSL_FLAG(bool, enable_prefix_caching, true,
@@ -113,7 +113,8 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   if (f.dist_timeout_s < 1) return bad("--dist-timeout-s must be >= 1");
   if (f.block_size < 1 || f.block_size > 1024) return bad("--block-size must be in 1..1024");
   if (f.max_num_batched_tokens < 1) return bad("--max-num-batched-tokens must be >= 1");
-  if (f.prefill_tokens_beside_decodes < 0) return bad("--prefill-tokens-beside-decodes must be >= 0");
+  if (f.prefill_tokens_beside_decodes < 0)
+    return bad("--prefill-tokens-beside-decodes must be >= 0");
   if (f.kv_cache_memory_bytes < 1) return bad("--kv-cache-memory-bytes must be > 0");
   return absl::OkStatus();
 }

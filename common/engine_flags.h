@@ -46,7 +46,7 @@ struct EngineFlags {
   int block_size = 16;                               // tokens per KV cache block
   int64_t kv_cache_memory_bytes = int64_t{4} << 30;  // per worker
   int max_num_batched_tokens = 512;                  // tokens of one step at most
-  int prefill_tokens_beside_decodes = 32;  // while sequences decode
+  int prefill_tokens_beside_decodes = 16;            // while sequences decode
   bool prefix_caching = true;  // where the model allows it (no recurrent layers)
 };
 

@@ -49,7 +49,7 @@ struct EngineOptions {
   // Tokens one step computes at most: the running decodes, then prompt chunks in admission order.
   int max_num_batched_tokens = 512;
   // Prompt tokens a step reads at most while other sequences decode (0: the whole budget).
-  int prefill_tokens_beside_decodes = 32;
+  int prefill_tokens_beside_decodes = 16;
   // Automatic prefix caching (models without recurrent layers only).
   bool enable_prefix_caching = true;
   // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.

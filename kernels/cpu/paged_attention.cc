@@ -193,7 +193,8 @@ MOELORA_AVX512F void VectorT(const PagedAttentionArgs& a, float* scratch) {
           float* o = acc + u * d;
           __m512 ov[kMaxDChunks];
           const __m512 cv = _mm512_set1_ps(corr);
-          for (int64_t k = 0; k < chunks; ++k) ov[k] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * k), cv);
+          for (int64_t k = 0; k < chunks; ++k)
+            ov[k] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * k), cv);
           for (int64_t t = j0; t <= j1; ++t) {
             const __m512 w = _mm512_set1_ps(pj[t]);
             for (int64_t k = 0; k < chunks; ++k) {
@@ -245,7 +246,8 @@ absl::Status PagedAttentionBatch::Validate() const {
     return bad("null block_tables/seq_of_row/pos_of_row");
   }
   if (rows < 0 || hq < 1 || hkv < 1 || hq % hkv != 0) return bad("hq must be a multiple of hkv");
-  if (d < 1 || block_size < 1 || max_blocks < 1) return bad("d, block_size, max_blocks must be > 0");
+  if (d < 1 || block_size < 1 || max_blocks < 1)
+    return bad("d, block_size, max_blocks must be > 0");
   if (window < 0) return bad("window must be >= 0");
   return absl::OkStatus();
 }

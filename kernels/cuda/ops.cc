@@ -115,9 +115,8 @@ ElemType ToElem(DType d) {
   a.pos_of_row = b.pos_of_row;
   a.scale = b.scale;
   a.sinks = b.sinks;
-  return CudaStatus(
-      cuda_internal::LaunchPagedAttention(a, static_cast<cudaStream_t>(stream)),
-      "paged attention launch");
+  return CudaStatus(cuda_internal::LaunchPagedAttention(a, static_cast<cudaStream_t>(stream)),
+                    "paged attention launch");
 }
 
 }  // namespace moelora

@@ -40,8 +40,10 @@ __global__ void PagedAttentionKernel(PagedAttentionArgsDev a) {
     const int64_t j = j0 + tid;
     float s = -FLT_MAX;
     if (j <= pos) {
-      const int64_t at = (static_cast<int64_t>(table[j / a.block_size]) * a.block_size +
-                          j % a.block_size) * a.hkv + g;
+      const int64_t at =
+          (static_cast<int64_t>(table[j / a.block_size]) * a.block_size + j % a.block_size) *
+              a.hkv +
+          g;
       const T* kr = K + at * d;
       float dot = 0.0f;
       for (int64_t c = 0; c < d; ++c) dot += q[c] * Load(kr + c);
@@ -73,8 +75,10 @@ __global__ void PagedAttentionKernel(PagedAttentionArgsDev a) {
       const int64_t n = min(int64_t{kThreads}, pos + 1 - j0);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t jj = j0 + t;
-        const int64_t at = (static_cast<int64_t>(table[jj / a.block_size]) * a.block_size +
-                            jj % a.block_size) * a.hkv + g;
+        const int64_t at =
+            (static_cast<int64_t>(table[jj / a.block_size]) * a.block_size + jj % a.block_size) *
+                a.hkv +
+            g;
         acc += p[t] * Load(V + at * d + tid);
       }
     }

@@ -277,7 +277,8 @@ TEST(PagedAttentionGpu, MatchesCpuTwin) {
           vb[i] = testing::ToBf16(vf[i]);
         }
         std::vector<int32_t> tables(2 * max_blocks);
-        for (int64_t i = 0; i < 2 * max_blocks; ++i) tables[i] = static_cast<int32_t>((i * 37) % blocks);
+        for (int64_t i = 0; i < 2 * max_blocks; ++i)
+          tables[i] = static_cast<int32_t>((i * 37) % blocks);
         std::vector<int32_t> seq_of_row;
         std::vector<int64_t> pos_of_row;
         for (int64_t p = 300; p < 340; ++p) seq_of_row.push_back(0), pos_of_row.push_back(p);
@@ -319,7 +320,8 @@ TEST(PagedAttentionGpu, MatchesCpuTwin) {
         ASSERT_THAT(DeviceSynchronize(), IsOk());
         ASSERT_THAT(CopyToHost(got.data(), dev_out, got.size() * sizeof(float)), IsOk());
         double worst = 0;
-        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, double{std::fabs(got[i] - want[i])});
+        for (size_t i = 0; i < got.size(); ++i)
+          worst = std::max(worst, double{std::fabs(got[i] - want[i])});
         EXPECT_LT(worst, 1e-4);
       }
     }

@@ -364,6 +364,75 @@ TEST_F(ControllerTest, Step3p5MixedAdaptersAtTp2) {
   UpstreamMixedTestAtTp2(adapters_, "step3p5", "step3p5/model", "s35_");
 }
 
+// The memory model through the public API at TP=2: a request that could not fit the whole KV
+// cache even alone is refused naming the budget; more requests than the cache holds at once all
+// complete (admitted as blocks free up, preempted and recomputed when decodes outgrow it), each
+// with its tokens alone; a repeated prompt finds its prefix cached; the metrics say so.
+TEST_F(ControllerTest, KvBudgetRefusesWhatCannotFitAndServesTheRestInTurn) {
+  // The tiny model: 2 layers, 2 KV heads of 8, f32: a 4-token block takes 2 · 2 · 4 · 2 · 8 · 4
+  // bytes (1 KiB) per worker at TP=1, half at TP=2: 12 KiB = 24 blocks = 96 positions (under
+  // max_model_len 128).
+  ControllerProcess c(
+      state_.path(), adapters_.root,
+      {"--tensor-parallel-size", "2", "--block-size", "4", "--kv-cache-memory-bytes", "12Ki",
+       "--max-num-batched-tokens", "64", "--prefill-tokens-beside-decodes", "8"});
+  ASSERT_TRUE(c.started()) << c.Log();
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  std::vector<int32_t> long_prompt(50, 7);
+  v1::GenerateResponse r;
+  grpc::Status s = c.Generate("", long_prompt, 60, &r);  // 110 positions
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("24 blocks of 4 tokens"));
+  EXPECT_THAT(s.error_message(), HasSubstr("--kv-cache-memory-bytes"));
+  // Alone, then six at once (6 x (20 + 40) positions > 96).
+  std::vector<std::vector<int32_t>> prompts, alone;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> p;
+    for (int j = 0; j < 20; ++j) p.push_back((i * 13 + j * 5) % 90 + 3);
+    prompts.push_back(p);
+    v1::GenerateRequest req;
+    req.mutable_prompt_token_ids()->Add(p.begin(), p.end());
+    req.set_max_tokens(40);
+    req.set_ignore_eos(true);
+    ASSERT_TRUE(c.Generate(req, &r).ok());
+    alone.push_back(Tokens(r));
+  }
+  std::vector<std::future<std::pair<grpc::Status, std::vector<int32_t>>>> calls;
+  for (const auto& p : prompts) {
+    calls.push_back(std::async(std::launch::async, [&c, p] {
+      v1::GenerateRequest req;
+      req.mutable_prompt_token_ids()->Add(p.begin(), p.end());
+      req.set_max_tokens(40);
+      req.set_ignore_eos(true);
+      v1::GenerateResponse out;
+      grpc::Status st = c.Generate(req, &out);
+      return std::make_pair(st, Tokens(out));
+    }));
+  }
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto [st, toks] = calls[i].get();
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(toks, alone[i]) << "prompt " << i;
+  }
+  // The first prompt twice more, one after the other: the second finds its 16-token prefix (4
+  // full blocks; the last token is always computed) cached, and answers the same.
+  for (int k = 0; k < 2; ++k) {
+    v1::GenerateRequest req;
+    req.mutable_prompt_token_ids()->Add(prompts[0].begin(), prompts[0].end());
+    req.set_max_tokens(40);
+    req.set_ignore_eos(true);
+    ASSERT_TRUE(c.Generate(req, &r).ok());
+    EXPECT_EQ(Tokens(r), alone[0]);
+  }
+  const std::string m = c.Metrics();
+  EXPECT_THAT(m, HasSubstr("moelora_kv_cache_usage_ratio"));
+  EXPECT_THAT(m, HasSubstr("moelora_preemptions_total"));
+  const std::string name = "\nmoelora_prefix_cache_hits_total ";
+  const size_t at = m.find(name);
+  ASSERT_NE(at, std::string::npos) << m;
+  EXPECT_GE(std::stod(m.substr(at + name.size())), 16.0);
+}
+
 TEST_F(ControllerTest, BadInputGetsItsStatusAndChangesNothing) {
   ControllerProcess c(state_.path(), adapters_.root, {"--max-lora-rank", "4"});
   ASSERT_TRUE(c.started()) << c.Log();

@@ -308,7 +308,8 @@ absl::StatusOr<at::Tensor> PagedAttentionDevice(const at::Tensor& q, const Forwa
   auto up = [&](auto& v, at::ScalarType t) {
     return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, t).to(q.device());
   };
-  at::Tensor tt = up(tables, at::kInt), st = up(seq_of_row, at::kInt), pt = up(pos_of_row, at::kLong);
+  at::Tensor tt = up(tables, at::kInt), st = up(seq_of_row, at::kInt),
+             pt = up(pos_of_row, at::kLong);
   at::Tensor sk = sinks.defined() ? sinks.to(q.device(), at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty_like(q);
   PagedAttentionBatch a;

@@ -3,8 +3,9 @@
 // has its own K and V pool tensors ([num_blocks, block_size, kv_heads, head_dim] in the model's
 // dtype, on the model's device); a sequence holds one block table that serves every layer
 // (block b of the table holds positions b · block_size .. (b + 1) · block_size - 1 in each
-// layer's pool). Pages of the pools are touched only when written, so an unused budget costs
-// address space, not memory.
+// layer's pool). Pages of the pools are touched only when written, and a block never used is
+// taken only when no freed or cached block is left, so memory grows to the budget only as far as
+// the sequences (and the prefix cache within what they touched) need it.
 //
 // Thread-safety: Reserve and Release on the engine's compute thread only; the counts may be
 // read from any thread.
@@ -90,8 +91,10 @@ class KvCache {
   };
   // One free block (evicting the least recently used cached one if need be), or -1.
   int32_t Take();
+  int64_t Available() const;
   void Count();
-  std::vector<int32_t> free_;  // a stack: the most recently freed block is reused first
+  std::vector<int32_t> free_;  // freed blocks, a stack: the most recently freed reused first
+  int64_t next_fresh_ = 0;     // blocks from here on have never been used
   std::vector<Meta> meta_;
   std::unordered_map<uint64_t, int32_t> by_hash_;
   std::list<int32_t> evictable_;  // cached blocks nobody holds, least recently used first

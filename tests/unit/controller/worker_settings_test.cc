@@ -41,7 +41,7 @@ std::vector<v1::WorkerInfoResponse> Agreeing(int n) {
     w.set_max_num_batched_tokens(512);
     w.set_num_blocks(1000);
     w.set_prefix_caching(true);
-    w.set_prefill_tokens_beside_decodes(32);
+    w.set_prefill_tokens_beside_decodes(16);
   }
   return ranks;
 }
@@ -72,7 +72,7 @@ TEST(WorkerSettingsTest, AgreeingWorkersPassAndEachDisagreementIsNamed) {
        "--kv-cache-memory-bytes"},
       {[](auto& w) { w.set_prefix_caching(false); }, "--enable-prefix-caching"},
       {[](auto& w) { w.set_prefill_tokens_beside_decodes(0); },
-       "--prefill-tokens-beside-decodes 0, the controller with 32"},
+       "--prefill-tokens-beside-decodes 0, the controller with 16"},
   };
   for (const Case& c : cases) {
     auto ranks = Agreeing(2);
