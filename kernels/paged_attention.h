@@ -4,8 +4,8 @@
 // O(rows · heads · d) whatever the number of keys (no [queries, keys] score matrix). Serves the
 // prompt rows of a prefill chunk and the decode rows alike. Optional sliding window and per-head
 // sinks (a logit that joins the denominator and has no value). Arithmetic in f32; keys and
-// values f32 or bf16 (widened as they are read). AVX-512 where the CPU has it, a portable loop
-// with the same order of operations elsewhere.
+// values f32 or bf16 (widened as they are read). AVX-512 or AVX2 + FMA where the CPU has them, a
+// portable loop elsewhere.
 //
 // Why by hand: libtorch 1.13 has no fused attention, and the ATen form of one sequence's prefill
 // builds [heads, queries, keys] scores (then masked and softmax copies): 4 GB at 8,192 tokens.
@@ -53,7 +53,13 @@ void PagedAttention(const PagedAttentionArgs& a, float* scratch);
 void PagedAttentionPortable(const PagedAttentionArgs& a, float* scratch);
 
 // Whether PagedAttention takes the AVX-512 path here: AVX-512F, d a multiple of 16 up to 256.
+// Otherwise it takes the AVX2 + FMA path where the CPU has them (d a multiple of 8 up to 256),
+// else the portable loop.
 bool PagedAttentionVectorized(int64_t d);
+
+// The AVX2 + FMA path alone (tests compare it on CPUs that also have AVX-512); false, running
+// nothing, where the CPU or d does not allow it.
+bool PagedAttentionAvx2(const PagedAttentionArgs& a, float* scratch);
 
 // The same attention for every query row of a step at once, as the device kernel takes it:
 // row t (of sequence seq_of_row[t], at position pos_of_row[t]) and query head h attend to that

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/internal/avx2.h"
 #include "kernels/internal/avx512.h"
 
 namespace moelora {
@@ -209,7 +210,105 @@ MOELORA_AVX512F void VectorT(const PagedAttentionArgs& a, float* scratch) {
   Finish(a, mx, l, acc);
 }
 
+// The AVX2 path: VectorT's scheme with 8-key chunks (keys transposed to [d][8], values widened),
+// the accumulators in memory.
+template <typename T>
+MOELORA_AVX2 void Avx2T(const PagedAttentionArgs& a, float* scratch) {
+  constexpr int64_t kKeys = 8;
+  const int64_t nv = a.rows * a.heads, d = a.d, bs = a.block_size, chunks = d / 8;
+  float* mx = scratch;
+  float* l = mx + nv;
+  float* acc = l + nv;
+  float* kt = acc + nv * d;  // [d][8]
+  float* vf = kt + d * 16;   // [8][d]
+  std::fill(mx, mx + nv, kNegInf);
+  std::fill(l, l + nv, 0.0f);
+  std::fill(acc, acc + nv * d, 0.0f);
+  const int64_t last = a.pos0 + a.rows - 1;
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.pos0 - a.window + 1) : 0;
+  const T* K = static_cast<const T*>(a.k);
+  const T* V = static_cast<const T*>(a.v);
+  const __m256 sv = _mm256_set1_ps(a.scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b = first / bs; b <= last / bs; ++b) {
+    const T* kb = K + a.blocks[b] * a.block_stride;
+    const T* vb = V + a.blocks[b] * a.block_stride;
+    for (int64_t sub = 0; sub < bs; sub += kKeys) {
+      const int64_t p0 = b * bs + sub, cnt = std::min(kKeys, bs - sub);
+      if (p0 > last) break;
+      if (p0 + cnt - 1 < first) continue;
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m256 r[8];
+        for (int64_t t = 0; t < 8; ++t) {
+          r[t] = t < cnt ? avx2::Load8(kb + (sub + t) * a.row_stride + 8 * c) : _mm256_setzero_ps();
+        }
+        avx2::Transpose8(r);
+        for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (8 * c + i) * 8, r[i]);
+      }
+      for (int64_t t = 0; t < cnt; ++t) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          _mm256_storeu_ps(vf + t * d + 8 * c, avx2::Load8(vb + (sub + t) * a.row_stride + 8 * c));
+        }
+      }
+      for (int64_t i = 0; i < a.rows; ++i) {
+        const int64_t qpos = a.pos0 + i;
+        const int64_t lo = a.window > 0 ? qpos - a.window + 1 : 0;
+        const int64_t j0 = std::max(p0, lo) - p0, j1 = std::min(p0 + cnt - 1, qpos) - p0;
+        if (j0 > j1) continue;
+        const __m256 valid = _mm256_castsi256_ps(_mm256_andnot_si256(
+            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j0)), lane),
+                            _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(j1)))),
+            _mm256_set1_epi32(-1)));
+        for (int64_t h = 0; h < a.heads; ++h) {
+          const int64_t u = i * a.heads + h;
+          const float* q = a.q + i * a.q_row_stride + h * a.q_head_stride;
+          __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+          int64_t c = 0;
+          for (; c + 2 <= d; c += 2) {
+            s0 = _mm256_fmadd_ps(_mm256_set1_ps(q[c]), _mm256_loadu_ps(kt + c * 8), s0);
+            s1 = _mm256_fmadd_ps(_mm256_set1_ps(q[c + 1]), _mm256_loadu_ps(kt + (c + 1) * 8), s1);
+          }
+          const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(kNegInf),
+                                            _mm256_mul_ps(_mm256_add_ps(s0, s1), sv), valid);
+          const float m = std::max(mx[u], avx2::Max8(s));
+          const float corr = std::exp(mx[u] - m);
+          const __m256 p = _mm256_and_ps(valid, avx2::Exp8(_mm256_sub_ps(s, _mm256_set1_ps(m))));
+          l[u] = l[u] * corr + avx2::Sum8(p);
+          mx[u] = m;
+          alignas(32) float pj[8];
+          _mm256_store_ps(pj, p);
+          float* o = acc + u * d;
+          const __m256 cv = _mm256_set1_ps(corr);
+          for (int64_t k = 0; k < chunks; ++k) {
+            __m256 ov = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * k), cv);
+            for (int64_t t = j0; t <= j1; ++t) {
+              ov = _mm256_fmadd_ps(_mm256_set1_ps(pj[t]), _mm256_loadu_ps(vf + t * d + 8 * k), ov);
+            }
+            _mm256_storeu_ps(o + 8 * k, ov);
+          }
+        }
+      }
+    }
+  }
+  Finish(a, mx, l, acc);
+}
+
+bool Avx2Available(int64_t d) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && d > 0 && d % 8 == 0 && d <= 256;
+}
+
 }  // namespace
+
+bool PagedAttentionAvx2(const PagedAttentionArgs& a, float* scratch) {
+  if (!Avx2Available(a.d)) return false;
+  if (a.kv_bf16) {
+    Avx2T<uint16_t>(a, scratch);
+  } else {
+    Avx2T<float>(a, scratch);
+  }
+  return true;
+}
 
 int64_t PagedAttentionScratchFloats(const PagedAttentionArgs& a) {
   return a.rows * a.heads * (a.d + 2) + 2 * 16 * a.d;  // the vector path's key and value chunk
@@ -229,7 +328,10 @@ void PagedAttentionPortable(const PagedAttentionArgs& a, float* scratch) {
 }
 
 void PagedAttention(const PagedAttentionArgs& a, float* scratch) {
-  if (!PagedAttentionVectorized(a.d)) return PagedAttentionPortable(a, scratch);
+  if (!PagedAttentionVectorized(a.d)) {
+    if (!PagedAttentionAvx2(a, scratch)) PagedAttentionPortable(a, scratch);
+    return;
+  }
   if (a.kv_bf16) {
     VectorT<uint16_t>(a, scratch);
   } else {

@@ -103,14 +103,16 @@ void Check(const Case& c) {
   a.out_row_stride = c.heads * c.d;
   a.out_head_stride = c.d;
   std::vector<float> scratch(PagedAttentionScratchFloats(a));
-  for (bool portable : {true, false}) {
-    SCOPED_TRACE(portable ? "portable" : "dispatched");
+  for (int path = 0; path < 3; ++path) {
+    SCOPED_TRACE(path == 0 ? "portable" : path == 1 ? "dispatched" : "avx2");
     std::vector<float> out(q.size(), NAN);
     a.out = out.data();
-    if (portable) {
+    if (path == 0) {
       PagedAttentionPortable(a, scratch.data());
-    } else {
+    } else if (path == 1) {
       PagedAttention(a, scratch.data());
+    } else if (!PagedAttentionAvx2(a, scratch.data())) {
+      continue;  // no AVX2 here, or a head size it does not take
     }
     double worst = 0;
     for (size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::fabs(out[i] - want[i]));
@@ -160,6 +162,11 @@ TEST(PagedAttentionTest, OneKeyGivesItsValue) {
   a.out_row_stride = a.out_head_stride = d;
   PagedAttention(a, scratch.data());
   for (int64_t i = 0; i < d; ++i) EXPECT_FLOAT_EQ(out[i], v[i]);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    std::fill(out.begin(), out.end(), 0.0f);
+    ASSERT_TRUE(PagedAttentionAvx2(a, scratch.data()));
+    for (int64_t i = 0; i < d; ++i) EXPECT_FLOAT_EQ(out[i], v[i]);
+  }
 }
 
 // The batched twin (what the CUDA kernel is checked against) equals the per-task kernel: two
