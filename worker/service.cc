@@ -176,6 +176,7 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
     }
     return ToGrpc(out.status());
   }
+  const EngineInfo info = e->Info();  // after the steps: what runs now, the cache's blocks
   int batch_tokens = 0;
   double seconds = 0;
   int preempted = 0;
@@ -202,7 +203,7 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
       // The sequences still running after this step: the next step's tokens (or, after the
       // last, the engine's count).
       const int running =
-          i + 1 < out->size() ? static_cast<int>((*out)[i + 1].tokens.size()) : e->Info().running;
+          i + 1 < out->size() ? static_cast<int>((*out)[i + 1].tokens.size()) : info.running;
       metrics_->StepDone(o.batch_tokens, o.distinct_adapters, o.seconds,
                          static_cast<int>(o.tokens.size()), running);
     }
@@ -215,11 +216,8 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   resp->set_prefix_cache_queries(prefix_queries);
   resp->set_prefix_cache_hits(prefix_hits);
   if (!out->empty()) resp->set_kv_free_blocks(out->back().kv_free_blocks);
-  {
-    const EngineInfo info = e->Info();
-    metrics_->KvCache(info.num_blocks, info.free_blocks, info.block_size, preempted, prefix_queries,
-                      prefix_hits);
-  }
+  metrics_->KvCache(info.num_blocks, info.free_blocks, info.block_size, preempted, prefix_queries,
+                    prefix_hits);
   return grpc::Status::OK;
 }
 
