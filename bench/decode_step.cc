@@ -8,7 +8,7 @@
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
-//               [--ab-attention-row-prefetch 1] [--ab-row-stream-nta 1]
+//               [--ab-row-stream-nta 1]
 //
 // Models: the committed tiny fixture (H=24, E=4 top-2, 2 layers; adapters from tests/data); a
 // medium synthetic Qwen3-MoE written to a temp dir (H=1024, E=32 top-8, I=512, 4 layers, 16 heads
@@ -30,8 +30,6 @@
 // (SkinnyRowStreamPrefetchBytes) and BYTES (0: none at 1-2 x rows, one row at 3-8).
 // --ab-row-stream-far-prefetch BYTES: the same, between the CPU's second prefetch for f32 weights
 // at 5-8 x rows (SkinnyRowStreamFarPrefetchBytes, into L2) and BYTES (0: none).
-// --ab-attention-row-prefetch 1: the same, between the decode attention's whole-row prefetch for
-// the other KV heads (SetDecodeAttentionRowPrefetch) on and off.
 // --ab-row-stream-nta 1: the same, between the row streams' prefetches with the non-temporal hint
 // and with the L1 / L2 ones (SetSkinnyRowStreamNonTemporal).
 #include <ATen/ATen.h>
@@ -52,7 +50,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
-#include "kernels/decode_attention.h"
 #include "kernels/skinny_gemm.h"
 #include "tests/testing/adapter_builder.h"
 #include "worker/checkpoint.h"
@@ -464,20 +461,18 @@ struct RunFlags {
   int ab_rows = 0;            // --ab-row-stream-rows
   int64_t ab_prefetch = -1;   // --ab-row-stream-prefetch
   int64_t ab_far = -1;        // --ab-row-stream-far-prefetch
-  bool ab_attention = false;  // --ab-attention-row-prefetch
   bool ab_nta = false;        // --ab-row-stream-nta
 };
 
 // How many --ab-* flags were given (one at most).
 int AbFlags(const RunFlags& f) {
   return f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) +
-         f.ab_attention + f.ab_nta;
+         f.ab_nta;
 }
 
 // For the --ab-* flag given: side(0) sets what the even steps run, side(1) the odd ones, side(-1)
 // the default again.
 std::function<void(int)> AbSide(const RunFlags& f) {
-  if (f.ab_attention) return [](int side) { SetDecodeAttentionRowPrefetch(side != 1); };
   if (f.ab_nta)
     return [](int side) { SetSkinnyRowStreamNonTemporal(side == 0 ? 1 : side == 1 ? 0 : -1); };
   if (f.ab_prefetch >= 0) {
@@ -552,12 +547,6 @@ void Run(const std::string& label, const std::string& model,
           "%.3f (%zu pairs)\n",
           label.c_str(), b_size, Median(ab[0]) * 1e3, Median(ab[1]) * 1e3, Median(ratios),
           ratios.size());
-    } else if (f.ab_attention) {
-      std::printf(
-          "%-7s batch %3d  (a) steps alternating: the attention's whole-row prefetch on %.3f ms, "
-          "off %.3f ms (medians), median ratio of neighbouring steps %.3f (%zu pairs)\n",
-          label.c_str(), b_size, Median(ab[0]) * 1e3, Median(ab[1]) * 1e3, Median(ratios),
-          ratios.size());
     } else if (f.ab_prefetch >= 0 || f.ab_far >= 0) {
       const bool far = f.ab_prefetch < 0;
       std::printf(
@@ -600,7 +589,7 @@ int main(int argc, char** argv) {
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
       "[--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES] "
-      "[--ab-attention-row-prefetch 1] [--ab-row-stream-nta 1]\n";
+      "[--ab-row-stream-nta 1]\n";
   if (argc == 2) {
     std::printf("%s", usage);
     return std::string(argv[1]) == "--help" ? 0 : 2;
@@ -627,8 +616,6 @@ int main(int argc, char** argv) {
       f.prefill_len = std::atoi(v.c_str());
     } else if (flag == "--ab-row-streams") {
       f.ab_row_streams = v != "0";
-    } else if (flag == "--ab-attention-row-prefetch") {
-      f.ab_attention = v != "0";
     } else if (flag == "--ab-row-stream-nta") {
       f.ab_nta = v != "0";
     } else if (flag == "--ab-row-stream-rows") {

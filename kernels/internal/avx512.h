@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the hand-written CPU kernels (elementwise.cc, decode_attention.cc,
+// AVX-512 helpers shared by the hand-written CPU kernels (elementwise.cc, paged_attention.cc,
 // sgmv.cc, skinny_gemm.cc, amx_gemm.cc): bf16 widening, exp, the horizontal sums of 16 vectors at
 // once, and the target macros. Functions marked MOELORA_AVX512F / MOELORA_AVX512 are compiled for
 // those sets whatever the build's -march, so callers must check the CPU first. Internal to
