@@ -458,16 +458,15 @@ struct RunFlags {
   std::string device = "cpu", dtype = "float32";
   int prefill_len = 512;
   bool ab_row_streams = false;
-  int ab_rows = 0;            // --ab-row-stream-rows
-  int64_t ab_prefetch = -1;   // --ab-row-stream-prefetch
-  int64_t ab_far = -1;        // --ab-row-stream-far-prefetch
-  bool ab_nta = false;        // --ab-row-stream-nta
+  int ab_rows = 0;           // --ab-row-stream-rows
+  int64_t ab_prefetch = -1;  // --ab-row-stream-prefetch
+  int64_t ab_far = -1;       // --ab-row-stream-far-prefetch
+  bool ab_nta = false;       // --ab-row-stream-nta
 };
 
 // How many --ab-* flags were given (one at most).
 int AbFlags(const RunFlags& f) {
-  return f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) +
-         f.ab_nta;
+  return f.ab_row_streams + (f.ab_rows > 0) + (f.ab_prefetch >= 0) + (f.ab_far >= 0) + f.ab_nta;
 }
 
 // For the --ab-* flag given: side(0) sets what the even steps run, side(1) the odd ones, side(-1)
