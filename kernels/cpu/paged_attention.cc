@@ -153,15 +153,17 @@ MOELORA_AVX512F void VectorT(const PagedAttentionArgs& a, float* scratch) {
       if (p0 > last) break;
       if (p0 + cnt - 1 < first) continue;
       // Keys transposed and values widened, 16 rows (missing rows as zeros).
+      // Rows past the last query's position are not read (not written yet; masked anyway).
+      const int64_t rows = std::min(cnt, last - p0 + 1);
       for (int64_t c = 0; c < chunks; ++c) {
         __m512 r[16];
         for (int64_t t = 0; t < 16; ++t) {
-          r[t] = t < cnt ? Load16(kb + (sub + t) * a.row_stride + 16 * c) : _mm512_setzero_ps();
+          r[t] = t < rows ? Load16(kb + (sub + t) * a.row_stride + 16 * c) : _mm512_setzero_ps();
         }
         avx512::Transpose16(r);
         for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * 16, r[i]);
       }
-      for (int64_t t = 0; t < cnt; ++t) {
+      for (int64_t t = 0; t < rows; ++t) {
         for (int64_t c = 0; c < chunks; ++c) {
           _mm512_storeu_ps(vf + t * d + 16 * c, Load16(vb + (sub + t) * a.row_stride + 16 * c));
         }
@@ -237,15 +239,17 @@ MOELORA_AVX2 void Avx2T(const PagedAttentionArgs& a, float* scratch) {
       const int64_t p0 = b * bs + sub, cnt = std::min(kKeys, bs - sub);
       if (p0 > last) break;
       if (p0 + cnt - 1 < first) continue;
+      const int64_t rows = std::min(cnt, last - p0 + 1);  // as in VectorT
       for (int64_t c = 0; c < chunks; ++c) {
         __m256 r[8];
         for (int64_t t = 0; t < 8; ++t) {
-          r[t] = t < cnt ? avx2::Load8(kb + (sub + t) * a.row_stride + 8 * c) : _mm256_setzero_ps();
+          r[t] =
+              t < rows ? avx2::Load8(kb + (sub + t) * a.row_stride + 8 * c) : _mm256_setzero_ps();
         }
         avx2::Transpose8(r);
         for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (8 * c + i) * 8, r[i]);
       }
-      for (int64_t t = 0; t < cnt; ++t) {
+      for (int64_t t = 0; t < rows; ++t) {
         for (int64_t c = 0; c < chunks; ++c) {
           _mm256_storeu_ps(vf + t * d + 8 * c, avx2::Load8(vb + (sub + t) * a.row_stride + 8 * c));
         }
