@@ -167,9 +167,18 @@ void Scheduler::Loop() {
       }
       // Deferred unloads whose last request has finished (calls the workers: no lock held).
       adapters_->RunDeferredUnloads();
-      const v1::WorkerInfoResponse info = group_->info();
-      kv_blocks_ = info.num_blocks();
-      kv_block_size_ = info.block_size();
+      // The workers' KV cache, for admission: read (a copy of their Info) only while requests
+      // wait to be admitted.
+      bool waiting;
+      {
+        MutexLock lock(&mu_);
+        waiting = !pending_.empty();
+      }
+      if (waiting) {
+        const v1::WorkerInfoResponse info = group_->info();
+        kv_blocks_ = info.num_blocks();
+        kv_block_size_ = info.block_size();
+      }
       {
         MutexLock lock(&mu_);
         if (!serving_()) continue;

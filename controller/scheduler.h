@@ -80,7 +80,7 @@ class Scheduler {
   const int decode_steps_;
   const bool call_ahead_;
   const int max_loras_;
-  // The workers' KV cache, from their Info at each pass (the loop thread only).
+  // The workers' KV cache, from their Info when requests wait (the loop thread only).
   int64_t kv_blocks_ = 0;
   int64_t kv_block_size_ = 0;
   AdapterManager* const adapters_;

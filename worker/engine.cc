@@ -167,7 +167,6 @@ struct Engine::Impl {
     std::vector<int32_t> feed;
     size_t fed = 0;
     bool recompute = false;
-    std::vector<int32_t> sampled;      // every token sampled so far
     std::vector<int32_t> history;      // the token at each position: the prompt, then sampled
     std::vector<float> prompt_logits;  // return_prompt_logits: collected over the chunks
     bool Prefilling() const { return fed < feed.size(); }
@@ -585,9 +584,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     Impl::Sequence& v = m.running[j];
     // Recomputed from the start: the prompt and every token sampled, the last of which (the
     // pending one) is fed last, so the next sample is the one its decode step would have made.
-    std::vector<int32_t> feed = v.spec.prompt;
-    feed.insert(feed.end(), v.sampled.begin(), v.sampled.end());
-    v.feed = std::move(feed);
+    v.feed = v.history;
     v.fed = 0;
     v.recompute = true;
     v.state = m.model->NewState();  // frees its blocks
@@ -660,6 +657,9 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     // one gives its blocks back (each sequence fits the cache alone: checked at admission).
     size_t j = victim(0);
     if (m.running[j].state.blocks.empty()) {
+      // Unreachable while admission checks each sequence against the whole cache; should it
+      // happen, drop the batch as a failed forward does, so no sequence is left behind here.
+      m.running.clear();
       return absl::InternalError("the KV cache is full and no sequence holds a block");
     }
     preempt(j);
@@ -740,7 +740,6 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     if (s.spec.return_logprobs) t.logprob = logprobs[k];
     if (s.spec.return_logits) t.logits.assign(r, r + vocab);
     s.pending = t.token;
-    s.sampled.push_back(t.token);
     s.history.push_back(t.token);
     ++s.generated;
     const auto& stop = s.spec.stop_token_ids;
