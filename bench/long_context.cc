@@ -201,8 +201,9 @@ void Preempt(const Flags& f) {
   const int64_t bytes = blocks * 2 * block * layers * kvh * hd * (f.dtype == "bfloat16" ? 2 : 4);
   testing::TempDir state;
   std::vector<std::string> flags = BaseFlags(f, n + max_new + 64);
+  // Without prefix caching: each prompt's run alone below recomputes it.
   flags.insert(flags.end(), {"--kv-cache-memory-bytes", std::to_string(bytes), "--max-num-seqs",
-                             std::to_string(C)});
+                             std::to_string(C), "--noenable-prefix-caching"});
   testing::ControllerProcess c(state.path(), f.model, flags, f.model);
   if (!c.WaitServing()) {
     std::printf("controller did not serve:\n%s\n", c.Log().c_str());

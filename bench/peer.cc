@@ -3,7 +3,7 @@
 //
 //   peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
 //        [--new-tokens 32] [--threads 2] [--decode-steps 4] [--call-ahead 1] [--repeat 3]
-//        [--quick] [--reuse-peer] [--prefill-waves N]
+//        [--quick] [--reuse-peer] [--prefill-waves N] [--llama-cpp]
 //
 // PY (default .cache/peer-venv/bin/python, made by tools/peer_venv.sh) runs tools/peer_bench.py:
 // `make` writes the model, a 2D and a 3D rank-16 adapter and 32 prompts of 16 tokens into DIR
@@ -37,6 +37,12 @@
 // --prefill-waves N: per batch, after the warm-up, N base prefill waves in a row, with their mean
 // time and the worker steps each took (a wave in more than one step was split by the controller's
 // batch window).
+// --llama-cpp: llama.cpp as a second peer (tools/llama_cpp_peer.sh builds it from the PyPI
+// llama-cpp-python sdist and converts the model with its convert_hf_to_gguf.py into DIR's
+// llama-<type>.gguf): per batch, right after moelora's runs, llama-batched-bench's decode tokens/s
+// (-npp 16 -ntg NEW -npl BATCH) against moelora's base decode (batch / its decode step); and
+// llama.cpp's greedy continuations of the prompts (tools/llama_greedy.cc) against moelora's base
+// outputs (reported; f32 against f32, bf16 against bf16).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -55,6 +61,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -77,7 +84,7 @@ double Sec(Clock::duration d) { return std::chrono::duration<double>(d).count();
 constexpr const char* kUsage =
     "usage: peer [--python PY] [--dir DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]\n"
     "            [--new-tokens 32] [--threads 2] [--decode-steps 4] [--call-ahead 1] [--repeat 3]\n"
-    "            [--quick] [--reuse-peer] [--prefill-waves N]\n";
+    "            [--quick] [--reuse-peer] [--prefill-waves N] [--llama-cpp]\n";
 
 // Read bandwidth of `threads` threads summing a 1 GiB buffer (best of 5): what a decode step
 // that streams its weights once can reach at most. Two buffers, allocated and written once: one
@@ -371,6 +378,73 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
   return true;
 }
 
+// The standard output of `cmd` (its exit status must be 0), or "" with a message.
+std::string Capture(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return "";
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  if (pclose(p) != 0) {
+    std::fprintf(stderr, "failed: %s\n", cmd.c_str());
+    return "";
+  }
+  return out;
+}
+
+// llama.cpp as a peer: its binaries' directory and a model converted per dtype.
+struct LlamaPeer {
+  std::string bin;  // holds llama-batched-bench and llama_greedy
+  int threads = 2;
+  // The GGUF of `dt` for `dir`'s model, converted once.
+  std::string Gguf(const std::string& src, const std::string& dir, const std::string& dt) const {
+    const std::string type = dt == "float32" ? "f32" : "bf16";
+    const std::string out = absl::StrCat(dir, "/llama-", type, ".gguf");
+    if (std::filesystem::exists(out)) return out;
+    std::printf("converting for llama.cpp: %s\n", out.c_str());
+    std::fflush(stdout);
+    const std::string got = Capture(absl::StrCat("bash ", src, "/tools/llama_cpp_peer.sh convert ",
+                                                 dir, "/model ", out, " ", type));
+    return got.empty() ? "" : out;
+  }
+  // llama-batched-bench's decode tokens/s for `batch` sequences of 16-token prompts; 0 on error.
+  double DecodeTokS(const std::string& gguf, int batch, int new_tokens) const {
+    const std::string out = Capture(
+        absl::StrCat(bin, "/llama-batched-bench -m ", gguf, " -c ", batch * (16 + new_tokens) + 64,
+                     " -b 2048 -ub 512 -npp 16 -ntg ", new_tokens, " -npl ", batch, " -t ", threads,
+                     " -tb ", threads, " --output-format jsonl 2>/dev/null"));
+    for (absl::string_view line : absl::StrSplit(out, '\n')) {
+      if (!absl::StartsWith(line, "{")) continue;
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.contains("speed_tg")) return j["speed_tg"].get<double>();
+    }
+    return 0;
+  }
+  // Greedy continuations of `prompts`, `new_tokens` each.
+  std::vector<std::vector<int32_t>> Greedy(const std::string& gguf,
+                                           const std::vector<std::vector<int32_t>>& prompts,
+                                           int new_tokens) const {
+    testing::TempDir tmp;
+    const std::string in = tmp.path() + "/prompts.txt";
+    {
+      std::ofstream f(in);
+      for (const auto& p : prompts) f << absl::StrJoin(p, " ") << "\n";
+    }
+    const std::string out = Capture(absl::StrCat(bin, "/llama_greedy ", gguf, " ", new_tokens, " ",
+                                                 threads, " < ", in, " 2>/dev/null"));
+    std::vector<std::vector<int32_t>> r;
+    for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+      std::vector<int32_t> toks;
+      for (absl::string_view t : absl::StrSplit(line, ' ', absl::SkipEmpty())) {
+        int32_t v = 0;
+        if (absl::SimpleAtoi(t, &v)) toks.push_back(v);
+      }
+      r.push_back(toks);
+    }
+    return r;
+  }
+};
+
 int Matches(const std::vector<std::vector<int32_t>>& a, const nlohmann::json& b) {
   int n = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
@@ -393,6 +467,7 @@ int main(int argc, char** argv) {
   int prefill_waves = 0;
   int repeat = 3;
   bool reuse_peer = false;
+  bool llama_cpp = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto value = [&]() -> std::string {
@@ -425,6 +500,8 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(value().c_str()));
     } else if (f == "--reuse-peer") {
       reuse_peer = true;
+    } else if (f == "--llama-cpp") {
+      llama_cpp = true;
     } else if (f == "--prefill-waves") {
       prefill_waves = std::atoi(value().c_str());
     } else if (f == "--quick") {
@@ -478,6 +555,15 @@ int main(int argc, char** argv) {
     return std::max(bw_small, bw_huge);
   };
   bool outputs_ok = true;
+  LlamaPeer llama;
+  llama.threads = threads;
+  if (llama_cpp) {
+    const std::string bench = Capture(absl::StrCat("bash ", src, "/tools/llama_cpp_peer.sh build"));
+    if (bench.empty()) return 1;
+    llama.bin = std::filesystem::path(std::string(absl::StripTrailingAsciiWhitespace(bench)))
+                    .parent_path()
+                    .string();
+  }
   // One run of the peer (tools/peer_bench.py run) into DIR/peer_<dt>_<tag>.json, read back into
   // `into` (its "torch" and its cases merged); with --reuse-peer, an earlier run's file if there.
   auto run_peer = [&](const std::string& dt, const std::string& cases, const std::string& bs,
@@ -526,9 +612,11 @@ int main(int argc, char** argv) {
     // by round (RunMoelora), so that the two sides and the bound see the same stretch of the VM
     // (its speed moves by 10-30 % over minutes; one side's whole run after the other's put
     // minutes between a batch's two figures). The controller idles while the peer runs.
-    std::vector<std::string> rows;
+    std::vector<std::string> rows, llama_rows;
     std::map<int, Side> base;
     std::vector<std::string> extra;
+    const std::string gguf = llama_cpp ? llama.Gguf(src, dir, dt) : "";
+    if (llama_cpp && gguf.empty()) return 1;
     for (int b : batches) {
       if (!run_peer(dt, "base", std::to_string(b), absl::StrCat("base_", b), &peer)) return 1;
       const double bw = read_bandwidth(dt, b);
@@ -598,6 +686,11 @@ int main(int argc, char** argv) {
                                        m, b));
         if (cs == "base") {
           base[b] = s;
+          if (llama_cpp) {
+            const double theirs = llama.DecodeTokS(gguf, b, new_tokens);
+            llama_rows.push_back(absl::StrFormat("| %d | %.0f | %.0f | %.2f |\n", b, b / step,
+                                                 theirs, theirs > 0 ? b / step / theirs : 0.0));
+          }
           // The bound from the probes just before and just after the wave the step comes from
           // (their mean): the VM's read rate moves within seconds (28-58 GB/s within a minute on
           // the Zen 4 VM), so the probe before the batch, seconds earlier, can catch a moment the
@@ -664,6 +757,27 @@ int main(int argc, char** argv) {
         peer["torch"].get<std::string>().c_str());
     for (const auto& r : rows) std::printf("%s", r.c_str());
     for (const auto& e : extra) std::printf("  %s\n", e.c_str());
+    if (llama_cpp) {
+      std::printf(
+          "\n%s, llama.cpp (llama-batched-bench -npp 16 -ntg %d, %d threads): decode tokens/s\n"
+          "| batch | moelora (batch / decode step) | llama.cpp | ratio |\n|---|---|---|---|\n",
+          dt.c_str(), new_tokens, threads);
+      for (const auto& r : llama_rows) std::printf("%s", r.c_str());
+      // Greedy continuations of the largest batch's prompts, against moelora's base outputs.
+      const int n = max_batch;
+      const Side& ours = base[n];
+      const auto theirs = llama.Greedy(
+          gguf, std::vector<std::vector<int32_t>>(prompts.begin(), prompts.begin() + n),
+          new_tokens);
+      int same = 0;
+      for (int i = 0; i < n && i < static_cast<int>(theirs.size()) &&
+                      i < static_cast<int>(ours.outputs.size());
+           ++i) {
+        same += ours.outputs[i] == theirs[i];
+      }
+      std::printf("greedy outputs identical to llama.cpp's (%s both): %d/%d\n", dt.c_str(), same,
+                  n);
+    }
   }
   if (!outputs_ok) {
     std::fprintf(stderr, "FAIL: an f32 greedy output differs from transformers'\n");

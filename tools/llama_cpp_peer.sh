@@ -2,7 +2,9 @@
 # llama.cpp as a peer for bench/long_context: built from the source vendored in the PyPI
 # `llama-cpp-python` sdist (pinned below), in a cached directory, and a model converted to GGUF by
 # llama.cpp's own convert_hf_to_gguf.py. Test-only: the product never runs llama.cpp or Python.
-#   tools/llama_cpp_peer.sh build [DIR]             builds llama-bench; prints its path
+#   tools/llama_cpp_peer.sh build [DIR]             builds llama-bench, llama-batched-bench and
+#                                                   tools/llama_greedy.cc; prints llama-bench's path
+#                                                   (the others lie beside it)
 #   tools/llama_cpp_peer.sh convert MODEL OUT TYPE  writes OUT (.gguf, TYPE f32|bf16); prints it
 # DIR defaults to .cache/llama-cpp. Needs cmake and a C++ compiler; convert needs the peer venv
 # (tools/peer_venv.sh: torch, transformers, numpy).
@@ -29,6 +31,14 @@ case "${1:-}" in
       cmake -S "$SRC" -B "$D/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON >&2
       cmake --build "$D/build" -j"$(nproc)" --target llama-bench >&2
+    fi
+    if [ ! -x "$D/build/bin/llama-batched-bench" ]; then
+      cmake --build "$D/build" -j"$(nproc)" --target llama-batched-bench >&2
+    fi
+    if [ ! -x "$D/build/bin/llama_greedy" ] || [ tools/llama_greedy.cc -nt "$D/build/bin/llama_greedy" ]; then
+      BIN="$(cd "$D/build/bin" && pwd)"
+      c++ -O2 -std=c++17 tools/llama_greedy.cc -I"$SRC/include" -I"$SRC/ggml/include" \
+        -L"$BIN" -lllama -lggml -lggml-base -Wl,-rpath,"$BIN" -o "$D/build/bin/llama_greedy" >&2
     fi
     echo "$(cd "$D/build/bin" && pwd)/llama-bench"
     ;;

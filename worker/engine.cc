@@ -277,6 +277,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   // No more blocks than --max-num-seqs sequences of max_model_len tokens can hold.
   ko.max_blocks = static_cast<int64_t>(o.max_num_seqs) *
                   ((impl->max_model_len + o.block_size - 1) / o.block_size);
+  ko.max_model_len = impl->max_model_len;
+  ko.max_num_seqs = o.max_num_seqs;
+  ko.max_num_batched_tokens = o.max_num_batched_tokens;
   CausalLM* model = impl->model.get();
   MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
   impl->kv = model->kv_cache();
@@ -284,6 +287,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   LOG(INFO) << "KV cache: " << impl->kv->num_blocks() << " blocks of " << o.block_size
             << " tokens, " << impl->kv->bytes_per_block() << " bytes each ("
             << impl->kv->num_blocks() * impl->kv->bytes_per_block() << " bytes reserved)";
+  if (impl->kv->window_blocks() > 0) {
+    LOG(INFO) << "KV cache, sliding-window layers: " << impl->kv->window_blocks() << " blocks ("
+              << impl->kv->window_bytes() << " bytes of the budget)";
+  }
+  if (impl->kv->state_entries() > 0) {
+    LOG(INFO) << "Recurrent state: " << impl->kv->state_entries() << " entries of "
+              << impl->kv->state_bytes_per_entry() << " bytes ("
+              << impl->kv->state_entries() * impl->kv->state_bytes_per_entry()
+              << " bytes reserved beside the budget)";
+  }
   for (int s = 0; s < o.max_loras; ++s) impl->free_slots.insert(s);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -594,7 +607,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   // The latest admitted sequence holding blocks, after `after` (or `after` itself).
   auto victim = [&](size_t after) {
     for (size_t j = nrun; j-- > after + 1;) {
-      if (!m.running[j].state.blocks.empty()) return j;
+      if (m.running[j].state.table.Holds()) return j;
     }
     return after;
   };
@@ -606,7 +619,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       Impl::Sequence& s = m.running[i];
       if (s.Prefilling() || take[i] > 0) continue;
       bool self = false;
-      while (!m.kv->Reserve(s.state.blocks, s.state.len + 1)) {
+      while (!m.kv->Reserve(s.state.table, s.state.len + 1)) {
         const size_t j = victim(i);
         preempt(j);
         if (j == i) {
@@ -630,23 +643,23 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     for (size_t i = 0; i < nrun && budget > 0; ++i) {
       Impl::Sequence& s = m.running[i];
       if (!s.Prefilling() || take[i] > 0) continue;
-      if (m.prefix_caching && s.fed == 0 && s.state.blocks.empty() &&
+      if (m.prefix_caching && s.fed == 0 && !s.state.table.Holds() &&
           !(s.spec.return_prompt_logits && !s.recompute)) {
         // Blocks of a prefix computed before under the same adapter: not computed again.
-        const int64_t hit =
-            m.kv->Match(s.spec.adapter_id, s.feed, s.state.blocks, s.state.block_hashes);
+        const int64_t hit = m.kv->Match(s.spec.adapter_id, s.feed, s.state.table);
         s.state.len = hit;
         s.fed = static_cast<size_t>(hit);
         out.prefix_queries += static_cast<int64_t>(s.feed.size());
         out.prefix_hits += hit;
       }
       const int64_t fits =
-          (static_cast<int64_t>(s.state.blocks.size()) + m.kv->free_blocks()) * m.kv->block_size() -
+          (static_cast<int64_t>(s.state.table.blocks.size()) + m.kv->free_blocks()) *
+              m.kv->block_size() -
           s.state.len;
       const int64_t n =
           std::min<int64_t>({static_cast<int64_t>(s.feed.size() - s.fed), budget, fits});
       if (n <= 0) break;  // later sequences wait for this one's blocks
-      if (!m.kv->Reserve(s.state.blocks, s.state.len + n)) break;
+      if (!m.kv->Reserve(s.state.table, s.state.len + n)) break;
       take[i] = n;
       budget -= n;
     }
@@ -656,7 +669,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     // Nothing could run: every block is held by prompts still being read. The latest admitted
     // one gives its blocks back (each sequence fits the cache alone: checked at admission).
     size_t j = victim(0);
-    if (m.running[j].state.blocks.empty()) {
+    if (!m.running[j].state.table.Holds()) {
       // Unreachable while admission checks each sequence against the whole cache; should it
       // happen, drop the batch as a failed forward does, so no sequence is left behind here.
       m.running.clear();
@@ -754,14 +767,13 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   }
   out.batch_tokens = static_cast<int>(b.tokens.size());
   out.distinct_adapters = static_cast<int>(distinct.size());
-  if (m.prefix_caching) {
+  for (size_t k = 0; k < in_batch.size(); ++k) {
+    Impl::Sequence& s = m.running[in_batch[k]];
     // The full blocks this step completed become findable (before finished sequences release
-    // theirs, which then stay cached until evicted).
-    for (size_t k = 0; k < in_batch.size(); ++k) {
-      Impl::Sequence& s = m.running[in_batch[k]];
-      m.kv->Publish(s.spec.adapter_id, s.history, s.state.len, s.state.blocks,
-                    s.state.block_hashes);
-    }
+    // theirs, which then stay cached until evicted), then the sliding-window blocks no later
+    // query sees go back.
+    if (m.prefix_caching) m.kv->Publish(s.spec.adapter_id, s.history, s.state.len, s.state.table);
+    m.kv->Trim(s.state.table, s.state.len);
   }
   for (auto it = m.running.begin(); it != m.running.end();) {
     it = finished.count(it->spec.id) ? m.running.erase(it) : std::next(it);

@@ -190,10 +190,16 @@ namespace {
 // (each tile reads its keys once for all its rows), a decode row alone.
 constexpr int64_t kQueryTile = 32;
 
+// The table a layer reads: its sliding-window one or the full-attention one.
+const std::vector<int32_t>& TableOf(const ForwardBatch::Seq& s, bool windowed) {
+  return windowed ? s.state->table.window_blocks : s.state->table.blocks;
+}
+
 // Writes the step's new keys and values (k, v: [T, hkv, d], contiguous) into each sequence's
 // blocks at positions len .. len + count - 1.
+
 void WriteKv(const at::Tensor& k, const at::Tensor& v, const ForwardBatch& b, const at::Tensor& kp,
-             const at::Tensor& vp, int64_t bs) {
+             const at::Tensor& vp, int64_t bs, bool windowed) {
   const int64_t hkv = k.size(1), d = k.size(2);
   if (kp.device().is_cpu()) {
     const size_t row = static_cast<size_t>(hkv * d) * k.element_size();
@@ -204,7 +210,7 @@ void WriteKv(const at::Tensor& k, const at::Tensor& v, const ForwardBatch& b, co
     for (const auto& seq : b.seqs) {
       for (int64_t i = 0; i < seq.count; ++i) {
         const int64_t pos = seq.state->len + i;
-        const int64_t at = seq.state->blocks[pos / bs] * bs + pos % bs;
+        const int64_t at = TableOf(seq, windowed)[pos / bs] * bs + pos % bs;
         std::memcpy(K + at * row, ks + (seq.begin + i) * row, row);
         std::memcpy(V + at * row, vs + (seq.begin + i) * row, row);
       }
@@ -215,7 +221,7 @@ void WriteKv(const at::Tensor& k, const at::Tensor& v, const ForwardBatch& b, co
   for (const auto& seq : b.seqs) {
     for (int64_t i = 0; i < seq.count; ++i) {
       const int64_t pos = seq.state->len + i;
-      rows.push_back(seq.state->blocks[pos / bs] * bs + pos % bs);
+      rows.push_back(TableOf(seq, windowed)[pos / bs] * bs + pos % bs);
     }
   }
   at::Tensor idx =
@@ -228,7 +234,7 @@ void WriteKv(const at::Tensor& k, const at::Tensor& v, const ForwardBatch& b, co
 // f32 contiguous; returns [T, hq, d] f32.
 at::Tensor PagedAttentionCpu(const at::Tensor& q, const ForwardBatch& b, const at::Tensor& kp,
                              const at::Tensor& vp, int64_t bs, int64_t hkv, int64_t window,
-                             double scale, const float* sinks) {
+                             bool windowed, double scale, const float* sinks) {
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), groups = hq / hkv;
   at::Tensor out = at::empty({T, hq, d}, q.options());
   struct Task {
@@ -266,7 +272,7 @@ at::Tensor PagedAttentionCpu(const at::Tensor& q, const ForwardBatch& b, const a
       a.d = d;
       a.pos0 = t.seq->state->len + t.row0;
       a.window = window;
-      a.blocks = t.seq->state->blocks.data();
+      a.blocks = TableOf(*t.seq, windowed).data();
       a.block_size = bs;
       a.k = K + t.g * d * elem;
       a.v = V + t.g * d * elem;
@@ -289,17 +295,18 @@ at::Tensor PagedAttentionCpu(const at::Tensor& q, const ForwardBatch& b, const a
 // tables, each row's sequence and position uploaded per call). q [T, hq, d] f32 on the device.
 absl::StatusOr<at::Tensor> PagedAttentionDevice(const at::Tensor& q, const ForwardBatch& b,
                                                 const at::Tensor& kp, const at::Tensor& vp,
-                                                int64_t bs, int64_t window, double scale,
-                                                const at::Tensor& sinks) {
+                                                int64_t bs, int64_t window, bool windowed,
+                                                double scale, const at::Tensor& sinks) {
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = kp.size(2);
   size_t max_blocks = 1;
-  for (const auto& seq : b.seqs) max_blocks = std::max(max_blocks, seq.state->blocks.size());
+  for (const auto& seq : b.seqs) max_blocks = std::max(max_blocks, TableOf(seq, windowed).size());
   std::vector<int32_t> tables(b.seqs.size() * max_blocks, 0), seq_of_row(T);
   std::vector<int64_t> pos_of_row(T);
   for (size_t i = 0; i < b.seqs.size(); ++i) {
     const auto& seq = b.seqs[i];
-    std::copy(seq.state->blocks.begin(), seq.state->blocks.end(),
-              tables.begin() + static_cast<int64_t>(i * max_blocks));
+    // Given-back sliding-window blocks (-1) lie before every row's window: never read.
+    const std::vector<int32_t>& t = TableOf(seq, windowed);
+    std::copy(t.begin(), t.end(), tables.begin() + static_cast<int64_t>(i * max_blocks));
     for (int64_t r = 0; r < seq.count; ++r) {
       seq_of_row[seq.begin + r] = static_cast<int32_t>(i);
       pos_of_row[seq.begin + r] = seq.state->len + r;
@@ -339,26 +346,30 @@ absl::StatusOr<at::Tensor> PagedAttentionDevice(const at::Tensor& q, const Forwa
 constexpr int64_t kAtenQueryChunk = 256;
 
 at::Tensor PagedAttentionAten(const at::Tensor& q, const ForwardBatch& b, const at::Tensor& kp,
-                              const at::Tensor& vp, int64_t W, double scale,
-                              const at::Tensor& sinks, at::ScalarType dtype) {
+                              const at::Tensor& vp, int64_t bs, int64_t W, bool windowed,
+                              double scale, const at::Tensor& sinks, at::ScalarType dtype) {
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2), hkv = kp.size(2);
   const int64_t groups = hq / hkv;
   at::Tensor attn = at::empty({T, hq * d}, q.options().dtype(dtype));
   const auto lopt = at::TensorOptions().dtype(at::kLong).device(q.device());
   for (const auto& seq : b.seqs) {
     const int64_t past = seq.state->len, total = past + seq.count;
-    std::vector<int64_t> ids(seq.state->blocks.begin(), seq.state->blocks.end());
+    // From the block of the first key any of its queries sees (given-back sliding-window blocks
+    // lie before it).
+    const int64_t b0 = (W > 0 ? std::max<int64_t>(0, past - W + 1) : 0) / bs;
+    const std::vector<int32_t>& t = TableOf(seq, windowed);
+    std::vector<int64_t> ids(t.begin() + b0, t.end());
     at::Tensor idx =
         at::from_blob(ids.data(), {static_cast<int64_t>(ids.size())}, at::kLong).to(q.device());
-    at::Tensor kc = kp.index_select(0, idx).view({-1, hkv, d}).narrow(0, 0, total);
-    at::Tensor vc = vp.index_select(0, idx).view({-1, hkv, d}).narrow(0, 0, total);
+    at::Tensor kc = kp.index_select(0, idx).view({-1, hkv, d}).narrow(0, 0, total - b0 * bs);
+    at::Tensor vc = vp.index_select(0, idx).view({-1, hkv, d}).narrow(0, 0, total - b0 * bs);
     for (int64_t c0 = 0; c0 < seq.count; c0 += kAtenQueryChunk) {
       const int64_t n = std::min(kAtenQueryChunk, seq.count - c0);
       const int64_t first = past + c0, last = first + n - 1;
       // Keys a query can see: causal, and with a window only positions > p - W.
       const int64_t k0 = W > 0 ? std::max<int64_t>(0, first - W + 1) : 0;
-      at::Tensor K = kc.narrow(0, k0, last + 1 - k0).permute({1, 0, 2}).to(dtype);
-      at::Tensor Vv = vc.narrow(0, k0, last + 1 - k0).permute({1, 0, 2}).to(dtype);
+      at::Tensor K = kc.narrow(0, k0 - b0 * bs, last + 1 - k0).permute({1, 0, 2}).to(dtype);
+      at::Tensor Vv = vc.narrow(0, k0 - b0 * bs, last + 1 - k0).permute({1, 0, 2}).to(dtype);
       if (groups > 1) {
         K = K.repeat_interleave(groups, 0);
         Vv = Vv.repeat_interleave(groups, 0);
@@ -623,7 +634,9 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
   const at::Tensor& kp = kv->k(layer);
   const at::Tensor& vp = kv->v(layer);
   const int64_t bs = kv->block_size();
-  WriteKv(k.contiguous().to(kp.scalar_type()), v.contiguous().to(kp.scalar_type()), b, kp, vp, bs);
+  const bool windowed = kv->windowed(layer);
+  WriteKv(k.contiguous().to(kp.scalar_type()), v.contiguous().to(kp.scalar_type()), b, kp, vp, bs,
+          windowed);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   at::Tensor attn;
   if (h.device().is_cpu() &&
@@ -631,16 +644,17 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
     at::Tensor sk = sinks_.defined() ? sinks_.to(at::kFloat).contiguous() : at::Tensor();
     at::Tensor o =
         PagedAttentionCpu(q.to(at::kFloat).contiguous(), b, kp, vp, bs, hkv, spec_.sliding_window,
-                          scale, sk.defined() ? sk.data_ptr<float>() : nullptr);
+                          windowed, scale, sk.defined() ? sk.data_ptr<float>() : nullptr);
     attn = o.view({T, hq * d}).to(h.scalar_type());
   } else if (h.device().is_cuda() && d <= 256 &&
              (kp.scalar_type() == at::kFloat || kp.scalar_type() == at::kBFloat16)) {
     MOELORA_ASSIGN_OR_RETURN(at::Tensor o,
                              PagedAttentionDevice(q.to(at::kFloat).contiguous(), b, kp, vp, bs,
-                                                  spec_.sliding_window, scale, sinks_));
+                                                  spec_.sliding_window, windowed, scale, sinks_));
     attn = o.view({T, hq * d}).to(h.scalar_type());
   } else {
-    attn = PagedAttentionAten(q, b, kp, vp, spec_.sliding_window, scale, sinks_, h.scalar_type());
+    attn = PagedAttentionAten(q, b, kp, vp, bs, spec_.sliding_window, windowed, scale, sinks_,
+                              h.scalar_type());
   }
   if (spec_.output_gate) attn = attn * at::sigmoid(gate);
   if (g_) {

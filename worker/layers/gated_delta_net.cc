@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace moelora {
@@ -92,7 +93,7 @@ absl::StatusOr<at::Tensor> GatedDeltaNet::Forward(const at::Tensor& h, const For
                                                   int layer, const LoraBatch& lb) {
   const int64_t T = h.size(0), nk = spec_.num_key_heads, nv = spec_.num_value_heads,
                 dk = spec_.key_head_dim, dv = spec_.value_head_dim, K = spec_.conv_kernel;
-  const int64_t kd = nk * dk, vd = nv * dv, C = 2 * kd + vd;
+  const int64_t kd = nk * dk, vd = nv * dv;
   MOELORA_ASSIGN_OR_RETURN(at::Tensor qkv, in_qkv_->Forward(h, lb));  // [T, C]
   MOELORA_ASSIGN_OR_RETURN(at::Tensor z, in_z_->Forward(h, lb));      // [T, vd]
   MOELORA_ASSIGN_OR_RETURN(at::Tensor bb, in_b_->Forward(h, lb));     // [T, nv]
@@ -100,18 +101,19 @@ absl::StatusOr<at::Tensor> GatedDeltaNet::Forward(const at::Tensor& h, const For
   at::Tensor beta_all = at::sigmoid(bb).to(at::kFloat);
   at::Tensor g_all = a_neg_exp_ * at::softplus(aa.to(at::kFloat) + dt_bias_);
   at::Tensor y = at::empty({T, vd}, h.options());
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(h.device());
   const int64_t rep = nv / nk;
   for (const auto& seq : b.seqs) {
-    LayerState& st = seq.state->layers[layer];
-    const int64_t n = seq.count;
-    if (!st.conv.defined()) {
-      st.conv = at::zeros({K - 1, C}, h.options());
-      st.ssm = at::zeros({nv, dk, dv}, f32);
+    const KvCache* kv = seq.state->kv;
+    if (kv == nullptr || seq.state->table.state < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "linear-attention layer ", layer, ": the sequence has no recurrent-state entry"));
     }
+    at::Tensor conv_state = kv->conv(layer, seq.state->table.state);  // views into the pool
+    at::Tensor ssm = kv->ssm(layer, seq.state->table.state);
+    const int64_t n = seq.count;
     // Causal depthwise conv over [the last K - 1 inputs | the new ones], then SiLU.
-    at::Tensor xcat = at::cat({st.conv, qkv.narrow(0, seq.begin, n)}, 0);  // [K - 1 + n, C]
-    st.conv = xcat.narrow(0, n, K - 1).clone();
+    at::Tensor xcat = at::cat({conv_state, qkv.narrow(0, seq.begin, n)}, 0);  // [K - 1 + n, C]
+    conv_state.copy_(xcat.narrow(0, n, K - 1));
     at::Tensor conv = (xcat.to(at::kFloat).unfold(0, K, 1) * conv_w_.unsqueeze(0)).sum(-1);
     conv = at::silu(conv).to(h.scalar_type()).to(at::kFloat);  // [n, C]
     at::Tensor q = conv.narrow(1, 0, kd).view({n, nk, dk});
@@ -132,8 +134,9 @@ absl::StatusOr<at::Tensor> GatedDeltaNet::Forward(const at::Tensor& h, const For
     at::Tensor beta = beta_all.narrow(0, seq.begin, n).t().contiguous();
     const bool chunked = spec_.form == GatedDeltaNetSpec::Form::kChunked ||
                          (spec_.form == GatedDeltaNetSpec::Form::kAuto && n > 1);
-    at::Tensor o =
-        chunked ? Chunked(q, k, v, g, beta, st.ssm) : Recurrent(q, k, v, g, beta, st.ssm);
+    at::Tensor S = ssm;  // Recurrent updates it in place; Chunked computes a new one
+    at::Tensor o = chunked ? Chunked(q, k, v, g, beta, S) : Recurrent(q, k, v, g, beta, S);
+    if (!S.is_same(ssm)) ssm.copy_(S);
     // Gated RMSNorm per value head (norm before gate), as transformers computes it.
     at::Tensor of = o.permute({1, 0, 2}).to(h.scalar_type()).to(at::kFloat);  // [n, nv, dv]
     of = of * at::rsqrt(of.pow(2).mean(-1, true) + spec_.eps);

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/layers/linear.h"
@@ -43,10 +44,20 @@ class GatedDeltaNet {
                 std::unique_ptr<LoraLinear> in_a, std::unique_ptr<LoraLinear> out,
                 at::Tensor conv_weight, at::Tensor dt_bias, at::Tensor a_log, at::Tensor norm);
 
-  // h [T, H] (normalised); advances state.layers[layer] of each sequence.
+  // h [T, H] (normalised); advances each sequence's state of this layer (its entry in the KV
+  // cache's recurrent-state pool, reserved before the step).
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& h, const ForwardBatch& b,
                                                    int layer, const LoraBatch& lb);
   void set_form(GatedDeltaNetSpec::Form f) { spec_.form = f; }
+  // A sequence's state on this rank: the last K - 1 pre-conv inputs [K - 1, channels] (model
+  // dtype) and S per value head [value_heads, dk, dv] (f32).
+  std::vector<int64_t> conv_shape() const {
+    return {spec_.conv_kernel - 1, 2 * spec_.num_key_heads * spec_.key_head_dim +
+                                       spec_.num_value_heads * spec_.value_head_dim};
+  }
+  std::vector<int64_t> ssm_shape() const {
+    return {spec_.num_value_heads, spec_.key_head_dim, spec_.value_head_dim};
+  }
 
   LoraLinear* in_qkv() { return in_qkv_.get(); }
   LoraLinear* in_z() { return in_z_.get(); }

@@ -46,26 +46,24 @@ at::Device CausalLM::device() const {
 
 SeqState& SeqState::operator=(SeqState&& o) noexcept {
   if (this == &o) return *this;
-  if (kv != nullptr) kv->Release(blocks);
-  layers = std::move(o.layers);
+  if (kv != nullptr) kv->Release(table);
   len = o.len;
-  blocks = std::move(o.blocks);
-  block_hashes = std::move(o.block_hashes);
+  table = std::move(o.table);
   kv = o.kv;
-  o.blocks.clear();
+  o.table = KvTable();
   o.kv = nullptr;
   o.len = 0;
   return *this;
 }
 
 SeqState::~SeqState() {
-  if (kv != nullptr) kv->Release(blocks);
+  if (kv != nullptr) kv->Release(table);
 }
 
 absl::Status CausalLM::InitKvCache(const KvCacheOptions& o) {
   if (kv_ != nullptr) return absl::FailedPreconditionError("the KV cache exists already");
-  MOELORA_ASSIGN_OR_RETURN(kv_,
-                           KvCache::Create(KvShapes(), num_layers_, o, options_.dtype, device()));
+  MOELORA_ASSIGN_OR_RETURN(
+      kv_, KvCache::Create(KvShapes(), StateShapes(), num_layers_, o, options_.dtype, device()));
   return absl::OkStatus();
 }
 
@@ -75,11 +73,10 @@ SeqState CausalLM::NewState() {
     KvCacheOptions o;
     o.memory_bytes = int64_t{256} << 20;
     absl::StatusOr<std::unique_ptr<KvCache>> c =
-        KvCache::Create(KvShapes(), num_layers_, o, options_.dtype, device());
+        KvCache::Create(KvShapes(), StateShapes(), num_layers_, o, options_.dtype, device());
     if (c.ok()) kv_ = std::move(*c);
   }
   SeqState s;
-  s.layers.resize(num_layers_);
   s.kv = kv_.get();
   return s;
 }

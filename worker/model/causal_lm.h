@@ -61,14 +61,8 @@ struct ModelOptions {
   bool dummy_weights = false;
 };
 
-// One layer's part of a sequence's state on this rank, for linear-attention layers: the conv
-// window and the SSM state (attention layers keep their keys and values in the KV cache's blocks).
-struct LayerState {
-  at::Tensor conv, ssm;  // recurrent: [channels_local, K - 1], [heads_local, dk, dv] (f32)
-};
-
-// A sequence's state: one LayerState per decoder layer, the tokens seen so far, and its block
-// table in the KV cache (released when the state goes).
+// A sequence's state on this rank: the tokens computed so far and what it holds in the KV
+// cache (blocks, recurrent-state entry), given back when the state goes.
 struct SeqState {
   SeqState() = default;
   SeqState(SeqState&& o) noexcept { *this = std::move(o); }
@@ -77,10 +71,8 @@ struct SeqState {
   SeqState& operator=(const SeqState&) = delete;
   ~SeqState();
 
-  std::vector<LayerState> layers;
   int64_t len = 0;
-  std::vector<int32_t> blocks;         // KV cache blocks: positions b · block_size .. in blocks[b]
-  std::vector<uint64_t> block_hashes;  // prefix-cache keys of its leading full blocks
+  KvTable table;
   KvCache* kv = nullptr;
 };
 
@@ -107,18 +99,21 @@ class CausalLM {
   // (all_logits) or the last one. Advances each sequence's state by its new tokens.
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
 
-  // A fresh per-sequence state (no KV blocks, zero recurrent state). Creates a KV cache with
-  // the default options when InitKvCache was not called.
+  // A fresh per-sequence state (nothing held; the first forward reserves it blocks and a zeroed
+  // recurrent state). Creates a KV cache with the default options when InitKvCache was not
+  // called.
   SeqState NewState();
 
-  // The KV cache: one pool for this rank's attention layers (worker/model/kv_cache.h). The
-  // engine calls this once, after the load; FAILED_PRECONDITION when a cache exists.
+  // The KV cache: this rank's attention pools and recurrent-state pool
+  // (worker/model/kv_cache.h). The engine calls this once, after the load; FAILED_PRECONDITION
+  // when a cache exists.
   [[nodiscard]] absl::Status InitKvCache(const KvCacheOptions& o);
   KvCache* kv_cache() { return kv_.get(); }
   // This rank's attention layers and their K/V shapes.
   virtual std::vector<KvLayerShape> KvShapes() const { return {}; }
-  // Whether some layer keeps a recurrent state (Gated DeltaNet) beside the KV cache.
-  bool has_recurrent_layers() const { return static_cast<int>(KvShapes().size()) < num_layers_; }
+  // This rank's recurrent layers (Gated DeltaNet) and their state shapes.
+  virtual std::vector<StateLayerShape> StateShapes() const { return {}; }
+  bool has_recurrent_layers() const { return !StateShapes().empty(); }
 
   // Copies `adapter` (TP-sliced) into `slot`, replacing what was there (on kCuda: a host image of
   // the slot, uploaded through pinned staging buffers). Checks first and changes nothing on
@@ -174,7 +169,7 @@ class CausalLM {
   AdapterFormat wrapper_ = AdapterFormat::k2D;
   AdapterFormat native_ = AdapterFormat::k2D;
   std::vector<std::string> skipped_;
-  int num_layers_ = 0;  // SeqState::layers size
+  int num_layers_ = 0;
   std::unique_ptr<KvCache> kv_;
 
  private:

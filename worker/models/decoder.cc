@@ -25,12 +25,15 @@ namespace moelora {
   for (const auto& s : b.seqs) {
     // The blocks for the new tokens' keys and values (the engine reserves them before the step;
     // direct callers get them here).
-    if (s.state->kv != nullptr && !s.state->kv->Reserve(s.state->blocks, s.state->len + s.count)) {
+    KvCache* kv = s.state->kv;
+    if (kv == nullptr) continue;
+    kv->Trim(s.state->table, s.state->len);
+    if (!kv->Reserve(s.state->table, s.state->len + s.count)) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "the KV cache has ", s.state->kv->free_blocks(), " free blocks of ",
-          s.state->kv->block_size(), " tokens; a sequence of ", s.state->len + s.count,
-          " tokens needs ", s.state->kv->BlocksFor(s.state->len + s.count) - s.state->blocks.size(),
-          " more"));
+          "the KV cache has ", kv->free_blocks(), " free blocks of ", kv->block_size(), " tokens (",
+          kv->window_free_blocks(), " for sliding-window layers) and ", kv->state_entries(),
+          " recurrent-state entries; a sequence of ", s.state->len + s.count, " tokens needs ",
+          kv->BlocksFor(s.state->len + s.count) - s.state->table.blocks.size(), " more blocks"));
     }
   }
   StepInputs in;
@@ -96,7 +99,17 @@ std::vector<KvLayerShape> DecoderModel::KvShapes() const {
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (!layers_[l].attn) continue;
     const AttentionSpec& a = layers_[l].attn->spec();
-    v.push_back({static_cast<int>(l), a.kv_heads, a.head_dim});
+    v.push_back({static_cast<int>(l), a.kv_heads, a.head_dim, a.sliding_window});
+  }
+  return v;
+}
+
+std::vector<StateLayerShape> DecoderModel::StateShapes() const {
+  std::vector<StateLayerShape> v;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (layers_[l].gdn) {
+      v.push_back({static_cast<int>(l), layers_[l].gdn->conv_shape(), layers_[l].gdn->ssm_shape()});
+    }
   }
   return v;
 }

@@ -73,6 +73,7 @@ class DecoderModel : public CausalLM {
  public:
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) final;
   std::vector<KvLayerShape> KvShapes() const final;
+  std::vector<StateLayerShape> StateShapes() const final;
 
  protected:
   LmEnds ends_;

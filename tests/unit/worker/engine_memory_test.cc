@@ -22,30 +22,34 @@ TEST(KvCacheTest, ReserveTakesWholeBlocksAndReleaseGivesThemBack) {
   o.block_size = 4;
   o.memory_bytes = 1 << 20;
   o.max_blocks = 5;
-  auto c = KvCache::Create({{1, 2, 8}}, 3, o, at::kFloat, at::kCPU);
+  auto c = KvCache::Create({{1, 2, 8}}, {}, 3, o, at::kFloat, at::kCPU);
   ASSERT_OK(c);
   KvCache& kv = **c;
   EXPECT_EQ(kv.num_blocks(), 5);
   EXPECT_EQ(kv.bytes_per_block(), 2 * 4 * 2 * 8 * 4);
+  EXPECT_EQ(kv.window_blocks(), 0);
+  EXPECT_EQ(kv.state_entries(), 0);
   EXPECT_FALSE(kv.k(0).defined());
   EXPECT_EQ(kv.k(1).sizes(), (std::vector<int64_t>{5, 4, 2, 8}));
-  std::vector<int32_t> a, b;
+  KvTable a, b;
   ASSERT_TRUE(kv.Reserve(a, 9));  // 3 blocks
-  EXPECT_EQ(a.size(), 3u);
+  EXPECT_EQ(a.blocks.size(), 3u);
+  EXPECT_TRUE(a.window_blocks.empty());
+  EXPECT_EQ(a.state, -1);
   ASSERT_TRUE(kv.Reserve(a, 12));  // still 3
   EXPECT_EQ(kv.free_blocks(), 2);
   EXPECT_FALSE(kv.Reserve(b, 13));  // 4 blocks: refused, nothing taken
-  EXPECT_TRUE(b.empty());
+  EXPECT_FALSE(b.Holds());
   EXPECT_EQ(kv.free_blocks(), 2);
   ASSERT_TRUE(kv.Reserve(b, 8));
   EXPECT_EQ(kv.free_blocks(), 0);
   kv.Release(a);
-  EXPECT_TRUE(a.empty());
+  EXPECT_FALSE(a.Holds());
   EXPECT_EQ(kv.free_blocks(), 3);
   // A budget below one block is refused, naming what a block takes.
   o.memory_bytes = 100;
   o.max_blocks = 0;
-  auto none = KvCache::Create({{1, 2, 8}}, 3, o, at::kFloat, at::kCPU);
+  auto none = KvCache::Create({{1, 2, 8}}, {}, 3, o, at::kFloat, at::kCPU);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(none.status().message().find("512 bytes"), std::string::npos) << none.status();
 }
@@ -54,42 +58,153 @@ TEST(KvCacheTest, PrefixBlocksAreSharedUnderTheSameAdapterAndEvictedLeastRecentl
   KvCacheOptions o;
   o.block_size = 2;
   o.max_blocks = 4;
-  auto c = KvCache::Create({{0, 1, 4}}, 1, o, at::kFloat, at::kCPU);
+  auto c = KvCache::Create({{0, 1, 4}}, {}, 1, o, at::kFloat, at::kCPU);
   ASSERT_OK(c);
   KvCache& kv = **c;
   const std::vector<int32_t> tokens = {5, 6, 7, 8, 9};
-  std::vector<int32_t> a;
-  std::vector<uint64_t> ha;
+  KvTable a;
   ASSERT_TRUE(kv.Reserve(a, 5));  // 3 blocks
-  kv.Publish(/*adapter=*/1, tokens, 5, a, ha);
-  EXPECT_EQ(ha.size(), 2u);  // the two full blocks
+  kv.Publish(/*adapter=*/1, tokens, 5, a);
+  EXPECT_EQ(a.hashes.size(), 2u);  // the two full blocks
   // Another sequence with the same prompt and adapter shares them (one token left to compute);
   // under another adapter, or with another token, nothing matches.
-  std::vector<int32_t> b, other;
-  std::vector<uint64_t> hb, ho;
-  EXPECT_EQ(kv.Match(2, tokens, other, ho), 0);
-  EXPECT_EQ(kv.Match(1, {5, 6, 7, 0, 9}, other, ho), 2);
+  KvTable b, other;
+  EXPECT_EQ(kv.Match(2, tokens, other), 0);
+  EXPECT_EQ(kv.Match(1, {5, 6, 7, 0, 9}, other), 2);
   kv.Release(other);
-  ho.clear();
-  EXPECT_EQ(kv.Match(1, tokens, b, hb), 4);
-  EXPECT_EQ(b, std::vector<int32_t>(a.begin(), a.begin() + 2));
-  EXPECT_EQ(hb, ha);
+  EXPECT_EQ(kv.Match(1, tokens, b), 4);
+  EXPECT_EQ(b.blocks, std::vector<int32_t>(a.blocks.begin(), a.blocks.begin() + 2));
+  EXPECT_EQ(b.hashes, a.hashes);
   EXPECT_EQ(kv.free_blocks(), 1);
   // Released by both, the cached blocks count as free and stay findable until taken.
   kv.Release(a);
   kv.Release(b);
   EXPECT_EQ(kv.free_blocks(), 4);
-  std::vector<int32_t> c1;
-  std::vector<uint64_t> h1;
-  EXPECT_EQ(kv.Match(1, tokens, c1, h1), 4);
+  KvTable c1;
+  EXPECT_EQ(kv.Match(1, tokens, c1), 4);
   kv.Release(c1);
   // Taking all four blocks evicts them; the prefix is gone.
-  std::vector<int32_t> all;
+  KvTable all;
   ASSERT_TRUE(kv.Reserve(all, 8));
   kv.Release(all);
-  std::vector<int32_t> d;
-  std::vector<uint64_t> hd;
-  EXPECT_EQ(kv.Match(1, tokens, d, hd), 0);
+  KvTable d;
+  EXPECT_EQ(kv.Match(1, tokens, d), 0);
+}
+
+// Sliding-window layers have their own pool, sized for --max-num-seqs sequences and one step's
+// tokens out of the budget; a sequence gives back the blocks that left the window, so however
+// long it grows it holds a few of them, and its full-attention blocks grow as before.
+TEST(KvCacheTest, SlidingWindowBlocksThatLeaveTheWindowGoBack) {
+  KvCacheOptions o;
+  o.block_size = 4;
+  o.max_num_seqs = 2;
+  o.max_num_batched_tokens = 8;
+  const int64_t full_bytes = 2 * 4 * 1 * 8 * 4;  // one layer, 1 KV head of 8, f32
+  // Window 6: per sequence ceil(6 / 4) + 3 = 5 blocks, and 8 / 4 for the step's tokens.
+  const int64_t window_blocks = 2 * 5 + 2;
+  o.memory_bytes = window_blocks * full_bytes + 10 * full_bytes;
+  auto c = KvCache::Create({{0, 1, 8, /*window=*/6}, {1, 1, 8}}, {}, 2, o, at::kFloat, at::kCPU);
+  ASSERT_OK(c);
+  KvCache& kv = **c;
+  EXPECT_EQ(kv.window_blocks(), window_blocks);
+  EXPECT_EQ(kv.num_blocks(), 10);  // what the window pool left of the budget
+  EXPECT_EQ(kv.bytes_per_block(), full_bytes);
+  EXPECT_TRUE(kv.windowed(0));
+  EXPECT_FALSE(kv.windowed(1));
+  EXPECT_EQ(kv.k(0).size(0), window_blocks);
+  EXPECT_EQ(kv.k(1).size(0), 10);
+  KvTable t;
+  for (int64_t len = 0; len < 36; ++len) {  // decode one token at a time
+    kv.Trim(t, len);
+    ASSERT_TRUE(kv.Reserve(t, len + 1)) << len;
+    // A query at `len` sees positions len - 5 .. len: their blocks are held, no block before.
+    const int64_t first = std::max<int64_t>(0, len - 5) / 4;
+    for (int64_t b = 0; b < static_cast<int64_t>(t.window_blocks.size()); ++b) {
+      EXPECT_EQ(t.window_blocks[b] >= 0, b >= first) << "len " << len << " block " << b;
+    }
+  }
+  EXPECT_EQ(t.blocks.size(), 9u);  // full attention: every position
+  EXPECT_LE(kv.window_blocks() - kv.window_free_blocks(), 3);
+  // A budget that holds the window pool but no full-attention block is refused, naming both.
+  o.memory_bytes = window_blocks * full_bytes + full_bytes - 1;
+  auto none = KvCache::Create({{0, 1, 8, 6}, {1, 1, 8}}, {}, 2, o, at::kFloat, at::kCPU);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().message().find("sliding-window layers' 12 blocks"), std::string::npos)
+      << none.status();
+  // A window as long as the longest sequence is full attention.
+  o.memory_bytes = 1 << 20;
+  o.max_model_len = 6;
+  auto whole = KvCache::Create({{0, 1, 8, 6}, {1, 1, 8}}, {}, 2, o, at::kFloat, at::kCPU);
+  ASSERT_OK(whole);
+  EXPECT_FALSE((*whole)->windowed(0));
+  EXPECT_EQ((*whole)->window_blocks(), 0);
+}
+
+// A prefix is reused for sliding-window layers only as far as their blocks within the window
+// before the first token to compute are cached too.
+TEST(KvCacheTest, PrefixMatchNeedsTheWindowBlocksBeforeIt) {
+  KvCacheOptions o;
+  o.block_size = 2;
+  o.max_blocks = 64;
+  o.max_num_seqs = 2;
+  o.max_num_batched_tokens = 16;
+  std::vector<int32_t> tokens(11);
+  for (int i = 0; i < 11; ++i) tokens[i] = 100 + i;
+  const std::vector<int32_t> nine(tokens.begin(), tokens.begin() + 9);
+  for (bool publish_first : {true, false}) {
+    SCOPED_TRACE(publish_first ? "published, then trimmed" : "trimmed, then published");
+    auto c = KvCache::Create({{0, 1, 4, /*window=*/3}, {1, 1, 4}}, {}, 2, o, at::kFloat, at::kCPU);
+    ASSERT_OK(c);
+    KvCache& kv = **c;
+    KvTable a;
+    ASSERT_TRUE(kv.Reserve(a, 11));
+    if (publish_first) kv.Publish(1, tokens, 11, a);
+    kv.Trim(a, 11);  // positions before 9 left the window: blocks 0 .. 3 go back
+    if (!publish_first) kv.Publish(1, tokens, 11, a);  // only block 4 is still there to cache
+    EXPECT_EQ(a.window_blocks[3], -1);
+    ASSERT_GE(a.window_blocks[4], 0);
+    // The whole prompt: 5 blocks; the window of the query at 10 needs block 4 (positions 8, 9).
+    KvTable b;
+    EXPECT_EQ(kv.Match(1, tokens, b), 10);
+    EXPECT_EQ(b.blocks.size(), 5u);
+    ASSERT_EQ(b.window_blocks.size(), 5u);
+    EXPECT_EQ(b.window_blocks[3], -1);
+    EXPECT_EQ(b.window_blocks[4], a.window_blocks[4]);
+    kv.Release(b);
+    // Nine tokens: 4 full blocks are cached, and the query at 8 needs block 3 (positions 6, 7),
+    // cached only if it was published before it went back.
+    KvTable d;
+    EXPECT_EQ(kv.Match(1, nine, d), publish_first ? 8 : 0);
+    EXPECT_EQ(d.Holds(), publish_first);
+    kv.Release(d);
+    kv.Release(a);
+    EXPECT_EQ(kv.window_free_blocks(), kv.window_blocks());
+  }
+}
+
+// Recurrent layers: one zeroed entry per sequence from a pool of --max-num-seqs.
+TEST(KvCacheTest, RecurrentStateEntriesComeFromAFixedPool) {
+  KvCacheOptions o;
+  o.max_num_seqs = 2;
+  auto c = KvCache::Create({{1, 1, 4}}, {{0, {3, 5}, {2, 4, 4}}}, 2, o, at::kFloat, at::kCPU);
+  ASSERT_OK(c);
+  KvCache& kv = **c;
+  EXPECT_EQ(kv.state_entries(), 2);
+  EXPECT_EQ(kv.state_bytes_per_entry(), (3 * 5 + 2 * 4 * 4) * 4);
+  KvTable a, b, x;
+  ASSERT_TRUE(kv.Reserve(a, 1));
+  ASSERT_TRUE(kv.Reserve(b, 1));
+  EXPECT_NE(a.state, b.state);
+  EXPECT_EQ(kv.conv(0, a.state).sizes(), (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(kv.ssm(0, a.state).sizes(), (std::vector<int64_t>{2, 4, 4}));
+  EXPECT_FALSE(kv.Reserve(x, 1));  // no entry left: refused, nothing taken
+  EXPECT_FALSE(x.Holds());
+  kv.ssm(0, a.state).fill_(7);
+  const int32_t was = a.state;
+  kv.Release(a);
+  ASSERT_TRUE(kv.Reserve(x, 1));
+  EXPECT_EQ(x.state, was);
+  EXPECT_EQ(kv.ssm(0, x.state).abs().sum().item<float>(), 0);  // zeroed when taken
 }
 
 std::unique_ptr<EngineHolder> MakeEngineWith(const std::string& model,
@@ -112,6 +227,7 @@ struct Outcome {
   std::map<int64_t, std::vector<float>> prompt_logits;
   int preempted = 0;
   int steps = 0;
+  int64_t prefix_hits = 0;
 };
 
 // Steps until every sequence has finished, collecting what each sampled.
@@ -125,6 +241,7 @@ Outcome RunToEnd(Engine& e, const std::vector<NewSequence>& add) {
     if (!out.ok()) break;
     ++r.steps;
     r.preempted += out->preempted;
+    r.prefix_hits += out->prefix_hits;
     for (const TokenOut& t : out->tokens) {
       r.tokens[t.sequence_id].push_back(t.token);
       r.logits[t.sequence_id].push_back(t.logits);
@@ -329,6 +446,40 @@ TEST(EngineMemoryTest, PrefixCacheReusesOnlyUnderTheSameAdapter) {
   auto hybrid = MakeEngineWith("qwen3_5_moe/model", [](EngineOptions&) {});
   ASSERT_NE(hybrid, nullptr);
   EXPECT_FALSE(hybrid->engine->Info().prefix_caching);
+}
+
+// Models with sliding-window layers (4-token windows over 2-token blocks: most of a long prompt's
+// window blocks go back while it is read): a prompt sharing a cached prefix reuses it, and its
+// tokens and logits are a cold engine's.
+TEST(EngineMemoryTest, PrefixCacheWithSlidingWindowLayersEqualsAColdRun) {
+  for (const char* model : {"gpt_oss_lm", "step3p5"}) {
+    SCOPED_TRACE(model);
+    auto make = [&](bool prefix) {
+      return MakeEngineWith(std::string(model) + "/model", [&](EngineOptions& o) {
+        o.block_size = 2;
+        o.max_num_seqs = 4;
+        o.max_num_batched_tokens = 8;  // the prompt in chunks: blocks go back between them
+        o.enable_prefix_caching = prefix;
+      });
+    };
+    auto warm = make(true), cold = make(false);
+    ASSERT_NE(warm, nullptr);
+    ASSERT_NE(cold, nullptr);
+    const int vocab = warm->engine->Info().vocab_size;
+    const std::vector<int32_t> prefix = Prompt(21, 4, vocab);
+    auto with = [&](int64_t id, int tail_seed) {
+      std::vector<int32_t> p = prefix;
+      for (int32_t t : Prompt(3, tail_seed, vocab)) p.push_back(t);
+      return NewSequence{.id = id, .prompt = p, .max_tokens = 5, .return_logits = true};
+    };
+    EXPECT_EQ(RunToEnd(*warm->engine, {with(1, 1)}).prefix_hits, 0);
+    const NewSequence second = with(2, 2);
+    Outcome a = RunToEnd(*warm->engine, {second}), b = RunToEnd(*cold->engine, {second});
+    EXPECT_EQ(a.prefix_hits, 20);  // 10 whole blocks of the shared 21 tokens
+    EXPECT_EQ(a.tokens[2], b.tokens[2]);
+    EXPECT_LE(Worst(a.logits[2], b.logits[2]), 5e-5);
+    EXPECT_EQ(warm->engine->Info().free_blocks, warm->engine->Info().num_blocks);
+  }
 }
 
 TEST(EngineMemoryTest, TheTokenBudgetMustCoverEveryDecode) {
