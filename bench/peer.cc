@@ -409,15 +409,17 @@ struct LlamaPeer {
   }
   // llama-batched-bench's decode tokens/s for `batch` sequences of 16-token prompts; 0 on error.
   double DecodeTokS(const std::string& gguf, int batch, int new_tokens) const {
-    const std::string out = Capture(
-        absl::StrCat(bin, "/llama-batched-bench -m ", gguf, " -c ", batch * (16 + new_tokens) + 64,
-                     " -b 2048 -ub 512 -npp 16 -ntg ", new_tokens, " -npl ", batch, " -t ", threads,
-                     " -tb ", threads, " --output-format jsonl 2>/dev/null"));
+    const std::string out = Capture(absl::StrCat(
+        bin, "/llama-batched-bench -m ", gguf, " -c ", std::max(16384, batch * (16 + new_tokens)),
+        " -b 2048 -ub 512 -npp 16 -ntg ", new_tokens, " -npl ", batch, " -t ", threads, " -tb ",
+        threads, " --output-format jsonl 2>/dev/null"));
     for (absl::string_view line : absl::StrSplit(out, '\n')) {
       if (!absl::StartsWith(line, "{")) continue;
       auto j = nlohmann::json::parse(line, nullptr, false);
       if (!j.is_discarded() && j.contains("speed_tg")) return j["speed_tg"].get<double>();
     }
+    std::fprintf(stderr, "llama-batched-bench gave no figure for batch %d:\n%s\n", batch,
+                 out.c_str());
     return 0;
   }
   // Greedy continuations of `prompts`, `new_tokens` each.
@@ -769,14 +771,25 @@ int main(int argc, char** argv) {
       const auto theirs = llama.Greedy(
           gguf, std::vector<std::vector<int32_t>>(prompts.begin(), prompts.begin() + n),
           new_tokens);
+      // Rows equal, and tokens equal up to each row's first difference (after which the two
+      // continue from different text).
       int same = 0;
+      int64_t agree = 0, total = 0;
       for (int i = 0; i < n && i < static_cast<int>(theirs.size()) &&
                       i < static_cast<int>(ours.outputs.size());
            ++i) {
-        same += ours.outputs[i] == theirs[i];
+        const auto& a = ours.outputs[i];
+        const auto& t = theirs[i];
+        same += a == t;
+        size_t k = 0;
+        while (k < a.size() && k < t.size() && a[k] == t[k]) ++k;
+        agree += static_cast<int64_t>(k);
+        total += static_cast<int64_t>(a.size());
       }
-      std::printf("greedy outputs identical to llama.cpp's (%s both): %d/%d\n", dt.c_str(), same,
-                  n);
+      std::printf(
+          "greedy outputs identical to llama.cpp's (%s both): %d/%d rows; %lld of %lld tokens "
+          "before each row's first difference\n",
+          dt.c_str(), same, n, static_cast<long long>(agree), static_cast<long long>(total));
     }
   }
   if (!outputs_ok) {

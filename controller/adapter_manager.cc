@@ -17,9 +17,9 @@
 namespace moelora {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Steady = std::chrono::steady_clock;
 
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Seconds(Steady::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // The metric label of a record's format ("2d", "3d", "dense").
 std::string FormatLabel(int proto_format) {
@@ -71,17 +71,23 @@ absl::StatusOr<int64_t> AdapterManager::Acquire(const std::string& name) {
                          : absl::StrCat(" (state ", v1::AdapterState_Name(it->second.state), ")")));
   }
   ++it->second.active;
-  it->second.last_used = Clock::now();
+  it->second.last_used = options_.clock->Now();
   return it->second.record.id;
 }
 
 void AdapterManager::Release(const std::string& name) {
-  MutexLock lock(&mu_);
-  auto it = adapters_.find(name);
-  if (it != adapters_.end()) --it->second.active;
+  bool unload_due = false;
+  {
+    MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end()) return;
+    unload_due = --it->second.active == 0 && it->second.state == v1::ADAPTER_STATE_UNLOADING;
+  }
+  // Its deferred unload runs on the scheduler's next pass, not after an idle tick.
+  if (unload_due) wake_();  // never under mu_: the scheduler's mutex comes first
 }
 
-AdapterManager::Residency AdapterManager::Admit(const std::string& name, Clock::time_point now) {
+AdapterManager::Residency AdapterManager::Admit(const std::string& name, Clock::TimePoint now) {
   MutexLock lock(&mu_);
   auto it = adapters_.find(name);
   if (it == adapters_.end()) return Residency::kGone;
@@ -117,8 +123,9 @@ void AdapterManager::RunDeferredUnloads() {
 
 void AdapterManager::ReconcileIfNeeded() {
   if (!reconcile_ || !group_->serving()) return;
-  if (Clock::now() - last_reconcile_ < std::chrono::seconds(1)) return;
-  last_reconcile_ = Clock::now();
+  const Clock::TimePoint now = options_.clock->Now();
+  if (now - last_reconcile_ < std::chrono::seconds(1)) return;
+  last_reconcile_ = now;
   Reconcile();
 }
 
@@ -150,13 +157,13 @@ absl::Status AdapterManager::StageAndCommit(const AdapterRecord& r, bool* clean)
   req.set_name(r.name);
   req.set_path(r.resolved_path);
   req.set_format(static_cast<v1::AdapterFormat>(r.requested_format));
-  const auto t0 = Clock::now();
+  const auto t0 = Steady::now();
   auto staged = group_->StageAll(req);
   if (!staged.ok()) return staged.status();  // StageAll aborted it on the ranks that staged it
   const std::string fmt = FormatLabel(r.detected_format);
   metrics_->ObserveLoad(fmt, r.converted_to_2d, staged->from_host_cache() ? "swap_in" : "stage",
-                        Seconds(Clock::now() - t0));
-  const auto t1 = Clock::now();
+                        Seconds(Steady::now() - t0));
+  const auto t1 = Steady::now();
   if (absl::Status s = group_->CommitAll(r.id); !s.ok()) {
     // Some ranks may have committed: undo everywhere. If that fails too, a rank may still hold
     // the slot: the caller counts it leaked until Reconcile() sees the workers again.
@@ -169,7 +176,7 @@ absl::Status AdapterManager::StageAndCommit(const AdapterRecord& r, bool* clean)
     }
     return s;
   }
-  metrics_->ObserveLoad(fmt, r.converted_to_2d, "commit", Seconds(Clock::now() - t1));
+  metrics_->ObserveLoad(fmt, r.converted_to_2d, "commit", Seconds(Steady::now() - t1));
   return absl::OkStatus();
 }
 
@@ -225,7 +232,7 @@ void AdapterManager::ReloadAll() {
 }
 
 absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& req) {
-  const auto t0 = Clock::now();
+  const auto t0 = Steady::now();
   auto fail = [&](absl::Status s) {
     metrics_->adapter_load_failures.Add({{"reason", Reason(s.code())}}).Increment();
     return s;
@@ -296,7 +303,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   rec.bytes = static_cast<int64_t>(a->bytes);
   rec.pinned = req.pinned();
   const std::string fmt = FormatLabel(rec.detected_format);
-  metrics_->ObserveLoad(fmt, rec.converted_to_2d, "validate", Seconds(Clock::now() - t0));
+  metrics_->ObserveLoad(fmt, rec.converted_to_2d, "validate", Seconds(Steady::now() - t0));
   absl::StatusOr<int64_t> id = registry_->Insert(rec);
   if (!id.ok()) return fail(id.status());
   rec.id = *id;
@@ -306,7 +313,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
     Entry e;
     e.record = rec;
     e.state = v1::ADAPTER_STATE_LOADING;
-    e.last_used = Clock::now();
+    e.last_used = options_.clock->Now();
     adapters_[rec.name] = e;
     reserve = slots_.TryReserve();
     UpdateGauges();
@@ -337,7 +344,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
       return fail(s);
     }
   }
-  rec.load_seconds = Seconds(Clock::now() - t0);
+  rec.load_seconds = Seconds(Steady::now() - t0);
   if (absl::Status s = registry_->Update(rec); !s.ok()) {
     // Only load_seconds changed since the insert: the record stays valid.
     LOG(WARNING) << "adapter " << rec.name << ": recording its load time failed: " << s;

@@ -26,6 +26,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "common/clock.h"
 #include "common/mutex.h"
 #include "controller/metrics.h"
 #include "controller/registry.h"
@@ -43,12 +44,13 @@ struct AdapterManagerOptions {
   int max_lora_rank = 16;
   bool mixed = false;
   ModelInfo model;  // dims for adapter validation
+  // What LRU ages and the reconcile interval are read on (load latencies, figures rather than
+  // decisions, always on the steady clock).
+  Clock* clock = Clock::Real();
 };
 
 class AdapterManager {
  public:
-  using Clock = std::chrono::steady_clock;
-
   // Takes the registry's adapters as LOADING (ReloadAll loads them once the group is ready).
   // `serving`: whether the group is ready for loads; `wake`: the scheduler has work.
   AdapterManager(AdapterManagerOptions options, Registry* registry, WorkerGroupInterface* group,
@@ -77,7 +79,7 @@ class AdapterManager {
   void Release(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   enum class Residency { kGone, kResident, kNotResident };
   // At admission: whether the adapter holds a slot (then it counts as used `now`).
-  Residency Admit(const std::string& name, Clock::time_point now) ABSL_LOCKS_EXCLUDED(mu_);
+  Residency Admit(const std::string& name, Clock::TimePoint now) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Scheduler thread, no scheduler lock held (these call the workers).
   // Adapters being unloaded whose last request has ended leave the workers and the entries.
@@ -99,7 +101,7 @@ class AdapterManager {
     bool resident = false;
     bool host_cached = false;  // in the workers' host cache (rank 0's word), while not resident
     int active = 0;            // queued or running requests
-    Clock::time_point last_used;
+    Clock::TimePoint last_used;
   };
   v1::Adapter ToProto(const Entry& e) const;
   // On failure *clean says whether every rank is back to not holding it (else its slot leaked).
@@ -130,7 +132,7 @@ class AdapterManager {
   // Adapters with a moelora_adapter_resident series.
   std::set<std::string> resident_series_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> reconcile_{false};  // a failed unload or rollback: Reconcile() next pass
-  Clock::time_point last_reconcile_{};  // scheduler thread only
+  Clock::TimePoint last_reconcile_{};   // scheduler thread only
 };
 
 }  // namespace moelora

@@ -18,6 +18,7 @@ AdapterManagerOptions ManagerOptions(const ControllerOptions& o) {
   m.max_lora_rank = o.max_lora_rank;
   m.mixed = o.mixed;
   m.model = o.model;
+  m.clock = o.clock;
   return m;
 }
 
@@ -35,7 +36,7 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
           options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
           [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms),
           std::chrono::milliseconds(options_.batch_window_max_ms), options_.decode_steps,
-          options_.call_ahead) {}
+          options_.call_ahead, options_.clock) {}
 
 Controller::~Controller() { Stop(); }
 
@@ -92,7 +93,7 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
   r->req = std::move(v->req);
   r->tokenize_seconds = v->tokenize_seconds;
   r->adapter = r->req.adapter();
-  r->arrival = std::chrono::steady_clock::now();
+  r->arrival = options_.clock->Now();
   r->deadline = deadline;
   r->seed = r->req.seed();
   if (r->seed == 0)

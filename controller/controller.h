@@ -45,6 +45,9 @@ struct ControllerOptions {
   std::shared_ptr<const tok::Tokenizer> tokenizer;
   // Added to every request's stop tokens unless it sets ignore_eos.
   std::vector<int32_t> eos_token_ids;
+  // The time the scheduler and the adapter manager decide by (common/clock.h); tests pass a
+  // simulated one.
+  Clock* clock = Clock::Real();
 };
 
 class Controller {

@@ -12,13 +12,11 @@
 namespace moelora {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Seconds(Clock::Duration d) { return std::chrono::duration<double>(d).count(); }
 
 // Why a request must leave: its deadline passed or its client cancelled (deadline first: gRPC
 // also marks a call cancelled when its deadline passes). OK when it may stay.
-absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* where) {
+absl::Status Expiry(const GenRequest& r, Clock::TimePoint now, const char* where) {
   if (now > r.deadline)
     return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
   if (r.cancelled) return absl::CancelledError("cancelled by the client");
@@ -30,12 +28,14 @@ absl::Status Expiry(const GenRequest& r, Clock::time_point now, const char* wher
 Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
                      WorkerGroupInterface* group, ControllerMetrics* metrics,
                      std::function<bool()> serving, std::chrono::milliseconds batch_window,
-                     std::chrono::milliseconds batch_window_max, int decode_steps, bool call_ahead)
+                     std::chrono::milliseconds batch_window_max, int decode_steps, bool call_ahead,
+                     Clock* clock)
     : max_num_seqs_(max_num_seqs),
       batch_window_(batch_window),
       batch_window_max_(std::max(batch_window, batch_window_max)),
       decode_steps_(std::max(decode_steps, 1)),
       call_ahead_(call_ahead),
+      clock_(clock),
       max_loras_(max_loras),
       adapters_(adapters),
       group_(group),
@@ -98,7 +98,7 @@ void Scheduler::FailAll(const absl::Status& s) {
 
 void Scheduler::Finish(const std::shared_ptr<GenRequest>& r, absl::Status s,
                        const std::string& reason) {
-  if (!r->Finish(std::move(s), reason, Clock::now())) return;
+  if (!r->Finish(std::move(s), reason, clock_->Now())) return;
   if (!r->adapter.empty()) adapters_->Release(r->adapter);
   Wake();
 }
@@ -143,7 +143,7 @@ void Scheduler::Loop() {
           return stop_ || wake_ || !pending_.empty() || !running_.empty();
         };
         // A 20 ms tick at most while idle, so deferred unloads and reconciliation still happen.
-        if (!has_work()) cv_.WaitFor(&mu_, std::chrono::milliseconds(20));
+        if (!has_work()) clock_->WaitFor(&cv_, &mu_, std::chrono::milliseconds(20));
         wake_ = false;
         if (stop_) break;
         // An idle engine waits until no request has arrived for batch_window_ (at most
@@ -154,13 +154,12 @@ void Scheduler::Loop() {
         // Never while sequences run.
         if (batch_window_.count() > 0 && running_.empty() && !pending_.empty() &&
             static_cast<int>(pending_.size()) < max_num_seqs_) {
-          Clock::time_point newest = pending_.front()->arrival;
+          Clock::TimePoint newest = pending_.front()->arrival;
           for (const auto& p : pending_) newest = std::max(newest, p->arrival);
           const auto due =
               std::min(newest + batch_window_, pending_.front()->arrival + batch_window_max_);
-          const auto now = Clock::now();
-          if (now < due) {
-            cv_.WaitFor(&mu_, due - now);
+          if (clock_->Now() < due) {
+            clock_->WaitUntil(&cv_, &mu_, due);
             continue;
           }
         }
@@ -182,7 +181,7 @@ void Scheduler::Loop() {
       {
         MutexLock lock(&mu_);
         if (!serving_()) continue;
-        const auto now = Clock::now();
+        const auto now = clock_->Now();
         for (auto it = running_.begin(); it != running_.end();) {
           const absl::Status s = Expiry(*it->second, now, "generating");
           if (!s.ok() || it->second->stop_string) {
@@ -259,8 +258,9 @@ void Scheduler::Loop() {
       // busy; nothing behind it is admitted meanwhile, so it cannot starve).
       // Not while this step still has to remove sequences from the workers: a victim's slot can
       // only be freed once no worker sequence uses it (the swap happens on the next pass).
+      bool swap_waits = false;
       if (!swap.empty() && step.remove().empty()) {
-        bool wait = false;
+        bool& wait = swap_waits;
         const absl::Status s = adapters_->SwapIn(swap, in_use, &wait);
         if (!s.ok()) {
           // The adapter is FAILED: its queued requests fail with the reason.
@@ -290,7 +290,15 @@ void Scheduler::Loop() {
         nseq = static_cast<int>(running_.size());
         queued = !pending_.empty();
       }
-      if (nseq == 0 && step.remove().empty()) continue;
+      if (nseq == 0 && step.remove().empty()) {
+        // Nothing runs and the head waits for a slot (a leaked one that reconciliation frees):
+        // look again on a tick or a Wake, not in a spin.
+        MutexLock lock(&mu_);
+        if (swap_waits && !wake_ && !stop_) {
+          clock_->WaitFor(&cv_, &mu_, std::chrono::milliseconds(20));
+        }
+        continue;
+      }
       step.set_step(++step_no_);
       // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
       // returns its first token at once, and a queued request is not held back by up to
@@ -302,7 +310,7 @@ void Scheduler::Loop() {
     // it was sent (its predecessor's answer can come back late: the worker's compute thread goes
     // straight on to this call and the answer's thread waits for a core, up to a step).
     const bool sent_ahead = call != nullptr;
-    const auto call_start = sent_ahead ? ahead_start_ : Clock::now();
+    const auto call_start = sent_ahead ? ahead_start_ : clock_->Now();
     if (!sent_ahead && ran_on_) metrics_->scheduler_gap.Observe(Seconds(call_start - last_return_));
     absl::StatusOr<v1::StepResponse> resp;
     if (call_ahead_ && step.decode_steps() > 1 && step.add().empty() && step.remove().empty()) {
@@ -310,12 +318,12 @@ void Scheduler::Loop() {
       // workers right after it (after_step) instead of after the round trip. The lead covers the
       // request's way to the workers; a request that arrives within it waits one call more.
       if (call == nullptr) call = group_->StartStepAll(step);
-      const auto expected = std::chrono::duration_cast<Clock::duration>(
+      const auto expected = std::chrono::duration_cast<Clock::Duration>(
           std::chrono::duration<double>(step_seconds_ * step.decode_steps()));
-      const auto lead = std::chrono::duration_cast<Clock::duration>(
+      const auto lead = std::chrono::duration_cast<Clock::Duration>(
           std::chrono::duration<double>(kAheadLeadSeconds + 2 * call_overhead_seconds_));
       if (!call->WaitUntil(call_start + expected - lead) && SendAheadAllowed(step.decode_steps())) {
-        ahead_start_ = std::max(Clock::now(), call_start + expected);
+        ahead_start_ = std::max(clock_->Now(), call_start + expected);
         ahead_req_.Clear();
         ahead_req_.set_step(++step_no_);
         ahead_req_.set_decode_steps(decode_steps_);
@@ -327,7 +335,7 @@ void Scheduler::Loop() {
     } else {
       resp = group_->StepAll(step);
     }
-    last_return_ = Clock::now();
+    last_return_ = clock_->Now();
     ran_on_ = false;
     if (!resp.ok() && ahead_ != nullptr) {
       // The call sent after this one comes to nothing: cancelled while it waits (or its tokens,
@@ -396,7 +404,7 @@ void Scheduler::Loop() {
       metrics_->worker_call_overhead.Observe(overhead);
       call_overhead_seconds_ = 0.8 * call_overhead_seconds_ + 0.2 * std::min(overhead, 0.05);
     }
-    const auto now = Clock::now();
+    const auto now = clock_->Now();
     // The call's tokens by sequence, in order, up to its finished one: each request takes them in
     // one AddTokens, so a streaming request's thread wakes once a call rather than once a token
     // (at batch 32 and 4 steps a call, 128 wakeups on the cores the worker computes on).
@@ -456,7 +464,7 @@ int64_t Scheduler::BlocksHeld(const GenRequest& r) const {
 
 bool Scheduler::SendAheadAllowed(int steps) {
   if (stop_ || !serving_()) return false;
-  const auto now = Clock::now();
+  const auto now = clock_->Now();
   MutexLock lock(&mu_);
   if (wake_ || !pending_.empty()) return false;
   bool more = false;

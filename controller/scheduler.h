@@ -27,6 +27,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "common/clock.h"
 #include "common/mutex.h"
 #include "controller/adapter_manager.h"
 #include "controller/gen_request.h"
@@ -42,11 +43,13 @@ class Scheduler {
   // long (0: at once), and at the latest `batch_window_max` after the first of them arrived.
   // `decode_steps`: steps per worker call (StepRequest.decode_steps) while no request is queued
   // and none joins; 1 otherwise. `call_ahead`: send such a call's successor before it ends.
+  // `clock`: every time the scheduler reads or waits for (arrivals, windows, deadlines, the
+  // call-ahead lead).
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
             ControllerMetrics* metrics, std::function<bool()> serving,
             std::chrono::milliseconds batch_window = std::chrono::milliseconds(0),
             std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0),
-            int decode_steps = 1, bool call_ahead = false);
+            int decode_steps = 1, bool call_ahead = false, Clock* clock = Clock::Real());
   ~Scheduler();
 
   void Start();
@@ -79,6 +82,7 @@ class Scheduler {
   const std::chrono::milliseconds batch_window_max_;  // at least batch_window_
   const int decode_steps_;
   const bool call_ahead_;
+  Clock* const clock_;
   const int max_loras_;
   // The workers' KV cache, from their Info when requests wait (the loop thread only).
   int64_t kv_blocks_ = 0;

@@ -138,6 +138,46 @@ class ControllerProcess {
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     return stub_->Generate(&ctx, req, out);
   }
+  // A GenerateStream call that has sent its first tokens: the request runs on the workers, so
+  // a test acts on a running request without guessing how long it takes to start.
+  class RunningStream {
+   public:
+    // Starts the call and reads its first chunk; false when there is none.
+    bool Start(v1::Controller::Stub& stub, const v1::GenerateRequest& req) {
+      ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      reader_ = stub.GenerateStream(&ctx_, req);
+      return Next();
+    }
+    // Reads to the end; the call's status.
+    grpc::Status Finish() {
+      while (Next()) {
+      }
+      return reader_->Finish();
+    }
+    void Cancel() { ctx_.TryCancel(); }
+    const std::vector<int32_t>& tokens() const { return tokens_; }
+
+   private:
+    bool Next() {
+      v1::GenerateResponse chunk;
+      if (!reader_->Read(&chunk)) return false;
+      tokens_.insert(tokens_.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      return true;
+    }
+    grpc::ClientContext ctx_;
+    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+    std::vector<int32_t> tokens_;
+  };
+  std::unique_ptr<RunningStream> StartStream(const std::string& adapter,
+                                             const std::vector<int32_t>& prompt, int max_tokens) {
+    v1::GenerateRequest req;
+    req.set_adapter(adapter);
+    req.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+    req.set_max_tokens(max_tokens);
+    auto s = std::make_unique<RunningStream>();
+    if (!s->Start(*stub_, req)) return nullptr;
+    return s;
+  }
   // GenerateStream's chunks (the last one carries finish_reason and usage).
   grpc::Status Stream(const v1::GenerateRequest& req, std::vector<v1::GenerateResponse>* chunks) {
     grpc::ClientContext ctx;

@@ -516,14 +516,9 @@ TEST_F(ControllerTest, KilledWorkerFailsInFlightRequestsFastAndComesBack) {
   ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
   v1::GenerateResponse ref;
   ASSERT_TRUE(c.Generate("a3d", kPrompts[1], 5, &ref).ok());
-  // A long generation, then SIGKILL rank 1 while it runs.
-  auto long_run = std::async(std::launch::async, [&] {
-    v1::GenerateResponse r;
-    const auto t0 = std::chrono::steady_clock::now();
-    grpc::Status s = c.Generate("a3d", kPrompts[0], 100, &r);
-    return std::make_pair(s, std::chrono::steady_clock::now() - t0);
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // A long generation, then SIGKILL rank 1 while it runs (it has streamed its first tokens).
+  auto long_run = c.StartStream("a3d", kPrompts[0], 100);
+  ASSERT_NE(long_run, nullptr);
   // Worker pids: from the controller's run directory logs is fragile; use pgrep on our state dir.
   const std::string cmd = "pgrep -f -- '[-]-rank 1 --tensor-parallel-size 2 --dist-init-dir " +
                           state_.path() + "/run/group.1/dist'";
@@ -533,9 +528,10 @@ TEST_F(ControllerTest, KilledWorkerFailsInFlightRequestsFastAndComesBack) {
   pclose(p);
   const auto kill_time = std::chrono::steady_clock::now();
   ASSERT_EQ(kill(pid, SIGKILL), 0);
-  auto [status, took] = long_run.get();
+  const grpc::Status status = long_run->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
-  EXPECT_LT(std::chrono::steady_clock::now() - kill_time, std::chrono::seconds(10));
+  // Found within a step timeout or a health probe (about a second), not the 60 s step timeout.
+  EXPECT_LT(std::chrono::steady_clock::now() - kill_time, std::chrono::seconds(20));
   EXPECT_TRUE(c.WaitHealth(Health::NOT_SERVING, std::chrono::seconds(5)));
   // The group restarts, the adapter is re-loaded, requests succeed again.
   ASSERT_TRUE(c.WaitServing()) << c.Log();
@@ -573,12 +569,13 @@ TEST_F(ControllerTest, ConcurrentGenerateWithLoadUnloadChurn) {
   }
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, not_found{0}, bad{0};
+  constexpr int kGenerates = 300;
   std::vector<std::thread> threads;
   for (int t = 0; t < 16; ++t) {
     threads.emplace_back([&, t] {
       std::mt19937 rng(t);
       std::vector<std::string> names = {"a2d", "a3d", "", "c1", "c2", "c3", "c4"};
-      while (!stop) {
+      while (ok + not_found + bad < kGenerates) {
         const std::string n = names[rng() % names.size()];
         v1::GenerateResponse r;
         grpc::Status s = c.Generate(n, kPrompts[0], 6, &r);
@@ -609,9 +606,13 @@ TEST_F(ControllerTest, ConcurrentGenerateWithLoadUnloadChurn) {
       }
     });
   }
-  std::this_thread::sleep_for(std::chrono::seconds(6));
+  // The generators do a fixed amount of work (not a time: a loaded machine does less in six
+  // seconds); the churn goes on until they are done.
+  for (int t = 0; t < 16; ++t) threads[t].join();
   stop = true;
-  for (auto& th : threads) th.join();
+  for (auto& th : threads) {
+    if (th.joinable()) th.join();
+  }
   std::printf("[churn] ok=%d not_found=%d bad=%d\n", ok.load(), not_found.load(), bad.load());
   EXPECT_GT(ok.load(), 20);
   EXPECT_EQ(bad.load(), 0);
@@ -693,16 +694,12 @@ TEST_F(ControllerTest, SwapInsComeFromTheHostCacheOnceTheFilesAreGone) {
 TEST_F(ControllerTest, SigtermDrainsInFlightRequests) {
   ControllerProcess c(state_.path(), adapters_.root, {"--worker-args", "--debug-step-delay-ms 10"});
   ASSERT_TRUE(c.WaitServing()) << c.Log();
-  auto run = std::async(std::launch::async, [&] {
-    v1::GenerateResponse r;
-    grpc::Status s = c.Generate("", kPrompts[0], 60, &r);
-    return std::make_pair(s, r.token_ids_size());
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto run = c.StartStream("", kPrompts[0], 60);
+  ASSERT_NE(run, nullptr);
   c.process().Signal(SIGTERM);
-  auto [s, n] = run.get();
+  const grpc::Status s = run->Finish();
   EXPECT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(n, 60);
+  EXPECT_EQ(run->tokens().size(), 60u);
   EXPECT_EQ(c.process().WaitExit(std::chrono::seconds(30)), 0) << c.Log();
   // New requests are refused once draining has started (the server is gone after exit).
   v1::GenerateResponse r;
@@ -717,18 +714,14 @@ TEST_F(ControllerTest, UnloadWhileInFlightFinishesThoseAndRefusesNewOnes) {
   ASSERT_TRUE(c.Load("a3d", "adapter_3d").ok());
   v1::GenerateResponse want;
   ASSERT_TRUE(c.Generate("a3d", kPrompts[0], 40, &want).ok());
-  auto run = std::async(std::launch::async, [&] {
-    v1::GenerateResponse r;
-    grpc::Status s = c.Generate("a3d", kPrompts[0], 40, &r);
-    return std::make_pair(s, Tokens(r));
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  auto run = c.StartStream("a3d", kPrompts[0], 40);
+  ASSERT_NE(run, nullptr);
   ASSERT_TRUE(c.Unload("a3d").ok());
   v1::GenerateResponse r;
   EXPECT_EQ(c.Generate("a3d", kPrompts[0], 4, &r).error_code(), grpc::StatusCode::NOT_FOUND);
-  auto [s, tokens] = run.get();
+  const grpc::Status s = run->Finish();
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(tokens, Tokens(want));  // finished with the adapter
+  EXPECT_EQ(run->tokens(), Tokens(want));  // finished with the adapter
   // Listed as UNLOADING until the workers drop it, right after its last request.
   bool gone = false;
   for (int i = 0; i < 50 && !gone; ++i) {
@@ -747,9 +740,9 @@ TEST_F(ControllerTest, DeadlinesAndCancellationFreeTheSequence) {
   v1::GenerateRequest req;
   req.mutable_prompt_token_ids()->Add(kPrompts[0].begin(), kPrompts[0].end());
   req.set_max_tokens(100);
-  const auto t0 = std::chrono::steady_clock::now();
+  // The client's status alone says nothing of the server (gRPC ends the call at the deadline
+  // either way): the requests counter below says the scheduler ended it for its deadline.
   EXPECT_EQ(c.stub().Generate(&ctx, req, &r).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
   // A cancelled stream.
   {
     grpc::ClientContext sctx;

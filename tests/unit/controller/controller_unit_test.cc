@@ -2,10 +2,12 @@
 // slot accounting that never drifts from the workers, strict FIFO admission, LRU swaps that
 // never evict a pinned adapter, unloads while queued and running, step failures, a group
 // restart, deadlines and cancellation. Plus SlotPool on its own.
+// Time is a SimulatedClock the tests move by hand (and the fake's steps move as they take
+// simulated time): batch windows, call-ahead leads, reconcile intervals and deadlines come out
+// the same however loaded the machine is. Waits on real time are only backstops for outcomes.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
 
 #include "controller/controller.h"
 #include "controller/slot_pool.h"
@@ -25,7 +27,6 @@ using ::moelora::testing::TempDir;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
-using Clock = std::chrono::steady_clock;
 
 TEST(SlotPoolTest, ASlotIsFreeOnlyWhenNoWorkerMayHoldIt) {
   SlotPool p(2);
@@ -53,7 +54,7 @@ TEST(SlotPoolTest, ASlotIsFreeOnlyWhenNoWorkerMayHoldIt) {
 }
 
 TEST(SlotPoolTest, VictimIsTheLeastRecentlyUsedUnpinnedIdleResident) {
-  const auto t0 = Clock::now();
+  const Clock::TimePoint t0{};
   auto at = [&](int s) { return t0 + std::chrono::seconds(s); };
   using C = SlotPool::Candidate;
   EXPECT_EQ(SlotPool::PickVictim({C{true, false, false, at(5)}, C{true, false, false, at(1)}}), 1u);
@@ -66,28 +67,18 @@ TEST(SlotPoolTest, VictimIsTheLeastRecentlyUsedUnpinnedIdleResident) {
   EXPECT_EQ(SlotPool::PickVictim({}), std::nullopt);
 }
 
-// Polls `cond` for up to 5 s.
-template <typename F>
-bool WaitUntil(F cond) {
-  const auto deadline = Clock::now() + std::chrono::seconds(5);
-  while (Clock::now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return cond();
-}
-
 struct Harness {
   TempDir dir;
   std::unique_ptr<Registry> registry;
   ControllerMetrics metrics;
+  SimulatedClock clock;
   FakeWorkerGroup group;
   std::unique_ptr<Controller> c;
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
                    int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1,
                    bool call_ahead = false)
-      : group(max_loras) {
+      : group(max_loras, &clock) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
     registry = std::move(*r);
@@ -102,6 +93,7 @@ struct Harness {
     o.batch_window_max_ms = batch_window_max_ms;
     o.decode_steps = decode_steps;
     o.call_ahead = call_ahead;
+    o.clock = &clock;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -109,7 +101,10 @@ struct Harness {
     EXPECT_TRUE(c->OnGroupReady().ok());
     c->Start();
   }
-  ~Harness() { c->Stop(); }
+  ~Harness() {
+    group.Resume();  // a held step would keep the scheduler from stopping
+    c->Stop();
+  }
 
   int64_t Load(const std::string& name, const std::string& path, bool pinned = false) {
     v1::LoadAdapterRequest req;
@@ -121,7 +116,7 @@ struct Harness {
     return a.ok() ? a->id() : 0;
   }
   std::shared_ptr<GenRequest> Submit(const std::string& adapter, int max_tokens,
-                                     Clock::time_point deadline = Clock::time_point::max()) {
+                                     Clock::TimePoint deadline = Clock::TimePoint::max()) {
     v1::GenerateRequest req;
     req.set_adapter(adapter);
     req.add_prompt_token_ids(1);
@@ -130,6 +125,12 @@ struct Harness {
     auto r = c->Submit(req, deadline);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : nullptr;
+  }
+  // Moves the clock by `d` and waits until the scheduler has seen it (waits on the clock again).
+  void Tick(Clock::Duration d) {
+    const int64_t before = clock.waits();
+    clock.Advance(d);
+    EXPECT_TRUE(group.WaitFor([&] { return clock.waits() > before; }));
   }
   // The request's final status (DEADLINE_EXCEEDED here if it does not end within 10 s).
   [[nodiscard]] static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
@@ -151,7 +152,15 @@ TEST(ControllerUnitTest, FailedUnloadKeepsTheSlotTakenUntilTheWorkersFreeIt) {
   const int64_t b = h.Load("b", "adapter_3d");  // registered; no slot is free yet
   auto r = h.Submit("b", 3);
   ASSERT_NE(r, nullptr);
+  // The first reconcile's retry fails; the next comes a second later and frees a's slot.
+  ASSERT_TRUE(h.group.WaitFor([&] { return h.group.unload_calls() >= 2; }));
+  const Clock::TimePoint t0 = h.clock.Now();
+  for (int i = 0; i < 20 && !r->WaitDone(std::chrono::milliseconds(0)); ++i) {
+    h.Tick(std::chrono::milliseconds(100));
+  }
   EXPECT_OK(Harness::Wait(r));  // swapped in once a reconcile freed a's slot
+  EXPECT_GE(h.clock.Now() - t0, std::chrono::seconds(1)) << "the reconcile interval";
+  EXPECT_EQ(h.group.unload_calls(), 3);
   EXPECT_EQ(r->num_tokens(), 3u);
   EXPECT_THAT(h.group.committed(), ElementsAre(b));
 }
@@ -172,6 +181,10 @@ TEST(ControllerUnitTest, FailedRollbackIsReconciledBeforeTheSlotIsReused) {
   EXPECT_TRUE(h.c->ListAdapters().empty());
   const int64_t b = h.Load("b", "adapter_3d");
   auto r = h.Submit("b", 2);
+  // A reconcile at most a second after the last one frees the orphan's slot.
+  for (int i = 0; i < 20 && !r->WaitDone(std::chrono::milliseconds(0)); ++i) {
+    h.Tick(std::chrono::milliseconds(100));
+  }
   EXPECT_OK(Harness::Wait(r));
   EXPECT_THAT(h.group.committed(), ElementsAre(b));
 }
@@ -204,11 +217,11 @@ TEST(ControllerUnitTest, LruSwapNeverEvictsAPinnedAdapter) {
 
 TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewOnes) {
   Harness h(1, /*max_num_seqs=*/1);
-  h.group.set_step_delay(std::chrono::milliseconds(2));
   h.Load("a", "adapter_2d");
+  h.group.Hold();
   auto running = h.Submit("a", 40);
-  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
-  auto queued = h.Submit("a", 3);  // the batch holds one sequence: this one waits
+  ASSERT_TRUE(h.group.WaitHolds(1));  // its first step made, the scheduler held in it
+  auto queued = h.Submit("a", 3);     // the batch holds one sequence: this one waits
   auto u = h.c->UnloadAdapter("a");
   ASSERT_TRUE(u.ok());
   EXPECT_EQ(u->state(), v1::ADAPTER_STATE_UNLOADING);
@@ -216,13 +229,13 @@ TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewO
   req.set_adapter("a");
   req.add_prompt_token_ids(1);
   req.set_max_tokens(2);
-  EXPECT_EQ(h.c->Submit(req, Clock::time_point::max()).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(h.c->Submit(req, Clock::TimePoint::max()).status().code(), absl::StatusCode::kNotFound);
+  h.group.Resume();
   EXPECT_OK(Harness::Wait(running));
   EXPECT_OK(Harness::Wait(queued));
   EXPECT_EQ(running->num_tokens(), 40u);
   EXPECT_EQ(queued->num_tokens(), 3u);
-  EXPECT_TRUE(WaitUntil([&] { return h.group.committed().empty(); }))
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.committed().empty(); }))
       << "the deferred unload did not reach the workers";
   EXPECT_TRUE(h.c->ListAdapters().empty());
   // The slot is free again: a new adapter is resident at once.
@@ -231,25 +244,54 @@ TEST(ControllerUnitTest, UnloadWhileRunningOrQueuedLetsThoseFinishAndRefusesNewO
 }
 
 // A burst arriving at an idle engine starts as one step with --batch-window-ms; without it the
-// first request starts alone (the fake's steps are instant, so it is already running when the
-// next arrives). The window is a quiet gap: requests 100 ms apart keep a 150 ms window open past
-// the first's 150 ms, up to --batch-window-max-ms after the first arrival.
+// first request starts alone. The window is a quiet gap: requests 100 ms apart keep a 150 ms
+// window open past the first's 150 ms, up to --batch-window-max-ms after the first arrival.
 TEST(ControllerUnitTest, BatchWindowGathersABurstIntoOneFirstStep) {
-  struct Case {
-    int window_ms, max_ms, requests, first_step;
+  const auto ms = [](int n) { return std::chrono::milliseconds(n); };
+  auto first_step = [](Harness& h) {
+    return h.group.WaitFor([&] { return h.group.step_calls() > 0; });
   };
-  for (const Case& c : {Case{0, 0, 3, 1}, Case{150, 1000, 3, 3}, Case{150, 250, 4, 3}}) {
-    SCOPED_TRACE(::testing::Message() << c.window_ms << " / " << c.max_ms);
-    Harness h(4, 64, "", c.window_ms, c.max_ms);
-    std::vector<std::shared_ptr<GenRequest>> rs;
-    for (int i = 0; i < c.requests; ++i) {
-      if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  {
+    SCOPED_TRACE("no window");
+    Harness h(4);
+    std::vector<std::shared_ptr<GenRequest>> rs = {h.Submit("", 2)};
+    ASSERT_TRUE(first_step(h));
+    for (int i = 0; i < 2; ++i) {
+      h.clock.Advance(ms(100));
       rs.push_back(h.Submit("", 2));
     }
     for (auto& r : rs) EXPECT_OK(Harness::Wait(r));
-    const std::vector<int> adds = h.group.adds_per_step();
-    ASSERT_FALSE(adds.empty());
-    EXPECT_EQ(adds.front(), c.first_step);
+    EXPECT_EQ(h.group.adds_per_step().front(), 1);
+  }
+  {
+    SCOPED_TRACE("150 ms gap, 1000 ms cap: requests at 0, 100, 200 start together at 350");
+    Harness h(4, 64, "", 150, 1000);
+    std::vector<std::shared_ptr<GenRequest>> rs = {h.Submit("", 2)};
+    for (int i = 0; i < 2; ++i) {
+      h.clock.Advance(ms(100));
+      rs.push_back(h.Submit("", 2));
+    }
+    h.clock.Advance(ms(149));  // 349: the window is still open
+    EXPECT_EQ(h.group.step_calls(), 0);
+    h.clock.Advance(ms(1));
+    for (auto& r : rs) EXPECT_OK(Harness::Wait(r));
+    EXPECT_EQ(h.group.adds_per_step().front(), 3);
+  }
+  {
+    SCOPED_TRACE("150 ms gap, 250 ms cap: the fourth, at 300, comes after the first step");
+    Harness h(4, 64, "", 150, 250);
+    std::vector<std::shared_ptr<GenRequest>> rs = {h.Submit("", 2)};
+    for (int i = 0; i < 2; ++i) {
+      h.clock.Advance(ms(100));
+      rs.push_back(h.Submit("", 2));
+    }
+    h.clock.Advance(ms(50));  // 250: the cap
+    ASSERT_TRUE(first_step(h));
+    h.clock.Advance(ms(50));
+    rs.push_back(h.Submit("", 2));
+    h.clock.Advance(ms(150));  // its own window, should it arrive at an idle engine
+    for (auto& r : rs) EXPECT_OK(Harness::Wait(r));
+    EXPECT_EQ(h.group.adds_per_step().front(), 3);
   }
 }
 
@@ -260,6 +302,7 @@ TEST(ControllerUnitTest, SeveralDecodeStepsACallGiveEachRequestItsTokensInOrder)
   std::vector<std::shared_ptr<GenRequest>> rs;
   const std::vector<int> max_tokens = {1, 2, 5, 7, 9};
   for (int m : max_tokens) rs.push_back(h.Submit("", m));
+  h.clock.Advance(std::chrono::milliseconds(150));  // the window closes on the burst
   for (size_t i = 0; i < rs.size(); ++i) {
     ASSERT_OK(Harness::Wait(rs[i]));
     const GenRequest::Result res = rs[i]->GetResult();
@@ -288,8 +331,15 @@ TEST(ControllerUnitTest, CallsSentAheadGiveEachRequestItsTokensInOrder) {
   const std::vector<int> max_tokens = {3, 9, 17, 30};
   std::vector<std::shared_ptr<GenRequest>> rs;
   for (int m : max_tokens) rs.push_back(h.Submit("", m));
-  ASSERT_TRUE(WaitUntil([&] { return rs[3]->num_tokens() >= 10; }));
+  h.group.Hold();
+  h.clock.Advance(std::chrono::milliseconds(50));  // the window closes on the burst
+  // Held in the third call (the joiners' step, then decode calls of 4 steps, each but the first
+  // sent 1 ms before the one in flight is due), a request joins.
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  h.group.Release(2);
+  ASSERT_TRUE(h.group.WaitHolds(2));
   auto joiner = h.Submit("", 6);
+  h.group.Resume();
   for (size_t i = 0; i < rs.size(); ++i) {
     ASSERT_OK(Harness::Wait(rs[i]));
     EXPECT_EQ(rs[i]->GetResult().tokens, want(rs[i], max_tokens[i])) << "request " << i;
@@ -305,10 +355,15 @@ TEST(ControllerUnitTest, CallsSentAheadGiveEachRequestItsTokensInOrder) {
 TEST(ControllerUnitTest, AFailedCallWithACallSentAheadFailsTheRunningRequestsAndServesOn) {
   Harness h(1, 64, "", 0, 0, /*decode_steps=*/4, /*call_ahead=*/true);
   h.group.set_step_delay(std::chrono::milliseconds(3));
+  h.group.Hold();
+  h.group.Release(3);  // held in the fourth call, which was sent ahead, with a fifth sent after it
   auto r = h.Submit("", 60);
-  ASSERT_TRUE(WaitUntil([&] { return h.group.ahead_calls() > 1; }));
-  h.group.FailNextSteps(1);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  EXPECT_GE(h.group.ahead_calls(), 2);
+  h.group.FailNextSteps(1);  // the fifth
+  h.group.Resume();
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(r->num_tokens(), 60u);
   auto next = h.Submit("", 12);
   ASSERT_OK(Harness::Wait(next));
   EXPECT_EQ(next->num_tokens(), 12u);
@@ -326,13 +381,14 @@ TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {
 
 TEST(ControllerUnitTest, GroupRestartReloadsTheAdaptersIntoTheNewWorkers) {
   Harness h(2);
-  h.group.set_step_delay(std::chrono::milliseconds(2));
   const int64_t a = h.Load("a", "adapter_2d");
   const int64_t b = h.Load("b", "adapter_3d");
+  h.group.Hold();
   auto r = h.Submit("a", 50);
-  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  ASSERT_TRUE(h.group.WaitHolds(1));
   h.c->OnGroupDown("test: a rank died");
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
+  h.group.Resume();
   h.group.Restart();
   EXPECT_TRUE(h.group.committed().empty());
   ASSERT_TRUE(h.c->OnGroupReady().ok());
@@ -342,15 +398,25 @@ TEST(ControllerUnitTest, GroupRestartReloadsTheAdaptersIntoTheNewWorkers) {
 
 TEST(ControllerUnitTest, DeadlinesAndCancellationEndRequestsAndFreeTheirSequences) {
   Harness h(1);
-  auto late = h.Submit("", 4, Clock::now() - std::chrono::milliseconds(1));
+  auto late = h.Submit("", 4, h.clock.Now() - std::chrono::milliseconds(1));
   EXPECT_EQ(Harness::Wait(late).code(), absl::StatusCode::kDeadlineExceeded);
+  // A deadline that passes while the request runs (each step takes 2 ms).
   h.group.set_step_delay(std::chrono::milliseconds(2));
+  h.group.Hold();
+  auto timed = h.Submit("", 60, h.clock.Now() + std::chrono::milliseconds(10));
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  h.clock.Advance(std::chrono::milliseconds(10));
+  h.group.Resume();
+  EXPECT_EQ(Harness::Wait(timed).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(timed->num_tokens(), 60u);
+  h.group.Hold();
   auto r = h.Submit("", 60);
-  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  ASSERT_TRUE(h.group.WaitHolds(2));
   r->cancelled = true;
+  h.group.Resume();
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kCancelled);
   EXPECT_LT(r->num_tokens(), 60u);
-  EXPECT_TRUE(WaitUntil([&] { return h.group.running() == 0; }))
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }))
       << "the cancelled sequence was not removed from the workers";
 }
 
@@ -412,7 +478,6 @@ std::string Scrape(ControllerMetrics& m) {
 // extension reads (--lora-info-metric) for LoRA-affinity routing.
 TEST(ControllerUnitTest, ResidencyAndLoraRequestsInfoFollowTheBatch) {
   Harness h(1);
-  h.group.set_step_delay(std::chrono::milliseconds(2));
   h.Load("a", "adapter_2d");
   h.Load("b", "adapter_3d");
   std::string text = Scrape(h.metrics);
@@ -422,17 +487,17 @@ TEST(ControllerUnitTest, ResidencyAndLoraRequestsInfoFollowTheBatch) {
       text,
       HasSubstr(
           R"(moelora_lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""})"));
+  h.group.Hold();
   auto ra = h.Submit("a", 60);
-  ASSERT_TRUE(WaitUntil([&] { return h.group.running() > 0; }));
+  ASSERT_TRUE(h.group.WaitHolds(1));
   auto rb = h.Submit("b", 2);  // waits: a's sequence holds the only slot
-  ASSERT_TRUE(WaitUntil([&] {
-    return Scrape(h.metrics).find(R"(running_lora_adapters="a",waiting_lora_adapters="b")") !=
-           std::string::npos;
-  })) << Scrape(h.metrics);
+  EXPECT_THAT(Scrape(h.metrics),
+              HasSubstr(R"(running_lora_adapters="a",waiting_lora_adapters="b")"));
   text = Scrape(h.metrics);
   EXPECT_EQ(text.find(R"(running_lora_adapters="",waiting_lora_adapters="")"), std::string::npos)
       << "the old series must be removed, not left beside the new one";
   ra->cancelled = true;
+  h.group.Resume();
   EXPECT_EQ(Harness::Wait(ra).code(), absl::StatusCode::kCancelled);
   EXPECT_OK(Harness::Wait(rb));
   // The swap waited for the cancelled sequence to leave the workers before unloading a.

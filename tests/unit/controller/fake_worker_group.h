@@ -1,6 +1,13 @@
 // A fake worker group for the controller's unit tests: it keeps each adapter's slot state as
 // the workers would (staged, committed; at most max_loras in all), refuses what the workers
 // refuse, and generates deterministic tokens. Faults are injected per call. Thread-safe.
+//
+// Time: a step takes set_step_delay() per decode step of the test's SimulatedClock, which the
+// fake moves itself (a step call advances it by its steps; a call started with StartStepAll is
+// due at its start, or its predecessor's end, plus its steps, and waiting for it moves the clock
+// there), so nothing in a test waits for real time to pass. To act while sequences run, a test
+// holds the steps (Hold, Release, Resume): a held step has done its work and waits at its end,
+// so the scheduler cannot go on until the test lets it.
 #ifndef MOELORA_TESTS_UNIT_CONTROLLER_FAKE_WORKER_GROUP_H_
 #define MOELORA_TESTS_UNIT_CONTROLLER_FAKE_WORKER_GROUP_H_
 
@@ -10,18 +17,19 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "controller/worker_group_interface.h"
 
 namespace moelora::testing {
 
 class FakeWorkerGroup : public WorkerGroupInterface {
  public:
-  explicit FakeWorkerGroup(int max_loras) : max_loras_(max_loras) {}
+  FakeWorkerGroup(int max_loras, SimulatedClock* clock) : max_loras_(max_loras), clock_(clock) {}
 
   bool serving() const override { return serving_; }
   v1::WorkerInfoResponse info() const override {
@@ -94,29 +102,107 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     return std::vector<int64_t>(committed_.begin(), committed_.end());
   }
   [[nodiscard]] absl::StatusOr<v1::StepResponse> StepAll(const v1::StepRequest& req) override {
-    // A call sent ahead waits for the call it names, as a worker does.
+    clock_->Advance(StepTime(req));
+    return Step(req);
+  }
+  // The call's work is done when the scheduler first finds it due (WaitUntil) or takes it
+  // (Get), in the order the scheduler takes the calls, as the workers run them.
+  [[nodiscard]] std::unique_ptr<PendingStep> StartStepAll(const v1::StepRequest& req) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (req.after_step() != 0) ++ahead_calls_;
+    const Clock::TimePoint start =
+        req.after_step() != 0 ? std::max(clock_->Now(), last_due_) : clock_->Now();
+    last_due_ = start + StepTime(req);
+    return std::make_unique<Pending>(this, req, last_due_);
+  }
+
+  // Test controls and observations.
+  void set_serving(bool s) { serving_ = s; }
+  // Each decode step takes this long on the clock.
+  void set_step_delay(std::chrono::milliseconds d) { step_delay_ms_ = d.count(); }
+  // The next step call to end waits at its end (its tokens made) until Release or Resume.
+  void Hold() { SetGate(0); }
+  // The held call ends, and `calls` - 1 more after it; the one after those is held.
+  void Release(int calls) { SetGate(calls); }
+  // No call is held any more.
+  void Resume() { SetGate(-1); }
+  // Waits (up to 10 s) until `n` calls in all have been held.
+  [[nodiscard]] bool WaitHolds(int n) {
     std::unique_lock<std::mutex> l(mu_);
-    if (req.after_step() != 0) {
-      ++ahead_calls_;
-      if (!order_cv_.wait_for(l, std::chrono::seconds(10),
-                              [&] { return last_ended_ == req.after_step(); })) {
-        return absl::DeadlineExceededError("fake: the call before never ended");
-      }
+    return changed_.wait_for(l, std::chrono::seconds(10), [&] { return holds_ >= n; });
+  }
+  // Waits (up to 10 s) until `cond` holds, looking again whenever the fake's state changes (and
+  // every millisecond: conditions on the controller's side change without telling the fake).
+  template <typename F>
+  [[nodiscard]] bool WaitFor(F cond) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!cond()) {
+      std::unique_lock<std::mutex> l(mu_);
+      if (std::chrono::steady_clock::now() > until) return false;
+      changed_.wait_for(l, std::chrono::milliseconds(1));
     }
-    struct MarkEnded {
-      FakeWorkerGroup* g;
-      int64_t step;
-      ~MarkEnded() {
-        g->last_ended_ = step;
-        g->order_cv_.notify_all();
+    return true;
+  }
+
+ private:
+  // A call started by StartStepAll: its work happens when it is first found due or taken.
+  class Pending final : public PendingStep {
+   public:
+    Pending(FakeWorkerGroup* g, v1::StepRequest req, Clock::TimePoint due)
+        : g_(g), req_(std::move(req)), due_(due) {}
+    bool WaitUntil(Clock::TimePoint until) override {
+      if (until < due_) {
+        g_->clock_->AdvanceTo(until);
+        return false;
       }
-    } mark{this, req.step()};
-    if (step_delay_.count() > 0) {
-      const std::chrono::milliseconds delay = step_delay_;
-      l.unlock();
-      std::this_thread::sleep_for(delay * std::max(1, req.decode_steps()));
-      l.lock();
+      g_->clock_->AdvanceTo(due_);
+      Run();
+      return true;
     }
+    absl::StatusOr<v1::StepResponse> Get() override {
+      g_->clock_->AdvanceTo(due_);
+      Run();
+      return std::move(*result_);
+    }
+    // Before its work: it never steps, as a call still waiting for its predecessor.
+    void Cancel() override { cancelled_ = true; }
+
+   private:
+    void Run() {
+      if (result_.has_value()) return;
+      result_ = cancelled_ ? absl::StatusOr<v1::StepResponse>(
+                                 absl::CancelledError("fake: cancelled before it stepped"))
+                           : g_->Step(req_);
+    }
+    FakeWorkerGroup* const g_;
+    const v1::StepRequest req_;
+    const Clock::TimePoint due_;
+    bool cancelled_ = false;
+    std::optional<absl::StatusOr<v1::StepResponse>> result_;
+  };
+
+  Clock::Duration StepTime(const v1::StepRequest& req) const {
+    return std::chrono::milliseconds(step_delay_ms_.load()) * std::max(1, req.decode_steps());
+  }
+  void SetGate(int gate) {
+    std::lock_guard<std::mutex> l(mu_);
+    gate_ = gate;
+    changed_.notify_all();
+  }
+  // One call's work, then the gate: a held call waits here, its work done.
+  absl::StatusOr<v1::StepResponse> Step(const v1::StepRequest& req) {
+    std::unique_lock<std::mutex> l(mu_);
+    absl::StatusOr<v1::StepResponse> r = StepLocked(req);
+    if (gate_ == 0) {
+      ++holds_;
+      changed_.notify_all();
+      changed_.wait(l, [&] { return gate_ != 0; });
+    }
+    if (gate_ > 0) --gate_;
+    changed_.notify_all();
+    return r;
+  }
+  absl::StatusOr<v1::StepResponse> StepLocked(const v1::StepRequest& req) {
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");
     for (int64_t id : req.remove()) running_.erase(id);
     for (const v1::SequenceSpec& s : req.add()) {  // all or nothing, as the workers
@@ -154,16 +240,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     }
     resp.set_distinct_adapters(static_cast<int>(distinct.size()));
     resp.set_steps(steps);
+    resp.set_seconds(step_delay_ms_.load() * 1e-3 * steps);
     return resp;
   }
 
-  // Test controls and observations.
-  void set_serving(bool s) { serving_ = s; }
-  // Each step takes this long (so that a test can act while a sequence runs).
-  void set_step_delay(std::chrono::milliseconds d) {
-    std::lock_guard<std::mutex> l(mu_);
-    step_delay_ = d;
-  }
+ public:
   void FailNextUnloads(int n) {
     std::lock_guard<std::mutex> l(mu_);
     fail_unload_ = n;
@@ -235,7 +316,8 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     int generated;
   };
   const int max_loras_;
-  std::chrono::milliseconds step_delay_{0};
+  SimulatedClock* const clock_;
+  std::atomic<int64_t> step_delay_ms_{0};
   std::atomic<bool> serving_{true};
   mutable std::mutex mu_;
   std::set<int64_t> staged_, committed_;
@@ -246,8 +328,10 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
   int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0, step_calls_ = 0;
   int ahead_calls_ = 0;
-  int64_t last_ended_ = 0;  // the step of the last StepAll that returned
-  std::condition_variable order_cv_;
+  Clock::TimePoint last_due_{};  // when the last call started by StartStepAll ends
+  int gate_ = -1;                // Hold / Release / Resume
+  int holds_ = 0;                // calls held so far
+  std::condition_variable changed_;
 };
 
 }  // namespace moelora::testing
