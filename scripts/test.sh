@@ -40,6 +40,8 @@ if ! { python3 -m venv .cache/pyvenv && .cache/pyvenv/bin/pip install -q grpcio 
 fi
 phase "tests: unit + integration + gpu"
 (cd "$B" && ctest --output-on-failure -j"$JOBS" -L 'unit|integration|gpu')
+phase "controller tests beside two busy loops (short form of scripts/stress_controller_tests.sh)"
+bash scripts/stress_controller_tests.sh "$B" 3 1
 phase "format check"
 cmake --build "$B" --target check-format || { echo "format check failed (run: cmake --build $B --target format)"; exit 1; }
 
@@ -72,6 +74,7 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   # exception-boundary test asks libtorch for 4 PiB and expects RESOURCE_EXHAUSTED).
   (cd "$B-asan" && ASAN_OPTIONS="detect_leaks=0 abort_on_error=1 allocator_may_return_null=1" UBSAN_OPTIONS="print_stacktrace=1" \
     ctest --output-on-failure -j"$JOBS" -L 'unit|integration')
+  ASAN_OPTIONS="detect_leaks=0 abort_on_error=1" bash scripts/stress_controller_tests.sh "$B-asan" 3 0
 fi
 
 if [ "${MOELORA_SKIP_DOCKER:-0}" != "1" ]; then
