@@ -246,6 +246,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   if (!resolved.ok()) return fail(resolved.status());
   std::shared_ptr<Mutex> name_lock = NameLock(req.name());
   MutexLock serialize(name_lock.get());
+  bool retry = false;
   {
     MutexLock lock(&mu_);
     auto it = adapters_.find(req.name());
@@ -254,15 +255,38 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
         return fail(absl::AbortedError(
             absl::StrCat("adapter \"", req.name(), "\" is being unloaded; retry when it is gone")));
       }
-      if (it->second.record.resolved_path == *resolved) return ToProto(it->second);  // idempotent
-      return fail(absl::AlreadyExistsError(absl::StrCat(
-          "adapter \"", req.name(), "\" is already loaded from ", it->second.record.path)));
-    }
-    if (static_cast<int>(adapters_.size()) >= options_.max_cpu_loras) {
-      return fail(absl::ResourceExhaustedError(absl::StrCat(
-          adapters_.size(), " adapters are registered, the maximum (--max-cpu-loras)")));
+      if (it->second.record.resolved_path != *resolved) {
+        return fail(absl::AlreadyExistsError(absl::StrCat(
+            "adapter \"", req.name(), "\" is already loaded from ", it->second.record.path)));
+      }
+      if (it->second.state != v1::ADAPTER_STATE_FAILED) return ToProto(it->second);  // idempotent
+      retry = true;
+    } else if (static_cast<int>(adapters_.size()) + loads_in_progress_ >= options_.max_cpu_loras) {
+      return fail(absl::ResourceExhaustedError(
+          absl::StrCat(adapters_.size(), " adapters are registered and ", loads_in_progress_,
+                       " being loaded, the maximum (--max-cpu-loras)")));
+    } else {
+      ++loads_in_progress_;
     }
   }
+  if (retry) {
+    absl::StatusOr<v1::Adapter> a = RetryFailed(req.name());
+    return a.ok() ? a : fail(a.status());
+  }
+  // Counted against --max-cpu-loras from the check above until its entry is in adapters_ (the
+  // validation in between runs unlocked, beside other loads).
+  struct InProgress {
+    AdapterManager* m;
+    bool counted = true;
+    void Done() ABSL_EXCLUSIVE_LOCKS_REQUIRED(m->mu_) {
+      if (counted) --m->loads_in_progress_;
+      counted = false;
+    }
+    ~InProgress() {
+      MutexLock lock(&m->mu_);
+      Done();
+    }
+  } in_progress{this};
   if (!serving_()) return fail(absl::UnavailableError("the worker group is not ready"));
   // Validate here, before any worker is touched.
   AdapterReadOptions ro;
@@ -315,6 +339,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
     e.state = v1::ADAPTER_STATE_LOADING;
     e.last_used = options_.clock->Now();
     adapters_[rec.name] = e;
+    in_progress.Done();
     reserve = slots_.TryReserve();
     UpdateGauges();
   }
@@ -603,6 +628,51 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
                         absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Adapter> AdapterManager::RetryFailed(const std::string& name) {
+  AdapterRecord rec;
+  bool reserve = false;
+  {
+    MutexLock lock(&mu_);
+    auto it = adapters_.find(name);
+    if (it == adapters_.end())
+      return absl::NotFoundError(absl::StrCat("adapter \"", name, "\" is gone"));
+    if (it->second.state != v1::ADAPTER_STATE_FAILED) return ToProto(it->second);
+    if (!serving_()) return absl::UnavailableError("the worker group is not ready");
+    it->second.state = v1::ADAPTER_STATE_LOADING;
+    rec = it->second.record;
+    reserve = slots_.TryReserve();
+    UpdateGauges();
+  }
+  // Into a slot if one is free; otherwise READY and swapped in on demand, as after a restart.
+  bool clean = true;
+  const absl::Status s = reserve ? StageAndCommit(rec, &clean) : absl::OkStatus();
+  v1::Adapter out;
+  {
+    MutexLock lock(&mu_);
+    auto it = adapters_.find(name);  // still there: Unload of this name waits for this Load
+    if (s.ok()) {
+      it->second.state = v1::ADAPTER_STATE_READY;
+      it->second.resident = reserve;
+    } else {
+      if (clean) {
+        slots_.Unreserve();
+      } else {
+        slots_.Leak();
+        reconcile_ = true;
+      }
+      it->second.state = v1::ADAPTER_STATE_FAILED;
+    }
+    out = ToProto(it->second);
+    UpdateGauges();
+  }
+  wake_();  // never under mu_: the scheduler's mutex comes first
+  if (!s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message()));
+  }
+  return out;
 }
 
 }  // namespace moelora

@@ -126,7 +126,13 @@ class AdapterManager {
   const std::function<void()> wake_;
 
   mutable Mutex mu_;
+  // LoadAdapter of an adapter that FAILED, with the same name and path: into a slot again.
+  [[nodiscard]] absl::StatusOr<v1::Adapter> RetryFailed(const std::string& name)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   std::map<std::string, Entry> adapters_ ABSL_GUARDED_BY(mu_);
+  // Loads between their --max-cpu-loras check and their entry: counted against the limit too.
+  int loads_in_progress_ ABSL_GUARDED_BY(mu_) = 0;
   SlotPool slots_ ABSL_GUARDED_BY(mu_);  // worker slots: held, releasing, leaked, free
   std::map<std::string, std::shared_ptr<Mutex>> name_locks_ ABSL_GUARDED_BY(mu_);
   // Adapters with a moelora_adapter_resident series.

@@ -36,7 +36,7 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
           options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
           [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms),
           std::chrono::milliseconds(options_.batch_window_max_ms), options_.decode_steps,
-          options_.call_ahead, options_.clock) {}
+          options_.call_ahead, options_.clock, options_.max_queued_requests) {}
 
 Controller::~Controller() { Stop(); }
 
@@ -62,10 +62,13 @@ void Controller::OnGroupDown(const std::string& why) {
   scheduler_.FailAll(absl::UnavailableError(absl::StrCat("worker group went down: ", why)));
 }
 
-void Controller::RecordRequest(const GenRequest& r, absl::StatusCode code) {
+void Controller::RecordRequest(const std::string& adapter, bool admitted, absl::StatusCode code) {
+  // A label value per registered adapter only: a name no adapter has (the client's string) would
+  // make a new series per typo or probe.
+  std::string label = adapter.empty() ? "base" : adapter;
+  if (!admitted && !adapter.empty() && !adapters_.Get(adapter).ok()) label = "unregistered";
   metrics_->requests
-      .Add({{"adapter", r.adapter.empty() ? "base" : r.adapter},
-            {"code", absl::AsciiStrToLower(absl::StatusCodeToString(code))}})
+      .Add({{"adapter", label}, {"code", absl::AsciiStrToLower(absl::StatusCodeToString(code))}})
       .Increment();
 }
 
@@ -103,7 +106,10 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
     if (!id.ok()) return id.status();
     r->adapter_id = *id;
   }
-  scheduler_.Enqueue(r);
+  if (absl::Status s = scheduler_.Enqueue(r); !s.ok()) {
+    if (!r->adapter.empty()) adapters_.Release(r->adapter);
+    return s;
+  }
   return r;
 }
 

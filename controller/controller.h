@@ -40,6 +40,8 @@ struct ControllerOptions {
   int decode_steps = 1;
   // Send a decode call before the one in flight ends, to run right after it (Scheduler).
   bool call_ahead = false;
+  // Requests waiting to be admitted at most; beyond it RESOURCE_EXHAUSTED at once (0: no bound).
+  int max_queued_requests = 0;
   ModelInfo model;  // from --model's config.json: dims for adapter validation
   // The model's tokenizer (null: none; text prompts and stop strings are then refused).
   std::shared_ptr<const tok::Tokenizer> tokenizer;
@@ -77,8 +79,10 @@ class Controller {
   // Validates and queues. INVALID_ARGUMENT / NOT_FOUND / UNAVAILABLE.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<GenRequest>> Submit(
       const v1::GenerateRequest& req, std::chrono::steady_clock::time_point deadline);
-  // Counts the finished request in moelora_requests_total.
-  void RecordRequest(const GenRequest& r, absl::StatusCode code);
+  // Counts a finished request in moelora_requests_total: `admitted`, one Submit took (its adapter
+  // was registered then); else one it refused, whose adapter name is counted under
+  // "unregistered" unless an adapter has it.
+  void RecordRequest(const std::string& adapter, bool admitted, absl::StatusCode code);
 
   bool serving() const { return group_->serving() && ready_.load(); }
   const tok::Tokenizer* tokenizer() const { return options_.tokenizer.get(); }

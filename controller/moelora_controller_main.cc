@@ -54,6 +54,9 @@ ABSL_FLAG(int, batch_window_ms, 2,
 ABSL_FLAG(int, batch_window_max_ms, 10,
           "The longest (ms, --batch-window-ms..1000) the first queued request of an idle engine "
           "waits while others keep arriving");
+ABSL_FLAG(int, max_queued_requests, 1024,
+          "Requests waiting to be admitted at most; beyond it a request gets RESOURCE_EXHAUSTED "
+          "at once (each waiting request holds a server thread)");
 ABSL_FLAG(int, decode_steps, 4,
           "Decode steps the workers run per call while no request waits to join (1-16): fewer "
           "round trips (about 0.6 ms each on a 2-core machine), at the price of tokens streamed "
@@ -125,6 +128,8 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_batch_window_max_ms) > 1000) {
     return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
   }
+  if (absl::GetFlag(FLAGS_max_queued_requests) < 1)
+    return fail("--max-queued-requests must be >= 1");
   if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
     return fail("--decode-steps must be in 1..16");
   }
@@ -194,6 +199,7 @@ int main(int argc, char** argv) {
   co.mixed = engine_flags.mixed;
   co.max_num_seqs = engine_flags.max_num_seqs;
   co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
+  co.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   co.call_ahead = absl::GetFlag(FLAGS_call_ahead);

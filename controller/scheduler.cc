@@ -29,13 +29,14 @@ Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
                      WorkerGroupInterface* group, ControllerMetrics* metrics,
                      std::function<bool()> serving, std::chrono::milliseconds batch_window,
                      std::chrono::milliseconds batch_window_max, int decode_steps, bool call_ahead,
-                     Clock* clock)
+                     Clock* clock, int max_queued)
     : max_num_seqs_(max_num_seqs),
       batch_window_(batch_window),
       batch_window_max_(std::max(batch_window, batch_window_max)),
       decode_steps_(std::max(decode_steps, 1)),
       call_ahead_(call_ahead),
       clock_(clock),
+      max_queued_(max_queued),
       max_loras_(max_loras),
       adapters_(adapters),
       group_(group),
@@ -71,14 +72,20 @@ int Scheduler::in_flight() const {
   return static_cast<int>(pending_.size() + running_.size());
 }
 
-void Scheduler::Enqueue(const std::shared_ptr<GenRequest>& r) {
+absl::Status Scheduler::Enqueue(const std::shared_ptr<GenRequest>& r) {
   MutexLock lock(&mu_);
+  if (max_queued_ > 0 && static_cast<int>(pending_.size()) >= max_queued_) {
+    return absl::ResourceExhaustedError(absl::StrCat(pending_.size(),
+                                                     " requests wait to be admitted, the maximum "
+                                                     "(--max-queued-requests); retry later"));
+  }
   r->seq_id = next_seq_++;
   pending_.push_back(r);
   metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
   UpdateLoraInfo();
   wake_ = true;
   cv_.SignalAll();
+  return absl::OkStatus();
 }
 
 void Scheduler::FailAll(const absl::Status& s) {

@@ -44,19 +44,21 @@ class Scheduler {
   // `decode_steps`: steps per worker call (StepRequest.decode_steps) while no request is queued
   // and none joins; 1 otherwise. `call_ahead`: send such a call's successor before it ends.
   // `clock`: every time the scheduler reads or waits for (arrivals, windows, deadlines, the
-  // call-ahead lead).
+  // call-ahead lead). `max_queued`: requests waiting to be admitted at most (0: no bound).
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
             ControllerMetrics* metrics, std::function<bool()> serving,
             std::chrono::milliseconds batch_window = std::chrono::milliseconds(0),
             std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0),
-            int decode_steps = 1, bool call_ahead = false, Clock* clock = Clock::Real());
+            int decode_steps = 1, bool call_ahead = false, Clock* clock = Clock::Real(),
+            int max_queued = 0);
   ~Scheduler();
 
   void Start();
   // Stops the thread and fails what is still queued or running with `why`.
   void Stop(const absl::Status& why);
   // Queues a validated request (its adapter already acquired); assigns its sequence id.
-  void Enqueue(const std::shared_ptr<GenRequest>& r) ABSL_LOCKS_EXCLUDED(mu_);
+  // RESOURCE_EXHAUSTED, with nothing queued, when `max_queued` requests wait already.
+  [[nodiscard]] absl::Status Enqueue(const std::shared_ptr<GenRequest>& r) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails every queued and running request with `s`.
   void FailAll(const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_);
   int in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -83,6 +85,7 @@ class Scheduler {
   const int decode_steps_;
   const bool call_ahead_;
   Clock* const clock_;
+  const int max_queued_;
   const int max_loras_;
   // The workers' KV cache, from their Info when requests wait (the loop thread only).
   int64_t kv_blocks_ = 0;

@@ -50,10 +50,7 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
   }
   auto submitted = controller_->Submit(req, deadline);
   if (!submitted.ok()) {
-    metrics_->requests
-        .Add({{"adapter", req.adapter().empty() ? "base" : req.adapter()},
-              {"code", absl::AsciiStrToLower(absl::StatusCodeToString(submitted.status().code()))}})
-        .Increment();
+    controller_->RecordRequest(req.adapter(), /*admitted=*/false, submitted.status().code());
     return ToGrpc(submitted.status());
   }
   std::shared_ptr<GenRequest> r = *submitted;
@@ -104,7 +101,7 @@ grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::Generate
     if (ctx->IsCancelled()) r->cancelled = true;
   }
   const GenRequest::Result res = r->GetResult(kept);
-  controller_->RecordRequest(*r, res.status.code());
+  controller_->RecordRequest(r->adapter, /*admitted=*/true, res.status.code());
   if (!res.status.ok()) return ToGrpc(res.status);
   if (text) {
     const std::string rest = text->Finish();

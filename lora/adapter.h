@@ -135,7 +135,8 @@ struct AdapterLoadTimings {
 //                      ranks that contradict r / rank_pattern; expert index >= E; 3D rows not
 //                      divisible by E; odd gate_up rows; old-PEFT swapped orientation; 2D and 3D
 //                      expert tensors mixed; DoRA, modules_to_save, bias; a format flag that
-//                      contradicts the file; dims that contradict the model
+//                      contradicts the file; dims that contradict the model; a tensor that
+//                      holds NaN or infinite values
 //   RESOURCE_EXHAUSTED a rank above options.max_rank
 // Nothing is kept on error.
 [[nodiscard]] absl::StatusOr<LoraAdapter> ReadAdapter(const std::string& dir,

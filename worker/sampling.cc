@@ -16,8 +16,11 @@ int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
   int32_t token = static_cast<int32_t>(ArgMax(logits, vocab, &mx));
   if (p_.temperature > 0) {
     scratch_.clear();
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < vocab; ++i) {
-      scratch_.push_back({logits[i] / p_.temperature, static_cast<int32_t>(i)});
+      // NaN never drawn (and never compared: the sort needs a strict weak order).
+      const float v = logits[i] / p_.temperature;
+      scratch_.push_back({std::isnan(v) ? kNegInf : v, static_cast<int32_t>(i)});
     }
     // Highest first; ties by lower id so the order is total and reproducible.
     std::sort(scratch_.begin(), scratch_.end(), [](const auto& a, const auto& b) {
@@ -26,6 +29,7 @@ int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
     size_t keep = scratch_.size();
     if (p_.top_k > 0) keep = std::min<size_t>(keep, p_.top_k);
     const double top = scratch_[0].first;
+    if (!std::isfinite(top)) return Finish(logits, vocab, scratch_[0].second, mx, logprob);
     std::vector<double> probs(keep);
     double sum = 0;
     for (size_t i = 0; i < keep; ++i) sum += probs[i] = std::exp(scratch_[i].first - top);
@@ -51,6 +55,11 @@ int32_t Sampler::Sample(const float* logits, int64_t vocab, float* logprob) {
       }
     }
   }
+  return Finish(logits, vocab, token, mx, logprob);
+}
+
+int32_t Sampler::Finish(const float* logits, int64_t vocab, int32_t token, float mx,
+                        float* logprob) const {
   if (logprob) {
     // log-sum-exp of the raw logits, only when asked: one exp per vocabulary entry, which at
     // batch 32 and a 4096-token vocabulary was about 0.4 ms of a decode step (2 %), and grows

@@ -24,11 +24,14 @@ class Sampler {
   explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
   // Picks a token from `logits[0, vocab)`; `logprob`, when not null, gets its log-probability
   // under the model's unmodified distribution (log_softmax of the raw logits). The token does not
-  // depend on whether `logprob` is asked for.
+  // depend on whether `logprob` is asked for. A NaN logit is never drawn with a temperature (a
+  // row with no finite logit gives its first entry).
   int32_t Sample(const float* logits, int64_t vocab, float* logprob);
 
  private:
   double Uniform();
+  // `token`, with its log-probability when `logprob` is not null (mx: the largest logit).
+  int32_t Finish(const float* logits, int64_t vocab, int32_t token, float mx, float* logprob) const;
   SamplingParams p_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> scratch_;

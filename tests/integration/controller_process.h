@@ -54,7 +54,8 @@ class ControllerProcess {
         "20"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     proc_ = std::make_unique<ChildProcess>(argv, state_dir + "/controller.log");
-    const std::string text = WaitForFile(pf, std::chrono::seconds(30), proc_.get());
+    // A backstop, not a timing: a loaded machine may take long to start a process.
+    const std::string text = WaitForFile(pf, std::chrono::seconds(120), proc_.get());
     if (text.empty()) return;
     auto j = nlohmann::json::parse(text);
     port_ = j["port"].get<int>();
@@ -82,7 +83,7 @@ class ControllerProcess {
   }
   // False at once when the controller never wrote its port file or has exited (its log says
   // why), instead of waiting out the timeout.
-  bool WaitHealth(int want, std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  bool WaitHealth(int want, std::chrono::seconds timeout = std::chrono::seconds(120)) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < deadline) {
       if (!stub_ || proc_->WaitExit(std::chrono::milliseconds(0)) >= 0) return false;

@@ -36,6 +36,13 @@ class AdapterBuilder {
     tensors_.push_back({name, dtype, std::move(shape), std::move(bytes)});
     return *this;
   }
+  // Sets element `i` of the tensor named `name` (added before) to `value`.
+  AdapterBuilder& Poke(const std::string& name, int64_t i, float value) {
+    for (auto& t : tensors_) {
+      if (t.name == name) StoreFromF32(t.dtype, t.bytes.data(), i, value);
+    }
+    return *this;
+  }
   AdapterBuilder& Pair(const std::string& module, int64_t r, int64_t in, int64_t out,
                        DType dtype = DType::kF32) {
     Tensor("base_model.model." + module + ".lora_A.weight", {r, in}, dtype);

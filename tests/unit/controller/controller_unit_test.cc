@@ -77,7 +77,7 @@ struct Harness {
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
                    int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1,
-                   bool call_ahead = false)
+                   bool call_ahead = false, int max_queued = 0)
       : group(max_loras, &clock) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -94,6 +94,7 @@ struct Harness {
     o.decode_steps = decode_steps;
     o.call_ahead = call_ahead;
     o.clock = &clock;
+    o.max_queued_requests = max_queued;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -394,6 +395,50 @@ TEST(ControllerUnitTest, GroupRestartReloadsTheAdaptersIntoTheNewWorkers) {
   ASSERT_TRUE(h.c->OnGroupReady().ok());
   EXPECT_THAT(h.group.committed(), UnorderedElementsAre(a, b));
   EXPECT_OK(Harness::Wait(h.Submit("b", 2)));
+}
+
+// --max-queued-requests: a request beyond the queue's bound is refused at once, holding nothing
+// (its adapter's reference is given back: the adapter can still be unloaded), and the queue
+// takes requests again once it has room.
+TEST(ControllerUnitTest, ARequestBeyondTheQueueBoundIsRefusedAtOnce) {
+  Harness h(1, /*max_num_seqs=*/1, "", 0, 0, 1, false, /*max_queued=*/2);
+  h.Load("a", "adapter_2d");
+  h.group.Hold();
+  auto running = h.Submit("", 5);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  auto q1 = h.Submit("", 2);
+  auto q2 = h.Submit("a", 2);
+  v1::GenerateRequest req;
+  req.set_adapter("a");
+  req.add_prompt_token_ids(1);
+  req.set_max_tokens(2);
+  const absl::Status refused = h.c->Submit(req, Clock::TimePoint::max()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("--max-queued-requests"));
+  h.group.Resume();
+  for (auto& r : {running, q1, q2}) EXPECT_OK(Harness::Wait(r));
+  EXPECT_OK(Harness::Wait(h.Submit("a", 2)));
+  // Only the requests that ran held the adapter: the unload goes through at once.
+  ASSERT_TRUE(h.c->UnloadAdapter("a").ok());
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.c->ListAdapters().empty(); }));
+}
+
+// An adapter that FAILED to load again after a restart (a transient refusal) is loaded again by
+// a LoadAdapter with its name and path, instead of that returning the FAILED record.
+TEST(ControllerUnitTest, LoadAdapterRetriesAnAdapterThatFailed) {
+  Harness h(2);
+  const int64_t a = h.Load("a", "adapter_2d");
+  h.c->OnGroupDown("test: a rank died");
+  h.group.Restart();
+  h.group.FailNextStages(1);
+  ASSERT_TRUE(h.c->OnGroupReady().ok());
+  ASSERT_EQ(h.c->ListAdapters().size(), 1u);
+  EXPECT_EQ(h.c->ListAdapters()[0].state(), v1::ADAPTER_STATE_FAILED);
+  EXPECT_TRUE(h.group.committed().empty());
+  EXPECT_EQ(h.Load("a", "adapter_2d"), a);  // the same id: the same registry record
+  EXPECT_EQ(h.c->ListAdapters()[0].state(), v1::ADAPTER_STATE_READY);
+  EXPECT_THAT(h.group.committed(), ElementsAre(a));
+  EXPECT_OK(Harness::Wait(h.Submit("a", 2)));
 }
 
 TEST(ControllerUnitTest, DeadlinesAndCancellationEndRequestsAndFreeTheirSequences) {

@@ -4,6 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
 #include "tests/testing/adapter_builder.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
@@ -261,6 +264,31 @@ std::vector<Case> BadCases() {
   cases.push_back(
       with_config("modules_to_save", {{"modules_to_save", {"lm_head"}}}, {"modules_to_save"}));
   cases.push_back(with_config("lora bias", {{"bias", "lora_only"}}, {"bias"}));
+  // Weights that are not numbers: refused at load, naming the tensor, in every dtype and on the
+  // path that permutes a 3D lora_B while it copies it.
+  const std::string qb = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+      cases.push_back({absl::StrCat(DTypeName(dt), " ", bad),
+                       [=](AdapterBuilder& b) {
+                         b.Pair("model.layers.0.self_attn.q_proj", 2, 24, 32, dt);
+                         b.Poke(qb, 37, bad);
+                       },
+                       absl::StatusCode::kInvalidArgument,
+                       {"q_proj.lora_B.weight", "[32, 2]", "NaN or infinite"},
+                       {}});
+    }
+  }
+  AdapterReadOptions convert;
+  convert.convert_to_2d = true;
+  cases.push_back({"NaN in a 3D lora_B converted to 2D",
+                   [L0](AdapterBuilder& b) {
+                     b.Experts3D(L0, 4, 2, 24, 10);
+                     b.Poke("base_model.model." + L0 + ".base_layer.lora_B.weight", 5, NAN);
+                   },
+                   absl::StatusCode::kInvalidArgument,
+                   {"experts.base_layer.lora_B.weight", "NaN or infinite"},
+                   convert});
   return cases;
 }
 
