@@ -354,10 +354,12 @@ void Scheduler::Loop() {
     if (!resp.ok()) {
       const absl::StatusCode c = resp.status().code();
       std::vector<std::shared_ptr<GenRequest>> victims;
+      const bool refused =
+          c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound ||
+          c == absl::StatusCode::kAlreadyExists || c == absl::StatusCode::kResourceExhausted;
       {
         MutexLock lock(&mu_);
-        if (c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound ||
-            c == absl::StatusCode::kAlreadyExists || c == absl::StatusCode::kResourceExhausted) {
+        if (refused) {
           // The workers refused a joiner and did not step: fail the joiners only.
           for (auto& r : admitted) {
             running_.erase(r->seq_id);
@@ -377,6 +379,22 @@ void Scheduler::Loop() {
               : absl::UnavailableError(
                     absl::StrCat("worker step failed: ", resp.status().message()));
       for (auto& r : victims) Finish(r, s, "");
+      // A step that failed (rather than refused its joiners, adding nothing): the ranks may
+      // still hold its sequences (a rank that stepped while another failed, a step that timed
+      // out here and runs on there). Removed on every rank, after whatever the ranks still run
+      // (their calls run in order), so that none is left to fill the batch; nothing else runs
+      // here now, so the call steps nothing.
+      v1::StepRequest cleanup;
+      if (!refused) {
+        for (auto& r : victims) cleanup.add_remove(r->seq_id);
+      }
+      if (!cleanup.remove().empty() && group_->serving()) {
+        cleanup.set_step(++step_no_);
+        if (absl::StatusOr<v1::StepResponse> done = group_->StepAll(cleanup); !done.ok()) {
+          LOG(WARNING) << "removing the failed step's sequences from the workers failed: "
+                       << done.status();
+        }
+      }
       continue;
     }
     {

@@ -702,8 +702,14 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   if (!logits.ok()) {
     // A failed step (a collective, or libtorch itself) leaves the states inconsistent across
     // ranks: drop the batch and report it. The other ranks fail their collective by its deadline.
+    // ABORTED whatever the cause (out of memory included): the controller reads
+    // RESOURCE_EXHAUSTED and INVALID_ARGUMENT as "a joiner was refused, nothing stepped", and
+    // must instead end every sequence this step dropped.
+    const size_t dropped = m.running.size();
     m.running.clear();
-    return logits.status();
+    return absl::AbortedError(absl::StrCat(
+        "the step failed and its ", dropped, " sequences were dropped: ",
+        absl::StatusCodeToString(logits.status().code()), ": ", logits.status().message()));
   }
   const float* L = logits->data_ptr<float>();
   // Each sequence's row of logits (its last; all_logits sequences have one per new token before

@@ -375,6 +375,16 @@ TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {
   h.group.FailNextSteps(1);
   auto r = h.Submit("", 4);
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
+  // A sequence running when a step fails is removed from the workers too: none is left behind
+  // to fill the batch.
+  h.group.Hold();
+  auto running = h.Submit("", 40);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  h.group.FailNextSteps(1);
+  h.group.Resume();
+  EXPECT_EQ(Harness::Wait(running).code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }))
+      << h.group.running() << " sequences left on the workers";
   auto next = h.Submit("", 4);
   EXPECT_OK(Harness::Wait(next));
   EXPECT_EQ(next->num_tokens(), 4u);
