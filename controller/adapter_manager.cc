@@ -9,8 +9,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/path_policy.h"
 #include "common/status_macros.h"
-#include "controller/path_policy.h"
 #include "lora/adapter.h"
 #include "proto/adapter_format.h"
 

@@ -184,7 +184,9 @@ int main(int argc, char** argv) {
   go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
   go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   go.worker_flags = moelora::EngineFlagArgs(engine_flags);
-  go.worker_flags.insert(go.worker_flags.end(), {"--device", device, "--metrics-port", "0"});
+  go.worker_flags.insert(go.worker_flags.end(),
+                         {"--device", device, "--metrics-port", "0", "--adapter-root",
+                          absl::GetFlag(FLAGS_adapter_root)});
   go.expected = moelora::WorkerSettingsFromFlags(engine_flags, model);
   for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
     go.worker_flags.push_back(std::string(a));

@@ -47,6 +47,9 @@ ABSL_FLAG(bool, print_config_defaults, false,
           "config.json keys the worker reads when they are absent, and exit");
 ABSL_FLAG(int, cpu_threads, 0,
           "CPU threads for tensor ops (0: hardware threads / --tensor-parallel-size)");
+ABSL_FLAG(std::string, adapter_root, "",
+          "The only directory StageAdapter reads adapters from, symlinks resolved (none: every "
+          "stage is refused); moelora-controller passes its own to the workers it spawns");
 ABSL_FLAG(int, debug_step_delay_ms, 0,
           "Testing only: sleep this long before every step, each of a call's decode_steps (to "
           "interrupt generations on purpose)");
@@ -136,6 +139,7 @@ int main(int argc, char** argv) {
   }
 
   moelora::WorkerService service(&metrics, absl::GetFlag(FLAGS_device));
+  service.set_adapter_root(absl::GetFlag(FLAGS_adapter_root));
   service.set_step_delay(std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)));
   grpc::EnableDefaultHealthCheckService(true);
   // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server

@@ -10,6 +10,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/path_policy.h"
 #include "proto/adapter_format.h"
 #include "proto/grpc_status.h"
 
@@ -46,7 +47,18 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   if (req->path().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "StageAdapter: empty path");
   }
-  auto r = e->StageAdapter(req->adapter_id(), req->path(), AdapterFormatFromProto(req->format()));
+  // Whoever reaches this port reads only adapters under this worker's own root (symlinks
+  // resolved), whatever the caller claims.
+  absl::StatusOr<std::string> path = ResolveAdapterPath(adapter_root_, req->path());
+  if (!path.ok()) {
+    metrics_->AdapterLoadFailed(
+        absl::AsciiStrToLower(absl::StatusCodeToString(path.status().code())));
+    return ToGrpc(
+        absl::Status(path.status().code(),
+                     absl::StrCat("adapter \"", req->name(), "\": ", path.status().message(),
+                                  " (the worker's --adapter-root)")));
+  }
+  auto r = e->StageAdapter(req->adapter_id(), *path, AdapterFormatFromProto(req->format()));
   if (!r.ok()) {
     metrics_->AdapterLoadFailed(absl::AsciiStrToLower(absl::StatusCodeToString(r.status().code())));
     return ToGrpc(absl::Status(

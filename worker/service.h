@@ -28,6 +28,9 @@ class WorkerService final : public moelora::v1::Worker::Service {
   void SetReady(std::unique_ptr<Communicator> comm, std::unique_ptr<Engine> engine);
   void SetLoadingDetail(const std::string& detail);
   void set_step_delay(std::chrono::milliseconds d) { step_delay_ = d; }
+  // The only directory StageAdapter reads from (--adapter-root; empty: none, every stage
+  // refused). Set before serving.
+  void set_adapter_root(std::string root) { adapter_root_ = std::move(root); }
 
   grpc::Status StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest*,
                             v1::StageAdapterResponse*) override;
@@ -54,6 +57,7 @@ class WorkerService final : public moelora::v1::Worker::Service {
   std::unique_ptr<Engine> owned_engine_;
   std::atomic<Engine*> engine_{nullptr};
   std::chrono::milliseconds step_delay_{0};
+  std::string adapter_root_;
   // The `step` of the last Step call that queued its work on the compute thread (or returned
   // without): a call sent ahead (after_step) waits for its predecessor's, then queues behind it.
   std::mutex order_mu_;

@@ -29,19 +29,13 @@ class WorkerGroup {
       const std::string pf = dir_.path() + "/port." + std::to_string(r);
       // MOELORA_WORKER_BIN in the environment wins (sanitizer trees use a release worker).
       const char* env_bin = std::getenv("MOELORA_WORKER_BIN");
-      std::vector<std::string> argv = {env_bin ? env_bin : MOELORA_WORKER_BIN,
-                                       "--model",
-                                       model_dir,
-                                       "--rank",
-                                       std::to_string(r),
-                                       "--tensor-parallel-size",
-                                       std::to_string(tp),
-                                       "--dist-init-dir",
-                                       dist,
-                                       "--port-file",
-                                       pf,
-                                       "--dist-timeout-s",
-                                       "60"};
+      std::vector<std::string> argv = {env_bin ? env_bin : MOELORA_WORKER_BIN, "--model", model_dir,
+                                       "--rank", std::to_string(r), "--tensor-parallel-size",
+                                       std::to_string(tp), "--dist-init-dir", dist, "--port-file",
+                                       pf, "--dist-timeout-s", "60",
+                                       // Tests stage fixtures and temporary directories alike;
+                                       // a test of the root passes its own after this one.
+                                       "--adapter-root", "/"};
       argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
       // MOELORA_TEST_WORKER_FLAGS (space-separated) is appended: kernels/gpu_check.sh runs the TP
       // tests with "--device cuda".

@@ -2,6 +2,7 @@
 // TP=2 (gloo over TCP) against TP=1, error codes, /metrics, startup failures.
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <thread>
@@ -11,6 +12,7 @@
 #include "kernels/device.h"
 #include "tests/integration/worker_group.h"
 #include "tests/testing/http_get.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
 
 namespace moelora {
@@ -309,6 +311,32 @@ TEST(WorkerProcessTest, ACallSentAheadRunsAfterTheCallItNames) {
   EXPECT_TRUE(none.empty());
   ASSERT_TRUE(call(11, 0, 1, &got).ok());
   EXPECT_EQ(got, want);
+}
+
+// Whoever reaches a worker's port stages only adapters under the worker's own --adapter-root:
+// an absolute path elsewhere, a ".." escape and a symlink out of the root are refused, and a
+// worker without a root stages nothing.
+TEST(WorkerProcessTest, StageAdapterReadsOnlyUnderItsAdapterRoot) {
+  ::moelora::testing::TempDir root;
+  std::filesystem::create_symlink(Data("qwen3_moe/adapter_2d"), root.path() + "/outside");
+  std::filesystem::create_directories(root.path() + "/sub");
+  std::filesystem::copy(Data("qwen3_moe/adapter_2d"), root.path() + "/sub/inside");
+  WorkerGroup g(Data("qwen3_moe/model"), 1, {"--adapter-root", root.path()});
+  ASSERT_TRUE(g.WaitReady()) << g.Logs();
+  EXPECT_TRUE(g.Load(1, root.path() + "/sub/inside").ok());
+  EXPECT_TRUE(g.Load(2, "sub/inside").ok()) << "relative to the root";
+  for (const std::string& p :
+       {Data("qwen3_moe/adapter_2d"), root.path() + "/sub/../../x",
+        std::string("../") + Data("qwen3_moe/adapter_2d"), root.path() + "/outside"}) {
+    const grpc::Status s = g.Load(3, p);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+        << p << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("--adapter-root")) << p;
+  }
+  WorkerGroup none(Data("qwen3_moe/model"), 1, {"--adapter-root="});
+  ASSERT_TRUE(none.WaitReady()) << none.Logs();
+  EXPECT_EQ(none.Load(1, Data("qwen3_moe/adapter_2d")).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 TEST(WorkerProcessTest, MetricsReportAdapterLoadPhasesAndTokens) {

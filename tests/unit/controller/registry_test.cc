@@ -4,7 +4,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "controller/path_policy.h"
+#include "common/path_policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"

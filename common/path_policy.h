@@ -1,7 +1,7 @@
 // Where adapters may be read from: only inside --adapter-root, after resolving symlinks.
 // Thread-safe: pure functions of the file system.
-#ifndef MOELORA_CONTROLLER_PATH_POLICY_H_
-#define MOELORA_CONTROLLER_PATH_POLICY_H_
+#ifndef MOELORA_COMMON_PATH_POLICY_H_
+#define MOELORA_COMMON_PATH_POLICY_H_
 
 #include <string>
 
@@ -21,4 +21,4 @@ namespace moelora {
 
 }  // namespace moelora
 
-#endif  // MOELORA_CONTROLLER_PATH_POLICY_H_
+#endif  // MOELORA_COMMON_PATH_POLICY_H_

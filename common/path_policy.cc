@@ -1,4 +1,4 @@
-#include "controller/path_policy.h"
+#include "common/path_policy.h"
 
 #include <filesystem>
 
