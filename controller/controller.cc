@@ -98,6 +98,10 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
   r->adapter = r->req.adapter();
   r->arrival = options_.clock->Now();
   r->deadline = deadline;
+  if (options_.request_timeout_s > 0) {
+    r->timeout_at = r->arrival + std::chrono::seconds(options_.request_timeout_s);
+    r->request_timeout_s = options_.request_timeout_s;
+  }
   r->seed = r->req.seed();
   if (r->seed == 0)
     r->seed = std::random_device{}() | (static_cast<uint64_t>(std::random_device{}()) << 32);

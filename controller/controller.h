@@ -42,6 +42,9 @@ struct ControllerOptions {
   bool call_ahead = false;
   // Requests waiting to be admitted at most; beyond it RESOURCE_EXHAUSTED at once (0: no bound).
   int max_queued_requests = 0;
+  // A request ends with DEADLINE_EXCEEDED this long after it arrived, whatever its client's
+  // deadline (0: no bound).
+  int request_timeout_s = 0;
   ModelInfo model;  // from --model's config.json: dims for adapter validation
   // The model's tokenizer (null: none; text prompts and stop strings are then refused).
   std::shared_ptr<const tok::Tokenizer> tokenizer;

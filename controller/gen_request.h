@@ -34,7 +34,10 @@ class GenRequest {
   v1::GenerateRequest req;
   uint64_t seed = 0;
   Clock::time_point arrival;
-  Clock::time_point deadline = Clock::time_point::max();
+  Clock::time_point deadline = Clock::time_point::max();  // the client's
+  // --request-timeout-s after arrival (the server's bound whatever the client asks for).
+  Clock::time_point timeout_at = Clock::time_point::max();
+  int request_timeout_s = 0;  // for the message
   double tokenize_seconds = 0;
 
   std::atomic<bool> cancelled{false};

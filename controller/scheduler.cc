@@ -19,6 +19,10 @@ double Seconds(Clock::Duration d) { return std::chrono::duration<double>(d).coun
 absl::Status Expiry(const GenRequest& r, Clock::TimePoint now, const char* where) {
   if (now > r.deadline)
     return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
+  if (now > r.timeout_at) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("--request-timeout-s ", r.request_timeout_s, " exceeded while ", where));
+  }
   if (r.cancelled) return absl::CancelledError("cancelled by the client");
   return absl::OkStatus();
 }

@@ -77,7 +77,7 @@ struct Harness {
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
                    int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1,
-                   bool call_ahead = false, int max_queued = 0)
+                   bool call_ahead = false, int max_queued = 0, int request_timeout_s = 0)
       : group(max_loras, &clock) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -95,6 +95,7 @@ struct Harness {
     o.call_ahead = call_ahead;
     o.clock = &clock;
     o.max_queued_requests = max_queued;
+    o.request_timeout_s = request_timeout_s;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
@@ -431,6 +432,26 @@ TEST(ControllerUnitTest, ARequestBeyondTheQueueBoundIsRefusedAtOnce) {
   // Only the requests that ran held the adapter: the unload goes through at once.
   ASSERT_TRUE(h.c->UnloadAdapter("a").ok());
   EXPECT_TRUE(h.group.WaitFor([&] { return h.c->ListAdapters().empty(); }));
+}
+
+// --request-timeout-s bounds a request whose client set no deadline: queued or running.
+TEST(ControllerUnitTest, TheRequestTimeoutEndsRequestsWithoutADeadline) {
+  Harness h(1, /*max_num_seqs=*/1, "", 0, 0, 1, false, 0, /*request_timeout_s=*/30);
+  h.group.Hold();
+  auto running = h.Submit("", 40);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  auto queued = h.Submit("", 2);
+  h.clock.Advance(std::chrono::seconds(29));
+  EXPECT_FALSE(running->WaitDone(std::chrono::milliseconds(0)));
+  h.clock.Advance(std::chrono::seconds(2));
+  h.group.Resume();
+  for (auto& r : {running, queued}) {
+    const absl::Status s = Harness::Wait(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("--request-timeout-s 30"));
+  }
+  EXPECT_LT(running->num_tokens(), 40u);
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
 }
 
 // An adapter that FAILED to load again after a restart (a transient refusal) is loaded again by
