@@ -49,6 +49,7 @@ void Controller::Stop() {
 absl::Status Controller::OnGroupReady() {
   ready_ = false;
   adapters_.ReloadAll();
+  scheduler_.DropWorkerSequences();
   ready_ = true;
   metrics_->serving.Set(1);
   scheduler_.Wake();

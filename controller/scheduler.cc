@@ -311,6 +311,7 @@ void Scheduler::Loop() {
         continue;
       }
       step.set_step(++step_no_);
+      if (drop_all_.exchange(false)) step.set_drop_all(true);
       // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
       // returns its first token at once, and a queued request is not held back by up to
       // decode_steps_ steps. Stop strings and cancellations are seen between calls; the tokens a

@@ -64,6 +64,9 @@ class Scheduler {
   int in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
   // Something changed (a stop string, an unload, the group): look again now.
   void Wake() ABSL_LOCKS_EXCLUDED(mu_);
+  // The group is ready (again): the next step asks the workers to drop every sequence they hold
+  // (StepRequest.drop_all), none of which this controller runs.
+  void DropWorkerSequences() { drop_all_ = true; }
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -118,6 +121,7 @@ class Scheduler {
   // The part of the lead that does not scale with the measured overhead (seconds).
   static constexpr double kAheadLeadSeconds = 0.001;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> drop_all_{true};  // the first step after start, and after DropWorkerSequences
   std::thread loop_;
 };
 

@@ -483,9 +483,18 @@ absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
 absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSequence>& add,
                                                       const std::vector<int64_t>& remove, int steps,
                                                       const std::function<void()>& before_step,
-                                                      const std::function<void()>& queued) {
+                                                      const std::function<void()>& queued,
+                                                      bool drop_all) {
   return impl_->compute->Run(
       [&]() -> absl::StatusOr<std::vector<StepOutput>> {
+        if (drop_all) {
+          std::lock_guard<std::mutex> lock(impl_->step_mu);
+          if (!impl_->running.empty()) {
+            LOG(WARNING) << "dropping " << impl_->running.size()
+                         << " sequences no controller knows of (drop_all)";
+          }
+          impl_->running.clear();
+        }
         const auto start = std::chrono::steady_clock::now();
         double idle = -1;
         {

@@ -175,11 +175,12 @@ class Engine {
   // before each step (the worker's --debug-step-delay-ms). `queued` (optional) is called once
   // the call is queued on the compute thread, whose calls run in the order they were queued.
   // After a Steps call the compute thread waits (1 ms at most) for StepsReplied(), which the
-  // caller calls once it has built its reply, before it runs the next task.
+  // caller calls once it has built its reply, before it runs the next task. `drop_all`: every
+  // running sequence leaves first (StepRequest.drop_all).
   [[nodiscard]] absl::StatusOr<std::vector<StepOutput>> Steps(
       const std::vector<NewSequence>& add, const std::vector<int64_t>& remove, int steps,
       const std::function<void()>& before_step = nullptr,
-      const std::function<void()>& queued = nullptr);
+      const std::function<void()>& queued = nullptr, bool drop_all = false);
   void StepsReplied();
 
   EngineInfo Info() const;

@@ -173,7 +173,8 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   // many calls of one.
   std::function<void()> delay;
   if (step_delay_.count() > 0) delay = [d = step_delay_] { std::this_thread::sleep_for(d); };
-  auto out = e->Steps(add, remove, req->decode_steps(), delay, [&pass] { pass(); });
+  auto out = e->Steps(
+      add, remove, req->decode_steps(), delay, [&pass] { pass(); }, req->drop_all());
   // The reply is built below; then the compute thread may go on (it waits for this).
   struct Replied {
     Engine* e;

@@ -434,6 +434,26 @@ TEST(ControllerUnitTest, ARequestBeyondTheQueueBoundIsRefusedAtOnce) {
   EXPECT_TRUE(h.group.WaitFor([&] { return h.c->ListAdapters().empty(); }));
 }
 
+// Workers that still hold sequences of an earlier controller (--workers mode, a controller
+// restart): the first step drops them, so they neither fill the batch nor collide with the new
+// controller's sequence ids (which start at 1 again).
+TEST(ControllerUnitTest, TheFirstStepDropsSequencesOfAnEarlierController) {
+  Harness h(1);
+  h.group.AddStray(1, 1000);
+  h.group.AddStray(7, 1000);
+  auto r = h.Submit("", 3);
+  ASSERT_EQ(r->seq_id, 1);
+  EXPECT_OK(Harness::Wait(r));
+  EXPECT_EQ(r->num_tokens(), 3u);
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
+  // And again once the group is found ready again.
+  h.c->OnGroupDown("test: connection lost");
+  h.group.AddStray(2, 1000);
+  ASSERT_TRUE(h.c->OnGroupReady().ok());
+  EXPECT_OK(Harness::Wait(h.Submit("", 2)));
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
+}
+
 // --request-timeout-s bounds a request whose client set no deadline: queued or running.
 TEST(ControllerUnitTest, TheRequestTimeoutEndsRequestsWithoutADeadline) {
   Harness h(1, /*max_num_seqs=*/1, "", 0, 0, 1, false, 0, /*request_timeout_s=*/30);

@@ -204,11 +204,16 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   }
   absl::StatusOr<v1::StepResponse> StepLocked(const v1::StepRequest& req) {
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");
+    if (req.drop_all()) running_.clear();
     for (int64_t id : req.remove()) running_.erase(id);
     for (const v1::SequenceSpec& s : req.add()) {  // all or nothing, as the workers
       if (s.adapter_id() != 0 && !committed_.count(s.adapter_id())) {
         return absl::NotFoundError(
             absl::StrCat("fake: adapter ", s.adapter_id(), " is not committed"));
+      }
+      if (running_.count(s.sequence_id())) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("fake: sequence ", s.sequence_id(), " is already running"));
       }
     }
     ++step_calls_;
@@ -260,6 +265,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   void FailNextSteps(int n) {
     std::lock_guard<std::mutex> l(mu_);
     fail_step_ = n;
+  }
+  // A sequence no controller knows of (left by an earlier controller).
+  void AddStray(int64_t id, int max_tokens) {
+    std::lock_guard<std::mutex> l(mu_);
+    running_[id] = {0, max_tokens, 0};
   }
   // A restarted group holds nothing.
   void Restart() {
