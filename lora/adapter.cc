@@ -395,24 +395,77 @@ struct Copy {
   int64_t experts = 0;
 };
 
-// Whether none of the `n` bytes of `t` values at `p` is NaN or infinite: an exponent of all ones
-// (a plain loop over the bit patterns, which the compiler vectorises).
-template <typename U>
-bool FiniteBits(const uint8_t* p, size_t n, U exponent) {
-  const U* w = reinterpret_cast<const U*>(p);
-  U all_ones = 0;
-  for (size_t i = 0; i < n / sizeof(U); ++i) all_ones |= ((w[i] & exponent) == exponent) ? 1 : 0;
-  return all_ones == 0;
+// Whether none of the `n` bytes of U-sized values at `p` is NaN or infinite: an exponent of all
+// ones. kBytes at a time in GCC's vector extension: 16 (SSE2, the build's baseline) or 32 (the
+// AVX2 copy below, chosen at run time). bench/adapter_load's read (16 layers, bf16, 3D): 0.058 s
+// without the check; 0.080 s with a plain element loop (GCC did not vectorise it), 0.070 s with
+// SSE2, 0.060 s with AVX2. The check runs on data the copy just brought into L1.
+template <typename U, int kBytes>
+struct Vec;
+template <>
+struct Vec<uint16_t, 16> {
+  typedef uint16_t type __attribute__((vector_size(16)));
+};
+template <>
+struct Vec<uint32_t, 16> {
+  typedef uint32_t type __attribute__((vector_size(16)));
+};
+template <>
+struct Vec<uint16_t, 32> {
+  typedef uint16_t type __attribute__((vector_size(32)));
+};
+template <>
+struct Vec<uint32_t, 32> {
+  typedef uint32_t type __attribute__((vector_size(32)));
+};
+
+template <typename U, int kBytes>
+inline __attribute__((always_inline)) bool FiniteBitsT(const uint8_t* p, size_t n, U exponent) {
+  using V = typename Vec<U, kBytes>::type;
+  constexpr size_t kLanes = kBytes / sizeof(U);
+  V mask;
+  for (size_t l = 0; l < kLanes; ++l) mask[l] = exponent;
+  V acc = {};
+  const size_t whole = n / kBytes * kBytes;
+  for (size_t i = 0; i < whole; i += kBytes) {
+    V x;
+    std::memcpy(&x, p + i, kBytes);
+    acc |= reinterpret_cast<V>((x & mask) == mask);
+  }
+  U any = 0;
+  for (size_t l = 0; l < kLanes; ++l) any |= acc[l];
+  for (size_t i = whole; i + sizeof(U) <= n; i += sizeof(U)) {
+    U w;
+    std::memcpy(&w, p + i, sizeof(U));
+    any |= (w & exponent) == exponent;
+  }
+  return any == 0;
+}
+
+__attribute__((target("avx2"))) bool FiniteBits16Avx2(const uint8_t* p, size_t n, uint16_t e) {
+  return FiniteBitsT<uint16_t, 32>(p, n, e);
+}
+__attribute__((target("avx2"))) bool FiniteBits32Avx2(const uint8_t* p, size_t n, uint32_t e) {
+  return FiniteBitsT<uint32_t, 32>(p, n, e);
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+bool FiniteBits(const uint8_t* p, size_t n, uint16_t e) {
+  return kHasAvx2 ? FiniteBits16Avx2(p, n, e) : FiniteBitsT<uint16_t, 16>(p, n, e);
+}
+bool FiniteBits(const uint8_t* p, size_t n, uint32_t e) {
+  return kHasAvx2 ? FiniteBits32Avx2(p, n, e) : FiniteBitsT<uint32_t, 16>(p, n, e);
 }
 
 bool AllFinite(const uint8_t* p, size_t n, DType t) {
   switch (t) {
     case DType::kF32:
-      return FiniteBits<uint32_t>(p, n, 0x7F800000u);
+      return FiniteBits(p, n, uint32_t{0x7F800000u});
     case DType::kBF16:
-      return FiniteBits<uint16_t>(p, n, 0x7F80u);
+      return FiniteBits(p, n, uint16_t{0x7F80u});
     case DType::kF16:
-      return FiniteBits<uint16_t>(p, n, 0x7C00u);
+      return FiniteBits(p, n, uint16_t{0x7C00u});
     default:
       return true;
   }
@@ -432,13 +485,19 @@ int64_t CopyAll(const std::vector<Copy>& copies, const SafetensorsFile& st, bool
     const TensorView& v = *c.src;
     uint8_t* dst = c.dst->storage->bytes.get();
     bool finite = true;
+    constexpr size_t kPiece = size_t{16} << 10;  // stays in L1 between the check and the copy
+    const uint8_t* src = static_cast<const uint8_t*>(v.data);
     if (c.expert_major_r > 0) {
-      CopyBExpertMajor(dst, static_cast<const uint8_t*>(v.data), v.shape[0], c.expert_major_r,
-                       c.experts, DTypeBits(v.dtype) / 8);
-      finite = AllFinite(dst, v.nbytes, v.dtype);
+      // Source rows a block at a time: checked, then permuted while still in the cache.
+      const size_t row = static_cast<size_t>(v.nbytes / std::max<int64_t>(1, v.shape[0]));
+      const int64_t block = std::max<int64_t>(4, static_cast<int64_t>(kPiece / row) / 4 * 4);
+      for (int64_t o = 0; o < v.shape[0]; o += block) {
+        const int64_t end = std::min(v.shape[0], o + block);
+        finite = AllFinite(src + o * row, (end - o) * row, v.dtype) && finite;
+        CopyBExpertMajor(dst, src, v.shape[0], c.expert_major_r, c.experts, DTypeBits(v.dtype) / 8,
+                         o, end);
+      }
     } else {
-      constexpr size_t kPiece = size_t{16} << 10;  // stays in L1 between the copy and the check
-      const uint8_t* src = static_cast<const uint8_t*>(v.data);
       for (size_t at = 0; at < v.nbytes; at += kPiece) {
         const size_t len = std::min(kPiece, v.nbytes - at);
         std::memcpy(dst + at, src + at, len);

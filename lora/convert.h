@@ -39,9 +39,10 @@ void InPlaceTranspose(uint8_t* data, int64_t m, int64_t n, size_t elem_bytes,
 // The permutation ConvertTo2DInPlace makes of a 3D lora_B, done while copying it: `src` is
 // [rows, r*E] (column j*E+e), `dst` (another buffer of the same size) becomes [E, rows, r].
 // ReadAdapter copies lora_B out of the file so when it converts: one pass over the bytes instead
-// of a copy and then an in-place permutation.
+// of a copy and then an in-place permutation. Only source rows [o_begin, o_end) (o_end < 0: to
+// the last), each to its place in the whole `dst`; o_begin a multiple of 4.
 void CopyBExpertMajor(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t r, int64_t experts,
-                      size_t elem_bytes);
+                      size_t elem_bytes, int64_t o_begin = 0, int64_t o_end = -1);
 
 // 2D -> 3D (docs/formats.md §5), into new buffers: when every expert's gate and up lora_A are
 // bit-identical (Megatron/ms-swift exports, converted 3D adapters) the fused A is that A and B is
