@@ -30,6 +30,10 @@ ControllerMetrics::ControllerMetrics()
                    .Name("moelora_requests_total")
                    .Help("Generate / GenerateStream calls by adapter and status code")
                    .Register(*registry_)),
+      auth_failures(prometheus::BuildCounter()
+                        .Name("moelora_auth_failures_total")
+                        .Help("Calls refused for their token (--auth-tokens-file), by status code")
+                        .Register(*registry_)),
       ttft(prometheus::BuildHistogram()
                .Name("moelora_time_to_first_token_seconds")
                .Help("From arrival to the first generated token")

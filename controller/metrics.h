@@ -25,6 +25,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Counter>& adapter_load_failures;   // {reason}
   prometheus::Family<prometheus::Gauge>& adapters;                  // {state}
   prometheus::Family<prometheus::Counter>& requests;                // {adapter, code}
+  prometheus::Family<prometheus::Counter>& auth_failures;           // {code}
   prometheus::Histogram& ttft;
   prometheus::Histogram& inter_token;
   prometheus::Histogram& batch_size;

@@ -9,31 +9,50 @@
 
 namespace moelora {
 
-grpc::Status ControllerService::LoadAdapter(grpc::ServerContext*, const v1::LoadAdapterRequest* req,
-                                            v1::Adapter* resp) {
+grpc::Status ControllerService::Authorize(const grpc::ServerContext* ctx, bool admin) const {
+  if (auth_ == nullptr) return grpc::Status::OK;
+  absl::string_view authorization;
+  const auto& md = ctx->client_metadata();
+  if (auto it = md.find("authorization"); it != md.end()) {
+    authorization = absl::string_view(it->second.data(), it->second.size());
+  }
+  const absl::Status s = auth_->Check(authorization, admin);
+  if (s.ok()) return grpc::Status::OK;
+  metrics_->auth_failures.Add({{"code", absl::AsciiStrToLower(absl::StatusCodeToString(s.code()))}})
+      .Increment();
+  return ToGrpc(s);
+}
+
+grpc::Status ControllerService::LoadAdapter(grpc::ServerContext* ctx,
+                                            const v1::LoadAdapterRequest* req, v1::Adapter* resp) {
+  if (grpc::Status s = Authorize(ctx, /*admin=*/true); !s.ok()) return s;
   auto a = controller_->LoadAdapter(*req);
   if (!a.ok()) return ToGrpc(a.status());
   *resp = *a;
   return grpc::Status::OK;
 }
 
-grpc::Status ControllerService::UnloadAdapter(grpc::ServerContext*,
+grpc::Status ControllerService::UnloadAdapter(grpc::ServerContext* ctx,
                                               const v1::UnloadAdapterRequest* req,
                                               v1::UnloadAdapterResponse* resp) {
+  if (grpc::Status s = Authorize(ctx, /*admin=*/true); !s.ok()) return s;
   auto a = controller_->UnloadAdapter(req->name());
   if (!a.ok()) return ToGrpc(a.status());
   *resp->mutable_adapter() = *a;
   return grpc::Status::OK;
 }
 
-grpc::Status ControllerService::ListAdapters(grpc::ServerContext*, const v1::ListAdaptersRequest*,
+grpc::Status ControllerService::ListAdapters(grpc::ServerContext* ctx,
+                                             const v1::ListAdaptersRequest*,
                                              v1::ListAdaptersResponse* resp) {
+  if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
   for (auto& a : controller_->ListAdapters()) *resp->add_adapters() = a;
   return grpc::Status::OK;
 }
 
-grpc::Status ControllerService::GetAdapter(grpc::ServerContext*, const v1::GetAdapterRequest* req,
-                                           v1::Adapter* resp) {
+grpc::Status ControllerService::GetAdapter(grpc::ServerContext* ctx,
+                                           const v1::GetAdapterRequest* req, v1::Adapter* resp) {
+  if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
   auto a = controller_->GetAdapter(req->name());
   if (!a.ok()) return ToGrpc(a.status());
   *resp = *a;
@@ -42,6 +61,7 @@ grpc::Status ControllerService::GetAdapter(grpc::ServerContext*, const v1::GetAd
 
 grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                                     v1::GenerateResponse* final_chunk, const TokenSink& on_tokens) {
+  if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
   auto deadline = std::chrono::steady_clock::time_point::max();
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
     deadline = std::chrono::steady_clock::now() +

@@ -2,6 +2,7 @@
 #ifndef MOELORA_CONTROLLER_SERVICE_H_
 #define MOELORA_CONTROLLER_SERVICE_H_
 
+#include "controller/auth.h"
 #include "controller/controller.h"
 #include "controller/metrics.h"
 #include "moelora/v1/controller.grpc.pb.h"
@@ -12,6 +13,8 @@ class ControllerService final : public v1::Controller::Service {
  public:
   ControllerService(Controller* controller, ControllerMetrics* metrics)
       : controller_(controller), metrics_(metrics) {}
+  // Tokens every call must carry (null: none asked); outlives the service.
+  void set_auth(const TokenAuth* auth) { auth_ = auth; }
 
   grpc::Status LoadAdapter(grpc::ServerContext*, const v1::LoadAdapterRequest*,
                            v1::Adapter*) override;
@@ -34,8 +37,11 @@ class ControllerService final : public v1::Controller::Service {
   // detokenizes incrementally here (the RPC thread) and ends the request at a stop string.
   grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
                    v1::GenerateResponse* final_chunk, const TokenSink& on_tokens);
+  // OK, or the call's UNAUTHENTICATED / PERMISSION_DENIED (counted) when tokens are asked.
+  grpc::Status Authorize(const grpc::ServerContext* ctx, bool admin) const;
   Controller* controller_;
   ControllerMetrics* metrics_;
+  const TokenAuth* auth_ = nullptr;
 };
 
 }  // namespace moelora
