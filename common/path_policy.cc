@@ -66,4 +66,11 @@ bool Inside(const fs::path& root, const fs::path& p) {
   return resolved.string();
 }
 
+bool LexicallyInside(const std::string& root, const std::string& requested) {
+  if (root.empty() || requested.empty()) return false;
+  const fs::path r = fs::path(root).lexically_normal();
+  const fs::path p = fs::path(requested).is_absolute() ? fs::path(requested) : r / requested;
+  return Inside(r, p.lexically_normal());
+}
+
 }  // namespace moelora

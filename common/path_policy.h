@@ -19,6 +19,10 @@ namespace moelora {
 [[nodiscard]] absl::StatusOr<std::string> ResolveAdapterPath(const std::string& root,
                                                              const std::string& requested);
 
+// Whether `requested` (absolute, or relative to `root`) lies inside `root` by its spelling alone
+// ("." and ".." resolved lexically; nothing on disk is looked at, so a symlink is not followed).
+bool LexicallyInside(const std::string& root, const std::string& requested);
+
 }  // namespace moelora
 
 #endif  // MOELORA_COMMON_PATH_POLICY_H_

@@ -50,6 +50,14 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   // Whoever reaches this port reads only adapters under this worker's own root (symlinks
   // resolved), whatever the caller claims.
   absl::StatusOr<std::string> path = ResolveAdapterPath(adapter_root_, req->path());
+  if ((path.status().code() == absl::StatusCode::kNotFound ||
+       (path.status().code() == absl::StatusCode::kFailedPrecondition && !adapter_root_.empty())) &&
+      LexicallyInside(adapter_root_, req->path())) {
+    // Inside the root but gone from disk (the adapter's directory, or the root itself): the host
+    // cache may still hold it (a swap-in reads no file); otherwise the engine answers NOT_FOUND.
+    // A path that does not exist has no symlink to follow out of the root.
+    path = req->path();
+  }
   if (!path.ok()) {
     metrics_->AdapterLoadFailed(
         absl::AsciiStrToLower(absl::StatusCodeToString(path.status().code())));

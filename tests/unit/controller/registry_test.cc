@@ -76,6 +76,16 @@ TEST(RegistryTest, UnwritableStateDirIsAnError) {
   EXPECT_FALSE(Registry::Open("/proc/moelora-cannot-write-here").ok());
 }
 
+TEST(PathPolicyTest, LexicallyInsideLooksAtTheSpellingOnly) {
+  EXPECT_TRUE(LexicallyInside("/srv/adapters", "/srv/adapters/a"));
+  EXPECT_TRUE(LexicallyInside("/srv/adapters/", "a/b"));
+  EXPECT_TRUE(LexicallyInside("/srv/adapters", "/srv/adapters/x/../a"));
+  EXPECT_FALSE(LexicallyInside("/srv/adapters", "/srv/adapters/../etc"));
+  EXPECT_FALSE(LexicallyInside("/srv/adapters", "../etc"));
+  EXPECT_FALSE(LexicallyInside("/srv/adapters", "/srv/adapters2/a"));
+  EXPECT_FALSE(LexicallyInside("", "/srv/adapters/a"));
+}
+
 TEST(PathPolicyTest, OnlyInsideTheRootAfterResolvingSymlinks) {
   TempDir t;
   const std::string root = t.path() + "/root";
