@@ -277,14 +277,11 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   // validation in between runs unlocked, beside other loads).
   struct InProgress {
     AdapterManager* m;
-    bool counted = true;
-    void Done() ABSL_EXCLUSIVE_LOCKS_REQUIRED(m->mu_) {
-      if (counted) --m->loads_in_progress_;
-      counted = false;
-    }
+    bool counted = true;  // until the entry below takes over
     ~InProgress() {
+      if (!counted) return;
       MutexLock lock(&m->mu_);
-      Done();
+      --m->loads_in_progress_;
     }
   } in_progress{this};
   if (!serving_()) return fail(absl::UnavailableError("the worker group is not ready"));
@@ -339,7 +336,8 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
     e.state = v1::ADAPTER_STATE_LOADING;
     e.last_used = options_.clock->Now();
     adapters_[rec.name] = e;
-    in_progress.Done();
+    --loads_in_progress_;
+    in_progress.counted = false;
     reserve = slots_.TryReserve();
     UpdateGauges();
   }
