@@ -261,6 +261,12 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
       }
       if (it->second.state != v1::ADAPTER_STATE_FAILED) return ToProto(it->second);  // idempotent
       retry = true;
+    } else if (req.pinned() && PinnedCount() + 1 >= options_.max_loras) {
+      // A pinned adapter never leaves its slot: with every slot pinned, no other adapter could
+      // ever run, and the strict FIFO queue would stall behind the first request for one.
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "pinning \"", req.name(), "\" would leave no slot for the other adapters: ",
+          PinnedCount(), " of --max-loras ", options_.max_loras, " slots are pinned already")));
     } else if (static_cast<int>(adapters_.size()) + loads_in_progress_ >= options_.max_cpu_loras) {
       return fail(absl::ResourceExhaustedError(
           absl::StrCat(adapters_.size(), " adapters are registered and ", loads_in_progress_,
@@ -626,6 +632,12 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
                         absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+int AdapterManager::PinnedCount() const {
+  int n = 0;
+  for (const auto& [name, e] : adapters_) n += e.record.pinned ? 1 : 0;
+  return n;
 }
 
 absl::StatusOr<v1::Adapter> AdapterManager::RetryFailed(const std::string& name) {

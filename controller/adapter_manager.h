@@ -126,6 +126,8 @@ class AdapterManager {
   const std::function<void()> wake_;
 
   mutable Mutex mu_;
+  // Registered adapters that are pinned.
+  int PinnedCount() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // LoadAdapter of an adapter that FAILED, with the same name and path: into a slot again.
   [[nodiscard]] absl::StatusOr<v1::Adapter> RetryFailed(const std::string& name)
       ABSL_LOCKS_EXCLUDED(mu_);

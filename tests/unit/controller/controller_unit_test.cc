@@ -454,6 +454,24 @@ TEST(ControllerUnitTest, TheFirstStepDropsSequencesOfAnEarlierController) {
   EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
 }
 
+// Pinning never takes the last slot: a request for an unpinned adapter could never run.
+TEST(ControllerUnitTest, PinningNeverTakesTheLastSlot) {
+  Harness h(2);
+  h.Load("p", "adapter_2d", /*pinned=*/true);
+  v1::LoadAdapterRequest req;
+  req.set_name("q");
+  req.set_path("qwen3_moe/adapter_3d");
+  req.set_pinned(true);
+  const absl::Status s = h.c->LoadAdapter(req).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("1 of --max-loras 2 slots are pinned"));
+  EXPECT_EQ(h.c->ListAdapters().size(), 1u);
+  req.set_pinned(false);
+  ASSERT_TRUE(h.c->LoadAdapter(req).ok());
+  EXPECT_OK(Harness::Wait(h.Submit("q", 2)));
+  EXPECT_OK(Harness::Wait(h.Submit("p", 2)));
+}
+
 // --request-timeout-s bounds a request whose client set no deadline: queued or running.
 TEST(ControllerUnitTest, TheRequestTimeoutEndsRequestsWithoutADeadline) {
   Harness h(1, /*max_num_seqs=*/1, "", 0, 0, 1, false, 0, /*request_timeout_s=*/30);
