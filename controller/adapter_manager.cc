@@ -218,12 +218,7 @@ void AdapterManager::ReloadAll() {
       it->second.resident = load;
     } else {
       LOG(WARNING) << "re-loading adapter " << name << " failed: " << s;
-      if (clean) {
-        slots_.Unreserve();
-      } else {
-        slots_.Leak();
-        reconcile_ = true;
-      }
+      ReturnReservation(clean);
       it->second.state = v1::ADAPTER_STATE_FAILED;
     }
   }
@@ -352,12 +347,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
     if (absl::Status s = StageAndCommit(rec, &clean); !s.ok()) {
       {
         MutexLock lock(&mu_);
-        if (clean) {
-          slots_.Unreserve();
-        } else {
-          slots_.Leak();
-          reconcile_ = true;
-        }
+        ReturnReservation(clean);
         adapters_.erase(rec.name);
         UpdateGauges();
       }
@@ -616,12 +606,7 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
       slots_.BeginRelease();
       orphaned = true;
     } else {
-      if (clean) {
-        slots_.Unreserve();
-      } else {
-        slots_.Leak();
-        reconcile_ = true;
-      }
+      ReturnReservation(clean);
       if (it != adapters_.end()) it->second.state = v1::ADAPTER_STATE_FAILED;
     }
     UpdateGauges();
@@ -632,6 +617,15 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
                         absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+void AdapterManager::ReturnReservation(bool clean) {
+  if (clean) {
+    slots_.Unreserve();
+  } else {
+    slots_.Leak();  // a rank may hold it: taken until a reconcile has seen it freed
+    reconcile_ = true;
+  }
 }
 
 int AdapterManager::PinnedCount() const {
@@ -666,12 +660,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::RetryFailed(const std::string& name)
       it->second.state = v1::ADAPTER_STATE_READY;
       it->second.resident = reserve;
     } else {
-      if (clean) {
-        slots_.Unreserve();
-      } else {
-        slots_.Leak();
-        reconcile_ = true;
-      }
+      ReturnReservation(clean);
       it->second.state = v1::ADAPTER_STATE_FAILED;
     }
     out = ToProto(it->second);

@@ -126,6 +126,9 @@ class AdapterManager {
   const std::function<void()> wake_;
 
   mutable Mutex mu_;
+  // A slot reserved for a load that failed: free again when `clean` (no rank holds it), else
+  // leaked until a reconcile sees the workers free it.
+  void ReturnReservation(bool clean) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Registered adapters that are pinned.
   int PinnedCount() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // LoadAdapter of an adapter that FAILED, with the same name and path: into a slot again.
