@@ -180,7 +180,8 @@ for r in 0 1; do
     -v "$TMP/rdv:/rendezvous" -v "$TMP/multi:/run/moelora" \
     --entrypoint /usr/local/bin/moelora-worker "$IMAGE" \
     --model="$MODEL" --tensor-parallel-size=2 --rank="$r" --dist-init-dir=/rendezvous \
-    --dist-host=127.0.0.1 --enable-mixed-moe-lora-format --host=127.0.0.1 --port=0 \
+    --dist-host=127.0.0.1 --enable-mixed-moe-lora-format --adapter-root=/opt/moelora/demo \
+    --host=127.0.0.1 --port=0 \
     --metrics-port=0 --port-file="/run/moelora/worker-$r.json" > /dev/null
 done
 wait_port_file "$TMP/multi/worker-0.json" "worker 0"
