@@ -54,6 +54,12 @@ class CondVar {
     lock.release();  // `mu` stays locked, owned by the caller's MutexLock
     return woken;
   }
+  void Wait(Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    cv_.wait(lock);
+    lock.release();
+  }
+  void Signal() { cv_.notify_one(); }
   void SignalAll() { cv_.notify_all(); }
 
  private:

@@ -17,10 +17,10 @@ std::vector<GenRequest::TokenTiming> GenRequest::AddTokens(absl::Span<const int3
                                                            absl::Span<const float> logprobs,
                                                            Clock::time_point now) {
   std::vector<TokenTiming> timings(tokens.size());
-  bool wake;
+  std::function<void()> notify;
   {
     MutexLock lock(&mu_);
-    wake = progress_waiters_ > 0 && !tokens.empty();
+    if (listen_to_tokens_ && !tokens.empty()) notify = listener_;
     for (size_t i = 0; i < tokens.size(); ++i) {
       TokenTiming& t = timings[i];
       t.first = tokens_.empty();
@@ -35,13 +35,15 @@ std::vector<GenRequest::TokenTiming> GenRequest::AddTokens(absl::Span<const int3
       if (req.return_logprobs()) logprobs_.push_back(i < logprobs.size() ? logprobs[i] : 0.0f);
     }
   }
-  if (wake) cv_.SignalAll();
+  if (notify) notify();
   return timings;
 }
 
 bool GenRequest::Finish(absl::Status status, std::string finish_reason, Clock::time_point now) {
+  std::function<void()> notify;
   {
     MutexLock lock(&mu_);
+    notify = listener_;
     if (done_) return false;
     done_ = true;
     status_ = std::move(status);
@@ -49,20 +51,25 @@ bool GenRequest::Finish(absl::Status status, std::string finish_reason, Clock::t
     total_seconds_ = Seconds(now - arrival);
   }
   cv_.SignalAll();
+  if (notify) notify();
   return true;
 }
 
-GenRequest::Progress GenRequest::WaitForProgress(size_t seen, size_t limit,
-                                                 std::chrono::milliseconds timeout) {
-  MutexLock lock(&mu_);
-  auto avail = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return std::min(tokens_.size(), limit); };
-  if (avail() <= seen && !done_) {
-    ++progress_waiters_;
-    cv_.WaitFor(&mu_, timeout);
-    --progress_waiters_;
+void GenRequest::SetListener(std::function<void()> fn, bool on_tokens) {
+  bool now;
+  {
+    MutexLock lock(&mu_);
+    listener_ = fn;
+    listen_to_tokens_ = on_tokens;
+    now = done_ || (on_tokens && !tokens_.empty());
   }
+  if (now) fn();
+}
+
+GenRequest::Progress GenRequest::Peek(size_t seen, size_t limit) const {
+  MutexLock lock(&mu_);
   Progress p;
-  const size_t n = avail();
+  const size_t n = std::min(tokens_.size(), limit);
   if (n > seen) {
     p.tokens.assign(tokens_.begin() + seen, tokens_.begin() + n);
     if (logprobs_.size() >= n) p.logprobs.assign(logprobs_.begin() + seen, logprobs_.begin() + n);

@@ -4,14 +4,15 @@
 // Thread-safety: the fields above `cancelled` are set once by Controller::Submit, before the
 // request is shared, and only read afterwards. `cancelled` and `stop_string` are atomics the RPC
 // thread sets. Everything else (tokens, timings, the outcome) is under the request's own mutex:
-// the scheduler writes it through SetQueueSeconds / AddTokens / Finish, the RPC thread reads it
-// through WaitForProgress / Result.
+// the scheduler writes it through SetQueueSeconds / AddTokens / Finish, the RPC side is told by
+// its listener and reads it through Peek / GetResult.
 #ifndef MOELORA_CONTROLLER_GEN_REQUEST_H_
 #define MOELORA_CONTROLLER_GEN_REQUEST_H_
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,10 +48,10 @@ class GenRequest {
 
   // Scheduler side.
   void SetQueueSeconds(double s) ABSL_LOCKS_EXCLUDED(mu_);
-  // Appends the tokens a worker call sampled for this request, in order, and wakes a thread in
-  // WaitForProgress once for all of them (one call of --decode-steps steps brings up to that
-  // many). `logprobs` is as long as `tokens`. Returns each token's time to the first token (the
-  // request's first) or since the token before it, and whether it was the first.
+  // Appends the tokens a worker call sampled for this request, in order, and calls the listener
+  // once for all of them (one call of --decode-steps steps brings up to that many) when it asked
+  // for tokens. `logprobs` is as long as `tokens`. Returns each token's time to the first token
+  // (the request's first) or since the token before it, and whether it was the first.
   struct TokenTiming {
     bool first = false;
     double seconds = 0;
@@ -58,20 +59,22 @@ class GenRequest {
   std::vector<TokenTiming> AddTokens(absl::Span<const int32_t> tokens,
                                      absl::Span<const float> logprobs, Clock::time_point now)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Ends the request once; false when it had ended already.
+  // Ends the request once and calls the listener; false when it had ended already.
   bool Finish(absl::Status status, std::string finish_reason, Clock::time_point now)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // RPC side. The tokens in [seen, min(size, limit)) and whether the request has ended; waits up
-  // to `timeout` while there is neither. Tokens are appended before Finish, so an empty slice
-  // with `done` means every token was taken.
+  // RPC side. `fn` is called (on the scheduler's thread, without the request's lock: it must
+  // only hand work on) when the request ends and, with `on_tokens`, when tokens arrive; at once
+  // when either happened before. Set once.
+  void SetListener(std::function<void()> fn, bool on_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+  // The tokens in [seen, min(size, limit)) and whether the request has ended. Tokens are
+  // appended before Finish, so an empty slice with `done` means every token was taken.
   struct Progress {
     std::vector<int32_t> tokens;
     std::vector<float> logprobs;  // when requested
     bool done = false;
   };
-  Progress WaitForProgress(size_t seen, size_t limit, std::chrono::milliseconds timeout)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  Progress Peek(size_t seen, size_t limit) const ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until the request has ended (false after `timeout`).
   bool WaitDone(std::chrono::milliseconds timeout) ABSL_LOCKS_EXCLUDED(mu_);
   // The outcome, its first `limit` tokens.
@@ -97,10 +100,10 @@ class GenRequest {
   double queue_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double ttft_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double total_seconds_ ABSL_GUARDED_BY(mu_) = 0;
-  // Threads in WaitForProgress: only they are woken by AddTokens (a unary Generate without stop
-  // strings waits in WaitDone: waking 32 threads a worker call at batch 32 took CPU time from the
-  // worker and the scheduler's thread).
-  int progress_waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  // A unary Generate without stop strings needs only the end: waking it for each worker call's
+  // tokens at batch 32 took CPU time from the worker and the scheduler's thread.
+  std::function<void()> listener_ ABSL_GUARDED_BY(mu_);
+  bool listen_to_tokens_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace moelora

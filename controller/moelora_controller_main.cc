@@ -295,18 +295,11 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
                            credentials, &port);
   builder.RegisterService(&service);
-  // A Generate or GenerateStream call holds a server thread until it ends. gRPC's sync server
-  // keeps 1-2 idle threads by default: a burst of concurrent calls then started one new thread
-  // per call, one after another, and on a busy 2-core machine a gap of 2+ ms could open inside
-  // the burst, which the batch window (--batch-window-ms) took for its end and split the burst
-  // into several prefill steps. Now 4 threads always wait for calls, and up to one per sequence
-  // the batch can hold (at most 1024) plus 16 for the other RPCs stay idle (each wakes every 10
-  // s). bench/peer --prefill-waves 12 (32 calls a wave, bf16), this build against one without
-  // these two settings, alternating: median wave 81.8, 77.2, 75.9 -> 72.3, 66.2, 69.8 ms; waves
-  // split into several steps 1, 3, 4 -> 1, 0, 0 of 12 (with 10 waves: 5, 9, 6 -> 2, 1, 1).
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
-                              std::min(absl::GetFlag(FLAGS_max_num_seqs), 1024) + 16);
+  // Generate and GenerateStream hold no thread while they wait (callback API, service.h). The
+  // synchronous adapter RPCs get at most 64 threads: beyond, gRPC answers RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("moelora-controller");
+  quota.SetMaxThreads(64);
+  builder.SetResourceQuota(quota);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",

@@ -301,7 +301,9 @@ void Scheduler::Loop() {
         nseq = static_cast<int>(running_.size());
         queued = !pending_.empty();
       }
-      if (nseq == 0 && step.remove().empty()) {
+      // With nothing to run, a step is still sent when the workers must drop what they hold
+      // (after a start or a group restart): sequences of a controller that died stay otherwise.
+      if (nseq == 0 && step.remove().empty() && !drop_all_) {
         // Nothing runs and the head waits for a slot (a leaked one that reconciliation frees):
         // look again on a tick or a Wake, not in a spin.
         MutexLock lock(&mu_);
@@ -378,28 +380,16 @@ void Scheduler::Loop() {
         UpdateLoraInfo();
       }
       LOG(WARNING) << "step failed: " << resp.status();
+      // Not a refusal: the ranks may still hold the step's sequences (a rank that stepped while
+      // another failed, a step that timed out here and runs on there). No new step until every
+      // rank is checked again and has dropped every sequence (OnGroupReady).
+      if (!refused) group_->Revalidate(std::string(resp.status().message()));
       const absl::Status s =
           c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound
               ? resp.status()
               : absl::UnavailableError(
                     absl::StrCat("worker step failed: ", resp.status().message()));
       for (auto& r : victims) Finish(r, s, "");
-      // A step that failed (rather than refused its joiners, adding nothing): the ranks may
-      // still hold its sequences (a rank that stepped while another failed, a step that timed
-      // out here and runs on there). Removed on every rank, after whatever the ranks still run
-      // (their calls run in order), so that none is left to fill the batch; nothing else runs
-      // here now, so the call steps nothing.
-      v1::StepRequest cleanup;
-      if (!refused) {
-        for (auto& r : victims) cleanup.add_remove(r->seq_id);
-      }
-      if (!cleanup.remove().empty() && group_->serving()) {
-        cleanup.set_step(++step_no_);
-        if (absl::StatusOr<v1::StepResponse> done = group_->StepAll(cleanup); !done.ok()) {
-          LOG(WARNING) << "removing the failed step's sequences from the workers failed: "
-                       << done.status();
-        }
-      }
       continue;
     }
     {

@@ -1,7 +1,9 @@
 #include "controller/service.h"
 
+#include <atomic>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "proto/grpc_status.h"
@@ -9,7 +11,7 @@
 
 namespace moelora {
 
-grpc::Status ControllerService::Authorize(const grpc::ServerContext* ctx, bool admin) const {
+grpc::Status ControllerService::Authorize(const grpc::ServerContextBase* ctx, bool admin) const {
   if (auth_ == nullptr) return grpc::Status::OK;
   absl::string_view authorization;
   const auto& md = ctx->client_metadata();
@@ -59,110 +61,281 @@ grpc::Status ControllerService::GetAdapter(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status ControllerService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
-                                    v1::GenerateResponse* final_chunk, const TokenSink& on_tokens) {
-  if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
-  auto deadline = std::chrono::steady_clock::time_point::max();
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
-    deadline = std::chrono::steady_clock::now() +
-               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                   ctx->deadline() - std::chrono::system_clock::now());
+// One Generate or GenerateStream call. Shared by its reactor (gRPC's threads), its request's
+// listener (the scheduler's thread, which only posts Pump) and the pump threads. The reactor
+// stays valid until Finish is called on it, which happens once, after which nothing here
+// touches it; gRPC calls are made without mu_ held (a reaction may run inline).
+class ControllerService::Call : public std::enable_shared_from_this<Call> {
+ public:
+  Call(ControllerService* svc, grpc::ServerWriteReactor<v1::GenerateResponse>* stream,
+       grpc::ServerUnaryReactor* unary, v1::GenerateResponse* unary_response)
+      : svc_(svc), stream_(stream), unary_(unary), unary_response_(unary_response) {}
+
+  // gRPC's thread: authorization here; the submission (which may tokenize a long prompt) on a
+  // pump thread.
+  void Start(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
+    if (grpc::Status s = svc_->Authorize(ctx, /*admin=*/false); !s.ok()) {
+      {
+        MutexLock lock(&mu_);
+        finished_ = true;
+      }
+      FinishReactor(s);
+      return;
+    }
+    auto deadline = std::chrono::steady_clock::time_point::max();
+    if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+      deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     ctx->deadline() - std::chrono::system_clock::now());
+    }
+    svc_->pump_.Post([self = shared_from_this(), req, deadline] { self->Submit(*req, deadline); });
   }
-  auto submitted = controller_->Submit(req, deadline);
-  if (!submitted.ok()) {
-    controller_->RecordRequest(req.adapter(), /*admitted=*/false, submitted.status().code());
-    return ToGrpc(submitted.status());
-  }
-  std::shared_ptr<GenRequest> r = *submitted;
-  const tok::Tokenizer* tokenizer = controller_->tokenizer();
-  std::optional<tok::TextStream> text;
-  if (tokenizer != nullptr) {
-    text.emplace(tokenizer, std::vector<std::string>(req.stop().begin(), req.stop().end()),
-                 /*skip_special=*/true);
-  }
-  std::string all_text;                              // the unary response's text
-  size_t seen = 0;                                   // tokens taken from the request
-  size_t kept = std::numeric_limits<size_t>::max();  // set when a stop string ends the text
-  // A unary call without stop strings needs its tokens only at the end: its thread waits for the
-  // end (checking for a cancelled call), not woken by each worker call's tokens; the loop below
-  // then takes them all at once.
-  if (!on_tokens && (!text || req.stop().empty())) {
-    while (!r->WaitDone(std::chrono::milliseconds(50))) {
-      if (ctx->IsCancelled()) r->cancelled = true;
+
+  // gRPC's thread (OnCancel): the scheduler ends the request, whose listener finishes the call.
+  void Cancel() {
+    cancelled_ = true;
+    if (std::shared_ptr<GenRequest> r = request()) {
+      r->cancelled = true;
+      svc_->controller_->Wake();
     }
   }
-  while (true) {
-    // Copies of the new tokens: detokenizing and writing happen without the request's lock, so
-    // a slow client never stalls the scheduler.
-    GenRequest::Progress p = r->WaitForProgress(seen, kept, std::chrono::milliseconds(50));
+
+  // gRPC's thread (OnWriteDone).
+  void WriteDone(bool ok) {
+    if (!ok) Cancel();  // the client is gone: nothing more is written
+    Action next;
+    {
+      MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) broken_ = true;
+      next = Next();
+    }
+    if (next) next();
+  }
+
+ private:
+  std::shared_ptr<GenRequest> request() {
+    MutexLock lock(&mu_);
+    return r_;
+  }
+
+  void Submit(const v1::GenerateRequest& req, std::chrono::steady_clock::time_point deadline) {
+    Controller* c = svc_->controller_;
+    absl::StatusOr<std::shared_ptr<GenRequest>> submitted = c->Submit(req, deadline);
+    if (!submitted.ok()) {
+      c->RecordRequest(req.adapter(), /*admitted=*/false, submitted.status().code());
+      Action next;
+      {
+        MutexLock lock(&mu_);
+        final_status_ = ToGrpc(submitted.status());
+        final_ready_ = true;
+        next = Next();
+      }
+      if (next) next();
+      return;
+    }
+    std::shared_ptr<GenRequest> r = *submitted;
+    const tok::Tokenizer* tokenizer = c->tokenizer();
+    {
+      MutexLock lock(&mu_);
+      r_ = r;
+      if (tokenizer != nullptr) {
+        text_.emplace(tokenizer, std::vector<std::string>(req.stop().begin(), req.stop().end()),
+                      /*skip_special=*/true);
+      }
+    }
+    if (cancelled_) {
+      r->cancelled = true;
+      c->Wake();
+    }
+    // A unary call without stop strings needs its tokens only at the end.
+    const bool on_tokens = stream_ != nullptr || (tokenizer != nullptr && !req.stop().empty());
+    r->SetListener(
+        [weak = weak_from_this()] {
+          if (std::shared_ptr<Call> self = weak.lock()) self->Schedule();
+        },
+        on_tokens);
+  }
+
+  // The scheduler's thread: at most one Pump queued at a time.
+  void Schedule() {
+    if (!queued_.exchange(true)) svc_->pump_.Post([self = shared_from_this()] { self->Pump(); });
+  }
+
+  // A pump thread: new tokens to text (ending the request at a stop string), then writes.
+  void Pump() {
+    queued_ = false;
+    Action next;
+    {
+      MutexLock lock(&mu_);
+      next = PumpLocked();
+    }
+    if (next) next();
+  }
+
+  using Action = std::function<void()>;  // a gRPC call, made without mu_ held
+
+  Action PumpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (final_ready_) return nullptr;
+    GenRequest::Progress p = r_->Peek(seen_, kept_);
     if (!p.tokens.empty()) {
       std::vector<int32_t>& t = p.tokens;
       std::vector<float>& lp = p.logprobs;
       std::string delta;
-      if (text) {
+      if (text_) {
         for (size_t i = 0; i < t.size(); ++i) {
-          if (text->Add(t[i])) {
-            kept = seen + i + 1;
+          if (text_->Add(t[i])) {
+            kept_ = seen_ + i + 1;
             t.resize(i + 1);
             if (lp.size() > t.size()) lp.resize(t.size());
-            r->stop_string = true;
-            controller_->Wake();
+            r_->stop_string = true;
+            svc_->controller_->Wake();
             break;
           }
         }
-        delta = text->TakeDelta();
-        all_text += delta;
+        delta = text_->TakeDelta();
+        all_text_ += delta;
       }
-      seen += t.size();
-      if (on_tokens && !on_tokens(t, lp, delta)) r->cancelled = true;  // the client is gone
-      continue;
+      seen_ += t.size();
+      if (stream_ != nullptr && !broken_) {
+        pending_.mutable_token_ids()->Add(t.begin(), t.end());
+        pending_.mutable_logprobs()->Add(lp.begin(), lp.end());
+        pending_.mutable_text()->append(delta);
+        has_pending_ = true;
+      }
     }
-    if (p.done) break;
-    if (ctx->IsCancelled()) r->cancelled = true;
+    if (p.done) Conclude();
+    return Next();
   }
-  const GenRequest::Result res = r->GetResult(kept);
-  controller_->RecordRequest(r->adapter, /*admitted=*/true, res.status.code());
-  if (!res.status.ok()) return ToGrpc(res.status);
-  if (text) {
-    const std::string rest = text->Finish();
-    all_text += rest;
-    final_chunk->set_text(on_tokens ? rest : all_text);
+
+  // The request has ended and every token it kept was taken: the last response or the status.
+  void Conclude() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    final_ready_ = true;
+    const GenRequest::Result res = r_->GetResult(kept_);
+    svc_->controller_->RecordRequest(r_->adapter, /*admitted=*/true, res.status.code());
+    if (!res.status.ok()) {
+      final_status_ = ToGrpc(res.status);
+      return;
+    }
+    v1::GenerateResponse& last = final_chunk_;
+    if (text_) {
+      const std::string rest = text_->Finish();
+      all_text_ += rest;
+      last.set_text(stream_ != nullptr ? rest : all_text_);
+    }
+    if (stream_ == nullptr) {
+      last.mutable_token_ids()->Add(res.tokens.begin(), res.tokens.end());
+      last.mutable_logprobs()->Add(res.logprobs.begin(), res.logprobs.end());
+    }
+    const bool stopped = kept_ != std::numeric_limits<size_t>::max();
+    if (stopped) svc_->metrics_->stop_strings.Increment();
+    last.set_finish_reason(stopped ? "stop" : res.finish_reason);
+    last.mutable_usage()->set_prompt_tokens(r_->req.prompt_token_ids_size());
+    last.mutable_usage()->set_completion_tokens(static_cast<int>(res.tokens.size()));
+    last.mutable_timings()->set_queue_seconds(res.queue_seconds);
+    last.mutable_timings()->set_time_to_first_token_seconds(res.ttft_seconds);
+    last.mutable_timings()->set_total_seconds(res.total_seconds);
   }
-  if (!on_tokens) {
-    final_chunk->mutable_token_ids()->Add(res.tokens.begin(), res.tokens.end());
-    final_chunk->mutable_logprobs()->Add(res.logprobs.begin(), res.logprobs.end());
+
+  // The next write, or the end of the call once everything was written (one write at a time);
+  // null when there is nothing to do now.
+  Action Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || writing_) return nullptr;
+    if (stream_ != nullptr && has_pending_ && !broken_) {
+      in_flight_.Swap(&pending_);
+      pending_.Clear();
+      has_pending_ = false;
+      writing_ = true;
+      return [this] { stream_->StartWrite(&in_flight_); };
+    }
+    if (!final_ready_) return nullptr;
+    finished_ = true;
+    if (stream_ != nullptr && final_status_.ok() && !broken_) {
+      in_flight_ = std::move(final_chunk_);
+      return [this] {
+        stream_->StartWriteAndFinish(&in_flight_, grpc::WriteOptions(), grpc::Status::OK);
+      };
+    }
+    if (unary_ != nullptr && final_status_.ok()) *unary_response_ = std::move(final_chunk_);
+    // A stream whose client went away ends CANCELLED whatever the request's own outcome.
+    grpc::Status s = broken_ && final_status_.ok()
+                         ? grpc::Status(grpc::StatusCode::CANCELLED, "client gone")
+                         : final_status_;
+    return [this, s = std::move(s)] { FinishReactor(s); };
   }
-  const bool stopped = kept != std::numeric_limits<size_t>::max();
-  if (stopped) metrics_->stop_strings.Increment();
-  final_chunk->set_finish_reason(stopped ? "stop" : res.finish_reason);
-  final_chunk->mutable_usage()->set_prompt_tokens(r->req.prompt_token_ids_size());
-  final_chunk->mutable_usage()->set_completion_tokens(static_cast<int>(res.tokens.size()));
-  final_chunk->mutable_timings()->set_queue_seconds(res.queue_seconds);
-  final_chunk->mutable_timings()->set_time_to_first_token_seconds(res.ttft_seconds);
-  final_chunk->mutable_timings()->set_total_seconds(res.total_seconds);
-  return grpc::Status::OK;
+
+  void FinishReactor(const grpc::Status& s) {
+    if (stream_ != nullptr) {
+      stream_->Finish(s);
+    } else {
+      unary_->Finish(s);
+    }
+  }
+
+  ControllerService* const svc_;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* const stream_;
+  grpc::ServerUnaryReactor* const unary_;
+  v1::GenerateResponse* const unary_response_;
+  std::atomic<bool> queued_{false};
+  std::atomic<bool> cancelled_{false};
+
+  Mutex mu_;
+  std::shared_ptr<GenRequest> r_ ABSL_GUARDED_BY(mu_);
+  std::optional<tok::TextStream> text_ ABSL_GUARDED_BY(mu_);
+  std::string all_text_ ABSL_GUARDED_BY(mu_);  // the unary response's text
+  size_t seen_ ABSL_GUARDED_BY(mu_) = 0;       // tokens taken from the request
+  // Set when a stop string ends the text.
+  size_t kept_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<size_t>::max();
+  v1::GenerateResponse pending_ ABSL_GUARDED_BY(mu_);  // taken, not yet written
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  v1::GenerateResponse in_flight_;  // the write gRPC holds (set only while no write is)
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed: the client is gone
+  bool final_ready_ ABSL_GUARDED_BY(mu_) = false;
+  v1::GenerateResponse final_chunk_ ABSL_GUARDED_BY(mu_);
+  grpc::Status final_status_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class ControllerService::StreamReactor final
+    : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  StreamReactor(ControllerService* svc, grpc::CallbackServerContext* ctx,
+                const v1::GenerateRequest* req)
+      : call_(std::make_shared<Call>(svc, this, nullptr, nullptr)) {
+    call_->Start(ctx, req);
+  }
+  void OnWriteDone(bool ok) override { call_->WriteDone(ok); }
+  void OnCancel() override { call_->Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<Call> call_;
+};
+
+class ControllerService::UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryReactor(ControllerService* svc, grpc::CallbackServerContext* ctx,
+               const v1::GenerateRequest* req, v1::GenerateResponse* resp)
+      : call_(std::make_shared<Call>(svc, nullptr, this, resp)) {
+    call_->Start(ctx, req);
+  }
+  void OnCancel() override { call_->Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<Call> call_;
+};
+
+grpc::ServerUnaryReactor* ControllerService::Generate(grpc::CallbackServerContext* ctx,
+                                                      const v1::GenerateRequest* req,
+                                                      v1::GenerateResponse* resp) {
+  return new UnaryReactor(this, ctx, req, resp);
 }
 
-grpc::Status ControllerService::Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                                         v1::GenerateResponse* resp) {
-  return Run(ctx, *req, resp, nullptr);
-}
-
-grpc::Status ControllerService::GenerateStream(grpc::ServerContext* ctx,
-                                               const v1::GenerateRequest* req,
-                                               grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  v1::GenerateResponse last;
-  grpc::Status s = Run(ctx, *req, &last,
-                       [&](const std::vector<int32_t>& tokens, const std::vector<float>& lp,
-                           const std::string& text) {
-                         v1::GenerateResponse chunk;
-                         chunk.mutable_token_ids()->Add(tokens.begin(), tokens.end());
-                         chunk.mutable_logprobs()->Add(lp.begin(), lp.end());
-                         chunk.set_text(text);
-                         return writer->Write(chunk);
-                       });
-  if (s.ok()) writer->Write(last);
-  return s;
+grpc::ServerWriteReactor<v1::GenerateResponse>* ControllerService::GenerateStream(
+    grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
+  return new StreamReactor(this, ctx, req);
 }
 
 }  // namespace moelora

@@ -1,7 +1,15 @@
 // moelora.v1.Controller over a Controller (controller.h). Thread-safety: as Controller.
+//
+// Generate and GenerateStream use gRPC's callback API: a call waiting in the queue or decoding
+// holds no thread. The scheduler's progress reaches the call through its request's listener,
+// and a few pump threads (WorkPool) detokenize and write for every call; so 2,000 open streams
+// are 2,000 small objects, not 2,000 threads. The adapter RPCs stay synchronous (short, rare).
 #ifndef MOELORA_CONTROLLER_SERVICE_H_
 #define MOELORA_CONTROLLER_SERVICE_H_
 
+#include <memory>
+
+#include "common/work_pool.h"
 #include "controller/auth.h"
 #include "controller/controller.h"
 #include "controller/metrics.h"
@@ -9,10 +17,13 @@
 
 namespace moelora {
 
-class ControllerService final : public v1::Controller::Service {
+class ControllerService final
+    : public v1::Controller::WithCallbackMethod_Generate<
+          v1::Controller::WithCallbackMethod_GenerateStream<v1::Controller::Service>> {
  public:
-  ControllerService(Controller* controller, ControllerMetrics* metrics)
-      : controller_(controller), metrics_(metrics) {}
+  // `pump_threads`: the threads that turn tokens into responses for all calls.
+  ControllerService(Controller* controller, ControllerMetrics* metrics, int pump_threads = 4)
+      : controller_(controller), metrics_(metrics), pump_(pump_threads) {}
   // Tokens every call must carry (null: none asked); outlives the service.
   void set_auth(const TokenAuth* auth) { auth_ = auth; }
 
@@ -24,24 +35,21 @@ class ControllerService final : public v1::Controller::Service {
                             v1::ListAdaptersResponse*) override;
   grpc::Status GetAdapter(grpc::ServerContext*, const v1::GetAdapterRequest*,
                           v1::Adapter*) override;
-  grpc::Status Generate(grpc::ServerContext*, const v1::GenerateRequest*,
-                        v1::GenerateResponse*) override;
-  grpc::Status GenerateStream(grpc::ServerContext*, const v1::GenerateRequest*,
-                              grpc::ServerWriter<v1::GenerateResponse>*) override;
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext*, const v1::GenerateRequest*,
+                                     v1::GenerateResponse*) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* GenerateStream(
+      grpc::CallbackServerContext*, const v1::GenerateRequest*) override;
 
  private:
-  using TokenSink = std::function<bool(const std::vector<int32_t>&, const std::vector<float>&,
-                                       const std::string& text)>;
-  // Submits and waits, calling `on_tokens` (without any lock held) whenever tokens arrive
-  // (stream) with their text delta; it returns false when the client is gone. With a tokenizer,
-  // detokenizes incrementally here (the RPC thread) and ends the request at a stop string.
-  grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
-                   v1::GenerateResponse* final_chunk, const TokenSink& on_tokens);
+  class Call;
+  class StreamReactor;
+  class UnaryReactor;
   // OK, or the call's UNAUTHENTICATED / PERMISSION_DENIED (counted) when tokens are asked.
-  grpc::Status Authorize(const grpc::ServerContext* ctx, bool admin) const;
+  grpc::Status Authorize(const grpc::ServerContextBase* ctx, bool admin) const;
   Controller* controller_;
   ControllerMetrics* metrics_;
   const TokenAuth* auth_ = nullptr;
+  WorkPool pump_;
 };
 
 }  // namespace moelora

@@ -64,6 +64,12 @@ void WorkerGroup::Stop() {
   if (options_.addresses.empty()) KillAll();
 }
 
+void WorkerGroup::Revalidate(const std::string& why) {
+  if (!serving_.exchange(false)) return;
+  revalidating_ = true;
+  LOG(WARNING) << "worker group out of service until every rank is ready again: " << why;
+}
+
 std::string WorkerGroup::not_serving_reason() const {
   MutexLock lock(&mu_);
   return not_serving_reason_;
@@ -251,7 +257,7 @@ void WorkerGroup::Monitor() {
         const auto backoff = std::chrono::milliseconds(std::min(30000, 500 << std::min(k, 6)));
         LOG(WARNING) << dead << "; restarting the worker group in " << backoff.count()
                      << " ms (see the worker logs under " << options_.run_dir << ")";
-        const bool was_serving = serving_.exchange(false);
+        const bool was_serving = serving_.exchange(false) | revalidating_.exchange(false);
         std::function<void(const std::string&)> down;
         {
           MutexLock lock(&mu_);
@@ -300,7 +306,7 @@ void WorkerGroup::Monitor() {
       all_up &= up;
     }
     if (!all_up) {
-      if (serving_.exchange(false)) {
+      if (serving_.exchange(false) | revalidating_.exchange(false)) {
         LOG(WARNING) << "worker group out of service: " << why;
         std::function<void(const std::string&)> down;
         {
@@ -350,6 +356,7 @@ void WorkerGroup::Monitor() {
       }
     }
     failures_since_serving_ = 0;
+    revalidating_ = false;
     LOG(INFO) << "worker group serving (" << ranks.size() << " ranks)";
     MutexLock lock(&wait_mu_);
     wait_cv_.SignalAll();

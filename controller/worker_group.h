@@ -63,6 +63,7 @@ class WorkerGroup final : public WorkerGroupInterface {
   void Stop();  // stops the monitor and (local mode) terminates the workers
 
   bool serving() const override { return serving_.load(); }
+  void Revalidate(const std::string& why) override;
   std::string not_serving_reason() const override;
   // Rank 0's Info from the last time the group became ready (empty before).
   v1::WorkerInfoResponse info() const override;
@@ -119,6 +120,9 @@ class WorkerGroup final : public WorkerGroupInterface {
   std::function<absl::Status()> on_ready_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> on_down_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> serving_{false};
+  // Out of service after a failed step (Revalidate) until the monitor finds every rank ready
+  // again; a rank found down meanwhile takes the group down as if it had been serving.
+  std::atomic<bool> revalidating_{false};
   std::atomic<bool> stop_{false};
   std::atomic<int> restarts_{0};
   int epoch_ = 0;                   // the constructor, then the monitor thread only

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +38,10 @@ class WorkerGroupInterface {
   // Why the group does not serve when the reason is not just "not ready yet" (a worker whose
   // settings disagree with the controller's); empty otherwise.
   virtual std::string not_serving_reason() const { return {}; }
+  // A step failed (a rank died, timed out or could not run it): stop serving until every rank
+  // answers health and Info again and the on-ready hook ran (which makes the ranks drop every
+  // sequence). Queued requests wait meanwhile.
+  virtual void Revalidate(const std::string& why) { (void)why; }
   // Rank 0's Info from the last time the group became ready.
   virtual v1::WorkerInfoResponse info() const = 0;
   // Stages on every rank; rolls back (Abort) the ranks that staged it when any fails.

@@ -287,6 +287,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_max_num_batched_tokens(i.max_num_batched_tokens);
   resp->set_prefix_caching(i.prefix_caching);
   resp->set_prefill_tokens_beside_decodes(i.prefill_tokens_beside_decodes);
+  resp->set_running_sequences(i.running);
   return grpc::Status::OK;
 }
 

@@ -134,6 +134,13 @@ struct Harness {
     clock.Advance(d);
     EXPECT_TRUE(group.WaitFor([&] { return clock.waits() > before; }));
   }
+  // What the worker group's monitor does after a failed step took the group out of service:
+  // finds every rank ready again.
+  void Recover() {
+    EXPECT_TRUE(group.WaitFor([&] { return !group.serving(); }));
+    group.set_serving(true);
+    EXPECT_TRUE(c->OnGroupReady().ok());
+  }
   // The request's final status (DEADLINE_EXCEEDED here if it does not end within 10 s).
   [[nodiscard]] static absl::Status Wait(const std::shared_ptr<GenRequest>& r) {
     if (!r->WaitDone(std::chrono::seconds(10)))
@@ -366,6 +373,7 @@ TEST(ControllerUnitTest, AFailedCallWithACallSentAheadFailsTheRunningRequestsAnd
   h.group.Resume();
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
   EXPECT_LT(r->num_tokens(), 60u);
+  h.Recover();
   auto next = h.Submit("", 12);
   ASSERT_OK(Harness::Wait(next));
   EXPECT_EQ(next->num_tokens(), 12u);
@@ -376,14 +384,16 @@ TEST(ControllerUnitTest, StepFailureFailsTheRunningRequestsWithUnavailable) {
   h.group.FailNextSteps(1);
   auto r = h.Submit("", 4);
   EXPECT_EQ(Harness::Wait(r).code(), absl::StatusCode::kUnavailable);
-  // A sequence running when a step fails is removed from the workers too: none is left behind
-  // to fill the batch.
+  h.Recover();
+  // A sequence running when a step fails is removed from the workers too (when the group is
+  // found ready again): none is left behind to fill the batch.
   h.group.Hold();
   auto running = h.Submit("", 40);
   ASSERT_TRUE(h.group.WaitHolds(1));
   h.group.FailNextSteps(1);
   h.group.Resume();
   EXPECT_EQ(Harness::Wait(running).code(), absl::StatusCode::kUnavailable);
+  h.Recover();
   EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }))
       << h.group.running() << " sequences left on the workers";
   auto next = h.Submit("", 4);
@@ -435,22 +445,43 @@ TEST(ControllerUnitTest, ARequestBeyondTheQueueBoundIsRefusedAtOnce) {
 }
 
 // Workers that still hold sequences of an earlier controller (--workers mode, a controller
-// restart): the first step drops them, so they neither fill the batch nor collide with the new
-// controller's sequence ids (which start at 1 again).
-TEST(ControllerUnitTest, TheFirstStepDropsSequencesOfAnEarlierController) {
+// restart): each time the group is found ready a step drops them, with no request needed, so
+// they neither fill the batch nor collide with the new controller's sequence ids.
+TEST(ControllerUnitTest, WorkersDropSequencesOfAnEarlierControllerWhenTheGroupIsReady) {
   Harness h(1);
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.drop_all_calls() == 1; }));
+  h.c->OnGroupDown("test: connection lost");
   h.group.AddStray(1, 1000);
   h.group.AddStray(7, 1000);
+  ASSERT_TRUE(h.c->OnGroupReady().ok());
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }))
+      << h.group.running() << " sequences left on the workers";
+  EXPECT_EQ(h.group.drop_all_calls(), 2);
   auto r = h.Submit("", 3);
   ASSERT_EQ(r->seq_id, 1);
   EXPECT_OK(Harness::Wait(r));
   EXPECT_EQ(r->num_tokens(), 3u);
-  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
-  // And again once the group is found ready again.
-  h.c->OnGroupDown("test: connection lost");
-  h.group.AddStray(2, 1000);
+  EXPECT_EQ(h.group.drop_all_calls(), 2);  // once per ready, not per step
+}
+
+// A failed step takes the group out of service until it is found ready again (which drops
+// every worker sequence): the running requests fail, the queued ones wait and then run.
+TEST(ControllerUnitTest, AFailedStepChecksTheGroupAgainAndQueuedRequestsWait) {
+  Harness h(1, /*max_num_seqs=*/1);
+  h.group.Hold();
+  auto running = h.Submit("", 40);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  auto queued = h.Submit("", 4);
+  h.group.FailNextSteps(1);
+  h.group.Resume();
+  EXPECT_EQ(Harness::Wait(running).code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(h.group.WaitFor([&] { return !h.group.revalidated().empty(); }));
+  EXPECT_THAT(h.group.revalidated()[0], HasSubstr("a rank died"));
+  EXPECT_FALSE(queued->WaitDone(std::chrono::milliseconds(0)));
+  h.group.set_serving(true);
   ASSERT_TRUE(h.c->OnGroupReady().ok());
-  EXPECT_OK(Harness::Wait(h.Submit("", 2)));
+  EXPECT_OK(Harness::Wait(queued));
+  EXPECT_EQ(queued->num_tokens(), 4u);
   EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
 }
 

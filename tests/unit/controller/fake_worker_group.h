@@ -204,7 +204,10 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   }
   absl::StatusOr<v1::StepResponse> StepLocked(const v1::StepRequest& req) {
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");
-    if (req.drop_all()) running_.clear();
+    if (req.drop_all()) {
+      running_.clear();
+      ++drop_all_calls_;
+    }
     for (int64_t id : req.remove()) running_.erase(id);
     for (const v1::SequenceSpec& s : req.add()) {  // all or nothing, as the workers
       if (s.adapter_id() != 0 && !committed_.count(s.adapter_id())) {
@@ -301,6 +304,20 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     return ahead_calls_;
   }
   // StepAll calls that stepped.
+  int drop_all_calls() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return drop_all_calls_;
+  }
+  // As WorkerGroup: out of service until the test finds the group ready (OnGroupReady).
+  void Revalidate(const std::string& why) override {
+    std::lock_guard<std::mutex> l(mu_);
+    serving_ = false;
+    revalidated_.push_back(why);
+  }
+  std::vector<std::string> revalidated() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return revalidated_;
+  }
   int step_calls() const {
     std::lock_guard<std::mutex> l(mu_);
     return step_calls_;
@@ -337,6 +354,8 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::vector<int> adds_per_step_;  // sequences added by each step that added any
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
   int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0, step_calls_ = 0;
+  int drop_all_calls_ = 0;
+  std::vector<std::string> revalidated_;
   int ahead_calls_ = 0;
   Clock::TimePoint last_due_{};  // when the last call started by StartStepAll ends
   int gate_ = -1;                // Hold / Release / Resume
