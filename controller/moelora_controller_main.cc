@@ -31,6 +31,8 @@
 #include "grpc/health/v1/health.pb.h"
 #include "kernels/sgmv.h"
 #include "prometheus/exposer.h"
+#include "proto/health_port.h"
+#include "proto/tls.h"
 
 ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
 ABSL_FLAG(std::string, tokenizer, "",
@@ -70,6 +72,16 @@ ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls-cert-file");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "PEM CA certificates: with it, the public port asks clients for a certificate they "
           "sign (mutual TLS)");
+ABSL_FLAG(int, health_port, -1,
+          "Plaintext port serving only grpc.health.v1, mirroring the public port's health, for "
+          "probes that cannot speak TLS (the kubelet's); -1: off, 0: any free port");
+ABSL_FLAG(std::string, worker_tls_ca_file, "",
+          "PEM CA certificates the workers' certificates must chain to (TLS to the workers; "
+          "empty with no --worker-tls-cert-file: plaintext)");
+ABSL_FLAG(std::string, worker_tls_cert_file, "",
+          "PEM certificate the controller presents to workers that ask for one (their "
+          "--tls-ca-file: mutual TLS)");
+ABSL_FLAG(std::string, worker_tls_key_file, "", "PEM private key of --worker-tls-cert-file");
 ABSL_FLAG(int, decode_steps, 4,
           "Decode steps the workers run per call while no request waits to join (1-16): fewer "
           "round trips (about 0.6 ms each on a 2-core machine), at the price of tokens streamed "
@@ -196,6 +208,13 @@ int main(int argc, char** argv) {
   }
   go.run_dir = std::filesystem::absolute(state_dir + "/run").string();
   go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  {
+    auto c = moelora::ChannelCredentialsFrom(
+        {"--worker-", absl::GetFlag(FLAGS_worker_tls_cert_file),
+         absl::GetFlag(FLAGS_worker_tls_key_file), absl::GetFlag(FLAGS_worker_tls_ca_file)});
+    if (!c.ok()) return fail(std::string(c.status().message()));
+    go.credentials = *c;
+  }
   go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   go.worker_flags = moelora::EngineFlagArgs(engine_flags);
   go.worker_flags.insert(go.worker_flags.end(),
@@ -255,36 +274,11 @@ int main(int argc, char** argv) {
     service.set_auth(auth.get());
     LOG(INFO) << "tokens: " << auth->size() << " from " << absl::GetFlag(FLAGS_auth_tokens_file);
   }
-  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
-  if (!absl::GetFlag(FLAGS_tls_cert_file).empty() || !absl::GetFlag(FLAGS_tls_key_file).empty()) {
-    auto read = [](const std::string& flag,
-                   const std::string& path) -> absl::StatusOr<std::string> {
-      std::ifstream in(path);
-      std::stringstream ss;
-      if (!in || !(ss << in.rdbuf())) {
-        return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": cannot be read"));
-      }
-      return ss.str();
-    };
-    grpc::SslServerCredentialsOptions tls;
-    grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-    auto cert = read("--tls-cert-file", absl::GetFlag(FLAGS_tls_cert_file));
-    auto key = read("--tls-key-file", absl::GetFlag(FLAGS_tls_key_file));
-    if (!cert.ok()) return fail(std::string(cert.status().message()));
-    if (!key.ok()) return fail(std::string(key.status().message()));
-    pair.cert_chain = *cert;
-    pair.private_key = *key;
-    tls.pem_key_cert_pairs.push_back(pair);
-    if (!absl::GetFlag(FLAGS_tls_ca_file).empty()) {
-      auto ca = read("--tls-ca-file", absl::GetFlag(FLAGS_tls_ca_file));
-      if (!ca.ok()) return fail(std::string(ca.status().message()));
-      tls.pem_root_certs = *ca;
-      tls.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-    }
-    credentials = grpc::SslServerCredentials(tls);
-  } else if (!absl::GetFlag(FLAGS_tls_ca_file).empty()) {
-    return fail("--tls-ca-file needs --tls-cert-file and --tls-key-file");
-  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      moelora::ServerCredentialsFrom({"--", absl::GetFlag(FLAGS_tls_cert_file),
+                                      absl::GetFlag(FLAGS_tls_key_file),
+                                      absl::GetFlag(FLAGS_tls_ca_file)});
+  if (!credentials.ok()) return fail(std::string(credentials.status().message()));
   grpc::EnableDefaultHealthCheckService(true);
   // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
   // reflection can describe the built-in health service to grpcurl.
@@ -293,7 +287,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
-                           credentials, &port);
+                           *credentials, &port);
   builder.RegisterService(&service);
   // Generate and GenerateStream hold no thread while they wait (callback API, service.h). The
   // synchronous adapter RPCs get at most 64 threads: beyond, gRPC answers RESOURCE_EXHAUSTED.
@@ -307,6 +301,21 @@ int main(int argc, char** argv) {
   }
   auto* health = server->GetHealthCheckService();
   health->SetServingStatus(false);
+  std::unique_ptr<moelora::HealthPort> health_port;
+  if (const int hp = absl::GetFlag(FLAGS_health_port); hp >= 0) {
+    auto h = moelora::HealthPort::Start(absl::GetFlag(FLAGS_host), hp);
+    if (!h.ok()) return fail(std::string(h.status().message()));
+    health_port = *std::move(h);
+    LOG(INFO) << "health (plaintext) on port " << health_port->port();
+  }
+  auto set_health = [&](bool serving) {
+    health->SetServingStatus(serving);
+    health->SetServingStatus("moelora.v1.Controller", serving);
+    if (health_port) {
+      health_port->Set(serving);
+      health_port->Set(serving, "moelora.v1.Controller");
+    }
+  };
   LOG(INFO) << "moelora-controller listening on " << absl::GetFlag(FLAGS_host) << ":" << port
             << ", metrics on " << metrics_port << ", workers: "
             << (go.addresses.empty() ? absl::StrCat(tp, " local (", go.worker_bin, ")")
@@ -327,8 +336,7 @@ int main(int argc, char** argv) {
     while (!stopping) {
       const bool serving = controller.serving();
       if (serving != last) {
-        health->SetServingStatus(serving);
-        health->SetServingStatus("moelora.v1.Controller", serving);
+        set_health(serving);
         last = serving;
       }
       const auto up = group.RanksUp();
@@ -377,8 +385,7 @@ int main(int argc, char** argv) {
   }
   LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
             << " s)";
-  health->SetServingStatus(false);
-  health->SetServingStatus("moelora.v1.Controller", false);
+  set_health(false);
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
   stopping = true;

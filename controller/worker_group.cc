@@ -214,7 +214,9 @@ bool WorkerGroup::ConnectAll() {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(256 << 20);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    auto channel = grpc::CreateCustomChannel(
+        address, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials(),
+        args);
     MutexLock lock(&mu_);
     rank->address = address;
     rank->channel = channel;

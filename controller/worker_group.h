@@ -29,6 +29,7 @@
 #include "common/mutex.h"
 #include "controller/worker_group_interface.h"
 #include "controller/worker_settings.h"
+#include "grpcpp/security/credentials.h"
 #include "moelora/v1/worker.grpc.pb.h"
 
 namespace moelora {
@@ -47,6 +48,8 @@ struct WorkerGroupOptions {
   // Checked against every rank's Info before the group serves (CheckWorkerSettings); a
   // disagreement keeps it out of service, named by not_serving_reason().
   std::optional<WorkerSettings> expected;
+  // The channels' credentials (null: plaintext).
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 class WorkerGroup final : public WorkerGroupInterface {

@@ -60,7 +60,8 @@ ABSL_FLAG(int, controller_pid, 0, "flood: the controller process to watch (0: no
 ABSL_FLAG(int, max_threads, 0, "flood: most controller threads allowed (0: not checked)");
 ABSL_FLAG(int, health_max_ms, 1000, "flood: slowest health answer allowed");
 ABSL_FLAG(int, refusal_max_ms, 1000, "flood: slowest RESOURCE_EXHAUSTED allowed");
-ABSL_FLAG(std::string, forbid, "", "flood: status codes (e.g. DEADLINE_EXCEEDED) that fail the run");
+ABSL_FLAG(std::string, forbid, "",
+          "flood: status codes (e.g. DEADLINE_EXCEEDED) that fail the run");
 ABSL_FLAG(int, metrics_port, 0, "check: the controller's metrics port");
 ABSL_FLAG(std::string, workers, "", "check: worker addresses, comma-separated");
 ABSL_FLAG(double, within_s, 30, "check: how long the service may take to settle");
@@ -75,21 +76,20 @@ using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
 std::string CodeName(grpc::StatusCode c) {
-  static const std::map<int, std::string> kNames = {
-      {0, "OK"},
-      {1, "CANCELLED"},
-      {2, "UNKNOWN"},
-      {3, "INVALID_ARGUMENT"},
-      {4, "DEADLINE_EXCEEDED"},
-      {5, "NOT_FOUND"},
-      {6, "ALREADY_EXISTS"},
-      {7, "PERMISSION_DENIED"},
-      {8, "RESOURCE_EXHAUSTED"},
-      {9, "FAILED_PRECONDITION"},
-      {10, "ABORTED"},
-      {13, "INTERNAL"},
-      {14, "UNAVAILABLE"},
-      {16, "UNAUTHENTICATED"}};
+  static const std::map<int, std::string> kNames = {{0, "OK"},
+                                                    {1, "CANCELLED"},
+                                                    {2, "UNKNOWN"},
+                                                    {3, "INVALID_ARGUMENT"},
+                                                    {4, "DEADLINE_EXCEEDED"},
+                                                    {5, "NOT_FOUND"},
+                                                    {6, "ALREADY_EXISTS"},
+                                                    {7, "PERMISSION_DENIED"},
+                                                    {8, "RESOURCE_EXHAUSTED"},
+                                                    {9, "FAILED_PRECONDITION"},
+                                                    {10, "ABORTED"},
+                                                    {13, "INTERNAL"},
+                                                    {14, "UNAVAILABLE"},
+                                                    {16, "UNAUTHENTICATED"}};
   auto it = kNames.find(static_cast<int>(c));
   return it != kNames.end() ? it->second : absl::StrCat(static_cast<int>(c));
 }
@@ -228,7 +228,8 @@ int Flood() {
   const auto t0 = Clock::now();
   for (int i = 0; i < n; ++i) {
     moelora::v1::GenerateRequest req;
-    for (int t = 0; t < absl::GetFlag(FLAGS_prompt_tokens); ++t) req.add_prompt_token_ids(1 + (i + t) % 50);
+    for (int t = 0; t < absl::GetFlag(FLAGS_prompt_tokens); ++t)
+      req.add_prompt_token_ids(1 + (i + t) % 50);
     req.set_max_tokens(absl::GetFlag(FLAGS_max_tokens));
     req.set_ignore_eos(true);
     if (!adapters.empty()) req.set_adapter(adapters[i % adapters.size()]);
@@ -246,12 +247,12 @@ int Flood() {
   std::lock_guard<std::mutex> lock(tally.mu);
   std::vector<std::string> codes;
   for (const auto& [c, k] : tally.codes) codes.push_back(absl::StrCat(c, "=", k));
-  std::cout << "flood: " << n << " streams in " << Ms(Clock::now() - t0) / 1000 << " s: "
-            << absl::StrJoin(codes, " ") << "; " << tally.chunks << " chunks; controller threads "
-            << threads_before << " -> max " << max_threads << ", RSS max " << max_rss_kb / 1024
-            << " MB; health slowest " << health_max_ms << " ms (" << health_failures << " of "
-            << health_probes << " failed); slowest refusal " << tally.slowest_refusal_ms << " ms"
-            << std::endl;
+  std::cout << "flood: " << n << " streams in " << Ms(Clock::now() - t0) / 1000
+            << " s: " << absl::StrJoin(codes, " ") << "; " << tally.chunks
+            << " chunks; controller threads " << threads_before << " -> max " << max_threads
+            << ", RSS max " << max_rss_kb / 1024 << " MB; health slowest " << health_max_ms
+            << " ms (" << health_failures << " of " << health_probes << " failed); slowest refusal "
+            << tally.slowest_refusal_ms << " ms" << std::endl;
   int failures = 0;
   auto fail = [&](const std::string& why) {
     std::cout << "FAIL: " << why << std::endl;
@@ -259,7 +260,8 @@ int Flood() {
   };
   if (hung) fail(absl::StrCat(tally.outstanding, " calls never ended"));
   if (tally.latest_end_over_deadline_ms > 1000)
-    fail(absl::StrCat("a call ended ", tally.latest_end_over_deadline_ms, " ms after its deadline"));
+    fail(
+        absl::StrCat("a call ended ", tally.latest_end_over_deadline_ms, " ms after its deadline"));
   for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_forbid), ',', absl::SkipEmpty())) {
     if (auto it = tally.codes.find(std::string(c)); it != tally.codes.end())
       fail(absl::StrCat(it->second, " calls ended ", c));
@@ -334,10 +336,12 @@ int Check() {
   double serving_s = -1;
   while (true) {
     why.clear();
-    if (serving_s < 0 && HealthMs(health.get(), 1000) >= 0) serving_s = Ms(Clock::now() - t0) / 1000;
+    if (serving_s < 0 && HealthMs(health.get(), 1000) >= 0)
+      serving_s = Ms(Clock::now() - t0) / 1000;
     if (serving_s < 0) why = "health is not SERVING";
     std::map<std::string, int64_t> ids;  // registered name -> id
-    if (why.empty()) {
+    // Health only (a --health-port) when there is nothing else to check.
+    if (why.empty() && (!expected.empty() || !workers.empty())) {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       moelora::v1::ListAdaptersResponse list;
@@ -350,7 +354,8 @@ int Check() {
     }
     std::set<int64_t> resident;
     if (why.empty()) {
-      for (const std::string& name : ResidentAdapters(FetchMetrics(absl::GetFlag(FLAGS_metrics_port))))
+      for (const std::string& name :
+           ResidentAdapters(FetchMetrics(absl::GetFlag(FLAGS_metrics_port))))
         if (ids.count(name)) resident.insert(ids[name]);
     }
     for (size_t i = 0; why.empty() && i < workers.size(); ++i) {
@@ -402,7 +407,8 @@ int Load() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "chaos_client flood|check|load [flags]: the chaos suite's client (see tests/chaos/chaos_test.sh)");
+      "chaos_client flood|check|load [flags]: the chaos suite's client (see "
+      "tests/chaos/chaos_test.sh)");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::cerr << "usage: chaos_client flood|check|load [flags] (--help)" << std::endl;
