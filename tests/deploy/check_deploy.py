@@ -144,19 +144,35 @@ def check_manifests(root, bins):
                 fail(f"{where}: --metrics_port {flags['metrics_port']} != containerPort metrics {ports.get('metrics')}")
             if annotations.get("prometheus.io/port") and int(annotations["prometheus.io/port"]) != ports.get("metrics"):
                 fail(f"{where}: prometheus.io/port annotation != metrics port")
+            # The kubelet's gRPC probe speaks plaintext: a TLS port is probed through
+            # --health_port (its container port named "health").
+            probed = "grpc"
+            if "health_port" in flags:
+                probed = "health"
+                if int(flags["health_port"]) != ports.get("health"):
+                    fail(f"{where}: --health_port {flags['health_port']} != containerPort health {ports.get('health')}")
+            elif "tls_cert_file" in flags:
+                fail(f"{where}: TLS on the gRPC port but no --health_port for the probes")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 p = c.get(probe)
                 if not p or "grpc" not in p:
                     fail(f"{where}: {probe} is not a gRPC probe")
-                elif p["grpc"]["port"] != ports.get("grpc"):
-                    fail(f"{where}: {probe} port {p['grpc']['port']} != grpc port {ports.get('grpc')}")
+                elif p["grpc"]["port"] != ports.get(probed):
+                    fail(f"{where}: {probe} port {p['grpc']['port']} != {probed} port {ports.get(probed)}")
+            # Files the flags name come from mounted volumes (Secrets for keys and tokens).
+            mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+            for name in ("tls_cert_file", "tls_key_file", "tls_ca_file", "auth_tokens_file",
+                         "worker_tls_ca_file", "worker_tls_cert_file", "worker_tls_key_file"):
+                if name in flags and not any(flags[name].startswith(m + "/") for m in mounts):
+                    fail(f"{where}: --{name} {flags[name]} is on no mounted volume")
             drain = int(flags.get("drain_timeout_s", 0) or 0)
             if drain and grace <= drain:
                 fail(f"{where}: terminationGracePeriodSeconds {grace} <= --drain_timeout_s {drain}")
             if "resources" not in c or "requests" not in c["resources"] or "limits" not in c["resources"]:
                 fail(f"{where}: container {c['name']} without resource requests and limits")
     kinds = {d["kind"] for _, d in docs}
-    for k in ("PodDisruptionBudget", "Service", "ConfigMap", "StatefulSet", "Deployment"):
+    for k in ("PodDisruptionBudget", "Service", "ConfigMap", "StatefulSet", "Deployment",
+              "NetworkPolicy"):
         if k not in kinds:
             fail(f"deploy/k8s: no {k}")
     print(f"checked {len(docs)} Kubernetes objects against the v{K8S_VERSION} schemas")
