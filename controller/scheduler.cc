@@ -448,8 +448,17 @@ void Scheduler::Loop() {
       }
     }
     std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
+    std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> failed;
     {
       MutexLock lock(&mu_);
+      // Sequences the workers removed because they failed alone (out of memory in their prompt
+      // chunk): only their requests end; the others run on.
+      for (const v1::SequenceFailure& f : resp->failed()) {
+        auto it = running_.find(f.sequence_id());
+        if (it == running_.end()) continue;
+        failed.push_back({it->second, absl::ResourceExhaustedError(f.message())});
+        running_.erase(it);
+      }
       for (const SequenceTokens& q : by_sequence) {
         auto it = running_.find(q.id);
         if (it == running_.end()) continue;
@@ -464,10 +473,11 @@ void Scheduler::Loop() {
         }
       }
       metrics_->running.Set(static_cast<double>(running_.size()));
-      if (!finished.empty()) UpdateLoraInfo();
+      if (!finished.empty() || !failed.empty()) UpdateLoraInfo();
       ran_on_ = !running_.empty();
     }
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
+    for (auto& [r, status] : failed) Finish(r, status, "");
   }
   if (ahead_ != nullptr) {  // stopping: the call sent ahead is not waited for on the workers
     ahead_->Cancel();

@@ -17,7 +17,8 @@ absl::StatusOr<std::unique_ptr<HealthPort>> HealthPort::Start(const std::string&
                            &h->port_);
   h->server_ = builder.BuildAndStart();
   if (!h->server_ || h->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("--health-port: cannot listen on ", host, ":", port));
+    return absl::UnavailableError(
+        absl::StrCat("--health-port: cannot listen on ", host, ":", port));
   }
   h->Set(false);
   return h;

@@ -513,7 +513,9 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSeque
           absl::StatusOr<StepOutput> out =
               i == 0 ? StepOnComputeThread(add, remove) : StepOnComputeThread({}, {});
           if (!out.ok()) return out.status();
+          const bool failed = !out->failed.empty();
           outs.push_back(std::move(*out));
+          if (failed) break;  // the controller ends those requests before the next step
         }
         if (!outs.empty()) outs.front().idle_before_seconds = idle;
         {
@@ -707,7 +709,43 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     b.seqs.push_back(fs);
     in_batch.push_back(i);
   }
-  absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&] { return m.model->Forward(b); });
+  absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&] {
+    if (const int f = m.options.debug_fail_prompt_chunk_tokens; f > 0) {
+      for (const ForwardBatch::Seq& fs : b.seqs) {
+        if (fs.count >= f) (void)at::empty({int64_t{1} << 62}, at::kByte);  // throws
+      }
+    }
+    return m.model->Forward(b);
+  });
+  if (!logits.ok() && logits.status().code() == absl::StatusCode::kResourceExhausted &&
+      m.comm->world_size() == 1 && !m.model->has_recurrent_layers()) {
+    // Out of memory on the only rank, in a model without recurrent state: nothing this step did
+    // stays (a state's length grows only at the forward's end, and its K/V rows are written
+    // again), so the sequence with the largest prompt chunk fails alone and the others step on
+    // next time. With recurrent layers (their states change layer by layer) or other ranks
+    // (which wait in a collective), the step is dropped below.
+    int64_t worst = -1;
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      if (m.running[in_batch[k]].Prefilling() &&
+          (worst < 0 || b.seqs[k].count > b.seqs[static_cast<size_t>(worst)].count)) {
+        worst = static_cast<int64_t>(k);
+      }
+    }
+    if (worst >= 0) {
+      const size_t i = in_batch[static_cast<size_t>(worst)];
+      const int64_t id = m.running[i].spec.id;
+      out.failed.push_back(
+          {id, absl::StrCat("out of memory computing ", b.seqs[static_cast<size_t>(worst)].count,
+                            " tokens of this prompt (", b.tokens.size(),
+                            " tokens in the step; --max-num-batched-tokens bounds it): ",
+                            logits.status().message())});
+      LOG(WARNING) << "sequence " << id << " removed: " << out.failed.back().second;
+      m.running.erase(m.running.begin() + static_cast<std::ptrdiff_t>(i));  // frees its blocks
+      out.kv_free_blocks = m.kv->free_blocks();
+      out.seconds = Since(t0);
+      return out;
+    }
+  }
   if (!logits.ok()) {
     // A failed step (a collective, or libtorch itself) leaves the states inconsistent across
     // ranks: drop the batch and report it. The other ranks fail their collective by its deadline.

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -54,6 +55,10 @@ struct EngineOptions {
   bool enable_prefix_caching = true;
   // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.
   int num_threads = 0;
+  // Testing (the worker's --debug-fail-prompt-chunk-tokens): a step with a prompt chunk of at
+  // least this many tokens asks libtorch for an impossible tensor, a real allocation failure
+  // (0: never).
+  int debug_fail_prompt_chunk_tokens = 0;
 };
 
 struct NewSequence {
@@ -93,6 +98,10 @@ struct StepOutput {
   // it: how long the compute thread waited between the two (the round trip to the controller;
   // -1 otherwise).
   double idle_before_seconds = -1;
+  // Sequences removed because they failed alone (an allocation failure in their prompt chunk,
+  // with no other sequence changed: the step computed nothing and the next one goes on), with
+  // the message for their request.
+  std::vector<std::pair<int64_t, std::string>> failed;
 };
 
 struct StageResult {

@@ -61,6 +61,9 @@ ABSL_FLAG(int, cpu_threads, 0,
 ABSL_FLAG(std::string, adapter_root, "",
           "The only directory StageAdapter reads adapters from, symlinks resolved (none: every "
           "stage is refused); moelora-controller passes its own to the workers it spawns");
+ABSL_FLAG(int, debug_fail_prompt_chunk_tokens, 0,
+          "Testing only: a step with a prompt chunk of at least this many tokens asks libtorch "
+          "for an impossible tensor (a real allocation failure; 0: never)");
 ABSL_FLAG(int, debug_step_delay_ms, 0,
           "Testing only: sleep this long before every step, each of a call's decode_steps (to "
           "interrupt generations on purpose)");
@@ -220,6 +223,7 @@ int main(int argc, char** argv) {
     eo.dtype = absl::GetFlag(FLAGS_dtype);
     eo.device = device;
     eo.max_loras = absl::GetFlag(FLAGS_max_loras);
+    eo.debug_fail_prompt_chunk_tokens = absl::GetFlag(FLAGS_debug_fail_prompt_chunk_tokens);
     eo.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
     eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);

@@ -208,6 +208,11 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
     prefix_queries += o.prefix_queries;
     prefix_hits += o.prefix_hits;
     if (o.idle_before_seconds >= 0) metrics_->StepIdle(o.idle_before_seconds);
+    for (const auto& [id, why] : o.failed) {
+      v1::SequenceFailure* f = resp->add_failed();
+      f->set_sequence_id(id);
+      f->set_message(why);
+    }
     for (const TokenOut& t : o.tokens) {
       v1::SequenceToken* p = resp->add_tokens();
       p->set_sequence_id(t.sequence_id);

@@ -4,10 +4,12 @@
 //   chaos_client flood --target=HOST:PORT --streams=N [--max_tokens=M] [--prompt_tokens=L]
 //       [--adapters=a,b] [--disconnect_after=K] [--deadline_s=D] [--controller_pid=P]
 //       [--max_threads=T] [--health_max_ms=H] [--refusal_max_ms=R] [--forbid=CODE,...]
+//       [--expect=CODE]
 //     Opens N GenerateStream calls at once (a few client threads: gRPC's callback API), each with
 //     a deadline of D s; with K > 0 each client goes away after K chunks. Every call must end
 //     with a final status (none may outlive its deadline by more than a second); statuses named
-//     in --forbid fail the run; RESOURCE_EXHAUSTED must come within R ms; the controller's
+//     in --forbid fail the run, and any other than --expect; RESOURCE_EXHAUSTED must come within
+//     R ms; the controller's
 //     threads (/proc/P/status) must stay at most T and health must answer within H ms.
 //   chaos_client check --target=HOST:PORT --metrics_port=M --workers=A,B [--within_s=S]
 //       [--expect_adapters=a,b]
@@ -65,6 +67,7 @@ ABSL_FLAG(std::string, forbid, "",
 ABSL_FLAG(int, metrics_port, 0, "check: the controller's metrics port");
 ABSL_FLAG(std::string, workers, "", "check: worker addresses, comma-separated");
 ABSL_FLAG(double, within_s, 30, "check: how long the service may take to settle");
+ABSL_FLAG(std::string, expect, "", "flood: the status code every call must end with (empty: any)");
 ABSL_FLAG(std::string, expect_adapters, "", "check: adapters that must be registered");
 ABSL_FLAG(std::string, name, "", "load: the adapter's name");
 ABSL_FLAG(std::string, path, "", "load: its path under --adapter-root");
@@ -131,6 +134,7 @@ class StreamCall final : public grpc::ClientReadReactor<moelora::v1::GenerateRes
     std::condition_variable cv;
     int outstanding = 0;
     std::map<std::string, int> codes;
+    std::map<std::string, std::string> messages;  // one per code
     double slowest_refusal_ms = 0;
     double latest_end_over_deadline_ms = -1e9;
     long chunks = 0;
@@ -162,6 +166,7 @@ class StreamCall final : public grpc::ClientReadReactor<moelora::v1::GenerateRes
     {
       std::lock_guard<std::mutex> lock(tally_->mu);
       ++tally_->codes[CodeName(s.error_code())];
+      if (!s.ok()) tally_->messages.emplace(CodeName(s.error_code()), s.error_message());
       tally_->chunks += chunks_;
       if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
         tally_->slowest_refusal_ms = std::max(tally_->slowest_refusal_ms, Ms(now - start_));
@@ -253,6 +258,7 @@ int Flood() {
             << ", RSS max " << max_rss_kb / 1024 << " MB; health slowest " << health_max_ms
             << " ms (" << health_failures << " of " << health_probes << " failed); slowest refusal "
             << tally.slowest_refusal_ms << " ms" << std::endl;
+  for (const auto& [c, m] : tally.messages) std::cout << "  " << c << ": " << m << std::endl;
   int failures = 0;
   auto fail = [&](const std::string& why) {
     std::cout << "FAIL: " << why << std::endl;
@@ -265,6 +271,11 @@ int Flood() {
   for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_forbid), ',', absl::SkipEmpty())) {
     if (auto it = tally.codes.find(std::string(c)); it != tally.codes.end())
       fail(absl::StrCat(it->second, " calls ended ", c));
+  }
+  if (const std::string e = absl::GetFlag(FLAGS_expect); !e.empty()) {
+    for (const auto& [c, k] : tally.codes) {
+      if (c != e) fail(absl::StrCat(k, " calls ended ", c, ", not ", e));
+    }
   }
   if (const int t = absl::GetFlag(FLAGS_max_threads); t > 0 && max_threads > t)
     fail(absl::StrCat("controller threads reached ", max_threads, " (allowed ", t, ")"));

@@ -10,6 +10,9 @@
 #   disconnect  500 clients that go away mid-stream
 #   kill        SIGKILL a worker mid-step
 #   stop        SIGSTOP a worker past the step timeout, then SIGCONT
+#   alloc       an allocation failure in one prompt's chunk (TP=1: a real libtorch allocation
+#               failure the worker's --debug-fail-prompt-chunk-tokens asks for): that request
+#               alone ends RESOURCE_EXHAUSTED, the sequences decoding beside it finish
 #   truncated   an adapter whose weights file is cut short after its header
 #   full_disk   LoadAdapter with --state-dir on a full file system (root only: a 4 MiB tmpfs)
 #   restart     --workers mode: SIGKILL the controller mid-step, start it again, workers kept
@@ -20,7 +23,7 @@ WORKER="$2"
 CLIENT="$3"
 shift 3
 SCENARIOS=("$@")
-[ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(flood disconnect kill stop truncated full_disk restart)
+[ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(flood disconnect kill stop alloc truncated full_disk restart)
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 TMP="$(mktemp -d)"
 PIDS=()
@@ -53,13 +56,16 @@ wait_file() {
   fail "no $1"
 }
 
-# start_spawned NAME STATE_DIR: a controller that spawns TP=2 workers; sets CP, PORT, MPORT.
+# start_spawned NAME STATE_DIR [TP [WORKER_ARGS [FLAGS...]]]: a controller that spawns its
+# workers (TP=2 by default); sets CP, PORT, MPORT.
 start_spawned() {
-  local name="$1" state="$2"
+  local name="$1" state="$2" tp="${3:-2}" wargs="${4:-}"
+  shift 2
+  shift $(( $# < 2 ? $# : 2 ))
   rm -f "$TMP/$name.json"
-  "$CONTROLLER" "${COMMON[@]}" --state-dir "$state" --tensor-parallel-size 2 --worker-bin "$WORKER" \
-    --worker-args "--debug_step_delay_ms=20" --preload a2d=a2d,a3d=a3d \
-    --port-file "$TMP/$name.json" >"$TMP/$name.log" 2>&1 &
+  "$CONTROLLER" "${COMMON[@]}" --state-dir "$state" --tensor-parallel-size "$tp" \
+    --worker-bin "$WORKER" --worker-args "--debug_step_delay_ms=20 $wargs" \
+    --preload a2d=a2d,a3d=a3d --port-file "$TMP/$name.json" "$@" >"$TMP/$name.log" 2>&1 &
   CP=$!
   PIDS+=("$CP")
   wait_file "$TMP/$name.json"
@@ -68,11 +74,12 @@ start_spawned() {
 }
 # The addresses of the newest spawned worker group under STATE_DIR, once it serves.
 spawned_workers() {
-  local state="$1" g
+  local state="$1" g f out=""
   "$CLIENT" check --target "127.0.0.1:$PORT" --metrics_port "$MPORT" --within_s 30 \
     --expect_adapters a2d,a3d >/dev/null || fail "not serving again within 30 s"
   g="$(ls -d "$state"/run/group.* | sort -t. -k2 -n | tail -1)"
-  echo "127.0.0.1:$(port_of "$g/port.0"),127.0.0.1:$(port_of "$g/port.1")"
+  for f in "$g"/port.*; do out="${out:+$out,}127.0.0.1:$(port_of "$f")"; done
+  echo "$out"
 }
 # The pid of the spawned worker of rank R (a child of the controller).
 worker_pid() {
@@ -136,6 +143,24 @@ for SCENARIO in "${SCENARIOS[@]}"; do
       kill -CONT "$W0"
       finish_load
       check_all "$STATE"
+      ;;
+    alloc)
+      kill "$CP"; wait "$CP" 2>/dev/null || true
+      # Prompts read whole (not 16 tokens a step beside the decodes): the 80-token one fails.
+      start_spawned alloc "$TMP/alloc-state" 1 "--debug_fail_prompt_chunk_tokens=64" \
+        --prefill-tokens-beside-decodes 0
+      background_load
+      "$CLIENT" flood --target "127.0.0.1:$PORT" --streams 1 --prompt_tokens 80 --max_tokens 8 \
+        --expect RESOURCE_EXHAUSTED >"$TMP/alloc.out" || { cat "$TMP/alloc.out"; fail "alloc"; }
+      grep -q "out of memory computing 80 tokens of this prompt" "$TMP/alloc.out" ||
+        { cat "$TMP/alloc.out"; fail "alloc: the message"; }
+      echo "  $(grep RESOURCE_EXHAUSTED: "$TMP/alloc.out")"
+      wait "$LOAD" || { cat "$TMP/load.out"; fail "alloc: the requests beside it"; }
+      grep -q "OK=32;" "$TMP/load.out" || { cat "$TMP/load.out"; fail "alloc: the requests beside it"; }
+      echo "  beside it: $(head -1 "$TMP/load.out")"
+      check_all "$TMP/alloc-state"
+      kill "$CP"; wait "$CP" 2>/dev/null || true
+      start_spawned main "$STATE"
       ;;
     truncated)
       cp -r "$TMP/adapters/a2d" "$TMP/adapters/cut"

@@ -1,5 +1,6 @@
 // The engine's memory model: the paged KV cache's accounting, chunked prefill, preemption with
-// recomputation, and requests that cannot fit.
+// recomputation, requests that cannot fit, and an allocation failure in one prompt.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -14,6 +15,7 @@ namespace {
 
 using testing::Data;
 using testing::EngineHolder;
+using ::testing::HasSubstr;
 using testing::Load;
 using testing::MaxAbsDiff;
 
@@ -352,6 +354,69 @@ TEST(EngineMemoryTest, PreemptedSequencesEqualTheirUninterruptedRuns) {
     // Batched and alone differ only in summation order (engine_test.cc: within 5e-5).
     EXPECT_LE(Worst(together.logits[n.id], alone.logits[n.id]), 5e-5) << "sequence " << n.id;
   }
+}
+
+// An allocation failure while a long prompt joins sequences that decode (a real libtorch
+// allocation failure, asked for by debug_fail_prompt_chunk_tokens): that sequence alone is
+// removed, with a message naming the tokens and the allocator's bytes; its blocks go back; the
+// decoding sequence goes on to the same tokens and logits as a run that never met it. With
+// recurrent layers (Qwen3.5: states change layer by layer) the step is dropped whole instead.
+TEST(EngineMemoryTest, AnAllocationFailureInOnePromptFailsThatSequenceAlone) {
+  auto failing = MakeEngineWith("qwen3_moe/model", [](EngineOptions& o) {
+    o.debug_fail_prompt_chunk_tokens = 20;
+    o.prefill_tokens_beside_decodes = 0;
+  });
+  auto clean = MakeEngineWith("qwen3_moe/model", [](EngineOptions&) {});
+  ASSERT_NE(failing, nullptr);
+  ASSERT_NE(clean, nullptr);
+  const int vocab = clean->engine->Info().vocab_size;
+  const int64_t blocks = failing->engine->Info().free_blocks;
+  const NewSequence decoding{
+      .id = 1, .prompt = Prompt(5, 1, vocab), .max_tokens = 12, .return_logits = true};
+  const NewSequence joiner{.id = 2, .prompt = Prompt(30, 2, vocab), .max_tokens = 4};
+  Outcome got;
+  bool failed = false;
+  for (int step = 0; step < 40; ++step) {
+    std::vector<NewSequence> add;
+    if (step == 0) add = {decoding};
+    if (step == 3) add = {joiner};
+    auto out = failing->engine->Step(add, {});
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (const auto& [id, why] : out->failed) {
+      EXPECT_EQ(id, 2);
+      EXPECT_THAT(why, HasSubstr("out of memory computing 30 tokens of this prompt"));
+      EXPECT_THAT(why, HasSubstr("can't allocate memory"));
+      failed = true;
+    }
+    bool done = false;
+    for (const TokenOut& t : out->tokens) {
+      EXPECT_EQ(t.sequence_id, 1);
+      got.tokens[1].push_back(t.token);
+      got.logits[1].push_back(t.logits);
+      done = done || t.finished;
+    }
+    if (done) break;
+  }
+  EXPECT_TRUE(failed);
+  EXPECT_EQ(failing->engine->Info().running, 0);
+  EXPECT_EQ(failing->engine->Info().free_blocks, blocks);
+  Outcome alone = RunToEnd(*clean->engine, {decoding});
+  EXPECT_EQ(got.tokens[1], alone.tokens[1]);
+  EXPECT_LE(Worst(got.logits[1], alone.logits[1]), 5e-5);
+
+  auto recurrent = MakeEngineWith("qwen3_5_moe/model", [](EngineOptions& o) {
+    o.debug_fail_prompt_chunk_tokens = 20;
+    o.prefill_tokens_beside_decodes = 0;
+  });
+  ASSERT_NE(recurrent, nullptr);
+  const int v35 = recurrent->engine->Info().vocab_size;
+  ASSERT_OK(recurrent->engine->Step(
+      {NewSequence{.id = 1, .prompt = Prompt(5, 1, v35), .max_tokens = 8}}, {}));
+  auto out = recurrent->engine->Step(
+      {NewSequence{.id = 2, .prompt = Prompt(30, 2, v35), .max_tokens = 4}}, {});
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kAborted) << out.status();
+  EXPECT_EQ(recurrent->engine->Info().running, 0);
 }
 
 TEST(EngineMemoryTest, ARequestBeyondTheWholeCacheIsRefusedNamingTheBudget) {
