@@ -63,6 +63,7 @@ start_spawned() {
   shift 2
   shift $(( $# < 2 ? $# : 2 ))
   rm -f "$TMP/$name.json"
+  rm -rf "$state/run"  # worker groups of an earlier controller (their numbers start again)
   "$CONTROLLER" "${COMMON[@]}" --state-dir "$state" --tensor-parallel-size "$tp" \
     --worker-bin "$WORKER" --worker-args "--debug_step_delay_ms=20 $wargs" \
     --preload a2d=a2d,a3d=a3d --port-file "$TMP/$name.json" "$@" >"$TMP/$name.log" 2>&1 &
@@ -114,6 +115,8 @@ STATE="$TMP/state"
 start_spawned main "$STATE"
 for SCENARIO in "${SCENARIOS[@]}"; do
   echo "== $SCENARIO"
+  "$CLIENT" check --target "127.0.0.1:$PORT" --metrics_port "$MPORT" --within_s 30 \
+    --expect_adapters a2d,a3d >/dev/null || fail "not serving before $SCENARIO"
   case "$SCENARIO" in
     flood)
       check_all "$STATE"
