@@ -63,6 +63,11 @@ void AdapterManager::ResetResidency() {
 absl::StatusOr<int64_t> AdapterManager::Acquire(const std::string& name) {
   MutexLock lock(&mu_);
   auto it = adapters_.find(name);
+  if (it != adapters_.end() && it->second.state == v1::ADAPTER_STATE_FAILED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("adapter \"", name, "\" failed to load: ", it->second.failure,
+                     " (LoadAdapter with the same name and path tries again)"));
+  }
   if (it == adapters_.end() || it->second.state != v1::ADAPTER_STATE_READY) {
     return absl::NotFoundError(
         absl::StrCat("adapter \"", name, "\" is not loaded",
@@ -145,6 +150,7 @@ v1::Adapter AdapterManager::ToProto(const Entry& e) const {
   a.set_bytes(r.bytes);
   a.set_load_seconds(r.load_seconds);
   a.set_state(e.state);
+  a.set_failure(e.failure);
   a.set_num_experts(r.num_experts);
   a.set_max_rank(r.max_rank);
   return a;
@@ -215,11 +221,13 @@ void AdapterManager::ReloadAll() {
     if (it == adapters_.end()) continue;
     if (s.ok()) {
       it->second.state = v1::ADAPTER_STATE_READY;
+      it->second.failure.clear();
       it->second.resident = load;
     } else {
       LOG(WARNING) << "re-loading adapter " << name << " failed: " << s;
       ReturnReservation(clean);
       it->second.state = v1::ADAPTER_STATE_FAILED;
+      it->second.failure = std::string(s.message());
     }
   }
   MutexLock lock(&mu_);
@@ -607,7 +615,10 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
       orphaned = true;
     } else {
       ReturnReservation(clean);
-      if (it != adapters_.end()) it->second.state = v1::ADAPTER_STATE_FAILED;
+      if (it != adapters_.end()) {
+        it->second.state = v1::ADAPTER_STATE_FAILED;
+        it->second.failure = std::string(s.message());
+      }
     }
     UpdateGauges();
   }
@@ -659,9 +670,11 @@ absl::StatusOr<v1::Adapter> AdapterManager::RetryFailed(const std::string& name)
     if (s.ok()) {
       it->second.state = v1::ADAPTER_STATE_READY;
       it->second.resident = reserve;
+      it->second.failure.clear();
     } else {
       ReturnReservation(clean);
       it->second.state = v1::ADAPTER_STATE_FAILED;
+      it->second.failure = std::string(s.message());
     }
     out = ToProto(it->second);
     UpdateGauges();

@@ -102,6 +102,7 @@ class AdapterManager {
     bool host_cached = false;  // in the workers' host cache (rank 0's word), while not resident
     int active = 0;            // queued or running requests
     Clock::TimePoint last_used;
+    std::string failure;  // why it is FAILED
   };
   v1::Adapter ToProto(const Entry& e) const;
   // On failure *clean says whether every rank is back to not holding it (else its slot leaked).

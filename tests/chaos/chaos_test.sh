@@ -13,7 +13,8 @@
 #   alloc       an allocation failure in one prompt's chunk (TP=1: a real libtorch allocation
 #               failure the worker's --debug-fail-prompt-chunk-tokens asks for): that request
 #               alone ends RESOURCE_EXHAUSTED, the sequences decoding beside it finish
-#   truncated   an adapter whose weights file is cut short after its header
+#   truncated   an adapter whose weights file is cut short after its header; one cut short after
+#               it was loaded, read again by a restarted group
 #   full_disk   LoadAdapter with --state-dir on a full file system (root only: a 4 MiB tmpfs)
 #   restart     --workers mode: SIGKILL the controller mid-step, start it again, workers kept
 # Usage: chaos_test.sh CONTROLLER WORKER CHAOS_CLIENT [SCENARIO...] (default: all)
@@ -78,9 +79,18 @@ spawned_workers() {
   local state="$1" g f out=""
   "$CLIENT" check --target "127.0.0.1:$PORT" --metrics_port "$MPORT" --within_s 30 \
     --expect_adapters a2d,a3d >/dev/null || fail "not serving again within 30 s"
-  g="$(ls -d "$state"/run/group.* | sort -t. -k2 -n | tail -1)"
+  g="$(newest_group "$state")"
   for f in "$g"/port.*; do out="${out:+$out,}127.0.0.1:$(port_of "$f")"; done
   echo "$out"
+}
+newest_group() { ls -d "$1"/run/group.* 2>/dev/null | sort -t. -k2 -n | tail -1; }
+# kill_worker STATE R: SIGKILL rank R and wait until the controller has spawned a new group.
+kill_worker() {
+  local before
+  before="$(newest_group "$1")"
+  kill -9 "$(worker_pid "$2")"
+  for _ in $(seq 1 300); do [ "$(newest_group "$1")" != "$before" ] && return 0; sleep 0.1; done
+  fail "no new worker group 30 s after a worker was killed"
 }
 # The pid of the spawned worker of rank R (a child of the controller).
 worker_pid() {
@@ -134,7 +144,7 @@ for SCENARIO in "${SCENARIOS[@]}"; do
       ;;
     kill)
       background_load
-      kill -9 "$(worker_pid 1)"
+      kill_worker "$STATE" 1
       finish_load
       check_all "$STATE"
       ;;
@@ -178,6 +188,22 @@ for SCENARIO in "${SCENARIOS[@]}"; do
       check_all "$STATE"
       out="$("$CLIENT" load --target "127.0.0.1:$PORT" --name cut --path cut)"
       grep -q "INVALID_ARGUMENT" <<<"$out" || fail "the truncated adapter again: $out"
+      # Cut short after it was validated and loaded: the workers read it again from disk when a
+      # restarted group reloads the registry. It alone fails; its requests get the reason.
+      cp -r "$TMP/adapters/a2d" "$TMP/adapters/late"
+      out="$("$CLIENT" load --target "127.0.0.1:$PORT" --name late --path late)"
+      grep -q "load late: OK" <<<"$out" || fail "loading late: $out"
+      f="$TMP/adapters/late/adapter_model.safetensors"
+      truncate -s $(( $(od -An -t u8 -N 8 "$f" | tr -d ' ') + 108 )) "$f"
+      kill_worker "$STATE" 0
+      check_all "$STATE"
+      "$CLIENT" flood --target "127.0.0.1:$PORT" --streams 2 --max_tokens 4 --adapters late \
+        --expect FAILED_PRECONDITION >"$TMP/late.out" || { cat "$TMP/late.out"; fail "late"; }
+      grep -q "late/adapter_model.safetensors" "$TMP/late.out" ||
+        { cat "$TMP/late.out"; fail "late: the message names no file"; }
+      echo "  $(grep FAILED_PRECONDITION: "$TMP/late.out")"
+      "$CLIENT" flood --target "127.0.0.1:$PORT" --streams 4 --max_tokens 4 --adapters a2d,a3d \
+        --expect OK >/dev/null || fail "the other adapters after late failed"
       ;;
     full_disk)
       if [ "$(id -u)" -ne 0 ] || ! mkdir -p "$TMP/small" ||
