@@ -314,6 +314,7 @@ void Scheduler::Loop() {
       }
       step.set_step(++step_no_);
       if (drop_all_.exchange(false)) step.set_drop_all(true);
+      SetEpochAndExpected(&step);
       // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
       // returns its first token at once, and a queued request is not held back by up to
       // decode_steps_ steps. Stop strings and cancellations are seen between calls; the tokens a
@@ -342,6 +343,7 @@ void Scheduler::Loop() {
         ahead_req_.set_step(++step_no_);
         ahead_req_.set_decode_steps(decode_steps_);
         ahead_req_.set_after_step(step.step());
+        SetEpochAndExpected(&ahead_req_);
         ahead_ = group_->StartStepAll(ahead_req_);
         metrics_->calls_ahead.Increment();
       }
@@ -484,6 +486,13 @@ void Scheduler::Loop() {
     (void)ahead_->Get();
     ahead_.reset();
   }
+}
+
+void Scheduler::SetEpochAndExpected(v1::StepRequest* step) {
+  step->set_epoch(epoch_);
+  MutexLock lock(&mu_);
+  step->mutable_expected()->Reserve(static_cast<int>(running_.size()));
+  for (const auto& [id, r] : running_) step->add_expected(id);
 }
 
 int64_t Scheduler::BlocksHeld(const GenRequest& r) const {

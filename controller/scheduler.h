@@ -77,6 +77,8 @@ class Scheduler {
   // KV cache blocks a request holds on the workers once admitted (prompt, tokens so far and the
   // next one); 0 while the block size is not known.
   int64_t BlocksHeld(const GenRequest& r) const;
+  // StepRequest.epoch, and the running sequences as `expected` (takes mu_).
+  void SetEpochAndExpected(v1::StepRequest* step) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a request and releases its adapter.
   void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -122,6 +124,12 @@ class Scheduler {
   static constexpr double kAheadLeadSeconds = 0.001;
   std::atomic<bool> stop_{false};
   std::atomic<bool> drop_all_{true};  // the first step after start, and after DropWorkerSequences
+  // This controller's start in microseconds since the Unix epoch (StepRequest.epoch): workers
+  // refuse calls from an older controller and drop what one left when a newer one calls.
+  const uint64_t epoch_ =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
   std::thread loop_;
 };
 

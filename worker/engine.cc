@@ -176,6 +176,7 @@ struct Engine::Impl {
   mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
   // When the last Steps call's work ended (compute thread; under step_mu).
   std::optional<std::chrono::steady_clock::time_point> last_steps_end;
+  uint64_t epoch = 0;  // the newest controller epoch seen (under step_mu)
   std::deque<Sequence> running;
 
   struct AdapterEntry {
@@ -484,16 +485,43 @@ absl::StatusOr<std::vector<StepOutput>> Engine::Steps(const std::vector<NewSeque
                                                       const std::vector<int64_t>& remove, int steps,
                                                       const std::function<void()>& before_step,
                                                       const std::function<void()>& queued,
-                                                      bool drop_all) {
+                                                      const StepControl& control) {
   return impl_->compute->Run(
       [&]() -> absl::StatusOr<std::vector<StepOutput>> {
-        if (drop_all) {
-          std::lock_guard<std::mutex> lock(impl_->step_mu);
-          if (!impl_->running.empty()) {
-            LOG(WARNING) << "dropping " << impl_->running.size()
-                         << " sequences no controller knows of (drop_all)";
+        {
+          Impl& m = *impl_;
+          std::lock_guard<std::mutex> lock(m.step_mu);
+          if (control.epoch != 0 && control.epoch < m.epoch) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "a newer controller (epoch ", m.epoch, ") drives this worker; this call's epoch ",
+                control.epoch, " is older: the controller that sent it should stop"));
           }
-          impl_->running.clear();
+          bool drop_all = control.drop_all;
+          if (control.epoch > m.epoch) {
+            if (m.epoch != 0) LOG(WARNING) << "a new controller (epoch " << control.epoch << ")";
+            m.epoch = control.epoch;
+            drop_all = true;
+          }
+          if (drop_all) {
+            if (!m.running.empty()) {
+              LOG(WARNING) << "dropping " << m.running.size()
+                           << " sequences no controller knows of";
+            }
+            m.running.clear();
+          } else if (control.epoch != 0) {
+            // Strays: held, neither expected after this call nor leaving in it.
+            const std::set<int64_t> keep(control.expected.begin(), control.expected.end());
+            const std::set<int64_t> leaving(remove.begin(), remove.end());
+            for (auto it = m.running.begin(); it != m.running.end();) {
+              const int64_t id = it->spec.id;
+              if (keep.count(id) || leaving.count(id)) {
+                ++it;
+                continue;
+              }
+              LOG(WARNING) << "dropping sequence " << id << ": the controller does not expect it";
+              it = m.running.erase(it);
+            }
+          }
         }
         const auto start = std::chrono::steady_clock::now();
         double idle = -1;

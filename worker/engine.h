@@ -104,6 +104,18 @@ struct StepOutput {
   std::vector<std::pair<int64_t, std::string>> failed;
 };
 
+// What the controller says of the whole batch beside a call's joiners and leavers
+// (StepRequest's drop_all, epoch and expected).
+struct StepControl {
+  bool drop_all = false;  // every running sequence leaves first
+  // 0: nothing below is checked. A newer epoch than the engine has seen drops every sequence
+  // first; an older one is refused with FAILED_PRECONDITION.
+  uint64_t epoch = 0;
+  // With an epoch: the sequences running once the call's removes and adds are applied; any other
+  // leaves first.
+  std::vector<int64_t> expected;
+};
+
 struct StageResult {
   AdapterFormat detected_format = AdapterFormat::kDense;
   bool converted_to_2d = false;
@@ -184,12 +196,12 @@ class Engine {
   // before each step (the worker's --debug-step-delay-ms). `queued` (optional) is called once
   // the call is queued on the compute thread, whose calls run in the order they were queued.
   // After a Steps call the compute thread waits (1 ms at most) for StepsReplied(), which the
-  // caller calls once it has built its reply, before it runs the next task. `drop_all`: every
-  // running sequence leaves first (StepRequest.drop_all).
+  // caller calls once it has built its reply, before it runs the next task. `control`: the
+  // controller's word on the whole batch, applied first.
   [[nodiscard]] absl::StatusOr<std::vector<StepOutput>> Steps(
       const std::vector<NewSequence>& add, const std::vector<int64_t>& remove, int steps,
       const std::function<void()>& before_step = nullptr,
-      const std::function<void()>& queued = nullptr, bool drop_all = false);
+      const std::function<void()>& queued = nullptr, const StepControl& control = {});
   void StepsReplied();
 
   EngineInfo Info() const;

@@ -181,8 +181,12 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
   // many calls of one.
   std::function<void()> delay;
   if (step_delay_.count() > 0) delay = [d = step_delay_] { std::this_thread::sleep_for(d); };
+  StepControl control;
+  control.drop_all = req->drop_all();
+  control.epoch = req->epoch();
+  control.expected.assign(req->expected().begin(), req->expected().end());
   auto out = e->Steps(
-      add, remove, req->decode_steps(), delay, [&pass] { pass(); }, req->drop_all());
+      add, remove, req->decode_steps(), delay, [&pass] { pass(); }, control);
   // The reply is built below; then the compute thread may go on (it waits for this).
   struct Replied {
     Engine* e;

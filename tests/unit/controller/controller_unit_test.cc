@@ -468,6 +468,21 @@ TEST(ControllerUnitTest, WorkersDropSequencesOfAnEarlierControllerWhenTheGroupIs
   EXPECT_EQ(h.group.drop_all_calls(), 2);  // once per ready, not per step
 }
 
+// Every step names the sequences the controller expects: one the workers hold beside them (a
+// removal that never reached a rank) leaves at the next step, while the others run on.
+TEST(ControllerUnitTest, EveryStepDropsSequencesTheControllerDoesNotExpect) {
+  Harness h(1);
+  h.group.Hold();
+  auto running = h.Submit("", 30);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  h.group.AddStray(999, 1000);
+  h.group.Resume();
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() <= 1; }));
+  EXPECT_OK(Harness::Wait(running));
+  EXPECT_EQ(running->num_tokens(), 30u);
+  EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }));
+}
+
 // A failed step takes the group out of service until it is found ready again (which drops
 // every worker sequence): the running requests fail, the queued ones wait and then run.
 TEST(ControllerUnitTest, AFailedStepChecksTheGroupAgainAndQueuedRequestsWait) {

@@ -207,6 +207,12 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     if (req.drop_all()) {
       running_.clear();
       ++drop_all_calls_;
+    } else if (req.epoch() != 0) {  // strays: neither expected nor leaving
+      const std::set<int64_t> keep(req.expected().begin(), req.expected().end());
+      const std::set<int64_t> leaving(req.remove().begin(), req.remove().end());
+      for (auto it = running_.begin(); it != running_.end();) {
+        it = keep.count(it->first) || leaving.count(it->first) ? std::next(it) : running_.erase(it);
+      }
     }
     for (int64_t id : req.remove()) running_.erase(id);
     for (const v1::SequenceSpec& s : req.add()) {  // all or nothing, as the workers

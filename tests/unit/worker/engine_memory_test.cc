@@ -419,6 +419,36 @@ TEST(EngineMemoryTest, AnAllocationFailureInOnePromptFailsThatSequenceAlone) {
   EXPECT_EQ(recurrent->engine->Info().running, 0);
 }
 
+// The controller's epoch and expected sequences: a sequence it does not expect leaves (its
+// blocks back); a newer controller's first call drops what an older one left; a call from the
+// older one is then refused, naming both epochs, and changes nothing.
+TEST(EngineMemoryTest, EpochsAndExpectedSequencesDropStraysAndRefuseAnOlderController) {
+  auto h = MakeEngineWith("qwen3_moe/model", [](EngineOptions&) {});
+  ASSERT_NE(h, nullptr);
+  Engine& e = *h->engine;
+  const int vocab = e.Info().vocab_size;
+  const int64_t blocks = e.Info().free_blocks;
+  auto seq = [&](int64_t id) {
+    return NewSequence{
+        .id = id, .prompt = Prompt(6, static_cast<int>(id), vocab), .max_tokens = 50};
+  };
+  StepControl first{.epoch = 100, .expected = {1, 2}};
+  ASSERT_OK(e.Steps({seq(1), seq(2)}, {}, 1, nullptr, nullptr, first));
+  EXPECT_EQ(e.Info().running, 2);
+  ASSERT_OK(e.Steps({}, {}, 1, nullptr, nullptr, StepControl{.epoch = 100, .expected = {1}}));
+  EXPECT_EQ(e.Info().running, 1);  // 2 was not expected
+  ASSERT_OK(e.Steps({seq(1)}, {}, 1, nullptr, nullptr, StepControl{.epoch = 200, .expected = {1}}));
+  EXPECT_EQ(e.Info().running, 1);  // the newer controller's 1, the older one's dropped first
+  auto old = e.Steps({}, {}, 1, nullptr, nullptr, StepControl{.epoch = 100, .expected = {1}});
+  ASSERT_FALSE(old.ok());
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(old.status().message()), HasSubstr("a newer controller (epoch 200)"));
+  EXPECT_EQ(e.Info().running, 1);
+  ASSERT_OK(e.Steps({}, {1}, 1, nullptr, nullptr, StepControl{.epoch = 200}));
+  EXPECT_EQ(e.Info().running, 0);
+  EXPECT_EQ(e.Info().free_blocks, blocks);
+}
+
 TEST(EngineMemoryTest, ARequestBeyondTheWholeCacheIsRefusedNamingTheBudget) {
   auto probe = MakeEngineWith("qwen3_moe/model", [](EngineOptions& o) { o.block_size = 4; });
   ASSERT_NE(probe, nullptr);
