@@ -36,7 +36,8 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
           options_.max_num_seqs, options_.max_loras, &adapters_, group, metrics,
           [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms),
           std::chrono::milliseconds(options_.batch_window_max_ms), options_.decode_steps,
-          options_.call_ahead, options_.clock, options_.max_queued_requests) {}
+          options_.call_ahead, options_.clock, options_.max_queued_requests,
+          std::chrono::milliseconds(options_.max_bypass_ms)) {}
 
 Controller::~Controller() { Stop(); }
 
@@ -49,7 +50,7 @@ void Controller::Stop() {
 absl::Status Controller::OnGroupReady() {
   ready_ = false;
   adapters_.ReloadAll();
-  scheduler_.DropWorkerSequences();
+  scheduler_.GroupReady();
   ready_ = true;
   metrics_->serving.Set(1);
   scheduler_.Wake();

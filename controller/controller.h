@@ -42,6 +42,8 @@ struct ControllerOptions {
   bool call_ahead = false;
   // Requests waiting to be admitted at most; beyond it RESOURCE_EXHAUSTED at once (0: no bound).
   int max_queued_requests = 0;
+  // How long a request waiting for its adapter's slot may be passed over (Scheduler).
+  int max_bypass_ms = 2000;
   // A request ends with DEADLINE_EXCEEDED this long after it arrived, whatever its client's
   // deadline (0: no bound).
   int request_timeout_s = 0;

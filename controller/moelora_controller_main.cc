@@ -58,6 +58,9 @@ ABSL_FLAG(int, batch_window_ms, 2,
 ABSL_FLAG(int, batch_window_max_ms, 10,
           "The longest (ms, --batch-window-ms..1000) the first queued request of an idle engine "
           "waits while others keep arriving");
+ABSL_FLAG(int, max_bypass_ms, 2000,
+          "How long a request whose adapter waits for a LoRA slot may be passed over by later "
+          "requests whose adapters are resident; then nothing behind it starts until it runs");
 ABSL_FLAG(int, max_queued_requests, 1024,
           "Requests waiting to be admitted at most; beyond it a request gets RESOURCE_EXHAUSTED "
           "at once (each waiting request holds a server thread)");
@@ -153,6 +156,7 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_batch_window_max_ms) > 1000) {
     return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
   }
+  if (absl::GetFlag(FLAGS_max_bypass_ms) < 0) return fail("--max-bypass-ms must be >= 0");
   if (absl::GetFlag(FLAGS_max_queued_requests) < 1)
     return fail("--max-queued-requests must be >= 1");
   if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
@@ -235,6 +239,7 @@ int main(int argc, char** argv) {
   co.max_num_seqs = engine_flags.max_num_seqs;
   co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
   co.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  co.max_bypass_ms = absl::GetFlag(FLAGS_max_bypass_ms);
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   co.call_ahead = absl::GetFlag(FLAGS_call_ahead);

@@ -33,10 +33,11 @@ Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
                      WorkerGroupInterface* group, ControllerMetrics* metrics,
                      std::function<bool()> serving, std::chrono::milliseconds batch_window,
                      std::chrono::milliseconds batch_window_max, int decode_steps, bool call_ahead,
-                     Clock* clock, int max_queued)
+                     Clock* clock, int max_queued, std::chrono::milliseconds max_bypass)
     : max_num_seqs_(max_num_seqs),
       batch_window_(batch_window),
       batch_window_max_(std::max(batch_window, batch_window_max)),
+      max_bypass_(max_bypass),
       decode_steps_(std::max(decode_steps, 1)),
       call_ahead_(call_ahead),
       clock_(clock),
@@ -191,7 +192,11 @@ void Scheduler::Loop() {
       }
       {
         MutexLock lock(&mu_);
-        if (!serving_()) continue;
+        if (!serving_() || awaiting_ready_) {
+          // Queued requests wait for the group (a tick, or the Wake of its ready hook).
+          clock_->WaitFor(&cv_, &mu_, std::chrono::milliseconds(20));
+          continue;
+        }
         const auto now = clock_->Now();
         for (auto it = running_.begin(); it != running_.end();) {
           const absl::Status s = Expiry(*it->second, now, "generating");
@@ -212,35 +217,43 @@ void Scheduler::Loop() {
             ++it;
           }
         }
-        // Strict FIFO admission, while the workers' KV cache has blocks for the head's prompt
-        // next to what the running sequences hold (the workers preempt when decodes outgrow
-        // it; with nothing running the head goes in: it fits the cache alone, checked at
-        // submission).
+        // Admission in arrival order, while the workers' KV cache has blocks for the next
+        // prompt next to what the running sequences hold (the workers preempt when decodes
+        // outgrow it; with nothing running the first goes in: it fits the cache alone, checked
+        // at submission). A request whose adapter is in no slot waits for a swap-in (the oldest
+        // such one's, below) and the requests behind it go first while their adapters are
+        // resident, until it has waited --max-bypass-ms: then nothing behind it goes first,
+        // so running sequences end and free a slot for it.
         int64_t blocks_used = 0;
         for (const auto& [id, r] : running_) blocks_used += BlocksHeld(*r);
-        while (!pending_.empty() &&
-               static_cast<int>(running_.size() + admitted.size()) < max_num_seqs_) {
-          std::shared_ptr<GenRequest> head = pending_.front();
-          const int64_t need = BlocksHeld(*head);
+        for (auto it = pending_.begin();
+             it != pending_.end() &&
+             static_cast<int>(running_.size() + admitted.size()) < max_num_seqs_;) {
+          std::shared_ptr<GenRequest> next = *it;
+          const int64_t need = BlocksHeld(*next);
           if (kv_blocks_ > 0 && (!running_.empty() || !admitted.empty()) &&
               blocks_used + need > kv_blocks_) {
             break;
           }
-          if (!head->adapter.empty()) {
-            const AdapterManager::Residency res = adapters_->Admit(head->adapter, now);
+          if (!next->adapter.empty()) {
+            const AdapterManager::Residency res = adapters_->Admit(next->adapter, now);
             if (res == AdapterManager::Residency::kGone) {
-              ended.push_back({head, absl::NotFoundError("adapter unloaded")});
-              pending_.pop_front();
+              ended.push_back({next, absl::NotFoundError("adapter unloaded")});
+              it = pending_.erase(it);
               continue;
             }
             if (res == AdapterManager::Residency::kNotResident) {
-              swap = head->adapter;
-              break;
+              if (swap.empty()) {
+                swap = next->adapter;
+                if (now - next->arrival >= max_bypass_) break;
+              }
+              ++it;
+              continue;
             }
           }
-          pending_.pop_front();
-          head->SetQueueSeconds(Seconds(now - head->arrival));
-          admitted.push_back(head);
+          it = pending_.erase(it);
+          next->SetQueueSeconds(Seconds(now - next->arrival));
+          admitted.push_back(next);
           blocks_used += need;
         }
         metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
@@ -303,7 +316,7 @@ void Scheduler::Loop() {
       }
       // With nothing to run, a step is still sent when the workers must drop what they hold
       // (after a start or a group restart): sequences of a controller that died stay otherwise.
-      if (nseq == 0 && step.remove().empty() && !drop_all_) {
+      if (nseq == 0 && step.remove().empty() && !sweep_) {
         // Nothing runs and the head waits for a slot (a leaked one that reconciliation frees):
         // look again on a tick or a Wake, not in a spin.
         MutexLock lock(&mu_);
@@ -313,7 +326,7 @@ void Scheduler::Loop() {
         continue;
       }
       step.set_step(++step_no_);
-      if (drop_all_.exchange(false)) step.set_drop_all(true);
+      sweep_ = false;
       SetEpochAndExpected(&step);
       // Several decode steps in one call while nobody waits to join: a joiner's prefill step then
       // returns its first token at once, and a queued request is not held back by up to
@@ -385,7 +398,10 @@ void Scheduler::Loop() {
       // Not a refusal: the ranks may still hold the step's sequences (a rank that stepped while
       // another failed, a step that timed out here and runs on there). No new step until every
       // rank is checked again and has dropped every sequence (OnGroupReady).
-      if (!refused) group_->Revalidate(std::string(resp.status().message()));
+      if (!refused) {
+        awaiting_ready_ = true;
+        group_->Revalidate(std::string(resp.status().message()));
+      }
       const absl::Status s =
           c == absl::StatusCode::kInvalidArgument || c == absl::StatusCode::kNotFound
               ? resp.status()

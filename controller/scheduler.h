@@ -45,12 +45,15 @@ class Scheduler {
   // and none joins; 1 otherwise. `call_ahead`: send such a call's successor before it ends.
   // `clock`: every time the scheduler reads or waits for (arrivals, windows, deadlines, the
   // call-ahead lead). `max_queued`: requests waiting to be admitted at most (0: no bound).
+  // `max_bypass`: how long a request whose adapter waits for a slot may be passed over by later
+  // requests whose adapters are resident (then nothing behind it is admitted until it runs).
   Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters, WorkerGroupInterface* group,
             ControllerMetrics* metrics, std::function<bool()> serving,
             std::chrono::milliseconds batch_window = std::chrono::milliseconds(0),
             std::chrono::milliseconds batch_window_max = std::chrono::milliseconds(0),
             int decode_steps = 1, bool call_ahead = false, Clock* clock = Clock::Real(),
-            int max_queued = 0);
+            int max_queued = 0,
+            std::chrono::milliseconds max_bypass = std::chrono::milliseconds(2000));
   ~Scheduler();
 
   void Start();
@@ -64,9 +67,12 @@ class Scheduler {
   int in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
   // Something changed (a stop string, an unload, the group): look again now.
   void Wake() ABSL_LOCKS_EXCLUDED(mu_);
-  // The group is ready (again): the next step asks the workers to drop every sequence they hold
-  // (StepRequest.drop_all), none of which this controller runs.
-  void DropWorkerSequences() { drop_all_ = true; }
+  // The group is ready (again, its adapters reloaded): steps may run, and the next goes out even
+  // with nothing to run, so the workers drop every sequence this controller does not expect.
+  void GroupReady() {
+    awaiting_ready_ = false;
+    sweep_ = true;
+  }
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -87,6 +93,7 @@ class Scheduler {
   const int max_num_seqs_;
   const std::chrono::milliseconds batch_window_;
   const std::chrono::milliseconds batch_window_max_;  // at least batch_window_
+  const std::chrono::milliseconds max_bypass_;
   const int decode_steps_;
   const bool call_ahead_;
   Clock* const clock_;
@@ -123,7 +130,12 @@ class Scheduler {
   // The part of the lead that does not scale with the measured overhead (seconds).
   static constexpr double kAheadLeadSeconds = 0.001;
   std::atomic<bool> stop_{false};
-  std::atomic<bool> drop_all_{true};  // the first step after start, and after DropWorkerSequences
+  // The next step goes out even with nothing to run (at start and after GroupReady), so that
+  // the workers drop the sequences no request owns (StepRequest.expected) without waiting for
+  // traffic.
+  std::atomic<bool> sweep_{true};
+  // A failed step asked the group to re-check its ranks: no step until GroupReady.
+  std::atomic<bool> awaiting_ready_{false};
   // This controller's start in microseconds since the Unix epoch (StepRequest.epoch): workers
   // refuse calls from an older controller and drop what one left when a newer one calls.
   const uint64_t epoch_ =

@@ -41,7 +41,7 @@ class WorkerGroupInterface {
   // A step failed (a rank died, timed out or could not run it): stop serving until every rank
   // answers health and Info again and the on-ready hook ran (which makes the ranks drop every
   // sequence). Queued requests wait meanwhile.
-  virtual void Revalidate(const std::string& why) { (void)why; }
+  virtual void Revalidate(const std::string& why) = 0;
   // Rank 0's Info from the last time the group became ready.
   virtual v1::WorkerInfoResponse info() const = 0;
   // Stages on every rank; rolls back (Abort) the ranks that staged it when any fails.

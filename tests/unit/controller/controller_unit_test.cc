@@ -77,7 +77,8 @@ struct Harness {
 
   explicit Harness(int max_loras, int max_num_seqs = 64, const std::string& state_dir = "",
                    int batch_window_ms = 0, int batch_window_max_ms = 0, int decode_steps = 1,
-                   bool call_ahead = false, int max_queued = 0, int request_timeout_s = 0)
+                   bool call_ahead = false, int max_queued = 0, int request_timeout_s = 0,
+                   int max_bypass_ms = 2000)
       : group(max_loras, &clock) {
     auto r = Registry::Open(state_dir.empty() ? dir.path() : state_dir);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -96,15 +97,16 @@ struct Harness {
     o.clock = &clock;
     o.max_queued_requests = max_queued;
     o.request_timeout_s = request_timeout_s;
+    o.max_bypass_ms = max_bypass_ms;
     auto info = ReadModelInfo(std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model");
     EXPECT_TRUE(info.ok()) << info.status();
     o.model = *info;
     c = std::make_unique<Controller>(o, registry.get(), &group, &metrics);
     EXPECT_TRUE(c->OnGroupReady().ok());
     c->Start();
-    // The start's step (the workers drop what an earlier controller left) goes out first: tests
+    // The start's sweep (the workers drop what an earlier controller left) goes out first: tests
     // count their own steps after it.
-    EXPECT_TRUE(group.WaitFor([&] { return group.drop_all_calls() == 1; }));
+    EXPECT_TRUE(group.WaitFor([&] { return group.sweeps() == 1; }));
     start_steps = group.step_calls();
   }
   int start_steps = 0;
@@ -203,16 +205,39 @@ TEST(ControllerUnitTest, FailedRollbackIsReconciledBeforeTheSlotIsReused) {
   EXPECT_THAT(h.group.committed(), ElementsAre(b));
 }
 
-TEST(ControllerUnitTest, AdmissionIsStrictFifoWhenTheHeadNeedsASwap) {
-  Harness h(1);
+TEST(ControllerUnitTest, RequestsWithResidentAdaptersGoFirstWhileASwapWaits) {
+  Harness h(1, 64, "", /*batch_window_ms=*/150, 1000);  // the three arrive before any pass
   const int64_t a = h.Load("a", "adapter_2d");
   const int64_t b = h.Load("b", "adapter_3d");  // not resident: the one slot holds a
   auto rb = h.Submit("b", 2);
   auto r0 = h.Submit("", 2);
   auto ra = h.Submit("a", 2);
+  h.clock.Advance(std::chrono::milliseconds(150));
   for (auto& r : {rb, r0, ra}) EXPECT_OK(Harness::Wait(r));
-  // b first (a swap), the base request only after it, then a (swapped back once b finished).
-  EXPECT_THAT(h.group.admitted_adapters(), ElementsAre(b, 0, a));
+  // The base request and a's (resident) start at once; b swaps in once a's request is done.
+  EXPECT_THAT(h.group.admitted_adapters(), ElementsAre(0, a, b));
+}
+
+// A request waiting for its adapter's slot is passed over for --max-bypass-ms at most: then the
+// requests behind it wait, the running ones end, and its adapter swaps in before theirs.
+TEST(ControllerUnitTest, APassedOverRequestRunsOnceItHasWaitedTheBypassLimit) {
+  Harness h(1, 64, "", 0, 0, 1, false, 0, 0, /*max_bypass_ms=*/100);
+  const int64_t a = h.Load("a", "adapter_2d");
+  const int64_t b = h.Load("b", "adapter_3d");
+  h.group.set_step_delay(std::chrono::milliseconds(10));
+  h.group.Hold();
+  auto ra1 = h.Submit("a", 40);
+  ASSERT_TRUE(h.group.WaitHolds(1));
+  auto rb = h.Submit("b", 2);
+  auto ra2 = h.Submit("a", 2);  // passed b 10 ms into its wait
+  h.group.Release(1);
+  ASSERT_TRUE(h.group.WaitHolds(2));
+  EXPECT_THAT(h.group.admitted_adapters(), ElementsAre(a, a));
+  h.clock.Advance(std::chrono::milliseconds(200));  // b has waited past the limit
+  auto ra3 = h.Submit("a", 2);
+  h.group.Resume();
+  for (auto& r : {ra1, rb, ra2, ra3}) EXPECT_OK(Harness::Wait(r));
+  EXPECT_THAT(h.group.admitted_adapters(), ElementsAre(a, a, b, a));
 }
 
 TEST(ControllerUnitTest, LruSwapNeverEvictsAPinnedAdapter) {
@@ -460,12 +485,12 @@ TEST(ControllerUnitTest, WorkersDropSequencesOfAnEarlierControllerWhenTheGroupIs
   ASSERT_TRUE(h.c->OnGroupReady().ok());
   EXPECT_TRUE(h.group.WaitFor([&] { return h.group.running() == 0; }))
       << h.group.running() << " sequences left on the workers";
-  EXPECT_EQ(h.group.drop_all_calls(), 2);
+  EXPECT_EQ(h.group.sweeps(), 2);
   auto r = h.Submit("", 3);
   ASSERT_EQ(r->seq_id, 1);
   EXPECT_OK(Harness::Wait(r));
   EXPECT_EQ(r->num_tokens(), 3u);
-  EXPECT_EQ(h.group.drop_all_calls(), 2);  // once per ready, not per step
+  EXPECT_EQ(h.group.sweeps(), 2);  // once per ready, not per step
 }
 
 // Every step names the sequences the controller expects: one the workers hold beside them (a

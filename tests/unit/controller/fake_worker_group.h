@@ -204,9 +204,9 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   }
   absl::StatusOr<v1::StepResponse> StepLocked(const v1::StepRequest& req) {
     if (fail_step_ > 0 && fail_step_--) return absl::UnavailableError("fake: a rank died");
+    if (req.add().empty() && req.remove().empty() && req.expected().empty()) ++sweeps_;
     if (req.drop_all()) {
       running_.clear();
-      ++drop_all_calls_;
     } else if (req.epoch() != 0) {  // strays: neither expected nor leaving
       const std::set<int64_t> keep(req.expected().begin(), req.expected().end());
       const std::set<int64_t> leaving(req.remove().begin(), req.remove().end());
@@ -310,9 +310,10 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     return ahead_calls_;
   }
   // StepAll calls that stepped.
-  int drop_all_calls() const {
+  // Steps that added, removed and expected nothing (the controller's sweeps).
+  int sweeps() const {
     std::lock_guard<std::mutex> l(mu_);
-    return drop_all_calls_;
+    return sweeps_;
   }
   // As WorkerGroup: out of service until the test finds the group ready (OnGroupReady).
   void Revalidate(const std::string& why) override {
@@ -360,7 +361,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::vector<int> adds_per_step_;  // sequences added by each step that added any
   int fail_unload_ = 0, fail_stage_ = 0, fail_commit_ = 0, fail_step_ = 0;
   int stage_calls_ = 0, unload_calls_ = 0, unload_refusals_ = 0, step_calls_ = 0;
-  int drop_all_calls_ = 0;
+  int sweeps_ = 0;
   std::vector<std::string> revalidated_;
   int ahead_calls_ = 0;
   Clock::TimePoint last_due_{};  // when the last call started by StartStepAll ends
