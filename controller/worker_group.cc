@@ -259,7 +259,8 @@ void WorkerGroup::Monitor() {
         const auto backoff = std::chrono::milliseconds(std::min(30000, 500 << std::min(k, 6)));
         LOG(WARNING) << dead << "; restarting the worker group in " << backoff.count()
                      << " ms (see the worker logs under " << options_.run_dir << ")";
-        const bool was_serving = serving_.exchange(false) | revalidating_.exchange(false);
+        const bool revalidating = revalidating_.exchange(false);
+        const bool was_serving = serving_.exchange(false) || revalidating;
         std::function<void(const std::string&)> down;
         {
           MutexLock lock(&mu_);
@@ -308,7 +309,8 @@ void WorkerGroup::Monitor() {
       all_up &= up;
     }
     if (!all_up) {
-      if (serving_.exchange(false) | revalidating_.exchange(false)) {
+      const bool revalidating = revalidating_.exchange(false);
+      if (serving_.exchange(false) || revalidating) {
         LOG(WARNING) << "worker group out of service: " << why;
         std::function<void(const std::string&)> down;
         {
