@@ -270,10 +270,10 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
       return fail(absl::FailedPreconditionError(absl::StrCat(
           "pinning \"", req.name(), "\" would leave no slot for the other adapters: ",
           PinnedCount(), " of --max-loras ", options_.max_loras, " slots are pinned already")));
-    } else if (static_cast<int>(adapters_.size()) + loads_in_progress_ >= options_.max_cpu_loras) {
+    } else if (static_cast<int>(adapters_.size()) + loads_in_progress_ >= options_.max_registered) {
       return fail(absl::ResourceExhaustedError(
           absl::StrCat(adapters_.size(), " adapters are registered and ", loads_in_progress_,
-                       " being loaded, the maximum (--max-cpu-loras)")));
+                       " being loaded, the maximum (--max-registered-adapters)")));
     } else {
       ++loads_in_progress_;
     }
@@ -282,8 +282,8 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
     absl::StatusOr<v1::Adapter> a = RetryFailed(req.name());
     return a.ok() ? a : fail(a.status());
   }
-  // Counted against --max-cpu-loras from the check above until its entry is in adapters_ (the
-  // validation in between runs unlocked, beside other loads).
+  // Counted against --max-registered-adapters from the check above until its entry is in adapters_
+  // (the validation in between runs unlocked, beside other loads).
   struct InProgress {
     AdapterManager* m;
     bool counted = true;  // until the entry below takes over

@@ -41,6 +41,9 @@ struct AdapterManagerOptions {
   std::string adapter_root;
   int max_loras = 4;
   int max_cpu_loras = 8;
+  // Registered adapters at most (the registry; beyond the host cache and the slots, each is
+  // read from disk when a request needs it).
+  int max_registered = 100000;
   int max_lora_rank = 16;
   bool mixed = false;
   ModelInfo model;  // dims for adapter validation

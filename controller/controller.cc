@@ -15,6 +15,7 @@ AdapterManagerOptions ManagerOptions(const ControllerOptions& o) {
   m.adapter_root = o.adapter_root;
   m.max_loras = o.max_loras;
   m.max_cpu_loras = o.max_cpu_loras;
+  m.max_registered = o.max_registered_adapters;
   m.max_lora_rank = o.max_lora_rank;
   m.mixed = o.mixed;
   m.model = o.model;

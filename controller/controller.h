@@ -29,6 +29,7 @@ struct ControllerOptions {
   std::string adapter_root;
   int max_loras = 4;
   int max_cpu_loras = 8;
+  int max_registered_adapters = 100000;
   int max_lora_rank = 16;
   bool mixed = false;
   int max_num_seqs = 256;

@@ -58,6 +58,9 @@ ABSL_FLAG(int, batch_window_ms, 2,
 ABSL_FLAG(int, batch_window_max_ms, 10,
           "The longest (ms, --batch-window-ms..1000) the first queued request of an idle engine "
           "waits while others keep arriving");
+ABSL_FLAG(int, max_registered_adapters, 100000,
+          "Adapters the registry holds at most; those in neither a LoRA slot nor the workers' "
+          "host cache (--max-cpu-loras) are read from disk when a request needs them");
 ABSL_FLAG(int, max_bypass_ms, 2000,
           "How long a request whose adapter waits for a LoRA slot may be passed over by later "
           "requests whose adapters are resident; then nothing behind it starts until it runs");
@@ -157,6 +160,8 @@ int main(int argc, char** argv) {
     return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
   }
   if (absl::GetFlag(FLAGS_max_bypass_ms) < 0) return fail("--max-bypass-ms must be >= 0");
+  if (absl::GetFlag(FLAGS_max_registered_adapters) < 1)
+    return fail("--max-registered-adapters must be >= 1");
   if (absl::GetFlag(FLAGS_max_queued_requests) < 1)
     return fail("--max-queued-requests must be >= 1");
   if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
@@ -240,6 +245,7 @@ int main(int argc, char** argv) {
   co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
   co.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   co.max_bypass_ms = absl::GetFlag(FLAGS_max_bypass_ms);
+  co.max_registered_adapters = absl::GetFlag(FLAGS_max_registered_adapters);
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   co.call_ahead = absl::GetFlag(FLAGS_call_ahead);

@@ -695,6 +695,52 @@ TEST_F(ControllerTest, SwapInsComeFromTheHostCacheOnceTheFilesAreGone) {
   EXPECT_THAT(again.error_message(), HasSubstr("adapter"));
 }
 
+// The three tiers: more adapters registered than the host cache and the slots hold together
+// (--max-loras 1, --max-cpu-loras 1, six adapters): each request for one in neither tier reads
+// it from disk, with the tokens it gave right after its LoadAdapter; concurrent requests for
+// the same adapter share one swap-in; --max-registered-adapters bounds the registry.
+TEST_F(ControllerTest, AdaptersBeyondTheHostCacheAreReadFromDiskOnDemand) {
+  ControllerProcess c(state_.path(), adapters_.root,
+                      {"--enable-mixed-moe-lora-format", "--max-loras", "1", "--max-cpu-loras", "1",
+                       "--max-registered-adapters", "6"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  const std::vector<std::string> dirs = {"adapter_3d", "adapter_2d", "adapter_2d_shared_a"};
+  std::map<std::string, std::vector<int32_t>> want;
+  std::vector<std::string> names;
+  for (int i = 0; i < 6; ++i) {
+    const std::string name = "t" + std::to_string(i);
+    ASSERT_TRUE(c.Load(name, dirs[i % 3]).ok()) << name << c.Log();
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(name, kPrompts[i % 2], 6, &r).ok()) << name;
+    want[name] = Tokens(r);
+    names.push_back(name);
+  }
+  const grpc::Status seventh = c.Load("t6", "adapter_2d");
+  EXPECT_EQ(seventh.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(seventh.error_message(), HasSubstr("--max-registered-adapters"));
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 5; i >= 0; --i) {
+      v1::GenerateResponse r;
+      grpc::Status s = c.Generate(names[i], kPrompts[i % 2], 6, &r);
+      ASSERT_TRUE(s.ok()) << names[i] << ": " << s.error_message();
+      EXPECT_EQ(Tokens(r), want[names[i]]) << names[i];
+    }
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      const int i = t % 2 == 0 ? 0 : 3;  // two adapters, four requests each, all at once
+      v1::GenerateResponse r;
+      grpc::Status s = c.Generate(names[i], kPrompts[i % 2], 6, &r);
+      if (s.ok() && Tokens(r) == want[names[i]]) ++good;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(good.load(), 8);
+  EXPECT_EQ(c.List().size(), 6u);
+}
+
 TEST_F(ControllerTest, SigtermDrainsInFlightRequests) {
   ControllerProcess c(state_.path(), adapters_.root, {"--worker-args", "--debug-step-delay-ms 10"});
   ASSERT_TRUE(c.WaitServing()) << c.Log();
