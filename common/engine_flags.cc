@@ -9,10 +9,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
-ABSL_FLAG(int, max_loras, 4, "LoRA slots: adapters resident in the workers at once");
+ABSL_FLAG(int, max_loras, 0,
+          "LoRA slots: adapters resident in the workers at once (0: 16 on the CPU, where a slot "
+          "costs memory only while it holds an adapter; 4 on CUDA, whose slots are allocated "
+          "whole)");
 ABSL_FLAG(int, max_cpu_loras, 8,
-          "Adapters registered at once (>= --max-loras); the workers keep as many swapped-out "
-          "adapters in host memory, converted and TP-sliced, so a swap-in reads no file");
+          "Swapped-out adapters the workers keep in host memory, converted and TP-sliced, so "
+          "that a swap-in reads no file (LRU)");
 ABSL_FLAG(int, max_lora_rank, 16, "Largest LoRA rank a slot holds (larger: RESOURCE_EXHAUSTED)");
 ABSL_FLAG(bool, enable_mixed_moe_lora_format, false,
           "Use the 2D expert wrapper for every MoE layer and convert 3D adapters to 2D in place at "
@@ -86,6 +89,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   f.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   f.dtype = absl::GetFlag(FLAGS_dtype);
   f.device = absl::GetFlag(FLAGS_device);
+  if (f.max_loras == 0) f.max_loras = absl::StartsWith(f.device, "cuda") ? 4 : 16;
   f.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   f.block_size = absl::GetFlag(FLAGS_block_size);
   f.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
@@ -100,7 +104,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
 
 [[nodiscard]] absl::Status ValidateEngineFlags(const EngineFlags& f, int largest_rank) {
   auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (f.max_loras < 1) return bad("--max-loras must be >= 1");
+  if (f.max_loras < 1) return bad("--max-loras must be >= 1 (0: by --device)");
   if (f.max_cpu_loras < 0) return bad("--max-cpu-loras must be >= 0");
   if (f.max_lora_rank < 1 || f.max_lora_rank > largest_rank) {
     return bad("--max-lora-rank must be in 1..", largest_rank);

@@ -167,10 +167,6 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
     return fail("--decode-steps must be in 1..16");
   }
-  if (absl::GetFlag(FLAGS_max_loras) < 1 ||
-      absl::GetFlag(FLAGS_max_cpu_loras) < absl::GetFlag(FLAGS_max_loras)) {
-    return fail("need --max-loras >= 1 and --max-cpu-loras >= --max-loras");
-  }
   // The flags the workers take as well, checked here by the same rules as there: a worker that
   // refuses one exits, and the controller would restart the group with it forever.
   moelora::EngineFlags engine_flags;

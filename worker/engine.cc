@@ -292,6 +292,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
     LOG(INFO) << "KV cache, sliding-window layers: " << impl->kv->window_blocks() << " blocks ("
               << impl->kv->window_bytes() << " bytes of the budget)";
   }
+  {
+    const int64_t slots = model->AllocatedSlotBytes(true) + model->AllocatedSlotBytes(false);
+    LOG(INFO) << "LoRA slots: " << o.max_loras << " of up to " << slots / std::max(1, o.max_loras)
+              << " bytes at rank " << o.max_lora_rank << " ("
+              << (!absl::StartsWith(o.device, "cuda")
+                      ? "host memory taken only while a slot holds an adapter"
+                      : "allocated on the device")
+              << ")";
+  }
   if (impl->kv->state_entries() > 0) {
     LOG(INFO) << "Recurrent state: " << impl->kv->state_entries() << " entries of "
               << impl->kv->state_bytes_per_entry() << " bytes ("

@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
     eo.model_dir = model;
     eo.dtype = absl::GetFlag(FLAGS_dtype);
     eo.device = device;
-    eo.max_loras = absl::GetFlag(FLAGS_max_loras);
+    eo.max_loras = engine_flags.max_loras;
     eo.debug_fail_prompt_chunk_tokens = absl::GetFlag(FLAGS_debug_fail_prompt_chunk_tokens);
     eo.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
     eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);

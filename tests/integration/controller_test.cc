@@ -887,7 +887,7 @@ TEST_F(ControllerTest, ConnectModeRefusesWorkersWhoseSettingsDisagree) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_THAT(s.error_message(), HasSubstr("runs with --max-loras 2, the controller with 4"));
+  EXPECT_THAT(s.error_message(), HasSubstr("runs with --max-loras 2, the controller with 16"));
   EXPECT_NE(c.Health(), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_THAT(c.Log(), HasSubstr("--max-loras 2"));
 }

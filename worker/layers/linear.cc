@@ -2,6 +2,8 @@
 #include "worker/layers/linear.h"
 
 #include <ATen/Parallel.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -33,7 +35,37 @@ DType KernelDType(at::ScalarType t) {
 
 at::Tensor SlotZeros(at::IntArrayRef shape, const at::TensorOptions& options) {
   if (!options.device().is_cpu()) return at::zeros(shape, options);
-  return EmptyWeight(shape, options.dtype().toScalarType()).zero_();
+  const size_t bytes =
+      static_cast<size_t>(c10::multiply_integers(shape)) * options.dtype().itemsize();
+  void* p = bytes > 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                      : MAP_FAILED;
+  if (p == MAP_FAILED) return EmptyWeight(shape, options.dtype().toScalarType()).zero_();
+#ifdef MADV_HUGEPAGE
+  ::madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KB
+#endif
+  return at::from_blob(
+      p, shape, [bytes](void* q) { ::munmap(q, bytes); }, options);
+}
+
+void ZeroSlot(at::Tensor slot) {
+  if (!slot.device().is_cpu() || !slot.is_contiguous()) {
+    slot.zero_();
+    return;
+  }
+  // Private anonymous memory reads as zero once its pages are given back (MADV_DONTNEED); the
+  // partial pages at either end are cleared by hand.
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  char* b = static_cast<char*>(slot.data_ptr());
+  char* e = b + slot.nbytes();
+  char* lo = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(b) + page - 1) / page * page);
+  char* hi = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(e) / page * page);
+  if (hi <= lo || ::madvise(lo, static_cast<size_t>(hi - lo), MADV_DONTNEED) != 0) {
+    std::memset(b, 0, slot.nbytes());
+    return;
+  }
+  std::memset(b, 0, static_cast<size_t>(lo - b));
+  std::memset(hi, 0, static_cast<size_t>(e - hi));
 }
 
 at::Tensor Scratch(size_t bytes, const at::Device& dev) {
@@ -420,8 +452,8 @@ void LoraLinear::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
 }
 
 void LoraLinear::Reset(int slot) {
-  la_[slot].zero_();
-  lb_[slot].zero_();
+  ZeroSlot(la_[slot]);
+  ZeroSlot(lb_[slot]);
   rank_[slot] = 0;
   if (rank_t_.defined()) rank_t_[slot].zero_();
 }

@@ -19,9 +19,13 @@ namespace moelora {
 at::Tensor ToFloat(const HostTensor& h);
 DType KernelDType(at::ScalarType t);
 // Zeroed storage for LoRA slots (long-lived; a decode step reads a slot in small pieces, one per
-// segment). On the CPU it takes transparent huge pages as the model's weights do (EmptyWeight):
-// on 4 KB pages a segment's 32–48 KB of A and B cost 8–12 page walks.
+// segment). On the CPU: anonymous memory (zero by construction) with transparent huge pages as
+// the model's weights have (on 4 KB pages a segment's 32–48 KB of A and B cost 8–12 page walks),
+// touched only as adapters are written into it: a slot no adapter has used costs no memory.
 at::Tensor SlotZeros(at::IntArrayRef shape, const at::TensorOptions& options);
+// Zeroes a slot (a contiguous tensor): on the CPU its whole pages go back to the system (they read
+// as zero again), so a slot freed by an unload or a swap-out stops costing memory.
+void ZeroSlot(at::Tensor slot);
 // Device scratch for a kernel, from the tensor allocator (cached on CUDA).
 at::Tensor Scratch(size_t bytes, const at::Device& dev);
 // The CPU path's LoRA slot dtype for a model dtype: bf16 slots for a bf16 model (half the bytes a

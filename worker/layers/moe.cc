@@ -362,8 +362,8 @@ void MoeExperts::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
 void MoeExperts::Reset(int slot) {
   for (int k = 0; k < 3; ++k) {
     if (!ea_[k].defined()) continue;
-    ea_[k][slot].zero_();
-    eb_[k][slot].zero_();
+    ZeroSlot(ea_[k][slot]);
+    ZeroSlot(eb_[k][slot]);
     std::fill_n(erank_[k].begin() + slot * E_, E_, 0);
     if (erank_t_[k].defined()) erank_t_[k].narrow(0, slot * E_, E_).zero_();
   }

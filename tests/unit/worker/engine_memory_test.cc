@@ -2,12 +2,15 @@
 // recomputation, requests that cannot fit, and an allocation failure in one prompt.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <functional>
 #include <map>
 
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "worker/layers/lora_ops.h"
 #include "worker/model/kv_cache.h"
 
 namespace moelora {
@@ -18,6 +21,41 @@ using testing::EngineHolder;
 using ::testing::HasSubstr;
 using testing::Load;
 using testing::MaxAbsDiff;
+
+// Pages of [p, p + bytes) resident in memory (mincore).
+int64_t ResidentPages(const void* p, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+  std::vector<unsigned char> v((hi - lo) / page);
+  if (::mincore(reinterpret_cast<void*>(lo), hi - lo, v.data()) != 0) return -1;
+  int64_t n = 0;
+  for (unsigned char c : v) n += c & 1;
+  return n;
+}
+
+// CPU LoRA slots cost memory only while they hold an adapter: a new slot tensor has no resident
+// page; writing one slot makes pages of that slot resident, not its neighbours'; ZeroSlot gives
+// them back and the slot reads as zero again.
+TEST(SlotMemoryTest, ASlotTakesMemoryOnlyWhileItHoldsAnAdapter) {
+  const int64_t per_slot = int64_t{1} << 20;  // floats: 4 MiB a slot
+  at::Tensor slots = SlotZeros({4, per_slot}, at::TensorOptions().dtype(at::kFloat));
+  const size_t slot_bytes = static_cast<size_t>(per_slot) * sizeof(float);
+  EXPECT_EQ(ResidentPages(slots.data_ptr(), 4 * slot_bytes), 0);
+  slots[1].fill_(0.5f);
+  EXPECT_GT(ResidentPages(slots[1].data_ptr(), slot_bytes), 0);
+  EXPECT_EQ(ResidentPages(slots[3].data_ptr(), slot_bytes), 0);
+  EXPECT_EQ(slots[0].abs().max().item<float>(), 0.0f);
+  ZeroSlot(slots[1]);
+  EXPECT_EQ(ResidentPages(slots[1].data_ptr(), slot_bytes), 0);
+  EXPECT_EQ(slots[1].abs().max().item<float>(), 0.0f);
+  // A slice that does not start on a page: the partial pages are cleared by hand.
+  slots[2].fill_(1.0f);
+  ZeroSlot(slots[2].narrow(0, 3, per_slot - 7));
+  EXPECT_EQ(slots[2].narrow(0, 3, per_slot - 7).abs().max().item<float>(), 0.0f);
+  EXPECT_EQ(slots[2][2].item<float>(), 1.0f);
+  EXPECT_EQ(slots[2][per_slot - 4].item<float>(), 1.0f);
+}
 
 TEST(KvCacheTest, ReserveTakesWholeBlocksAndReleaseGivesThemBack) {
   KvCacheOptions o;

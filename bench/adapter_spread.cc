@@ -1,0 +1,161 @@
+// bench/adapter_spread: throughput when concurrent requests spread over more adapters than LoRA
+// slots, against the same requests on one adapter, in the same run and the same controller.
+//   adapter_spread [--model DIR] [--adapters DIR] [--spreads 1,4,8,16] [--concurrent 32]
+//                  [--new-tokens 32] [--prompt-tokens 16] [--dtype bfloat16] [--repeat 3]
+//                  [--flags "--max-loras 4 ..."]
+// DIR defaults: bench/peer's medium model (.cache/peer-model; tools/peer_venv.sh makes it) and
+// its adapter_2d / adapter_3d, registered as 16 names (2D and 3D in turn). Each round sends
+// `concurrent` Generate calls at once, call i on adapter i % spread, and times the round; the
+// figure is the median round's tokens a second. Run twice in one controller each: admission as
+// configured, and with --max-bypass-ms 0 (strict arrival order: a request waiting for a slot
+// holds back every request behind it).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "tests/integration/controller_process.h"
+#include "tests/testing/temp_dir.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct Args {
+  std::string model = std::string(MOELORA_SOURCE_DIR) + "/.cache/peer-model/model";
+  std::string adapters = std::string(MOELORA_SOURCE_DIR) + "/.cache/peer-model";
+  std::vector<int> spreads = {1, 4, 8, 16};
+  int concurrent = 32, new_tokens = 32, prompt_tokens = 16, repeat = 3;
+  std::string dtype = "bfloat16";
+  std::vector<std::string> flags;
+};
+
+// Median tokens a second of `repeat` rounds (after one warm-up round) at each spread.
+std::vector<double> Run(const Args& a, const std::vector<std::string>& extra) {
+  moelora::testing::TempDir state;
+  std::vector<std::string> flags = {"--enable-mixed-moe-lora-format", "--dtype", a.dtype,
+                                    "--max-num-seqs", std::to_string(std::max(64, a.concurrent))};
+  flags.insert(flags.end(), a.flags.begin(), a.flags.end());
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  moelora::testing::ControllerProcess c(state.path(), a.adapters, flags, a.model);
+  if (!c.WaitServing()) {
+    std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
+    std::exit(1);
+  }
+  const int most = *std::max_element(a.spreads.begin(), a.spreads.end());
+  std::vector<std::string> names;
+  for (int i = 0; i < most; ++i) {
+    names.push_back("s" + std::to_string(i));
+    grpc::Status s = c.Load(names.back(), i % 2 == 0 ? "adapter_2d" : "adapter_3d");
+    if (!s.ok()) {
+      std::fprintf(stderr, "load %s: %s\n", names.back().c_str(), s.error_message().c_str());
+      std::exit(1);
+    }
+  }
+  std::vector<double> out;
+  for (int spread : a.spreads) {
+    std::vector<double> rates;
+    for (int r = 0; r <= a.repeat; ++r) {
+      std::vector<std::future<bool>> fs;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < a.concurrent; ++i) {
+        fs.push_back(std::async(std::launch::async, [&, i] {
+          std::vector<int32_t> prompt(a.prompt_tokens);
+          for (int t = 0; t < a.prompt_tokens; ++t) prompt[t] = 1 + (i * 31 + t * 7) % 1000;
+          moelora::v1::GenerateRequest req;
+          req.set_adapter(names[i % spread]);
+          req.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+          req.set_max_tokens(a.new_tokens);
+          req.set_ignore_eos(true);
+          moelora::v1::GenerateResponse resp;
+          return c.Generate(req, &resp).ok();
+        }));
+      }
+      for (auto& f : fs) {
+        if (!f.get()) {
+          std::fprintf(stderr, "a request failed:\n%s\n", c.Log().c_str());
+          std::exit(1);
+        }
+      }
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (r > 0) rates.push_back(a.concurrent * a.new_tokens / s);
+    }
+    out.push_back(Median(rates));
+  }
+  return out;
+}
+
+std::vector<int> Ints(const std::string& s) {
+  std::vector<int> v;
+  for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    int x = 0;
+    if (absl::SimpleAtoi(p, &x) && x > 0) v.push_back(x);
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", f.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (f == "--help" || f == "-h") {
+      std::printf(
+          "adapter_spread [--model DIR] [--adapters DIR] [--spreads 1,4,8,16] [--concurrent 32]\n"
+          "               [--new-tokens 32] [--prompt-tokens 16] [--dtype bfloat16] [--repeat 3]\n"
+          "               [--flags \"--max-loras 4 ...\"]\n");
+      return 0;
+    } else if (f == "--model") {
+      a.model = value();
+    } else if (f == "--adapters") {
+      a.adapters = value();
+    } else if (f == "--spreads") {
+      a.spreads = Ints(value());
+    } else if (f == "--concurrent") {
+      a.concurrent = std::max(1, std::atoi(value().c_str()));
+    } else if (f == "--new-tokens") {
+      a.new_tokens = std::max(1, std::atoi(value().c_str()));
+    } else if (f == "--prompt-tokens") {
+      a.prompt_tokens = std::max(1, std::atoi(value().c_str()));
+    } else if (f == "--dtype") {
+      a.dtype = value();
+    } else if (f == "--repeat") {
+      a.repeat = std::max(1, std::atoi(value().c_str()));
+    } else if (f == "--flags") {
+      for (absl::string_view p : absl::StrSplit(value(), ' ', absl::SkipEmpty()))
+        a.flags.emplace_back(p);
+    } else {
+      std::fprintf(stderr, "unknown flag %s (--help)\n", f.c_str());
+      return 2;
+    }
+  }
+  if (a.spreads.empty()) return 2;
+  const std::vector<double> bypass = Run(a, {});
+  const std::vector<double> strict = Run(a, {"--max-bypass-ms", "0"});
+  std::printf("%d concurrent requests (%d prompt + %d new tokens), %s, median of %d rounds\n",
+              a.concurrent, a.prompt_tokens, a.new_tokens, a.dtype.c_str(), a.repeat);
+  std::printf("| adapters | tok/s | vs 1 adapter | strict arrival order tok/s | vs 1 adapter |\n");
+  std::printf("|---|---|---|---|---|\n");
+  for (size_t k = 0; k < a.spreads.size(); ++k) {
+    std::printf("| %d | %.0f | %.2f | %.0f | %.2f |\n", a.spreads[k], bypass[k],
+                bypass[k] / bypass[0], strict[k], strict[k] / strict[0]);
+  }
+  return 0;
+}
