@@ -27,6 +27,9 @@ namespace moelora {
 
 struct ControllerOptions {
   std::string adapter_root;
+  // --adapter-resolver=filesystem: a request may name an unregistered adapter by its directory
+  // directly under adapter_root; it is loaded (validated, registered) on first use.
+  bool resolve_from_filesystem = false;
   int max_loras = 4;
   int max_cpu_loras = 8;
   int max_registered_adapters = 100000;

@@ -58,6 +58,9 @@ ABSL_FLAG(int, batch_window_ms, 2,
 ABSL_FLAG(int, batch_window_max_ms, 10,
           "The longest (ms, --batch-window-ms..1000) the first queued request of an idle engine "
           "waits while others keep arriving");
+ABSL_FLAG(std::string, adapter_resolver, "",
+          "filesystem: a request may name an unregistered adapter by its directory directly "
+          "under --adapter-root, loaded and registered on first use (empty: off)");
 ABSL_FLAG(int, max_registered_adapters, 100000,
           "Adapters the registry holds at most; those in neither a LoRA slot nor the workers' "
           "host cache (--max-cpu-loras) are read from disk when a request needs them");
@@ -160,6 +163,11 @@ int main(int argc, char** argv) {
     return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
   }
   if (absl::GetFlag(FLAGS_max_bypass_ms) < 0) return fail("--max-bypass-ms must be >= 0");
+  if (const std::string r = absl::GetFlag(FLAGS_adapter_resolver); !r.empty() && r != "filesystem")
+    return fail(absl::StrCat("--adapter-resolver ", r, ": expected filesystem (or empty: off)"));
+  if (absl::GetFlag(FLAGS_adapter_resolver) == "filesystem" &&
+      absl::GetFlag(FLAGS_adapter_root).empty())
+    return fail("--adapter-resolver filesystem needs --adapter-root");
   if (absl::GetFlag(FLAGS_max_registered_adapters) < 1)
     return fail("--max-registered-adapters must be >= 1");
   if (absl::GetFlag(FLAGS_max_queued_requests) < 1)
@@ -242,6 +250,7 @@ int main(int argc, char** argv) {
   co.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
   co.max_bypass_ms = absl::GetFlag(FLAGS_max_bypass_ms);
   co.max_registered_adapters = absl::GetFlag(FLAGS_max_registered_adapters);
+  co.resolve_from_filesystem = absl::GetFlag(FLAGS_adapter_resolver) == "filesystem";
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   co.call_ahead = absl::GetFlag(FLAGS_call_ahead);

@@ -741,6 +741,56 @@ TEST_F(ControllerTest, AdaptersBeyondTheHostCacheAreReadFromDiskOnDemand) {
   EXPECT_EQ(c.List().size(), 6u);
 }
 
+// --adapter-resolver filesystem: a request names an adapter directory under --adapter-root
+// that was never registered; it is validated, registered and loaded on first use (concurrent
+// requests share one load), with the tokens an explicit LoadAdapter of the same directory gives.
+// A missing directory, a path outside the root and a malformed adapter get their usual codes.
+TEST_F(ControllerTest, TheFilesystemResolverLoadsAnAdapterOnFirstUse) {
+  TempDir own;
+  const std::string root = own.path() + "/adapters";
+  fs::create_directories(root);
+  fs::copy(Data("qwen3_moe/adapter_2d"), root + "/fs2d", fs::copy_options::recursive);
+  fs::copy(Data("qwen3_moe/adapter_3d"), root + "/fs3d", fs::copy_options::recursive);
+  fs::create_directories(root + "/broken");
+  { std::ofstream(root + "/broken/adapter_config.json") << "{not json"; }
+  ControllerProcess c(state_.path(), root,
+                      {"--enable-mixed-moe-lora-format", "--adapter-resolver", "filesystem"});
+  ASSERT_TRUE(c.WaitServing()) << c.Log();
+  ASSERT_TRUE(c.Load("explicit3d", "fs3d").ok());
+  v1::GenerateResponse want;
+  ASSERT_TRUE(c.Generate("explicit3d", kPrompts[0], 6, &want).ok());
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      v1::GenerateResponse r;
+      grpc::Status s = c.Generate("fs3d", kPrompts[0], 6, &r);
+      if (s.ok() && Tokens(r) == Tokens(want)) {
+        ++good;
+      } else {
+        ADD_FAILURE() << s.error_message();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(good.load(), 4);
+  v1::GenerateResponse r2;
+  ASSERT_TRUE(c.Generate("fs2d", kPrompts[1], 6, &r2).ok());
+  EXPECT_NE(Tokens(r2), Tokens(want));
+  int registered = 0;
+  for (const v1::Adapter& a : c.List()) registered += a.name() == "fs3d" || a.name() == "fs2d";
+  EXPECT_EQ(registered, 2);
+  v1::GenerateResponse r;
+  grpc::Status missing = c.Generate("nope", kPrompts[0], 2, &r);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND) << missing.error_message();
+  grpc::Status outside = c.Generate("..", kPrompts[0], 2, &r);
+  EXPECT_EQ(outside.error_code(), grpc::StatusCode::PERMISSION_DENIED) << outside.error_message();
+  grpc::Status broken = c.Generate("broken", kPrompts[0], 2, &r);
+  EXPECT_EQ(broken.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << broken.error_message();
+  EXPECT_THAT(broken.error_message(), HasSubstr("adapter_config.json"));
+  EXPECT_EQ(c.List().size(), 3u);  // explicit3d, fs3d, fs2d: nothing for the failures
+}
+
 TEST_F(ControllerTest, SigtermDrainsInFlightRequests) {
   ControllerProcess c(state_.path(), adapters_.root, {"--worker-args", "--debug-step-delay-ms 10"});
   ASSERT_TRUE(c.WaitServing()) << c.Log();
