@@ -3,6 +3,10 @@
 //   adapter_spread [--model DIR] [--adapters DIR] [--spreads 1,4,8,16] [--concurrent 32]
 //                  [--new-tokens 32] [--prompt-tokens 16] [--dtype bfloat16] [--repeat 3]
 //                  [--flags "--max-loras 4 ..."]
+//   adapter_spread --registry N
+//     The registry alone (the tiny test model): N adapters registered (one small adapter's
+//     directory under N names, from 8 client threads), then the time ListAdapters takes, and
+//     after a restart with that registry, the time until the controller serves and lists them.
 // DIR defaults: bench/peer's medium model (.cache/peer-model; tools/peer_venv.sh makes it) and
 // its adapter_2d / adapter_3d, registered as 16 names (2D and 3D in turn). Each round sends
 // `concurrent` Generate calls at once, call i on adapter i % spread, and times the round; the
@@ -94,6 +98,53 @@ std::vector<double> Run(const Args& a, const std::vector<std::string>& extra) {
   return out;
 }
 
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int Registry(int n) {
+  moelora::testing::TempDir state;
+  const std::vector<std::string> flags = {"--enable-mixed-moe-lora-format",
+                                          "--max-registered-adapters", std::to_string(n)};
+  double load_s = 0, list_s = 0;
+  {
+    moelora::testing::ControllerProcess c(state.path(), MOELORA_TEST_DATA_DIR, flags);
+    if (!c.WaitServing()) return 1;
+    const auto t0 = Clock::now();
+    std::vector<std::future<bool>> fs;
+    for (int t = 0; t < 8; ++t) {
+      fs.push_back(std::async(std::launch::async, [&, t] {
+        for (int i = t; i < n; i += 8) {
+          if (!c.Load("r" + std::to_string(i), "qwen3_moe/adapter_2d").ok()) return false;
+        }
+        return true;
+      }));
+    }
+    for (auto& f : fs) {
+      if (!f.get()) {
+        std::fprintf(stderr, "a load failed:\n%s\n", c.Log().c_str());
+        return 1;
+      }
+    }
+    load_s = Since(t0);
+    const auto t1 = Clock::now();
+    if (static_cast<int>(c.List().size()) != n) return 1;
+    list_s = Since(t1);
+  }
+  const auto t2 = Clock::now();
+  moelora::testing::ControllerProcess c(state.path(), MOELORA_TEST_DATA_DIR, flags);
+  if (!c.WaitServing()) return 1;
+  const double serve_s = Since(t2);
+  const auto t3 = Clock::now();
+  const size_t listed = c.List().size();
+  const double relist_s = Since(t3);
+  std::printf(
+      "registry: %d adapters registered in %.1f s (%.2f ms each, 8 clients); ListAdapters %.3f s;"
+      " after a restart: serving in %.2f s, ListAdapters %.3f s (%zu listed)\n",
+      n, load_s, 1e3 * load_s / n, list_s, serve_s, relist_s, listed);
+  return static_cast<int>(listed) == n ? 0 : 1;
+}
+
 std::vector<int> Ints(const std::string& s) {
   std::vector<int> v;
   for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
@@ -120,8 +171,11 @@ int main(int argc, char** argv) {
       std::printf(
           "adapter_spread [--model DIR] [--adapters DIR] [--spreads 1,4,8,16] [--concurrent 32]\n"
           "               [--new-tokens 32] [--prompt-tokens 16] [--dtype bfloat16] [--repeat 3]\n"
-          "               [--flags \"--max-loras 4 ...\"]\n");
+          "               [--flags \"--max-loras 4 ...\"]\n"
+          "adapter_spread --registry N\n");
       return 0;
+    } else if (f == "--registry") {
+      return Registry(std::max(1, std::atoi(value().c_str())));
     } else if (f == "--model") {
       a.model = value();
     } else if (f == "--adapters") {
