@@ -18,9 +18,10 @@ std::vector<std::string> ParseFlags(int argc, char** argv, const std::string& us
   absl::flags_internal::SetProgramInvocationName(argv[0]);
   absl::SetProgramUsageMessage(usage);
   absl::FlagsUsageConfig cfg;
-  // The binary's own flags and the engine flags both binaries share (common/engine_flags.cc).
+  // The binary's own flags and the flags both binaries share (engine, server).
   cfg.contains_help_flags = [main_file](absl::string_view f) {
-    return absl::StrContains(f, main_file) || absl::StrContains(f, "common/engine_flags.cc");
+    return absl::StrContains(f, main_file) || absl::StrContains(f, "common/engine_flags.cc") ||
+           absl::StrContains(f, "proto/server_flags.cc");
   };
   cfg.contains_helpshort_flags = cfg.contains_help_flags;
   cfg.normalize_filename = [](absl::string_view f) { return std::string(f); };
@@ -47,9 +48,13 @@ std::vector<std::string> ParseFlags(int argc, char** argv, const std::string& us
     if (args[i] == "--help" || args[i] == "-help" || args[i] == "-h") {
       absl::flags_internal::FlagsHelp(std::cout, main_file,
                                       absl::flags_internal::HelpFormat::kHumanReadable, usage);
-      // The shared engine flags, where this binary has them.
+      // The shared engine and server flags, where this binary has them.
       if (absl::FindCommandLineFlag("max_loras") != nullptr) {
         absl::flags_internal::FlagsHelp(std::cout, "common/engine_flags.cc",
+                                        absl::flags_internal::HelpFormat::kHumanReadable, "");
+      }
+      if (absl::FindCommandLineFlag("tls_cert_file") != nullptr) {
+        absl::flags_internal::FlagsHelp(std::cout, "proto/server_flags.cc",
                                         absl::flags_internal::HelpFormat::kHumanReadable, "");
       }
       std::exit(0);

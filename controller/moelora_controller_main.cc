@@ -31,7 +31,7 @@
 #include "grpc/health/v1/health.pb.h"
 #include "kernels/sgmv.h"
 #include "prometheus/exposer.h"
-#include "proto/health_port.h"
+#include "proto/server_flags.h"
 #include "proto/tls.h"
 
 ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
@@ -69,21 +69,12 @@ ABSL_FLAG(int, max_bypass_ms, 2000,
           "requests whose adapters are resident; then nothing behind it starts until it runs");
 ABSL_FLAG(int, max_queued_requests, 1024,
           "Requests waiting to be admitted at most; beyond it a request gets RESOURCE_EXHAUSTED "
-          "at once (each waiting request holds a server thread)");
+          "at once");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "Bearer tokens every call of moelora.v1.Controller must carry: one \"TOKEN ROLE\" a "
           "line, roles admin (every method) and inference (Generate, GenerateStream, "
           "ListAdapters, GetAdapter); re-read on SIGHUP; health and reflection stay open "
           "(empty: no tokens asked)");
-ABSL_FLAG(std::string, tls_cert_file, "",
-          "PEM certificate chain of the public port (with --tls-key-file: TLS; empty: plaintext)");
-ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls-cert-file");
-ABSL_FLAG(std::string, tls_ca_file, "",
-          "PEM CA certificates: with it, the public port asks clients for a certificate they "
-          "sign (mutual TLS)");
-ABSL_FLAG(int, health_port, -1,
-          "Plaintext port serving only grpc.health.v1, mirroring the public port's health, for "
-          "probes that cannot speak TLS (the kubelet's); -1: off, 0: any free port");
 ABSL_FLAG(std::string, worker_tls_ca_file, "",
           "PEM CA certificates the workers' certificates must chain to (TLS to the workers; "
           "empty with no --worker-tls-cert-file: plaintext)");
@@ -291,9 +282,7 @@ int main(int argc, char** argv) {
     LOG(INFO) << "tokens: " << auth->size() << " from " << absl::GetFlag(FLAGS_auth_tokens_file);
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      moelora::ServerCredentialsFrom({"--", absl::GetFlag(FLAGS_tls_cert_file),
-                                      absl::GetFlag(FLAGS_tls_key_file),
-                                      absl::GetFlag(FLAGS_tls_ca_file)});
+      moelora::ServerCredentialsFromFlags();
   if (!credentials.ok()) return fail(std::string(credentials.status().message()));
   grpc::EnableDefaultHealthCheckService(true);
   // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
@@ -317,13 +306,11 @@ int main(int argc, char** argv) {
   }
   auto* health = server->GetHealthCheckService();
   health->SetServingStatus(false);
-  std::unique_ptr<moelora::HealthPort> health_port;
-  if (const int hp = absl::GetFlag(FLAGS_health_port); hp >= 0) {
-    auto h = moelora::HealthPort::Start(absl::GetFlag(FLAGS_host), hp);
-    if (!h.ok()) return fail(std::string(h.status().message()));
-    health_port = *std::move(h);
-    LOG(INFO) << "health (plaintext) on port " << health_port->port();
-  }
+  absl::StatusOr<std::unique_ptr<moelora::HealthPort>> hp =
+      moelora::HealthPortFromFlags(absl::GetFlag(FLAGS_host));
+  if (!hp.ok()) return fail(std::string(hp.status().message()));
+  std::unique_ptr<moelora::HealthPort> health_port = *std::move(hp);
+  if (health_port) LOG(INFO) << "health (plaintext) on port " << health_port->port();
   auto set_health = [&](bool serving) {
     health->SetServingStatus(serving);
     health->SetServingStatus("moelora.v1.Controller", serving);

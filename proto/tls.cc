@@ -22,6 +22,17 @@ absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& 
   return ss.str();
 }
 
+// The certificate chain and private key `f` names.
+absl::Status ReadPair(const TlsFiles& f, std::string* cert, std::string* key) {
+  absl::StatusOr<std::string> c = ReadPem(f.flag_prefix + "tls-cert-file", f.cert);
+  if (!c.ok()) return c.status();
+  absl::StatusOr<std::string> k = ReadPem(f.flag_prefix + "tls-key-file", f.key);
+  if (!k.ok()) return k.status();
+  *cert = *std::move(c);
+  *key = *std::move(k);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(const TlsFiles& f) {
@@ -39,12 +50,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(c
   }
   grpc::SslServerCredentialsOptions tls;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  absl::StatusOr<std::string> cert = ReadPem(p + "tls-cert-file", f.cert);
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(p + "tls-key-file", f.key);
-  if (!key.ok()) return key.status();
-  pair.cert_chain = *std::move(cert);
-  pair.private_key = *std::move(key);
+  if (absl::Status s = ReadPair(f, &pair.cert_chain, &pair.private_key); !s.ok()) return s;
   tls.pem_key_cert_pairs.push_back(std::move(pair));
   if (!f.ca.empty()) {
     absl::StatusOr<std::string> ca = ReadPem(p + "tls-ca-file", f.ca);
@@ -70,12 +76,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFrom
     tls.pem_root_certs = *std::move(ca);
   }
   if (!f.cert.empty()) {
-    absl::StatusOr<std::string> cert = ReadPem(p + "tls-cert-file", f.cert);
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPem(p + "tls-key-file", f.key);
-    if (!key.ok()) return key.status();
-    tls.pem_cert_chain = *std::move(cert);
-    tls.pem_private_key = *std::move(key);
+    if (absl::Status s = ReadPair(f, &tls.pem_cert_chain, &tls.pem_private_key); !s.ok()) return s;
   }
   return grpc::SslCredentials(tls);
 }

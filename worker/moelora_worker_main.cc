@@ -22,8 +22,7 @@
 #include "kernels/sgmv.h"
 #include "lora/config_defaults.h"
 #include "prometheus/exposer.h"
-#include "proto/health_port.h"
-#include "proto/tls.h"
+#include "proto/server_flags.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
 #include "worker/metrics.h"
@@ -32,15 +31,6 @@
 ABSL_FLAG(std::string, model, "", "HF model directory (config.json + *.safetensors)");
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address the gRPC server binds to");
 ABSL_FLAG(int, port, 0, "gRPC port (0: any free port; see --port-file)");
-ABSL_FLAG(int, health_port, -1,
-          "Plaintext port serving only grpc.health.v1, mirroring the gRPC port's health, for "
-          "probes that cannot speak TLS (the kubelet's); -1: off, 0: any free port");
-ABSL_FLAG(std::string, tls_cert_file, "",
-          "PEM certificate chain of the gRPC port (with --tls-key-file: TLS; empty: plaintext)");
-ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls-cert-file");
-ABSL_FLAG(std::string, tls_ca_file, "",
-          "PEM CA certificates: with it, only clients presenting a certificate it signs (the "
-          "controller's --worker-tls-cert-file) may call (mutual TLS)");
 ABSL_FLAG(int, metrics_port, 0, "Prometheus /metrics port (0: any free port; -1: off)");
 ABSL_FLAG(std::string, port_file, "",
           "Write {\"port\": P, \"metrics_port\": M} here once listening (atomic rename)");
@@ -161,9 +151,7 @@ int main(int argc, char** argv) {
   (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpcurl without proto files
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      moelora::ServerCredentialsFrom({"--", absl::GetFlag(FLAGS_tls_cert_file),
-                                      absl::GetFlag(FLAGS_tls_key_file),
-                                      absl::GetFlag(FLAGS_tls_ca_file)});
+      moelora::ServerCredentialsFromFlags();
   if (!credentials.ok()) return fail(1, std::string(credentials.status().message()));
   grpc::ServerBuilder builder;
   int port = 0;
@@ -179,13 +167,11 @@ int main(int argc, char** argv) {
     return fail(1, absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
                                 absl::GetFlag(FLAGS_port)));
   }
-  std::unique_ptr<moelora::HealthPort> health_port;
-  if (const int hp = absl::GetFlag(FLAGS_health_port); hp >= 0) {
-    auto h = moelora::HealthPort::Start(absl::GetFlag(FLAGS_host), hp);
-    if (!h.ok()) return fail(1, std::string(h.status().message()));
-    health_port = *std::move(h);
-    LOG(INFO) << "health (plaintext) on port " << health_port->port();
-  }
+  absl::StatusOr<std::unique_ptr<moelora::HealthPort>> hp =
+      moelora::HealthPortFromFlags(absl::GetFlag(FLAGS_host));
+  if (!hp.ok()) return fail(1, std::string(hp.status().message()));
+  std::unique_ptr<moelora::HealthPort> health_port = *std::move(hp);
+  if (health_port) LOG(INFO) << "health (plaintext) on port " << health_port->port();
   LOG(INFO) << "moelora-worker rank " << rank << "/" << world << " listening on "
             << absl::GetFlag(FLAGS_host) << ":" << port << ", metrics on " << metrics_port;
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
