@@ -18,7 +18,8 @@ namespace moelora {
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFlags() {
   return ServerCredentialsFrom({"--", absl::GetFlag(FLAGS_tls_cert_file),
-                                absl::GetFlag(FLAGS_tls_key_file), absl::GetFlag(FLAGS_tls_ca_file)});
+                                absl::GetFlag(FLAGS_tls_key_file),
+                                absl::GetFlag(FLAGS_tls_ca_file)});
 }
 
 absl::StatusOr<std::unique_ptr<HealthPort>> HealthPortFromFlags(const std::string& host) {

@@ -1,0 +1,234 @@
+// bench/slora: S-LoRA's serving workload against the real controller and worker: requests for n
+// adapters with power-law popularity (S-LoRA's `int(numpy.random.power(alpha) * n)`), Poisson
+// arrivals at a fixed rate, input and output lengths uniform on [8, 256), streamed; the same
+// arrivals (same seed) for every n, so that n = 1 is the baseline of each run.
+//   slora [--model DIR] [--adapters DIR] [--n 1,8,100,1000] [--alpha 1,0.3] [--rate R]
+//         [--requests N] [--slo-ms S] [--seed K] [--dtype bfloat16] [--flags "..."]
+// DIR defaults: bench/peer's medium model (.cache/peer-model) and its adapter_2d / adapter_3d.
+// The n adapters are generated, never committed: directories under a temporary root whose files
+// link to the two adapters' (2D and 3D in turn), each registered under its own name, so each is
+// its own adapter to the server (its own slot, host cache entry and disk read).
+// Prints per (n, alpha): throughput (generated tokens / s), TTFT p50 / p99, the share of
+// requests whose TTFT meets --slo-ms, and the ratios to n = 1.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "tests/integration/controller_process.h"
+#include "tests/testing/temp_dir.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::string model = std::string(MOELORA_SOURCE_DIR) + "/.cache/peer-model/model";
+  std::string adapters = std::string(MOELORA_SOURCE_DIR) + "/.cache/peer-model";
+  std::vector<int> n = {1, 8, 100, 1000};
+  std::vector<double> alpha = {1.0, 0.3};
+  double rate = 4;  // requests a second
+  int requests = 200;
+  double slo_ms = 1000;
+  uint64_t seed = 1;
+  std::string dtype = "bfloat16";
+  std::vector<std::string> flags;
+};
+
+struct Arrival {
+  double at = 0;  // seconds after the start
+  double u = 0;   // uniform draw for the adapter
+  int prompt = 0, output = 0;
+};
+
+struct Outcome {
+  double tok_s = 0, ttft_p50 = 0, ttft_p99 = 0, slo_share = 0;
+  int failed = 0;
+};
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
+}
+
+Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& arrivals, int n,
+            double alpha, double slo_ms) {
+  struct Result {
+    double ttft = -1;
+    int tokens = 0;
+  };
+  std::vector<std::future<Result>> fs;
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    const Arrival a = arrivals[i];
+    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(a.at)));
+    // numpy.random.power(alpha) draws x = U^(1/alpha) on [0, 1].
+    const int idx = std::min(n - 1, static_cast<int>(std::pow(a.u, 1.0 / alpha) * n));
+    fs.push_back(std::async(std::launch::async, [&c, a, idx, i] {
+      moelora::v1::GenerateRequest req;
+      req.set_adapter("n" + std::to_string(idx));
+      for (int t = 0; t < a.prompt; ++t) req.add_prompt_token_ids(1 + (i * 13 + t * 7) % 4000);
+      req.set_max_tokens(a.output);
+      req.set_ignore_eos(true);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+      const auto s0 = Clock::now();
+      auto reader = c.stub().GenerateStream(&ctx, req);
+      moelora::v1::GenerateResponse chunk;
+      Result r;
+      while (reader->Read(&chunk)) {
+        if (r.ttft < 0 && chunk.token_ids_size() > 0)
+          r.ttft = std::chrono::duration<double>(Clock::now() - s0).count();
+        r.tokens += chunk.token_ids_size();
+      }
+      if (!reader->Finish().ok()) r.ttft = -1;
+      return r;
+    }));
+  }
+  std::vector<double> ttft;
+  Outcome o;
+  int64_t tokens = 0;
+  for (auto& f : fs) {
+    const Result r = f.get();
+    if (r.ttft < 0) {
+      ++o.failed;
+      continue;
+    }
+    ttft.push_back(r.ttft);
+    tokens += r.tokens;
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  o.tok_s = static_cast<double>(tokens) / wall;
+  o.ttft_p50 = Percentile(ttft, 0.5);
+  o.ttft_p99 = Percentile(ttft, 0.99);
+  int met = 0;
+  for (double t : ttft) met += t * 1e3 <= slo_ms;
+  o.slo_share = ttft.empty() ? 0 : static_cast<double>(met) / static_cast<double>(arrivals.size());
+  return o;
+}
+
+template <typename T>
+std::vector<T> List(const std::string& s) {
+  std::vector<T> v;
+  for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    double x = 0;
+    if (absl::SimpleAtod(p, &x) && x > 0) v.push_back(static_cast<T>(x));
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", f.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (f == "--help" || f == "-h") {
+      std::printf(
+          "slora [--model DIR] [--adapters DIR] [--n 1,8,100,1000] [--alpha 1,0.3] [--rate R]\n"
+          "      [--requests N] [--slo-ms S] [--seed K] [--dtype bfloat16] [--flags \"...\"]\n");
+      return 0;
+    } else if (f == "--model") {
+      a.model = value();
+    } else if (f == "--adapters") {
+      a.adapters = value();
+    } else if (f == "--n") {
+      a.n = List<int>(value());
+    } else if (f == "--alpha") {
+      a.alpha = List<double>(value());
+    } else if (f == "--rate") {
+      a.rate = std::atof(value().c_str());
+    } else if (f == "--requests") {
+      a.requests = std::max(1, std::atoi(value().c_str()));
+    } else if (f == "--slo-ms") {
+      a.slo_ms = std::atof(value().c_str());
+    } else if (f == "--seed") {
+      a.seed = static_cast<uint64_t>(std::atoll(value().c_str()));
+    } else if (f == "--dtype") {
+      a.dtype = value();
+    } else if (f == "--flags") {
+      for (absl::string_view p : absl::StrSplit(value(), ' ', absl::SkipEmpty()))
+        a.flags.emplace_back(p);
+    } else {
+      std::fprintf(stderr, "unknown flag %s (--help)\n", f.c_str());
+      return 2;
+    }
+  }
+  if (a.n.empty() || a.alpha.empty() || a.rate <= 0) return 2;
+  std::sort(a.n.begin(), a.n.end());
+  // The arrivals: one list for every n and alpha.
+  std::mt19937_64 rng(a.seed);
+  std::exponential_distribution<double> gap(a.rate);
+  std::uniform_real_distribution<double> unit(0, 1);
+  std::uniform_int_distribution<int> len(8, 255);
+  std::vector<Arrival> arrivals(a.requests);
+  double t = 0;
+  for (Arrival& x : arrivals) {
+    t += gap(rng);
+    x.at = t;
+    x.u = unit(rng);
+    x.prompt = len(rng);
+    x.output = len(rng);
+  }
+  // The generated adapters: n directories of links to the two adapters' files.
+  moelora::testing::TempDir root, state;
+  const int most = a.n.back();
+  for (int i = 0; i < most; ++i) {
+    const fs::path src = fs::path(a.adapters) / (i % 2 == 0 ? "adapter_2d" : "adapter_3d");
+    const fs::path dst = fs::path(root.path()) / ("n" + std::to_string(i));
+    fs::create_directories(dst);
+    for (const auto& e : fs::directory_iterator(src)) {
+      fs::create_symlink(fs::absolute(e.path()), dst / e.path().filename());
+    }
+  }
+  std::vector<std::string> flags = {"--enable-mixed-moe-lora-format", "--dtype", a.dtype,
+                                    "--max-num-seqs", "128"};
+  flags.insert(flags.end(), a.flags.begin(), a.flags.end());
+  moelora::testing::ControllerProcess c(state.path(), root.path(), flags, a.model);
+  if (!c.WaitServing()) {
+    std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
+    return 1;
+  }
+  for (int i = 0; i < most; ++i) {
+    const std::string name = "n" + std::to_string(i);
+    if (grpc::Status s = c.Load(name, name); !s.ok()) {
+      std::fprintf(stderr, "load %s: %s\n", name.c_str(), s.error_message().c_str());
+      return 1;
+    }
+  }
+  std::printf("S-LoRA workload: %d requests at %.2f/s (Poisson), lengths uniform [8, 256), %s, "
+              "TTFT SLO %.0f ms\n",
+              a.requests, a.rate, a.dtype.c_str(), a.slo_ms);
+  std::printf("| n | alpha | tok/s | vs n=1 | TTFT p50 | TTFT p99 | vs n=1 | within SLO | failed |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (double alpha : a.alpha) {
+    Outcome base;
+    for (int n : a.n) {
+      const Outcome o = Run(c, arrivals, n, alpha, a.slo_ms);
+      if (n == a.n.front()) base = o;
+      std::printf("| %d | %.1f | %.0f | %.2f | %.3f s | %.3f s | %.2f | %.0f %% | %d |\n", n, alpha,
+                  o.tok_s, o.tok_s / std::max(base.tok_s, 1e-9), o.ttft_p50, o.ttft_p99,
+                  o.ttft_p99 / std::max(base.ttft_p99, 1e-9), 100 * o.slo_share, o.failed);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
