@@ -58,7 +58,8 @@ struct Outcome {
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
+  return v[std::min(v.size() - 1,
+                    static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
 }
 
 Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& arrivals, int n,
@@ -71,8 +72,8 @@ Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& 
   const auto t0 = Clock::now();
   for (size_t i = 0; i < arrivals.size(); ++i) {
     const Arrival a = arrivals[i];
-    std::this_thread::sleep_until(t0 + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(a.at)));
+    std::this_thread::sleep_until(
+        t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(a.at)));
     // numpy.random.power(alpha) draws x = U^(1/alpha) on [0, 1].
     const int idx = std::min(n - 1, static_cast<int>(std::pow(a.u, 1.0 / alpha) * n));
     fs.push_back(std::async(std::launch::async, [&c, a, idx, i] {
@@ -214,10 +215,12 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::printf("S-LoRA workload: %d requests at %.2f/s (Poisson), lengths uniform [8, 256), %s, "
-              "TTFT SLO %.0f ms\n",
-              a.requests, a.rate, a.dtype.c_str(), a.slo_ms);
-  std::printf("| n | alpha | tok/s | vs n=1 | TTFT p50 | TTFT p99 | vs n=1 | within SLO | failed |\n");
+  std::printf(
+      "S-LoRA workload: %d requests at %.2f/s (Poisson), lengths uniform [8, 256), %s, "
+      "TTFT SLO %.0f ms\n",
+      a.requests, a.rate, a.dtype.c_str(), a.slo_ms);
+  std::printf(
+      "| n | alpha | tok/s | vs n=1 | TTFT p50 | TTFT p99 | vs n=1 | within SLO | failed |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (double alpha : a.alpha) {
     Outcome base;

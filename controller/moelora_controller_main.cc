@@ -331,17 +331,14 @@ int main(int argc, char** argv) {
   controller.Start();
   group.Start();
 
-  // Health follows the worker group; preloads run once, the first time it serves.
+  // Health follows the worker group; preloads run once, the first time it serves, before health
+  // says SERVING (else a preloaded adapter's first requests get NOT_FOUND while it loads).
   std::atomic<bool> stopping{false};
   std::thread watcher([&] {
     bool preloaded = false;
     bool last = false;
     while (!stopping) {
       const bool serving = controller.serving();
-      if (serving != last) {
-        set_health(serving);
-        last = serving;
-      }
       const auto up = group.RanksUp();
       for (size_t r = 0; r < up.size(); ++r)
         metrics.worker_up.Add({{"rank", std::to_string(r)}}).Set(up[r]);
@@ -367,6 +364,10 @@ int main(int argc, char** argv) {
             LOG(ERROR) << "preload " << kv.first << ": " << a.status();
           }
         }
+      }
+      if (serving != last) {
+        set_health(serving);
+        last = serving;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }

@@ -15,7 +15,7 @@
 //       [--expect_adapters=a,b]
 //     Within S s: health SERVING, every worker holding zero sequences, each worker's committed
 //     adapters equal to the adapters the controller counts resident, and every expected
-//     adapter registered.
+//     adapter registered and READY.
 //   chaos_client load --target=HOST:PORT --name=N --path=P
 //     LoadAdapter; prints "load N: OK" or "load N: CODE: message" (exit 0 either way).
 // Prints one summary line; exits 1 when a check fails.
@@ -68,7 +68,7 @@ ABSL_FLAG(int, metrics_port, 0, "check: the controller's metrics port");
 ABSL_FLAG(std::string, workers, "", "check: worker addresses, comma-separated");
 ABSL_FLAG(double, within_s, 30, "check: how long the service may take to settle");
 ABSL_FLAG(std::string, expect, "", "flood: the status code every call must end with (empty: any)");
-ABSL_FLAG(std::string, expect_adapters, "", "check: adapters that must be registered");
+ABSL_FLAG(std::string, expect_adapters, "", "check: adapters that must be registered and READY");
 ABSL_FLAG(std::string, name, "", "load: the adapter's name");
 ABSL_FLAG(std::string, path, "", "load: its path under --adapter-root");
 
@@ -358,9 +358,13 @@ int Check() {
       moelora::v1::ListAdaptersResponse list;
       grpc::Status s = controller->ListAdapters(&ctx, {}, &list);
       if (!s.ok()) why = absl::StrCat("ListAdapters: ", s.error_message());
-      for (const auto& a : list.adapters()) ids[a.name()] = a.id();
+      std::set<std::string> ready;
+      for (const auto& a : list.adapters()) {
+        ids[a.name()] = a.id();
+        if (a.state() == moelora::v1::ADAPTER_STATE_READY) ready.insert(a.name());
+      }
       for (const std::string& e : expected) {
-        if (why.empty() && !ids.count(e)) why = absl::StrCat("adapter ", e, " is not registered");
+        if (why.empty() && !ready.count(e)) why = absl::StrCat("adapter ", e, " is not READY");
       }
     }
     std::set<int64_t> resident;
@@ -394,8 +398,8 @@ int Check() {
     return 1;
   }
   std::cout << "check: serving after " << serving_s << " s, settled after " << settled_s
-            << " s: zero sequences on " << workers.size()
-            << " workers, slots equal, adapters registered" << std::endl;
+            << " s: zero sequences on " << workers.size() << " workers, slots equal, adapters READY"
+            << std::endl;
   return 0;
 }
 
