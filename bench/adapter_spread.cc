@@ -20,8 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/bench_args.h"
 #include "tests/integration/controller_process.h"
 #include "tests/testing/temp_dir.h"
 
@@ -145,28 +144,13 @@ int Registry(int n) {
   return static_cast<int>(listed) == n ? 0 : 1;
 }
 
-std::vector<int> Ints(const std::string& s) {
-  std::vector<int> v;
-  for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    int x = 0;
-    if (absl::SimpleAtoi(p, &x) && x > 0) v.push_back(x);
-  }
-  return v;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", f.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto value = [&] { return moelora::bench::NextValue(argc, argv, &i); };
     if (f == "--help" || f == "-h") {
       std::printf(
           "adapter_spread [--model DIR] [--adapters DIR] [--spreads 1,4,8,16] [--concurrent 32]\n"
@@ -181,7 +165,7 @@ int main(int argc, char** argv) {
     } else if (f == "--adapters") {
       a.adapters = value();
     } else if (f == "--spreads") {
-      a.spreads = Ints(value());
+      a.spreads = moelora::bench::PositiveList<int>(value());
     } else if (f == "--concurrent") {
       a.concurrent = std::max(1, std::atoi(value().c_str()));
     } else if (f == "--new-tokens") {
@@ -193,8 +177,7 @@ int main(int argc, char** argv) {
     } else if (f == "--repeat") {
       a.repeat = std::max(1, std::atoi(value().c_str()));
     } else if (f == "--flags") {
-      for (absl::string_view p : absl::StrSplit(value(), ' ', absl::SkipEmpty()))
-        a.flags.emplace_back(p);
+      a.flags = moelora::bench::Words(value());
     } else {
       std::fprintf(stderr, "unknown flag %s (--help)\n", f.c_str());
       return 2;

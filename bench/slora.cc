@@ -21,8 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/bench_args.h"
 #include "tests/integration/controller_process.h"
 #include "tests/testing/temp_dir.h"
 
@@ -119,29 +118,13 @@ Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& 
   return o;
 }
 
-template <typename T>
-std::vector<T> List(const std::string& s) {
-  std::vector<T> v;
-  for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    double x = 0;
-    if (absl::SimpleAtod(p, &x) && x > 0) v.push_back(static_cast<T>(x));
-  }
-  return v;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", f.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto value = [&] { return moelora::bench::NextValue(argc, argv, &i); };
     if (f == "--help" || f == "-h") {
       std::printf(
           "slora [--model DIR] [--adapters DIR] [--n 1,8,100,1000] [--alpha 1,0.3] [--rate R]\n"
@@ -152,9 +135,9 @@ int main(int argc, char** argv) {
     } else if (f == "--adapters") {
       a.adapters = value();
     } else if (f == "--n") {
-      a.n = List<int>(value());
+      a.n = moelora::bench::PositiveList<int>(value());
     } else if (f == "--alpha") {
-      a.alpha = List<double>(value());
+      a.alpha = moelora::bench::PositiveList<double>(value());
     } else if (f == "--rate") {
       a.rate = std::atof(value().c_str());
     } else if (f == "--requests") {
@@ -166,8 +149,7 @@ int main(int argc, char** argv) {
     } else if (f == "--dtype") {
       a.dtype = value();
     } else if (f == "--flags") {
-      for (absl::string_view p : absl::StrSplit(value(), ' ', absl::SkipEmpty()))
-        a.flags.emplace_back(p);
+      a.flags = moelora::bench::Words(value());
     } else {
       std::fprintf(stderr, "unknown flag %s (--help)\n", f.c_str());
       return 2;
