@@ -111,15 +111,19 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
   if (!r->adapter.empty()) {
     absl::StatusOr<int64_t> id = adapters_.Acquire(r->adapter);
     if (!id.ok() && id.status().code() == absl::StatusCode::kNotFound &&
-        options_.resolve_from_filesystem && !adapters_.Get(r->adapter).ok()) {
-      // The filesystem resolver: the name is a directory under --adapter-root, loaded now.
-      // Concurrent requests for it wait on the adapter's name lock and find it loaded; an error
-      // (no such directory, a bad adapter) goes to this request with LoadAdapter's code.
-      v1::LoadAdapterRequest load;
-      load.set_name(r->adapter);
-      load.set_path(r->adapter);
-      if (absl::StatusOr<v1::Adapter> a = adapters_.Load(load); !a.ok()) return a.status();
-      id = adapters_.Acquire(r->adapter);
+        options_.resolve_from_filesystem) {
+      // The filesystem resolver: the name is a directory under --adapter-root, loaded now (or
+      // being loaded by another request: Load waits on the adapter's name lock and finds it
+      // loaded). An error (no such directory, a bad adapter) goes to this request with
+      // LoadAdapter's code. An adapter registered from another path is left alone.
+      absl::StatusOr<v1::Adapter> known = adapters_.Get(r->adapter);
+      if (!known.ok() || known->path() == r->adapter) {
+        v1::LoadAdapterRequest load;
+        load.set_name(r->adapter);
+        load.set_path(r->adapter);
+        if (absl::StatusOr<v1::Adapter> a = adapters_.Load(load); !a.ok()) return a.status();
+        id = adapters_.Acquire(r->adapter);
+      }
     }
     if (!id.ok()) return id.status();
     r->adapter_id = *id;
