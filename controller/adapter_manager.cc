@@ -560,53 +560,61 @@ void AdapterManager::UpdateGauges() {
   }
 }
 
-absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std::string>& in_use,
-                                    bool* wait) {
-  *wait = false;
-  AdapterRecord rec;
-  int64_t victim = 0;
-  {
-    MutexLock lock(&mu_);
-    auto it = adapters_.find(name);
-    if (it == adapters_.end()) return absl::OkStatus();  // gone: its requests were failed
-    if (it->second.resident) return absl::OkStatus();
-    if (!slots_.TryReserve()) {
-      // A victim must not be used by a running sequence (queued requests for it are fine: they
-      // swap it back in when their turn comes).
-      std::vector<Entry*> entries;
-      std::vector<SlotPool::Candidate> candidates;
-      for (auto& [n, e] : adapters_) {
-        entries.push_back(&e);
-        candidates.push_back({e.resident, e.record.pinned, in_use.count(n) > 0, e.last_used});
-      }
-      const std::optional<size_t> best = SlotPool::PickVictim(candidates);
-      if (!best) {
-        *wait = true;  // every slot is busy: wait for running requests to finish
-        return absl::OkStatus();
-      }
-      entries[*best]->resident = false;
-      victim = entries[*best]->record.id;
-      slots_.BeginRelease();
-    }
-    rec = it->second.record;
+AdapterManager::SwapStart AdapterManager::BeginSwapIn(const std::string& name,
+                                                      const std::set<std::string>& in_use,
+                                                      SwapPlan* plan) {
+  MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  // Gone: its requests were failed.
+  if (it == adapters_.end() || it->second.resident || it->second.swapping) {
+    return SwapStart::kNothing;
   }
-  if (victim != 0) {
-    ReleaseSlot(victim, /*keep_in_host_cache=*/true);
+  int64_t victim = 0;
+  if (!slots_.TryReserve()) {
+    // A victim must not be used by a running sequence (queued requests for it are fine: they
+    // swap it back in when their turn comes).
+    std::vector<Entry*> entries;
+    std::vector<SlotPool::Candidate> candidates;
+    for (auto& [n, e] : adapters_) {
+      entries.push_back(&e);
+      candidates.push_back({e.resident, e.record.pinned, in_use.count(n) > 0, e.last_used});
+    }
+    const std::optional<size_t> best = SlotPool::PickVictim(candidates);
+    if (!best) return SwapStart::kWait;  // every slot is busy: running requests must finish
+    entries[*best]->resident = false;
+    victim = entries[*best]->record.id;
+    slots_.BeginRelease();
+  }
+  it->second.swapping = true;
+  *plan = SwapPlan{name, it->second.record, victim};
+  return SwapStart::kStarted;
+}
+
+absl::Status AdapterManager::FinishSwapIn(const SwapPlan& plan) {
+  auto end_swap = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = adapters_.find(plan.name);
+    if (it != adapters_.end() && it->second.record.id == plan.record.id) {
+      it->second.swapping = false;
+    }
+  };
+  if (plan.victim != 0) {
+    ReleaseSlot(plan.victim, /*keep_in_host_cache=*/true);
     MutexLock lock(&mu_);
     // The victim's slot, unless its unload failed (then it is leaked until reconciled) or a
     // concurrent load took it first: try again on a later pass.
     if (!slots_.TryReserve()) {
-      *wait = true;
+      end_swap();
       return absl::OkStatus();
     }
   }
   bool clean = true;
-  absl::Status s = StageAndCommit(rec, &clean);
+  absl::Status s = StageAndCommit(plan.record, &clean);
   bool orphaned = false;
   {
     MutexLock lock(&mu_);
-    auto it = adapters_.find(name);
-    if (s.ok() && it != adapters_.end()) {
+    auto it = adapters_.find(plan.name);
+    const bool same = it != adapters_.end() && it->second.record.id == plan.record.id;
+    if (s.ok() && same) {
       it->second.resident = true;
       it->second.host_cached = false;
     } else if (s.ok()) {
@@ -615,17 +623,18 @@ absl::Status AdapterManager::SwapIn(const std::string& name, const std::set<std:
       orphaned = true;
     } else {
       ReturnReservation(clean);
-      if (it != adapters_.end()) {
+      if (same) {
         it->second.state = v1::ADAPTER_STATE_FAILED;
         it->second.failure = std::string(s.message());
       }
     }
+    end_swap();
     UpdateGauges();
   }
-  if (orphaned) ReleaseSlot(rec.id, false);
+  if (orphaned) ReleaseSlot(plan.record.id, false);
   if (!s.ok()) {
-    return absl::Status(s.code(),
-                        absl::StrCat("adapter \"", name, "\" could not be loaded: ", s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("adapter \"", plan.name, "\" could not be loaded: ", s.message()));
   }
   return absl::OkStatus();
 }

@@ -87,12 +87,25 @@ class AdapterManager {
   // Scheduler thread, no scheduler lock held (these call the workers).
   // Adapters being unloaded whose last request has ended leave the workers and the entries.
   void RunDeferredUnloads() ABSL_LOCKS_EXCLUDED(mu_);
-  // Puts `name` into a slot, swapping out the least recently used adapter that no running
-  // sequence uses (`in_use`) and that is not pinned. OK when it is resident now (or gone);
-  // *wait when every slot is busy (try again later); an error when staging it failed (the
-  // adapter is then FAILED and its queued requests must fail with that error).
-  [[nodiscard]] absl::Status SwapIn(const std::string& name, const std::set<std::string>& in_use,
-                                    bool* wait) ABSL_LOCKS_EXCLUDED(mu_);
+  // A swap-in in two parts, so that steps go on while the workers read the adapter.
+  // BeginSwapIn (the scheduler thread, where `in_use` is current) takes a free slot, or picks the
+  // least recently used resident adapter that no running sequence uses (`in_use`) and that is
+  // not pinned, and takes it out of residency (no request for it is admitted from here on).
+  // kNothing: gone, resident or already being swapped in; kWait: every slot is busy (try
+  // again later). FinishSwapIn (any thread, once per kStarted) swaps the victim out into the
+  // workers' host cache and stages and commits `name`: OK when it is resident now, gone, or
+  // still not resident because its slot went to a concurrent load first (the scheduler tries
+  // again); an error when staging it failed (the adapter is then FAILED and its queued requests
+  // must fail with that error).
+  struct SwapPlan {
+    std::string name;
+    AdapterRecord record;
+    int64_t victim = 0;  // the adapter id swapped out for it; 0: a free slot was reserved
+  };
+  enum class SwapStart { kStarted, kNothing, kWait };
+  SwapStart BeginSwapIn(const std::string& name, const std::set<std::string>& in_use,
+                        SwapPlan* plan) ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::Status FinishSwapIn(const SwapPlan& plan) ABSL_LOCKS_EXCLUDED(mu_);
   // After a failed unload or rollback: counts the workers' committed adapters again (at most
   // once a second while they keep failing).
   void ReconcileIfNeeded() ABSL_LOCKS_EXCLUDED(mu_);
@@ -103,6 +116,7 @@ class AdapterManager {
     v1::AdapterState state = v1::ADAPTER_STATE_LOADING;
     bool resident = false;
     bool host_cached = false;  // in the workers' host cache (rank 0's word), while not resident
+    bool swapping = false;     // between BeginSwapIn and the end of FinishSwapIn
     int active = 0;            // queued or running requests
     Clock::TimePoint last_used;
     std::string failure;  // why it is FAILED

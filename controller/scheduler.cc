@@ -54,6 +54,7 @@ Scheduler::Scheduler(int max_num_seqs, int max_loras, AdapterManager* adapters,
 Scheduler::~Scheduler() { Stop(absl::UnavailableError("the controller is shutting down")); }
 
 void Scheduler::Start() {
+  swap_pool_ = std::make_unique<WorkPool>(kMaxSwapsInFlight);
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -61,7 +62,31 @@ void Scheduler::Stop(const absl::Status& why) {
   if (stop_.exchange(true)) return;
   Wake();
   if (loop_.joinable()) loop_.join();
+  swap_pool_.reset();  // the swap-ins under way end first
   FailAll(why);
+}
+
+void Scheduler::SwapDone(const std::string& name, const absl::Status& s) {
+  std::vector<std::shared_ptr<GenRequest>> failed;
+  {
+    MutexLock lock(&mu_);
+    swapping_.erase(name);
+    if (!s.ok()) {
+      // The adapter is FAILED: its queued requests fail with the reason.
+      for (auto p = pending_.begin(); p != pending_.end();) {
+        if ((*p)->adapter == name) {
+          failed.push_back(*p);
+          p = pending_.erase(p);
+        } else {
+          ++p;
+        }
+      }
+      metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
+      UpdateLoraInfo();
+    }
+  }
+  for (auto& r : failed) Finish(r, s, "");
+  Wake();
 }
 
 void Scheduler::Wake() {
@@ -139,8 +164,8 @@ void Scheduler::Loop() {
   while (!stop_) {
     std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;
     std::vector<std::shared_ptr<GenRequest>> admitted;
-    std::string swap;
-    std::set<std::string> in_use;  // adapters of running sequences (never swapped out)
+    std::vector<std::string> swap;  // adapters of waiting requests to swap in, oldest first
+    std::set<std::string> in_use;   // adapters of running sequences (never swapped out)
     v1::StepRequest step;
     // A decode call sent ahead (--call-ahead) is this pass's call: nothing joins or leaves before
     // it returns (SendAheadAllowed saw nothing waiting to), so the pass skips to waiting for it.
@@ -225,6 +250,7 @@ void Scheduler::Loop() {
         // resident, until it has waited --max-bypass-ms: then nothing behind it goes first,
         // so running sequences end and free a slot for it.
         int64_t blocks_used = 0;
+        bool passed_over = false;  // a request waiting for a swap-in was passed over
         for (const auto& [id, r] : running_) blocks_used += BlocksHeld(*r);
         for (auto it = pending_.begin();
              it != pending_.end() &&
@@ -243,8 +269,13 @@ void Scheduler::Loop() {
               continue;
             }
             if (res == AdapterManager::Residency::kNotResident) {
-              if (swap.empty()) {
-                swap = next->adapter;
+              if (swapping_.count(next->adapter) == 0 &&
+                  static_cast<int>(swapping_.size() + swap.size()) < kMaxSwapsInFlight &&
+                  std::find(swap.begin(), swap.end(), next->adapter) == swap.end()) {
+                swap.push_back(next->adapter);
+              }
+              if (!passed_over) {
+                passed_over = true;
                 if (now - next->arrival >= max_bypass_) break;
               }
               ++it;
@@ -278,33 +309,21 @@ void Scheduler::Loop() {
         if (!admitted.empty() || !ended.empty()) UpdateLoraInfo();  // the batch changed
       }
       for (auto& [r, s] : ended) Finish(r, s, s.ok() ? "stop" : "");
-      // The head of the queue needs a slot: swap it in between steps (waits while all slots are
-      // busy; nothing behind it is admitted meanwhile, so it cannot starve).
+      // Waiting requests need slots: their swap-ins start here, where `in_use` is current, and
+      // finish on swap_pool_ while steps go on (SwapDone wakes the loop).
       // Not while this step still has to remove sequences from the workers: a victim's slot can
-      // only be freed once no worker sequence uses it (the swap happens on the next pass).
-      bool swap_waits = false;
-      if (!swap.empty() && step.remove().empty()) {
-        bool& wait = swap_waits;
-        const absl::Status s = adapters_->SwapIn(swap, in_use, &wait);
-        if (!s.ok()) {
-          // The adapter is FAILED: its queued requests fail with the reason.
-          std::vector<std::shared_ptr<GenRequest>> failed;
+      // only be freed once no worker sequence uses it (the swap starts on the next pass).
+      if (step.remove().empty()) {
+        for (const std::string& name : swap) {
+          AdapterManager::SwapPlan plan;
+          const AdapterManager::SwapStart st = adapters_->BeginSwapIn(name, in_use, &plan);
+          if (st == AdapterManager::SwapStart::kWait) break;  // every slot is busy
+          if (st != AdapterManager::SwapStart::kStarted) continue;
           {
             MutexLock lock(&mu_);
-            for (auto p = pending_.begin(); p != pending_.end();) {
-              if ((*p)->adapter == swap) {
-                failed.push_back(*p);
-                p = pending_.erase(p);
-              } else {
-                ++p;
-              }
-            }
-            metrics_->queue_depth.Set(static_cast<double>(pending_.size()));
-            UpdateLoraInfo();
+            swapping_.insert(name);
           }
-          for (auto& r : failed) Finish(r, s, "");
-        } else if (!wait) {
-          Wake();  // resident now: admit it at once
+          swap_pool_->Post([this, plan] { SwapDone(plan.name, adapters_->FinishSwapIn(plan)); });
         }
       }
       int nseq;
@@ -317,10 +336,11 @@ void Scheduler::Loop() {
       // With nothing to run, a step is still sent when the workers must drop what they hold
       // (after a start or a group restart): sequences of a controller that died stay otherwise.
       if (nseq == 0 && step.remove().empty() && !sweep_) {
-        // Nothing runs and the head waits for a slot (a leaked one that reconciliation frees):
-        // look again on a tick or a Wake, not in a spin.
+        // Nothing runs and what waits needs a swap-in under way (SwapDone wakes the loop) or a
+        // slot (a leaked one that reconciliation frees): look again on a tick or a Wake, not in
+        // a spin.
         MutexLock lock(&mu_);
-        if (swap_waits && !wake_ && !stop_) {
+        if (!wake_ && !stop_) {
           clock_->WaitFor(&cv_, &mu_, std::chrono::milliseconds(20));
         }
         continue;

@@ -1,8 +1,9 @@
 // The continuous-batching scheduler: the pending FIFO and the running sequences, and its thread:
-// deferred unloads → expire / cancel / stop strings → strict FIFO admission (a head whose
-// adapter is not in a slot has it swapped in, and nothing behind it is admitted meanwhile, so no
-// request starves) → one StepAll → tokens to the requests; a failed step fails the joiners (a
-// refused joiner) or every running request (a dead rank).
+// deferred unloads → expire / cancel / stop strings → admission in arrival order (a request whose
+// adapter is in no slot has it swapped in beside the steps and is passed over meanwhile by
+// requests whose adapters are resident, for --max-bypass-ms at most, so none starves) → one
+// StepAll → tokens to the requests; a failed step fails the joiners (a refused joiner) or every
+// running request (a dead rank).
 //
 // With --call-ahead, while nothing waits to join or leave, the next decode call goes out shortly
 // before the one in flight ends (StepRequest.after_step): the workers run it without waiting for
@@ -21,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +31,7 @@
 #include "absl/status/status.h"
 #include "common/clock.h"
 #include "common/mutex.h"
+#include "common/work_pool.h"
 #include "controller/adapter_manager.h"
 #include "controller/gen_request.h"
 #include "controller/metrics.h"
@@ -129,6 +132,12 @@ class Scheduler {
   double call_overhead_seconds_ = 0;
   // The part of the lead that does not scale with the measured overhead (seconds).
   static constexpr double kAheadLeadSeconds = 0.001;
+  // Swap-ins under way (adapter names; FinishSwapIn on swap_pool_), kMaxSwapsInFlight at most:
+  // the workers read one adapter while the next one's RPCs go out.
+  std::set<std::string> swapping_ ABSL_GUARDED_BY(mu_);
+  static constexpr int kMaxSwapsInFlight = 2;
+  // A swap-in ended: its requests fail with `s` when it failed; the loop looks again.
+  void SwapDone(const std::string& name, const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_);
   std::atomic<bool> stop_{false};
   // The next step goes out even with nothing to run (at start and after GroupReady), so that
   // the workers drop the sequences no request owns (StepRequest.expected) without waiting for
@@ -143,6 +152,7 @@ class Scheduler {
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
   std::thread loop_;
+  std::unique_ptr<WorkPool> swap_pool_;  // created by Start, emptied and joined by Stop
 };
 
 }  // namespace moelora
