@@ -10,6 +10,11 @@
 // its own adapter to the server (its own slot, host cache entry and disk read).
 // Prints per (n, alpha): throughput (generated tokens / s), TTFT p50 / p99, the share of
 // requests whose TTFT meets --slo-ms, and the ratios to n = 1.
+// --first-use K instead: on an idle server with default slots, the TTFT of a 16-token prompt
+// (1 new token) for K adapters in turn that are registered but in no slot and no host cache
+// (read from disk), and for K unregistered directories named through --adapter-resolver
+// filesystem (validated, registered and read), each against the same request for a resident
+// adapter just before it; medians.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,6 +46,7 @@ struct Args {
   uint64_t seed = 1;
   std::string dtype = "bfloat16";
   std::vector<std::string> flags;
+  int first_use = 0;
 };
 
 struct Arrival {
@@ -118,6 +124,71 @@ Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& 
   return o;
 }
 
+// TTFT of one streamed request (16 prompt tokens, 1 new token); -1 when it failed.
+double OneTtft(moelora::testing::ControllerProcess& c, const std::string& adapter) {
+  moelora::v1::GenerateRequest req;
+  req.set_adapter(adapter);
+  for (int t = 0; t < 16; ++t) req.add_prompt_token_ids(1 + t * 7);
+  req.set_max_tokens(1);
+  req.set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const auto s0 = Clock::now();
+  auto reader = c.stub().GenerateStream(&ctx, req);
+  moelora::v1::GenerateResponse chunk;
+  double ttft = -1;
+  while (reader->Read(&chunk)) {
+    if (ttft < 0 && chunk.token_ids_size() > 0)
+      ttft = std::chrono::duration<double>(Clock::now() - s0).count();
+  }
+  if (grpc::Status s = reader->Finish(); !s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", adapter.c_str(), s.error_message().c_str());
+    return -1;
+  }
+  return ttft;
+}
+
+// --first-use: see the top of the file.
+int FirstUse(const Args& a, const std::string& root, const std::string& state) {
+  constexpr int kSlots = 16;  // the CPU default of --max-loras
+  std::vector<std::string> flags = {"--enable-mixed-moe-lora-format", "--dtype", a.dtype,
+                                    "--adapter-resolver", "filesystem"};
+  flags.insert(flags.end(), a.flags.begin(), a.flags.end());
+  moelora::testing::ControllerProcess c(state, root, flags, a.model);
+  if (!c.WaitServing()) {
+    std::fprintf(stderr, "controller did not start:\n%s\n", c.Log().c_str());
+    return 1;
+  }
+  // n0..n15 fill the slots; the K after them are registered only.
+  for (int i = 0; i < kSlots + a.first_use; ++i) {
+    const std::string name = "n" + std::to_string(i);
+    if (grpc::Status s = c.Load(name, name); !s.ok()) {
+      std::fprintf(stderr, "load %s: %s\n", name.c_str(), s.error_message().c_str());
+      return 1;
+    }
+  }
+  std::vector<double> resident, disk, resident2, resolved;
+  for (int i = 0; i < a.first_use; ++i) {
+    // The most recently used adapter is resident (never the LRU victim of the next swap).
+    resident.push_back(OneTtft(c, "n0"));
+    disk.push_back(OneTtft(c, "n" + std::to_string(kSlots + i)));
+    resident2.push_back(OneTtft(c, "n0"));
+    resolved.push_back(OneTtft(c, "n" + std::to_string(kSlots + a.first_use + i)));
+  }
+  for (const auto* v : {&resident, &disk, &resident2, &resolved}) {
+    if (std::count(v->begin(), v->end(), -1.0) > 0) return 1;
+  }
+  const double r = Percentile(resident, 0.5), d = Percentile(disk, 0.5),
+               r2 = Percentile(resident2, 0.5), u = Percentile(resolved, 0.5);
+  std::printf("first use, %d adapters each, medians (%s):\n", a.first_use, a.dtype.c_str());
+  std::printf("  resident %.1f ms; registered, read from disk %.1f ms: +%.1f ms\n", r * 1e3,
+              d * 1e3, (d - r) * 1e3);
+  std::printf(
+      "  resident %.1f ms; unregistered, through the filesystem resolver %.1f ms: +%.1f ms\n",
+      r2 * 1e3, u * 1e3, (u - r2) * 1e3);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -128,7 +199,8 @@ int main(int argc, char** argv) {
     if (f == "--help" || f == "-h") {
       std::printf(
           "slora [--model DIR] [--adapters DIR] [--n 1,8,100,1000] [--alpha 1,0.3] [--rate R]\n"
-          "      [--requests N] [--slo-ms S] [--seed K] [--dtype bfloat16] [--flags \"...\"]\n");
+          "      [--requests N] [--slo-ms S] [--seed K] [--dtype bfloat16] [--flags \"...\"]\n"
+          "slora --first-use K [--model DIR] [--adapters DIR] [--dtype D] [--flags \"...\"]\n");
       return 0;
     } else if (f == "--model") {
       a.model = value();
@@ -150,6 +222,8 @@ int main(int argc, char** argv) {
       a.dtype = value();
     } else if (f == "--flags") {
       a.flags = moelora::bench::Words(value());
+    } else if (f == "--first-use") {
+      a.first_use = std::max(1, std::atoi(value().c_str()));
     } else {
       std::fprintf(stderr, "unknown flag %s (--help)\n", f.c_str());
       return 2;
@@ -173,7 +247,7 @@ int main(int argc, char** argv) {
   }
   // The generated adapters: n directories of links to the two adapters' files.
   moelora::testing::TempDir root, state;
-  const int most = a.n.back();
+  const int most = a.first_use > 0 ? 16 + 2 * a.first_use : a.n.back();
   for (int i = 0; i < most; ++i) {
     const fs::path src = fs::path(a.adapters) / (i % 2 == 0 ? "adapter_2d" : "adapter_3d");
     const fs::path dst = fs::path(root.path()) / ("n" + std::to_string(i));
@@ -182,6 +256,7 @@ int main(int argc, char** argv) {
       fs::create_symlink(fs::absolute(e.path()), dst / e.path().filename());
     }
   }
+  if (a.first_use > 0) return FirstUse(a, root.path(), state.path());
   std::vector<std::string> flags = {"--enable-mixed-moe-lora-format", "--dtype", a.dtype,
                                     "--max-num-seqs", "128"};
   flags.insert(flags.end(), a.flags.begin(), a.flags.end());

@@ -24,9 +24,19 @@ at::Tensor ToFloat(const HostTensor& h) {
   at::ScalarType st = h.dtype == DType::kBF16  ? at::kBFloat16
                       : h.dtype == DType::kF16 ? at::kHalf
                                                : at::kFloat;
+  // Aligned f32 is read where it lies (a view for the caller's copies: adapter staging spent
+  // about a third of its slot writes on these copies).
+  if (st == at::kFloat && reinterpret_cast<uintptr_t>(h.data()) % alignof(float) == 0) {
+    return at::from_blob(h.data(), shape, at::TensorOptions().dtype(at::kFloat));
+  }
   at::Tensor t = at::empty(shape, at::TensorOptions().dtype(st));
   std::memcpy(t.data_ptr(), h.data(), h.nbytes());
   return t.to(at::kFloat);
+}
+
+at::Tensor ToFloatScaled(const HostTensor& h, double scaling) {
+  at::Tensor t = ToFloat(h);
+  return scaling == 1.0 ? t : t * scaling;  // x * 1 is x: no pass for the common alpha == r
 }
 
 DType KernelDType(at::ScalarType t) {
@@ -361,8 +371,8 @@ absl::Status LoraLinear::CheckDense(const LoraAdapter& a, const LoraPair& p) con
 }
 
 void LoraLinear::WriteDense(const LoraPair& p, const SlotWrite& w) {
-  at::Tensor A = GatherRanges(ToFloat(p.a), 1, shard_.a_cols);              // [r, in_local]
-  at::Tensor B = GatherRanges(ToFloat(p.b) * p.scaling, 0, shard_.b_rows);  // [out_local, r]
+  at::Tensor A = GatherRanges(ToFloat(p.a), 1, shard_.a_cols);                   // [r, in_local]
+  at::Tensor B = GatherRanges(ToFloatScaled(p.b, p.scaling), 0, shard_.b_rows);  // [out_local, r]
   const int r = p.rank;
   if (fs_ && mode_ == TpMode::kColumn) {
     // This rank's R / tp columns of Aᵀ padded to the slot's rank capacity.
@@ -374,7 +384,7 @@ void LoraLinear::WriteDense(const LoraPair& p, const SlotWrite& w) {
     rank_[w.slot] = r;
     return;
   }
-  if (fs_ && mode_ == TpMode::kRow) B = GatherRanges(ToFloat(p.b) * p.scaling, 0, fs_out_);
+  if (fs_ && mode_ == TpMode::kRow) B = GatherRanges(ToFloatScaled(p.b, p.scaling), 0, fs_out_);
   w.dst(la_).narrow(1, 0, r).copy_(A.t());
   w.dst(lb_).narrow(0, 0, r).copy_(B.t());
   rank_[w.slot] = r;

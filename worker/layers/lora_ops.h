@@ -16,7 +16,10 @@
 namespace moelora {
 
 // A HostTensor as an f32 ATen tensor (copied).
+// An adapter tensor as f32 (a view of it where it is aligned f32: read-only, valid while `h` is);
+// ToFloatScaled multiplies by the LoRA scaling.
 at::Tensor ToFloat(const HostTensor& h);
+at::Tensor ToFloatScaled(const HostTensor& h, double scaling);
 DType KernelDType(at::ScalarType t);
 // Zeroed storage for LoRA slots (long-lived; a decode step reads a slot in small pieces, one per
 // segment). On the CPU: anonymous memory (zero by construction) with transparent huge pages as

@@ -251,7 +251,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       const LoraPair& p = *ml.gate_up;
       const int r = p.rank;
       at::Tensor A = ToFloat(p.a).view({Et, r, -1});
-      at::Tensor B = (ToFloat(p.b) * p.scaling).view({2 * I, r, Et});
+      at::Tensor B = ToFloatScaled(p.b, p.scaling).view({2 * I, r, Et});
       for (int64_t e = 0; e < E; ++e) {
         at::Tensor Be = B.select(2, e0 + e);  // [2I, r]
         if (w.interleaved_gate_up) {
@@ -267,7 +267,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       const LoraPair& p = *ml.down;
       const int r = p.rank;
       at::Tensor A = ToFloat(p.a).view({Et, r, I});
-      at::Tensor B = (ToFloat(p.b) * p.scaling).view({-1, r, Et});
+      at::Tensor B = ToFloatScaled(p.b, p.scaling).view({-1, r, Et});
       for (int64_t e = 0; e < E; ++e) {
         w.dst(ea_[kW2])[e].narrow(1, 0, r).copy_(GatherRanges(A[e0 + e], 1, dn).t());
         write_down_b(w.dst(eb_[kW2])[e], B.select(2, e0 + e).t());
@@ -283,7 +283,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
                                                       : static_cast<int>(ExpertProj::kDown)];
       if (!opt) continue;
       const int r = opt->rank;
-      at::Tensor A = ToFloat(opt->a), B = ToFloat(opt->b) * opt->scaling;
+      at::Tensor A = ToFloat(opt->a), B = ToFloatScaled(opt->b, opt->scaling);
       if (k == kW2) {
         A = GatherRanges(A, 1, dn);
       } else {
