@@ -541,22 +541,29 @@ void AdapterManager::UpdateGauges() {
   metrics_->adapters.Add({{"state", "unloading"}}).Set(n[v1::ADAPTER_STATE_UNLOADING]);
   metrics_->adapters.Add({{"state", "failed"}}).Set(n[v1::ADAPTER_STATE_FAILED]);
   metrics_->adapters.Add({{"state", "resident"}}).Set(resident);
+  // Series only for adapters in a tier (a slot or the workers' host cache), each kept once made:
+  // with a pair for every registered adapter, set on every change, the controller spent most of
+  // a core hashing label maps at 1,000 adapters, and --max-registered-adapters bounded the
+  // series.
   for (auto it = resident_series_.begin(); it != resident_series_.end();) {
-    if (adapters_.count(*it)) {
+    auto e = adapters_.find(it->first);
+    if (e != adapters_.end() && (e->second.resident || e->second.host_cached)) {
       ++it;
       continue;
     }
-    for (const char* tier : {"slot", "host"}) {
-      metrics_->adapter_resident.Remove(
-          &metrics_->adapter_resident.Add({{"adapter", *it}, {"tier", tier}}));
-    }
+    metrics_->adapter_resident.Remove(it->second.first);
+    metrics_->adapter_resident.Remove(it->second.second);
     it = resident_series_.erase(it);
   }
   for (const auto& [name, e] : adapters_) {
-    metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "slot"}}).Set(e.resident ? 1 : 0);
-    metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "host"}})
-        .Set(e.host_cached ? 1 : 0);
-    resident_series_.insert(name);
+    if (!e.resident && !e.host_cached) continue;
+    auto [it, fresh] = resident_series_.try_emplace(name);
+    if (fresh) {
+      it->second = {&metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "slot"}}),
+                    &metrics_->adapter_resident.Add({{"adapter", name}, {"tier", "host"}})};
+    }
+    it->second.first->Set(e.resident ? 1 : 0);
+    it->second.second->Set(e.host_cached ? 1 : 0);
   }
 }
 

@@ -22,6 +22,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -158,8 +159,9 @@ class AdapterManager {
   int loads_in_progress_ ABSL_GUARDED_BY(mu_) = 0;
   SlotPool slots_ ABSL_GUARDED_BY(mu_);  // worker slots: held, releasing, leaked, free
   std::map<std::string, std::shared_ptr<Mutex>> name_locks_ ABSL_GUARDED_BY(mu_);
-  // Adapters with a moelora_adapter_resident series.
-  std::set<std::string> resident_series_ ABSL_GUARDED_BY(mu_);
+  // Adapters with moelora_adapter_resident series: their slot and host tier series.
+  std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> resident_series_
+      ABSL_GUARDED_BY(mu_);
   std::atomic<bool> reconcile_{false};  // a failed unload or rollback: Reconcile() next pass
   Clock::TimePoint last_reconcile_{};   // scheduler thread only
 };
