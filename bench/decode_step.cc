@@ -4,7 +4,7 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|ep-memory|qwen3_5|a3b|peer] [--device
+//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|a3b|peer] [--device
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
@@ -419,6 +419,34 @@ void SwapIn(const std::string& model, const std::string& a2d, const std::string&
   }
 }
 
+// Slot memory follows the adapter's rank, not --max-lora-rank: the bytes of slots in memory
+// (mincore) after a rank-16 2D and 3D adapter were loaded into engines at --max-lora-rank 16 and
+// 64 (a slot's capacity four times as large).
+void SlotMemory(const std::string& model, const std::string& a2d, const std::string& a3d) {
+  auto comm = MakeLocalCommunicator();
+  double at16 = 0;
+  for (int R : {16, 64}) {
+    EngineOptions o;
+    o.model_dir = model;
+    o.max_loras = 2;
+    o.max_lora_rank = R;
+    o.enable_mixed_moe_lora_format = true;
+    auto engine = Engine::Create(o, comm.get());
+    Check(engine.status(), "engine");
+    Engine& e = **engine;
+    Check(e.StageAdapter(1, a2d, std::nullopt).status(), "stage");
+    Check(e.CommitAdapter(1).status(), "commit");
+    Check(e.StageAdapter(2, a3d, std::nullopt).status(), "stage");
+    Check(e.CommitAdapter(2).status(), "commit");
+    const double mb = static_cast<double>(e.SlotResidentBytes()) / 1e6;
+    if (R == 16) at16 = mb;
+    std::printf(
+        "slot memory, rank-16 2D + 3D adapters, --max-lora-rank %2d: %7.2f MB (%.2fx "
+        "the figure at 16)\n",
+        R, mb, mb / std::max(at16, 1e-9));
+  }
+}
+
 struct Case {
   const char* name;
   std::vector<int64_t> adapter_of_seq;
@@ -598,7 +626,8 @@ int main(int argc, char** argv) {
   std::string only;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|swap-in|ep-memory|qwen3_5|a3b|peer] [--device "
+      "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|a3b|peer] "
+      "[--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
       "[--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES] "
@@ -690,6 +719,11 @@ int main(int argc, char** argv) {
     if (!std::filesystem::exists(dir + "/model/model.safetensors"))
       moelora::WriteModel(dir + "/model", d);
   };
+  if (only == "slot-memory") {
+    medium_model();
+    moelora::SlotMemory(dir + "/model", moelora::WriteAdapter(dir + "/a2d_0", d, false, 10),
+                        moelora::WriteAdapter(dir + "/a3d_0", d, true, 20));
+  }
   if (only.empty() || only == "swap-in") {
     medium_model();
     moelora::SwapIn(dir + "/model", moelora::WriteAdapter(dir + "/a2d_0", d, false, 10),

@@ -290,10 +290,11 @@ int main(int argc, char** argv) {
     for (int n : a.n) {
       const Outcome o = Run(c, arrivals, n, alpha, a.slo_ms);
       if (n == a.n.front()) base = o;
-      std::printf("| %d | %.1f | %.0f | %.2f | %.3f s | %.3f s | %.2f | %.0f %% | %.3f, %.3f s | %d |\n",
-                  n, alpha, o.tok_s, o.tok_s / std::max(base.tok_s, 1e-9), o.ttft_p50, o.ttft_p99,
-                  o.ttft_p99 / std::max(base.ttft_p99, 1e-9), 100 * o.slo_share, o.queue_p50,
-                  o.queue_p99, o.failed);
+      std::printf(
+          "| %d | %.1f | %.0f | %.2f | %.3f s | %.3f s | %.2f | %.0f %% | %.3f, %.3f s | %d |\n", n,
+          alpha, o.tok_s, o.tok_s / std::max(base.tok_s, 1e-9), o.ttft_p50, o.ttft_p99,
+          o.ttft_p99 / std::max(base.ttft_p99, 1e-9), 100 * o.slo_share, o.queue_p50, o.queue_p99,
+          o.failed);
       std::fflush(stdout);
     }
   }

@@ -122,11 +122,12 @@ ControllerMetrics::ControllerMetrics()
                        .Help("Requests ended by a stop string")
                        .Register(*registry_)
                        .Add({})),
-      adapter_resident(prometheus::BuildGauge()
-                           .Name("moelora_adapter_resident")
-                           .Help("1 while the adapter is in the tier: slot = a worker LoRA slot, host = "
-                                 "the workers' host cache (series only while it is in one)")
-                           .Register(*registry_)),
+      adapter_resident(
+          prometheus::BuildGauge()
+              .Name("moelora_adapter_resident")
+              .Help("1 while the adapter is in the tier: slot = a worker LoRA slot, host = "
+                    "the workers' host cache (series only while it is in one)")
+              .Register(*registry_)),
       lora_requests_info(
           prometheus::BuildGauge()
               .Name("moelora_lora_requests_info")

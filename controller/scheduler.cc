@@ -417,7 +417,8 @@ void Scheduler::Loop() {
       LOG(WARNING) << "step failed: " << resp.status();
       // Not a refusal: the ranks may still hold the step's sequences (a rank that stepped while
       // another failed, a step that timed out here and runs on there). No new step until every
-      // rank is checked again and has dropped every sequence (OnGroupReady).
+      // rank is checked again (OnGroupReady); the sweep step that follows has the ranks drop
+      // every sequence the controller does not expect.
       if (!refused) {
         awaiting_ready_ = true;
         group_->Revalidate(std::string(resp.status().message()));

@@ -39,6 +39,9 @@ struct SgmvSegment {
   // adapter's fused gate/up A, converted to 2D, is both gate's and up's (docs/formats.md §4).
   const void* b2_t = nullptr;
   int64_t out_col = 0;  // this segment's first column of out (added to every out row)
+  // a_t's row stride when it is not r_stride (0): [in_dim, a_stride], rank <= a_stride. CPU
+  // slots pack an adapter's A at its own rank, so that a slot's memory follows the rank in use.
+  int64_t a_stride = 0;
 };
 
 struct SgmvParams {

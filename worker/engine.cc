@@ -503,6 +503,8 @@ absl::StatusOr<HostCacheStats> Engine::UnloadOnAdapterThread(int64_t id, bool ke
   return m.CacheStats();
 }
 
+int64_t Engine::SlotResidentBytes() const { return impl_->model->ResidentSlotBytes(); }
+
 absl::StatusOr<StepOutput> Engine::Step(const std::vector<NewSequence>& add,
                                         const std::vector<int64_t>& remove) {
   return impl_->compute->Run([&] { return StepOnComputeThread(add, remove); });

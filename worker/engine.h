@@ -207,6 +207,9 @@ class Engine {
   void StepsReplied();
 
   EngineInfo Info() const;
+  // Bytes of the LoRA slots in memory now (CPU: taken as adapters are written into slots, about
+  // rank / --max-lora-rank of a slot for an adapter's experts; given back when a slot is cleared).
+  int64_t SlotResidentBytes() const;
 
  private:
   struct Impl;

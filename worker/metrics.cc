@@ -29,6 +29,14 @@ WorkerMetrics::WorkerMetrics(int rank) : registry_(std::make_shared<prometheus::
                    .Help("Adapters held by this worker, by state (staged, loaded, host_cached)")
                    .Labels(rl)
                    .Register(*registry_);
+  slot_bytes_ = &prometheus::BuildGauge()
+                     .Name("moelora_lora_slot_bytes")
+                     .Help(
+                         "Bytes of this worker's LoRA slots in memory (on the CPU taken as "
+                         "adapters are written, about their rank's share of a slot)")
+                     .Labels(rl)
+                     .Register(*registry_)
+                     .Add({});
   host_cache_bytes_ = &prometheus::BuildGauge()
                            .Name("moelora_adapter_host_cache_bytes")
                            .Help(
@@ -145,6 +153,8 @@ void WorkerMetrics::SetHostCache(int adapters, int64_t bytes) {
   adapters_->Add({{"state", "host_cached"}}).Set(adapters);
   host_cache_bytes_->Set(static_cast<double>(bytes));
 }
+
+void WorkerMetrics::SetSlotBytes(int64_t bytes) { slot_bytes_->Set(static_cast<double>(bytes)); }
 
 void WorkerMetrics::StepIdle(double seconds) { step_idle_seconds_->Observe(seconds); }
 

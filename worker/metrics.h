@@ -24,6 +24,7 @@ class WorkerMetrics {
   // One successful stage: a sample per phase (read, validate, convert, copy) and the total; a
   // swap-in from the host cache is its one phase, swap_in, and no total (which stays the time
   // of loads from disk).
+  void SetSlotBytes(int64_t bytes);
   void AdapterStaged(const std::string& format, bool converted,
                      const std::map<std::string, double>& phase_seconds, bool from_host_cache);
   void AdapterLoadFailed(const std::string& reason);
@@ -45,6 +46,7 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>* load_failures_;
   prometheus::Family<prometheus::Gauge>* adapters_;
   prometheus::Gauge* host_cache_bytes_;
+  prometheus::Gauge* slot_bytes_;
   prometheus::Histogram* step_seconds_;
   prometheus::Histogram* step_idle_seconds_;
   prometheus::Histogram* batch_size_;

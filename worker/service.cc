@@ -38,6 +38,7 @@ void WorkerService::UpdateAdapterGauges() {
   const EngineInfo i = engine()->Info();
   metrics_->SetAdapters(i.staged_adapters, i.committed_adapters);
   metrics_->SetHostCache(i.host_cache.adapters, i.host_cache.bytes);
+  metrics_->SetSlotBytes(engine()->SlotResidentBytes());
 }
 
 grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest* req,

@@ -157,7 +157,7 @@ struct Vec {
 template <typename W>
 void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
   const W* a_t = static_cast<const W*>(s.a_t);
-  const int64_t r = s.rank;
+  const int64_t r = s.rank, a_stride = s.a_stride > 0 ? s.a_stride : p.r_stride;
   float y[kSgmvMaxRank];
   std::vector<float> buf;
   for (int64_t i = s.begin; i < s.end; ++i) {
@@ -167,7 +167,7 @@ void SegmentPortable(const SgmvParams& p, const SgmvSegment& s) {
     for (int64_t j = 0; j < r; ++j) y[j] = 0.0f;
     for (int64_t k = 0; k < p.in_dim; ++k) {
       const float xk = x[k];
-      const W* a = a_t + k * p.r_stride;
+      const W* a = a_t + k * a_stride;
       for (int64_t j = 0; j < r; ++j) y[j] += ToF32(a[j]) * xk;
     }
     for (int h = 0; h < 2; ++h) {  // B, then the second B into the next out_dim columns

@@ -78,6 +78,21 @@ void ZeroSlot(at::Tensor slot) {
   std::memset(hi, 0, static_cast<size_t>(e - hi));
 }
 
+int64_t ResidentBytes(const at::Tensor& t) {
+  if (!t.defined() || t.nbytes() == 0) return 0;
+  if (!t.device().is_cpu()) return static_cast<int64_t>(t.nbytes());
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t b = reinterpret_cast<uintptr_t>(t.data_ptr()) / page * page;
+  const uintptr_t e = reinterpret_cast<uintptr_t>(t.data_ptr()) + t.nbytes();
+  std::vector<unsigned char> in((e - b + page - 1) / page);
+  if (::mincore(reinterpret_cast<void*>(b), e - b, in.data()) != 0) {
+    return static_cast<int64_t>(t.nbytes());
+  }
+  int64_t n = 0;
+  for (unsigned char c : in) n += c & 1;
+  return std::min<int64_t>(n * static_cast<int64_t>(page), static_cast<int64_t>(t.nbytes()));
+}
+
 at::Tensor Scratch(size_t bytes, const at::Device& dev) {
   return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
                    at::TensorOptions().dtype(at::kByte).device(dev));
@@ -288,6 +303,7 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
   m->lb_ = SlotZeros({S, R, b_cols}, shape.slot_options);
   m->rank_.assign(S, 0);
   if (shape.kernels != LoraKernels::kCpuSgmv) m->rank_t_ = at::zeros({S}, shape.rank_options);
+  m->packed_ = shape.kernels == LoraKernels::kCpuSgmv && !m->fs_;
   return m;
 }
 
@@ -326,6 +342,7 @@ absl::StatusOr<at::Tensor> LoraLinear::Finish(const at::Tensor& x, at::Tensor y,
       if (r > 0) {
         segs.push_back(
             {begin, end, SlotElement(la_, slot * in * R), SlotElement(lb_, slot * R * out), r});
+        if (packed_) segs.back().a_stride = r;
       }
       begin = end;
     }
@@ -385,7 +402,7 @@ void LoraLinear::WriteDense(const LoraPair& p, const SlotWrite& w) {
     return;
   }
   if (fs_ && mode_ == TpMode::kRow) B = GatherRanges(ToFloatScaled(p.b, p.scaling), 0, fs_out_);
-  w.dst(la_).narrow(1, 0, r).copy_(A.t());
+  (packed_ ? PackedA(w.dst(la_), r) : w.dst(la_).narrow(1, 0, r)).copy_(A.t());
   w.dst(lb_).narrow(0, 0, r).copy_(B.t());
   rank_[w.slot] = r;
 }
@@ -446,7 +463,9 @@ bool LoraLinear::SaveSlot(int slot, ModuleSlotImage* out) const {
   const int r = rank_[slot];
   if (r == 0) return false;
   const bool whole_a = fs_ && mode_ == TpMode::kColumn;
-  out->tensors = {HostCopy(whole_a ? la_[slot] : la_[slot].narrow(1, 0, r)),
+  out->tensors = {HostCopy(whole_a   ? la_[slot]
+                           : packed_ ? PackedA(la_[slot], r)
+                                     : la_[slot].narrow(1, 0, r)),
                   HostCopy(lb_[slot].narrow(0, 0, r))};
   out->ranks = {r};
   return true;
@@ -456,10 +475,12 @@ void LoraLinear::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
   const int r = in.ranks.at(0);
   const bool whole_a = fs_ && mode_ == TpMode::kColumn;
   at::Tensor a = w.dst(la_);
-  (whole_a ? a : a.narrow(1, 0, r)).copy_(in.tensors.at(0));
+  (whole_a ? a : packed_ ? PackedA(a, r) : a.narrow(1, 0, r)).copy_(in.tensors.at(0));
   w.dst(lb_).narrow(0, 0, r).copy_(in.tensors.at(1));
   rank_[w.slot] = r;
 }
+
+int64_t LoraLinear::ResidentSlotBytes() const { return ResidentBytes(la_) + ResidentBytes(lb_); }
 
 void LoraLinear::Reset(int slot) {
   ZeroSlot(la_[slot]);

@@ -60,6 +60,7 @@ class LoraLinear final : public LoraModule {
   void WriteDense(const LoraPair& pair, const SlotWrite& w) override;
   int64_t DenseBytes(const LoraPair& pair, int64_t elem_bytes) const override;
   int64_t AllocatedSlotBytes() const override { return la_.nbytes() + lb_.nbytes(); }
+  int64_t ResidentSlotBytes() const override;
   bool SaveSlot(int slot, ModuleSlotImage* out) const override;
   void RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) override;
   void Reset(int slot) override;
@@ -84,6 +85,13 @@ class LoraLinear final : public LoraModule {
   // [S, in_local, R] (fully sharded column-parallel: R / tp), [S, R, out_local] (fully sharded
   // row-parallel: out_full / tp)
   mutable at::Tensor la_, lb_;
+  // The CPU path, not fully sharded: a slot's Aᵀ is packed [in_local, r] from the start of its
+  // row (B's first r rows are at the start already), so an adapter takes its rank's share of the
+  // slot's pages. PackedA: that view of la_[slot] (or of a host image of it).
+  bool packed_ = false;
+  at::Tensor PackedA(const at::Tensor& slot_t, int64_t r) const {
+    return slot_t.view(-1).narrow(0, 0, slot_t.size(0) * r).view({slot_t.size(0), r});
+  }
   std::vector<int32_t> rank_;  // [S]
   at::Tensor rank_t_;          // kernel paths: [S] int32 on the device
 };

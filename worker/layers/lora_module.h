@@ -73,6 +73,8 @@ class LoraModule {
 
   // Bytes of the slot tensors this rank allocated for the module (every slot).
   virtual int64_t AllocatedSlotBytes() const = 0;
+  // The part of them in memory now (CPU: pages written since they were last given back).
+  virtual int64_t ResidentSlotBytes() const = 0;
 
   // Copies slot `slot` out (false: the slot does not use this module); RestoreSlot writes such
   // an image into `w.slot` (cleared before) through `w.dst`.

@@ -26,6 +26,8 @@ DType KernelDType(at::ScalarType t);
 // the model's weights have (on 4 KB pages a segment's 32–48 KB of A and B cost 8–12 page walks),
 // touched only as adapters are written into it: a slot no adapter has used costs no memory.
 at::Tensor SlotZeros(at::IntArrayRef shape, const at::TensorOptions& options);
+// Bytes of `t` in memory (CPU: its pages that mincore reports resident; elsewhere all of it).
+int64_t ResidentBytes(const at::Tensor& t);
 // Zeroes a slot (a contiguous tensor): on the CPU its whole pages go back to the system (they read
 // as zero again), so a slot freed by an unload or a swap-out stops costing memory.
 void ZeroSlot(at::Tensor slot);

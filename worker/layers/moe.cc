@@ -173,18 +173,46 @@ MoeExperts::MoeExperts(std::string path, at::Tensor w13, at::Tensor w2, int64_t 
     if (kernels && ea_[k].defined()) erank_t_[k] = at::zeros({S * E}, shape.rank_options);
   }
   if (wrapper_ == AdapterFormat::k2D && !fs_ && !kernels) shared_a_.assign(S * E, 0);
+  packed_ = !fs_ && !kernels;
+  for (int k = 0; k < 3; ++k) pr_[k].assign(S, 0);
+}
+
+int64_t MoeExperts::AOffset(int k, int slot, int64_t e) const {
+  const int64_t in = ea_[k].size(2), cols = ea_[k].size(3);
+  const int64_t base = static_cast<int64_t>(slot) * E_ * in * cols;
+  return base + e * in * (packed_ ? pr_[k][slot] : cols);
+}
+
+int64_t MoeExperts::BOffset(int k, int slot, int64_t e) const {
+  const int64_t rows = eb_[k].size(2), out = eb_[k].size(3);
+  const int64_t base = static_cast<int64_t>(slot) * E_ * rows * out;
+  return base + e * out * (packed_ ? pr_[k][slot] : rows);
+}
+
+at::Tensor MoeExperts::AView(int k, int slot, int64_t e, const at::Tensor& slot_t) const {
+  if (!packed_) return slot_t[e];
+  const int64_t in = ea_[k].size(2), p = pr_[k][slot];
+  return slot_t.view(-1).narrow(0, e * in * p, in * p).view({in, p});
+}
+
+at::Tensor MoeExperts::BView(int k, int slot, int64_t e, const at::Tensor& slot_t) const {
+  if (!packed_) return slot_t[e];
+  const int64_t out = eb_[k].size(3), p = pr_[k][slot];
+  return slot_t.view(-1).narrow(0, e * p * out, p * out).view({p, out});
 }
 
 void MoeExperts::NoteSharedA(int slot) {
   if (shared_a_.empty()) return;
-  const int64_t E = E_, n = H_ * shape_.max_rank;
-  const int64_t bytes = n * static_cast<int64_t>(ea_[kW1].element_size());
+  const int64_t E = E_;
+  const bool same_stride = AStride(kW1, slot) == AStride(kW3, slot);
+  const int64_t bytes = H_ * AStride(kW1, slot) * static_cast<int64_t>(ea_[kW1].element_size());
   for (int64_t e = 0; e < E; ++e) {
     const int64_t se = slot * E + e;
     const int32_t r = erank_[kW1][se];
-    shared_a_[se] = r > 0 && r == erank_[kW3][se] &&
-                    std::memcmp(SlotElement(ea_[kW1], se * n), SlotElement(ea_[kW3], se * n),
-                                static_cast<size_t>(bytes)) == 0;
+    shared_a_[se] =
+        r > 0 && r == erank_[kW3][se] && same_stride &&
+        std::memcmp(SlotElement(ea_[kW1], AOffset(kW1, slot, e)),
+                    SlotElement(ea_[kW3], AOffset(kW3, slot, e)), static_cast<size_t>(bytes)) == 0;
   }
 }
 
@@ -250,6 +278,7 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
     if (ml.gate_up) {
       const LoraPair& p = *ml.gate_up;
       const int r = p.rank;
+      pr_[kW1][slot] = r;
       at::Tensor A = ToFloat(p.a).view({Et, r, -1});
       at::Tensor B = ToFloatScaled(p.b, p.scaling).view({2 * I, r, Et});
       for (int64_t e = 0; e < E; ++e) {
@@ -258,29 +287,41 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
           Be = at::cat({Be.slice(0, 0, 2 * I, 2), Be.slice(0, 1, 2 * I, 2)}, 0);  // [gate ; up]
         }
         at::Tensor Bl = GatherRanges(Be, 0, gu);  // [2 I_p, r]
-        write_gate_up_a(w.dst(ea_[kW1])[e], A[e0 + e].t());
-        w.dst(eb_[kW1])[e].narrow(0, 0, r).copy_(Bl.t());
+        write_gate_up_a(AView(kW1, slot, e, w.dst(ea_[kW1])), A[e0 + e].t());
+        BView(kW1, slot, e, w.dst(eb_[kW1])).narrow(0, 0, r).copy_(Bl.t());
         erank_[kW1][slot * E + e] = r;
       }
     }
     if (ml.down) {
       const LoraPair& p = *ml.down;
       const int r = p.rank;
+      pr_[kW2][slot] = r;
       at::Tensor A = ToFloat(p.a).view({Et, r, I});
       at::Tensor B = ToFloatScaled(p.b, p.scaling).view({-1, r, Et});
       for (int64_t e = 0; e < E; ++e) {
-        w.dst(ea_[kW2])[e].narrow(1, 0, r).copy_(GatherRanges(A[e0 + e], 1, dn).t());
-        write_down_b(w.dst(eb_[kW2])[e], B.select(2, e0 + e).t());
+        AView(kW2, slot, e, w.dst(ea_[kW2]))
+            .narrow(1, 0, r)
+            .copy_(GatherRanges(A[e0 + e], 1, dn).t());
+        write_down_b(BView(kW2, slot, e, w.dst(eb_[kW2])), B.select(2, e0 + e).t());
         erank_[kW2][slot * E + e] = r;
       }
     }
     return;  // the 3D wrapper: gate and up are one projection already
   }
-  for (int64_t e = 0; e < E && e0 + e < static_cast<int64_t>(ml.experts.size()); ++e) {
+  auto proj_of = [&](int64_t e, int k) -> const std::optional<LoraPair>& {
+    return ml.experts[e0 + e][k == kW1   ? static_cast<int>(ExpertProj::kGate)
+                              : k == kW3 ? static_cast<int>(ExpertProj::kUp)
+                                         : static_cast<int>(ExpertProj::kDown)];
+  };
+  const int64_t held = std::min<int64_t>(E, static_cast<int64_t>(ml.experts.size()) - e0);
+  for (int k : {kW1, kW3, kW2}) {  // the packing rank: the largest of this rank's experts
+    for (int64_t e = 0; e < held; ++e) {
+      if (proj_of(e, k)) pr_[k][slot] = std::max(pr_[k][slot], proj_of(e, k)->rank);
+    }
+  }
+  for (int64_t e = 0; e < held; ++e) {
     for (int k : {kW1, kW3, kW2}) {
-      const auto& opt = ml.experts[e0 + e][k == kW1   ? static_cast<int>(ExpertProj::kGate)
-                                           : k == kW3 ? static_cast<int>(ExpertProj::kUp)
-                                                      : static_cast<int>(ExpertProj::kDown)];
+      const auto& opt = proj_of(e, k);
       if (!opt) continue;
       const int r = opt->rank;
       at::Tensor A = ToFloat(opt->a), B = ToFloatScaled(opt->b, opt->scaling);
@@ -289,12 +330,13 @@ void MoeExperts::WriteExperts(const MoeLayerLora& ml, const SlotWrite& w) {
       } else {
         B = GatherRanges(B, 0, k == kW1 ? gate_rows : up_rows);
       }
+      at::Tensor da = AView(k, slot, e, w.dst(ea_[k])), db = BView(k, slot, e, w.dst(eb_[k]));
       if (k == kW2) {
-        w.dst(ea_[k])[e].narrow(1, 0, r).copy_(A.t());
-        write_down_b(w.dst(eb_[k])[e], B.t());
+        da.narrow(1, 0, r).copy_(A.t());
+        write_down_b(db, B.t());
       } else {
-        write_gate_up_a(w.dst(ea_[k])[e], A.t());
-        w.dst(eb_[k])[e].narrow(0, 0, r).copy_(B.t());
+        write_gate_up_a(da, A.t());
+        db.narrow(0, 0, r).copy_(B.t());
       }
       erank_[k][slot * E + e] = r;
     }
@@ -337,6 +379,14 @@ bool MoeExperts::SaveSlot(int slot, ModuleSlotImage* out) const {
     const int r = *std::max_element(first, first + E_);
     if (r == 0) continue;
     used = true;
+    if (packed_) {
+      // The packed prefix: every expert's [in, p] A and [p, out] B (p = pr_[k][slot]).
+      const int64_t p = pr_[k][slot];
+      out->tensors[2 * k] = HostCopy(ea_[k][slot].view(-1).narrow(0, 0, E_ * ea_[k].size(2) * p));
+      out->tensors[2 * k + 1] =
+          HostCopy(eb_[k][slot].view(-1).narrow(0, 0, E_ * eb_[k].size(3) * p));
+      continue;
+    }
     const bool whole_a = fs_ && k != kW2;
     out->tensors[2 * k] = HostCopy(whole_a ? ea_[k][slot] : ea_[k][slot].narrow(2, 0, r));
     out->tensors[2 * k + 1] = HostCopy(eb_[k][slot].narrow(1, 0, r));
@@ -351,6 +401,12 @@ void MoeExperts::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
     const at::Tensor& a = in.tensors.at(2 * k);
     if (!a.defined()) continue;
     const at::Tensor& b = in.tensors.at(2 * k + 1);
+    if (packed_) {
+      pr_[k][w.slot] = static_cast<int32_t>(a.numel() / (E_ * ea_[k].size(2)));
+      w.dst(ea_[k]).view(-1).narrow(0, 0, a.numel()).copy_(a);
+      w.dst(eb_[k]).view(-1).narrow(0, 0, b.numel()).copy_(b);
+      continue;
+    }
     const int64_t r = b.size(1);
     at::Tensor da = w.dst(ea_[k]);
     (fs_ && k != kW2 ? da : da.narrow(2, 0, r)).copy_(a);
@@ -359,12 +415,21 @@ void MoeExperts::RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) {
   NoteSharedA(w.slot);
 }
 
+int64_t MoeExperts::ResidentSlotBytes() const {
+  int64_t n = 0;
+  for (int k = 0; k < 3; ++k) {
+    n += ea_[k].defined() ? ResidentBytes(ea_[k]) + ResidentBytes(eb_[k]) : 0;
+  }
+  return n;
+}
+
 void MoeExperts::Reset(int slot) {
   for (int k = 0; k < 3; ++k) {
     if (!ea_[k].defined()) continue;
     ZeroSlot(ea_[k][slot]);
     ZeroSlot(eb_[k][slot]);
     std::fill_n(erank_[k].begin() + slot * E_, E_, 0);
+    pr_[k][slot] = 0;
     if (erank_t_[k].defined()) erank_t_[k].narrow(0, slot * E_, E_).zero_();
   }
   if (!shared_a_.empty()) std::fill_n(shared_a_.begin() + slot * E_, E_, 0);
@@ -440,14 +505,17 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
       i = j;
     }
   };
-  auto lora_segments = [&](int k, int64_t in_dim, int64_t out_dim) {
+  auto lora_segments = [&](int k) {
     std::vector<SgmvSegment> segs;
     if (!ea_[k].defined() || !lb.any) return segs;
     for_each_lora_run([&](int64_t i, int64_t j, int64_t se) {
       const int32_t r = erank_[k][se];
       if (r > 0) {
-        segs.push_back(
-            {i, j, SlotElement(ea_[k], se * in_dim * R), SlotElement(eb_[k], se * R * out_dim), r});
+        const int slot = static_cast<int>(se / E);
+        const int64_t e = se % E;
+        segs.push_back({i, j, SlotElement(ea_[k], AOffset(k, slot, e)),
+                        SlotElement(eb_[k], BOffset(k, slot, e)), r});
+        segs.back().a_stride = AStride(k, slot);
       }
     });
     return segs;
@@ -459,15 +527,24 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     if (!lb.any) return segs;
     for_each_lora_run([&](int64_t i, int64_t j, int64_t se) {
       const int32_t r1 = erank_[kW1][se], r3 = erank_[kW3][se];
-      const void* a1 = SlotElement(ea_[kW1], se * H * R);
-      const void* b1 = SlotElement(eb_[kW1], se * R * Ip);
-      const void* b3 = SlotElement(eb_[kW3], se * R * Ip);
+      const int slot = static_cast<int>(se / E);
+      const int64_t e = se % E;
+      const void* a1 = SlotElement(ea_[kW1], AOffset(kW1, slot, e));
+      const void* b1 = SlotElement(eb_[kW1], BOffset(kW1, slot, e));
+      const void* b3 = SlotElement(eb_[kW3], BOffset(kW3, slot, e));
       if (!shared_a_.empty() && shared_a_[se]) {
         segs.push_back({i, j, a1, b1, r1, b3, 0});
+        segs.back().a_stride = AStride(kW1, slot);
         return;
       }
-      if (r1 > 0) segs.push_back({i, j, a1, b1, r1});
-      if (r3 > 0) segs.push_back({i, j, SlotElement(ea_[kW3], se * H * R), b3, r3, nullptr, Ip});
+      if (r1 > 0) {
+        segs.push_back({i, j, a1, b1, r1});
+        segs.back().a_stride = AStride(kW1, slot);
+      }
+      if (r3 > 0) {
+        segs.push_back({i, j, SlotElement(ea_[kW3], AOffset(kW3, slot, e)), b3, r3, nullptr, Ip});
+        segs.back().a_stride = AStride(kW3, slot);
+      }
     });
     return segs;
   };
@@ -497,7 +574,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
   } else if (wrapper_ == AdapterFormat::k2D) {
     AddLora(xs, h13, 0, Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), gate_up_segments());
   } else {
-    AddLora(xs, h13, 0, 2 * Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), lora_segments(kW1, H, 2 * Ip));
+    AddLora(xs, h13, 0, 2 * Ip, nullptr, R, SgmvWeightOf(ea_[kW1]), lora_segments(kW1));
   }
   // Each sorted row's (local) expert, for the biases.
   at::Tensor row_expert;
@@ -532,7 +609,7 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     MOELORA_RETURN_IF_ERROR(
         AddFullyShardedLora(kW2, act, ys, shape_.tp_rank * (H / shape_.tp_size), true, fs_segs));
   } else {
-    AddLora(act, ys, 0, H, nullptr, R, SgmvWeightOf(ea_[kW2]), lora_segments(kW2, Ip, H));
+    AddLora(act, ys, 0, H, nullptr, R, SgmvWeightOf(ea_[kW2]), lora_segments(kW2));
   }
   if (w2_bias_.defined() && add_w2_bias_) {
     ys.add_(w2_bias_.narrow(0, e0_, E).index_select(0, row_expert));

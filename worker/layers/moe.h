@@ -71,6 +71,7 @@ class MoeExperts final : public LoraModule {
     for (int k = 0; k < 3; ++k) n += ea_[k].defined() ? ea_[k].nbytes() + eb_[k].nbytes() : 0;
     return n;
   }
+  int64_t ResidentSlotBytes() const override;
   bool SaveSlot(int slot, ModuleSlotImage* out) const override;
   void RestoreSlot(const ModuleSlotImage& in, const SlotWrite& w) override;
   void Reset(int slot) override;
@@ -113,6 +114,22 @@ class MoeExperts final : public LoraModule {
   // sharded: gate/up a_t [S, E, H, R / tp], down b_t [S, E, R, H / tp].
   mutable at::Tensor ea_[3], eb_[3];
   std::vector<int32_t> erank_[3];
+  // Packed slots (the CPU path, not fully sharded): a slot holds each expert's A as [in, p] and
+  // B as [p, out] one after the other from the start of its region, p = pr_[k][slot] the largest
+  // rank of its experts for projection k, so an adapter of rank r touches about r / R of the
+  // slot's pages (slot memory is taken as it is written: SlotZeros). Otherwise expert e's A is
+  // the [in, R] block e, B the [R, out] block e.
+  bool packed_ = false;
+  std::vector<int32_t> pr_[3];
+  // Expert e's A and B in `slot` of projection k: offsets (elements) into ea_[k] / eb_[k], and
+  // A's row stride.
+  int64_t AOffset(int k, int slot, int64_t e) const;
+  int64_t BOffset(int k, int slot, int64_t e) const;
+  int64_t AStride(int k, int slot) const { return packed_ ? pr_[k][slot] : shape_.max_rank; }
+  // Views of them in the slot tensor `slot_t` (ea_[k][slot] / eb_[k][slot] or a host image of it):
+  // [in, stride] and [stride, out].
+  at::Tensor AView(int k, int slot, int64_t e, const at::Tensor& slot_t) const;
+  at::Tensor BView(int k, int slot, int64_t e, const at::Tensor& slot_t) const;
   at::Tensor erank_t_[3];  // kernel paths
   // 2D wrapper on the CPU path, not fully sharded: per (slot, expert), 1 where gate's and up's A
   // are equal and of one rank: then one SGMV shrink feeds both expands (SgmvSegment::b2_t). A

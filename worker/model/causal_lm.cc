@@ -150,6 +150,12 @@ int64_t CausalLM::AllocatedSlotBytes(bool experts) const {
   return n;
 }
 
+int64_t CausalLM::ResidentSlotBytes() const {
+  int64_t n = 0;
+  for (const LoraModule* m : lora_order_) n += m->ResidentSlotBytes();
+  return n;
+}
+
 void CausalLM::ResetSlot(int slot) {
   for (LoraModule* m : lora_order_) m->Reset(slot);
 }

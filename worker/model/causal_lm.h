@@ -136,6 +136,8 @@ class CausalLM {
   // Bytes of every slot tensor this rank allocated: of the experts modules (`experts`) or of
   // the rest.
   int64_t AllocatedSlotBytes(bool experts) const;
+  // What of them is in memory now (CPU slots take memory as adapters are written into them).
+  int64_t ResidentSlotBytes() const;
 
   const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }

@@ -21,7 +21,9 @@ namespace moelora {
 namespace {
 
 using ::moelora::testing::Data;
+using ::moelora::testing::ExpectBitIdentical;
 using ::moelora::testing::GenerateBatch;
+using ::moelora::testing::Generation;
 using ::moelora::testing::Load;
 using ::moelora::testing::MakeEngine;
 using ::moelora::testing::MaxAbsDiff;
@@ -495,6 +497,32 @@ TEST(EngineTest, TensorWorkRunsOnTheComputeThreadOnly) {
     });
     caller.join();
   }
+}
+
+// CPU slots pack each adapter at its own rank: in an engine whose --max-lora-rank is 32 the same
+// adapters (ranks up to 8) give bit-identical logits to an engine at 8, loaded from disk and
+// swapped back in from the host cache, alone and mixed (3D converted beside 2D).
+TEST(EngineTest, SlotsPackedAtTheAdaptersRankGiveTheSameLogits) {
+  auto narrow = MakeEngine("qwen3_moe/model", /*mixed=*/true, /*max_loras=*/2, /*max_rank=*/8);
+  auto wide = MakeEngine("qwen3_moe/model", /*mixed=*/true, /*max_loras=*/2, /*max_rank=*/32);
+  ASSERT_NE(narrow, nullptr);
+  ASSERT_NE(wide, nullptr);
+  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4}, {5, 6}, {7}};
+  std::vector<std::vector<Generation>> got;
+  for (Engine* e : {narrow->engine.get(), wide->engine.get()}) {
+    ASSERT_OK(Load(*e, 1, "qwen3_moe/adapter_3d"));
+    ASSERT_OK(Load(*e, 2, "qwen3_moe/adapter_2d"));
+    got.push_back(GenerateBatch(*e, {1, 2, 0}, prompts, 4, 100));
+    // Both out into the host cache and back (restored from the packed image).
+    ASSERT_OK(e->UnloadAdapter(1, /*keep_in_host_cache=*/true).status());
+    ASSERT_OK(e->UnloadAdapter(2, /*keep_in_host_cache=*/true).status());
+    ASSERT_OK(Load(*e, 2, "qwen3_moe/adapter_2d"));
+    ASSERT_OK(Load(*e, 1, "qwen3_moe/adapter_3d"));
+    got.push_back(GenerateBatch(*e, {1, 2, 0}, prompts, 4, 200));
+  }
+  ExpectBitIdentical(got[1], got[0]);
+  ExpectBitIdentical(got[2], got[0]);
+  ExpectBitIdentical(got[3], got[0]);
 }
 
 // On the CPU path adapters are staged, swapped out and swapped in on the adapter thread while
