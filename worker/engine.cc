@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -70,15 +69,9 @@ double Since(std::chrono::steady_clock::time_point t0) {
 //   instead of about 3 ms before sleeping, so every parallel region of a step woke a sleeping
 //   thread: 60-125 us for an empty region on this VM against 1 us, about 50 regions a step.
 // One compute thread means one team, of --cpu-threads threads (its OpenMP thread count is set on
-// it: the setting is per thread).
-// On the CPU path adapter work (staging, aborts, unloads) runs on a second such thread, the
-// adapter thread, whose OpenMP count is 1: a team of one starts no thread, so the compute
-// thread's team stays the only one, and steps go on while an adapter is read and written into a
-// slot no step reads (before, a step waited 30-120 ms for each disk swap-in of a medium adapter).
-// On the kernel paths the slot upload shares the device with the step: there it stays here.
+// it: the setting is per thread). The price: a step waits while an adapter is staged.
 class ComputeThread {
  public:
-  // `threads` 1: this thread's OpenMP regions run on it alone (libtorch's global count untouched).
   explicit ComputeThread(int threads) : thread_([this, threads] { Loop(threads); }) {}
   ~ComputeThread() {
     {
@@ -127,14 +120,7 @@ class ComputeThread {
 
  private:
   void Loop(int threads) {
-    if (threads == 1) {
-      // libtorch sets a thread's OpenMP count from its global one at the thread's first
-      // parallel call: do that first, then lower this thread's own.
-      at::get_num_threads();
-      omp_set_num_threads(1);
-    } else {
-      at::set_num_threads(threads);
-    }
+    at::set_num_threads(threads);
     for (;;) {
       std::function<void()> t;
       {
@@ -233,11 +219,8 @@ struct Engine::Impl {
     return std::nullopt;
   }
 
+  // Last: destroyed first, so no Step runs while the rest goes.
   std::unique_ptr<ComputeThread> compute;
-  // The adapter thread (CPU path; null on the kernel paths, where the compute thread does it).
-  // Both last: destroyed first, so nothing runs while the rest goes.
-  std::unique_ptr<ComputeThread> adapter_thread;
-  ComputeThread& AdapterThread() { return adapter_thread ? *adapter_thread : *compute; }
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -325,16 +308,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
               << " bytes reserved beside the budget)";
   }
   for (int s = 0; s < o.max_loras; ++s) impl->free_slots.insert(s);
-  if (!model->kernel_path()) impl->adapter_thread = std::make_unique<ComputeThread>(1);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
 absl::StatusOr<StageResult> Engine::StageAdapter(int64_t id, const std::string& path,
                                                  std::optional<AdapterFormat> expected) {
-  return impl_->AdapterThread().Run([&] { return StageOnAdapterThread(id, path, expected); });
+  return impl_->compute->Run([&] { return StageOnComputeThread(id, path, expected); });
 }
 
-absl::StatusOr<StageResult> Engine::StageOnAdapterThread(int64_t id, const std::string& path,
+absl::StatusOr<StageResult> Engine::StageOnComputeThread(int64_t id, const std::string& path,
                                                          std::optional<AdapterFormat> expected) {
   Impl& m = *impl_;
   if (id <= 0) return absl::InvalidArgumentError(absl::StrCat("adapter id ", id, " must be > 0"));
@@ -427,10 +409,10 @@ absl::StatusOr<int> Engine::CommitAdapter(int64_t id) {
 }
 
 absl::Status Engine::AbortAdapter(int64_t id) {
-  return impl_->AdapterThread().Run([&] { return AbortOnAdapterThread(id); });
+  return impl_->compute->Run([&] { return AbortOnComputeThread(id); });
 }
 
-absl::Status Engine::AbortOnAdapterThread(int64_t id) {
+absl::Status Engine::AbortOnComputeThread(int64_t id) {
   Impl& m = *impl_;
   int slot = -1;
   {
@@ -448,10 +430,10 @@ absl::Status Engine::AbortOnAdapterThread(int64_t id) {
 }
 
 absl::StatusOr<HostCacheStats> Engine::UnloadAdapter(int64_t id, bool keep_in_host_cache) {
-  return impl_->AdapterThread().Run([&] { return UnloadOnAdapterThread(id, keep_in_host_cache); });
+  return impl_->compute->Run([&] { return UnloadOnComputeThread(id, keep_in_host_cache); });
 }
 
-absl::StatusOr<HostCacheStats> Engine::UnloadOnAdapterThread(int64_t id, bool keep_in_host_cache) {
+absl::StatusOr<HostCacheStats> Engine::UnloadOnComputeThread(int64_t id, bool keep_in_host_cache) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   int slot = -1;

@@ -163,11 +163,9 @@ class Engine {
                                                                       Communicator* comm);
   ~Engine();
 
-  // Every call below that touches tensors runs on one of the engine's threads, whatever thread
-  // calls, one at a time on each: Create's load and Step on the compute thread; StageAdapter,
-  // AbortAdapter and UnloadAdapter on the adapter thread (CPU path; the compute thread on the
-  // kernel paths), beside steps: a slot being staged is one no step reads, and an unload
-  // excludes steps (see ComputeThread in engine.cc).
+  // Every call below that touches tensors (Create's load, StageAdapter, AbortAdapter,
+  // UnloadAdapter, Step) runs on the engine's one compute thread, whatever thread calls, one at a
+  // time (see ComputeThread in engine.cc).
   // Phase 1. Errors change nothing: NOT_FOUND / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (rank or
   // no free slot) / FAILED_PRECONDITION (layout vs wrapper, see MoeModel::SetSlot).
   // ALREADY_EXISTS when the id is staged or committed with a different path. An adapter in the
@@ -216,10 +214,10 @@ class Engine {
   explicit Engine(std::unique_ptr<Impl> impl);
   absl::StatusOr<StepOutput> StepOnComputeThread(const std::vector<NewSequence>& add,
                                                  const std::vector<int64_t>& remove);
-  absl::StatusOr<StageResult> StageOnAdapterThread(int64_t id, const std::string& path,
+  absl::StatusOr<StageResult> StageOnComputeThread(int64_t id, const std::string& path,
                                                    std::optional<AdapterFormat> expected);
-  absl::Status AbortOnAdapterThread(int64_t id);
-  absl::StatusOr<HostCacheStats> UnloadOnAdapterThread(int64_t id, bool keep_in_host_cache);
+  absl::Status AbortOnComputeThread(int64_t id);
+  absl::StatusOr<HostCacheStats> UnloadOnComputeThread(int64_t id, bool keep_in_host_cache);
   std::unique_ptr<Impl> impl_;
 };
 
