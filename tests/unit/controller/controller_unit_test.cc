@@ -240,6 +240,26 @@ TEST(ControllerUnitTest, APassedOverRequestRunsOnceItHasWaitedTheBypassLimit) {
   EXPECT_THAT(h.group.admitted_adapters(), ElementsAre(a, a, b, a));
 }
 
+// A swap-in finishes beside the steps: while the workers still read c for its request, a
+// request for a resident adapter runs from start to end; then c's request runs.
+TEST(ControllerUnitTest, StepsGoOnWhileAnAdapterIsSwappedIn) {
+  Harness h(2);
+  const int64_t a = h.Load("a", "adapter_2d");
+  h.Load("b", "adapter_3d");
+  const int64_t c = h.Load("c", "adapter_2d_shared_a");  // registered: both slots are taken
+  h.clock.Advance(std::chrono::milliseconds(10));
+  EXPECT_OK(Harness::Wait(h.Submit("a", 2)));  // b is now the least recently used
+  h.group.HoldStages();
+  auto rc = h.Submit("c", 2);
+  ASSERT_TRUE(h.group.WaitFor([&] { return h.group.stages_waiting() == 1; }));
+  auto ra = h.Submit("a", 3);
+  EXPECT_OK(Harness::Wait(ra));
+  EXPECT_EQ(h.group.stages_waiting(), 1) << "c's stage still waits";
+  h.group.ReleaseStages();
+  EXPECT_OK(Harness::Wait(rc));
+  EXPECT_THAT(h.group.committed(), UnorderedElementsAre(a, c));
+}
+
 TEST(ControllerUnitTest, LruSwapNeverEvictsAPinnedAdapter) {
   Harness h(2);
   const int64_t p = h.Load("p", "adapter_2d", /*pinned=*/true);  // the least recently used

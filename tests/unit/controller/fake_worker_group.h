@@ -42,7 +42,13 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   }
   [[nodiscard]] absl::StatusOr<v1::StageAdapterResponse> StageAll(
       const v1::StageAdapterRequest& req) override {
-    std::lock_guard<std::mutex> l(mu_);
+    std::unique_lock<std::mutex> l(mu_);
+    if (stages_held_) {  // HoldStages: as a worker reading a large adapter
+      ++stages_waiting_;
+      changed_.notify_all();
+      changed_.wait(l, [&] { return !stages_held_; });
+      --stages_waiting_;
+    }
     ++stage_calls_;
     if (fail_stage_ > 0 && fail_stage_--) return absl::UnavailableError("fake: stage failed");
     if (committed_.count(req.adapter_id()) || staged_.count(req.adapter_id())) {
@@ -126,6 +132,22 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   void Release(int calls) { SetGate(calls); }
   // No call is held any more.
   void Resume() { SetGate(-1); }
+  // Stages wait from now until ReleaseStages; stages_waiting() counts those waiting.
+  void HoldStages() {
+    std::lock_guard<std::mutex> l(mu_);
+    stages_held_ = true;
+  }
+  void ReleaseStages() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stages_held_ = false;
+    }
+    changed_.notify_all();
+  }
+  int stages_waiting() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return stages_waiting_;
+  }
   // Waits (up to 10 s) until `n` calls in all have been held.
   [[nodiscard]] bool WaitHolds(int n) {
     std::unique_lock<std::mutex> l(mu_);
@@ -366,7 +388,9 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   int ahead_calls_ = 0;
   Clock::TimePoint last_due_{};  // when the last call started by StartStepAll ends
   int gate_ = -1;                // Hold / Release / Resume
-  int holds_ = 0;                // calls held so far
+  bool stages_held_ = false;     // HoldStages / ReleaseStages
+  int stages_waiting_ = 0;
+  int holds_ = 0;  // calls held so far
   std::condition_variable changed_;
 };
 
