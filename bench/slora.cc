@@ -68,12 +68,36 @@ double Percentile(std::vector<double> v, double p) {
                     static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5))];
 }
 
+// One GenerateStream: the time to its first token (-1 when the call failed), its tokens and its
+// queue time (the last chunk's timings).
+struct Result {
+  double ttft = -1, queue = 0;
+  int tokens = 0;
+};
+
+Result Stream(moelora::testing::ControllerProcess& c, const moelora::v1::GenerateRequest& req,
+              int deadline_s) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
+  const auto s0 = Clock::now();
+  auto reader = c.stub().GenerateStream(&ctx, req);
+  moelora::v1::GenerateResponse chunk;
+  Result r;
+  while (reader->Read(&chunk)) {
+    if (r.ttft < 0 && chunk.token_ids_size() > 0)
+      r.ttft = std::chrono::duration<double>(Clock::now() - s0).count();
+    r.tokens += chunk.token_ids_size();
+    if (chunk.has_timings()) r.queue = chunk.timings().queue_seconds();
+  }
+  if (grpc::Status st = reader->Finish(); !st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", req.adapter().c_str(), st.error_message().c_str());
+    r.ttft = -1;
+  }
+  return r;
+}
+
 Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& arrivals, int n,
             double alpha, double slo_ms) {
-  struct Result {
-    double ttft = -1, queue = 0;
-    int tokens = 0;
-  };
   std::vector<std::future<Result>> fs;
   const auto t0 = Clock::now();
   for (size_t i = 0; i < arrivals.size(); ++i) {
@@ -88,20 +112,7 @@ Outcome Run(moelora::testing::ControllerProcess& c, const std::vector<Arrival>& 
       for (int t = 0; t < a.prompt; ++t) req.add_prompt_token_ids(1 + (i * 13 + t * 7) % 4000);
       req.set_max_tokens(a.output);
       req.set_ignore_eos(true);
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
-      const auto s0 = Clock::now();
-      auto reader = c.stub().GenerateStream(&ctx, req);
-      moelora::v1::GenerateResponse chunk;
-      Result r;
-      while (reader->Read(&chunk)) {
-        if (r.ttft < 0 && chunk.token_ids_size() > 0)
-          r.ttft = std::chrono::duration<double>(Clock::now() - s0).count();
-        r.tokens += chunk.token_ids_size();
-        if (chunk.has_timings()) r.queue = chunk.timings().queue_seconds();
-      }
-      if (!reader->Finish().ok()) r.ttft = -1;
-      return r;
+      return Stream(c, req, 600);
     }));
   }
   std::vector<double> ttft, queue;
@@ -136,21 +147,7 @@ double OneTtft(moelora::testing::ControllerProcess& c, const std::string& adapte
   for (int t = 0; t < 16; ++t) req.add_prompt_token_ids(1 + t * 7);
   req.set_max_tokens(1);
   req.set_ignore_eos(true);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  const auto s0 = Clock::now();
-  auto reader = c.stub().GenerateStream(&ctx, req);
-  moelora::v1::GenerateResponse chunk;
-  double ttft = -1;
-  while (reader->Read(&chunk)) {
-    if (ttft < 0 && chunk.token_ids_size() > 0)
-      ttft = std::chrono::duration<double>(Clock::now() - s0).count();
-  }
-  if (grpc::Status s = reader->Finish(); !s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", adapter.c_str(), s.error_message().c_str());
-    return -1;
-  }
-  return ttft;
+  return Stream(c, req, 60).ttft;
 }
 
 // --first-use: see the top of the file.
