@@ -471,8 +471,11 @@ bool AllFinite(const uint8_t* p, size_t n, DType t) {
   }
 }
 
-// The mapped bytes of every tensor into its host buffer, on the machine's cores (OpenMP), each
-// tensor's pages of the mapping released once copied. One thread copied 9.4 GB/s here, below
+// The mapped bytes of every tensor into its host buffer, on the machine's cores (OpenMP), the
+// pages of a tensor of 1 MiB or more released from the mapping once copied (RSS then stays near
+// the adapter's size; the page cache is the kernel's either way). Smaller ones wait for the
+// unmap: a madvise costs about 16 us (TLB shootdowns), half the read of a 2D adapter's 800
+// tensors of 32-64 KB. One thread copied 9.4 GB/s here, below
 // what two reach (bench/adapter_load; docs/performance.md). Each piece is checked for NaN and
 // infinities while it is still in the cache: the index of the first tensor that holds one, or
 // -1.
@@ -504,7 +507,7 @@ int64_t CopyAll(const std::vector<Copy>& copies, const SafetensorsFile& st, bool
         finite = AllFinite(dst + at, len, v.dtype) && finite;
       }
     }
-    st.ReleasePages(v);
+    if (v.nbytes >= (size_t{1} << 20)) st.ReleasePages(v);
     if (!finite) {
       int64_t cur = first_bad.load();
       while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
