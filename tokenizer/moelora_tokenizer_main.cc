@@ -2,6 +2,8 @@
 //
 //   moelora-tokenizer encode DIR   stdin: a JSON string per line   -> stdout: [ids...] per line
 //   moelora-tokenizer decode DIR   stdin: a JSON array of ids      -> stdout: "text" per line
+//   moelora-tokenizer chat DIR     stdin: a JSON object per line   -> stdout: "prompt" or
+//                                  {"error": "..."} per line
 //
 // DIR is a model directory or a tokenizer.json. Exit status 2 (with the line number on stderr)
 // for a line that is not valid UTF-8, not JSON, or not of the expected type; 1 when the tokenizer
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
 #include "nlohmann/json.hpp"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
@@ -28,21 +31,81 @@ int Fail(int64_t line, const std::string& why) {
   return 2;
 }
 
+// chat: each line {"messages", "tools"?, "add_generation_prompt"?, "chat_template"?,
+// "chat_template_kwargs"?} rendered with DIR's chat template (or the line's own).
+int Chat(const std::string& dir) {
+  auto source = moelora::tok::ReadChatTemplate(dir);
+  auto special = moelora::tok::ReadSpecialTokenVariables(dir);
+  if (!special.ok()) {
+    std::cerr << "moelora-tokenizer: " << special.status() << "\n";
+    return 1;
+  }
+  std::shared_ptr<const moelora::tok::ChatTemplate> model_template;
+  if (source.ok()) {
+    auto t = moelora::tok::ChatTemplate::Parse(*source);
+    if (!t.ok()) {
+      std::cerr << "moelora-tokenizer: " << t.status() << "\n";
+      return 1;
+    }
+    model_template = *t;
+  }
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(std::cin, line)) {
+    ++n;
+    const nlohmann::ordered_json j =
+        nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return Fail(n, "not valid JSON (or not UTF-8)");
+    if (!j.is_object() || !j.contains("messages")) {
+      return Fail(n, "chat expects a JSON object with \"messages\"");
+    }
+    std::shared_ptr<const moelora::tok::ChatTemplate> t = model_template;
+    if (j.contains("chat_template")) {
+      auto own = moelora::tok::ChatTemplate::Parse(j["chat_template"].get<std::string>());
+      if (!own.ok()) {
+        std::cout << nlohmann::json({{"error", std::string(own.status().message())}}).dump()
+                  << "\n";
+        continue;
+      }
+      t = *own;
+    }
+    if (t == nullptr) return Fail(n, std::string(source.status().message()));
+    const auto vars = moelora::tok::ChatTemplateVariables(
+        j["messages"], j.value("tools", nlohmann::ordered_json()),
+        j.value("add_generation_prompt", false), *special,
+        j.value("chat_template_kwargs", nlohmann::ordered_json::object()));
+    auto text = t->Render(vars);
+    if (text.ok()) {
+      std::cout << nlohmann::json(*text).dump() << "\n";
+    } else {
+      std::cout << nlohmann::json({{"error", std::string(text.status().message())}}).dump() << "\n";
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::vector<std::string> args = moelora::ParseFlags(
       argc, argv,
-      "moelora-tokenizer encode|decode DIR\n"
+      "moelora-tokenizer encode|decode|chat DIR\n"
       "  encode: reads a JSON string per line on stdin, writes its token ids as a JSON array\n"
       "  decode: reads a JSON array of token ids per line, writes the text as a JSON string\n"
+      "  chat: reads a JSON object per line ({\"messages\": [...], \"tools\": [...],\n"
+      "    \"add_generation_prompt\": true, \"chat_template_kwargs\": {...}, \"chat_template\": "
+      "\"...\"})\n"
+      "    and writes the prompt DIR's chat template renders as a JSON string, or {\"error\": "
+      "...}\n"
       "  DIR: a model directory (tokenizer.json) or a tokenizer.json file.\n"
       "  Exit 2 on a line that is not valid UTF-8 or not the expected JSON (naming the line).",
       "moelora_tokenizer_main");
-  if (args.size() != 3 || (args[1] != "encode" && args[1] != "decode")) {
-    std::cerr << "usage: moelora-tokenizer encode|decode DIR (see --help)\n";
+  if (args.size() != 3 || (args[1] != "encode" && args[1] != "decode" && args[1] != "chat")) {
+    std::cerr << "usage: moelora-tokenizer encode|decode|chat DIR (see --help)\n";
     return 2;
   }
+  std::ios::sync_with_stdio(false);
+  if (args[1] == "chat") return Chat(args[2]);
   auto tok = moelora::tok::Tokenizer::Load(args[2]);
   if (!tok.ok()) {
     std::cerr << "moelora-tokenizer: " << tok.status() << "\n";

@@ -28,6 +28,9 @@ size_t AppendUtf8Lossy(std::string_view bytes, bool final, std::string* out);
 // The code point at s[i] (valid UTF-8 assumed); *len receives its byte length.
 char32_t DecodeCodePoint(std::string_view s, size_t i, size_t* len);
 
+// Appends the UTF-8 bytes of code point `cp` (U+FFFD for a surrogate or one beyond U+10FFFF).
+void AppendCodePoint(char32_t cp, std::string* out);
+
 }  // namespace moelora::tok
 
 #endif  // MOELORA_TOKENIZER_UTF8_H_
