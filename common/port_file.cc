@@ -8,11 +8,14 @@
 
 namespace moelora {
 
-[[nodiscard]] absl::Status WritePortFile(const std::string& path, int port, int metrics_port) {
+[[nodiscard]] absl::Status WritePortFile(const std::string& path, int port, int metrics_port,
+                                         int http_port) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp);
-    out << nlohmann::json{{"port", port}, {"metrics_port", metrics_port}}.dump() << "\n";
+    nlohmann::json j{{"port", port}, {"metrics_port", metrics_port}};
+    if (http_port >= 0) j["http_port"] = http_port;
+    out << j.dump() << "\n";
     if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {

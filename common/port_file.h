@@ -1,5 +1,6 @@
 // The --port-file both servers write once listening, so a supervisor (the controller, tests,
-// scripts) can use port 0 and learn the ports: {"port": P, "metrics_port": M}, written to a
+// scripts) can use port 0 and learn the ports: {"port": P, "metrics_port": M} (and
+// "http_port" when the controller serves HTTP), written to a
 // temporary file and renamed, so a reader never sees half of it.
 #ifndef MOELORA_COMMON_PORT_FILE_H_
 #define MOELORA_COMMON_PORT_FILE_H_
@@ -10,7 +11,8 @@
 
 namespace moelora {
 
-[[nodiscard]] absl::Status WritePortFile(const std::string& path, int port, int metrics_port);
+[[nodiscard]] absl::Status WritePortFile(const std::string& path, int port, int metrics_port,
+                                         int http_port = -1);
 
 }  // namespace moelora
 

@@ -95,6 +95,8 @@ class Controller {
 
   bool serving() const { return group_->serving() && ready_.load(); }
   const tok::Tokenizer* tokenizer() const { return options_.tokenizer.get(); }
+  // The workers' max_model_len (0 until the group has served once).
+  int max_model_len() const { return group_->info().max_model_len(); }
   // Wakes the scheduler (a request's stop string was reached).
   void Wake() { scheduler_.Wake(); }
   int in_flight() const { return scheduler_.in_flight(); }

@@ -34,6 +34,10 @@ ControllerMetrics::ControllerMetrics()
                         .Name("moelora_auth_failures_total")
                         .Help("Calls refused for their token (--auth-tokens-file), by status code")
                         .Register(*registry_)),
+      http_requests(prometheus::BuildCounter()
+                        .Name("moelora_http_requests_total")
+                        .Help("HTTP API requests (--http-port) by route and HTTP status")
+                        .Register(*registry_)),
       ttft(prometheus::BuildHistogram()
                .Name("moelora_time_to_first_token_seconds")
                .Help("From arrival to the first generated token")

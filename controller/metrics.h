@@ -26,6 +26,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>& adapters;                  // {state}
   prometheus::Family<prometheus::Counter>& requests;                // {adapter, code}
   prometheus::Family<prometheus::Counter>& auth_failures;           // {code}
+  prometheus::Family<prometheus::Counter>& http_requests;           // {route, status}
   prometheus::Histogram& ttft;
   prometheus::Histogram& inter_token;
   prometheus::Histogram& batch_size;

@@ -24,7 +24,9 @@
 #include "common/port_file.h"
 #include "controller/auth.h"
 #include "controller/controller.h"
+#include "controller/http_server.h"
 #include "controller/metrics.h"
+#include "controller/openai_api.h"
 #include "controller/registry.h"
 #include "controller/service.h"
 #include "controller/worker_group.h"
@@ -99,6 +101,16 @@ ABSL_FLAG(int, step_timeout_s, 60,
           "steps (--decode-steps) has this much per step");
 ABSL_FLAG(std::string, worker_args, "",
           "Extra flags for spawned workers, space-separated (e.g. \"--cpu-threads 1\")");
+ABSL_FLAG(int, http_port, -1,
+          "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+          "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health); -1: off, 0: any free port. "
+          "HTTPS with --tls-cert-file/--tls-key-file; tokens as on gRPC");
+ABSL_FLAG(int, http_threads, 2, "Threads polling the HTTP connections (streams hold none)");
+ABSL_FLAG(std::string, served_model_name, "",
+          "The base model's name in the HTTP API's `model` (default: --model's directory name)");
+ABSL_FLAG(std::string, chat_template, "",
+          "A Jinja chat template file for /v1/chat/completions (default: the model's "
+          "chat_template.jinja or tokenizer_config.json chat_template)");
 ABSL_FLAG(std::string, preload, "",
           "NAME=PATH[,NAME=PATH...]: adapters to load once serving (PATH under --adapter-root)");
 
@@ -319,12 +331,68 @@ int main(int argc, char** argv) {
       health_port->Set(serving, "moelora.v1.Controller");
     }
   };
+  // The OpenAI-compatible HTTP API, on the same controller.
+  std::unique_ptr<moelora::OpenAiApi> openai;
+  std::unique_ptr<moelora::HttpServer> http;
+  int http_port = -1;
+  if (absl::GetFlag(FLAGS_http_port) >= 0) {
+    moelora::OpenAiOptions oo;
+    oo.model_path = model;
+    oo.served_model_name = absl::GetFlag(FLAGS_served_model_name);
+    if (oo.served_model_name.empty()) {
+      oo.served_model_name = std::filesystem::path(model).lexically_normal().filename().string();
+      if (oo.served_model_name.empty()) {
+        oo.served_model_name =
+            std::filesystem::path(model).lexically_normal().parent_path().filename().string();
+      }
+    }
+    absl::StatusOr<std::string> source = moelora::tok::ReadChatTemplate(tok_dir);
+    if (const std::string file = absl::GetFlag(FLAGS_chat_template); !file.empty()) {
+      std::ifstream f(file);
+      std::stringstream ss;
+      if (!f || !(ss << f.rdbuf())) return fail(absl::StrCat("--chat-template ", file, ": cannot be read"));
+      source = ss.str();
+    }
+    if (source.ok()) {
+      auto t = moelora::tok::ChatTemplate::Parse(*source);
+      if (!t.ok()) return fail(absl::StrCat("chat template of ", tok_dir, ": ", t.status().message()));
+      oo.chat_template = *t;
+    } else if (source.status().code() != absl::StatusCode::kNotFound) {
+      return fail(source.status().ToString());
+    } else {
+      LOG(INFO) << "no chat template (" << source.status().message()
+                << "): /v1/chat/completions answers 400";
+    }
+    auto special = moelora::tok::ReadSpecialTokenVariables(tok_dir);
+    if (!special.ok()) return fail(special.status().ToString());
+    oo.special_tokens = *special;
+    moelora::ReadSamplingDefaults(model, &oo);
+    openai = std::make_unique<moelora::OpenAiApi>(&controller, &metrics, auth.get(), std::move(oo));
+    moelora::HttpServer::Options ho;
+    ho.host = absl::GetFlag(FLAGS_host);
+    ho.port = absl::GetFlag(FLAGS_http_port);
+    ho.threads = std::max(1, absl::GetFlag(FLAGS_http_threads));
+    const moelora::TlsFiles tls = moelora::TlsFilesFromFlags();
+    if (!tls.ca.empty()) {
+      return fail("--http-port with --tls-ca-file: client certificates are not supported on the "
+                  "HTTP port (use bearer tokens, --auth-tokens-file)");
+    }
+    if (absl::Status s = moelora::ServerPemFrom(tls, &ho.tls_cert, &ho.tls_key); !s.ok()) {
+      return fail(std::string(s.message()));
+    }
+    auto h = moelora::HttpServer::Start(
+        ho, [api = openai.get()](std::shared_ptr<moelora::HttpExchange> ex) { api->Handle(std::move(ex)); });
+    if (!h.ok()) return fail(std::string(h.status().message()));
+    http = *std::move(h);
+    http_port = http->port();
+    LOG(INFO) << "HTTP (OpenAI API) on port " << http_port << (ho.tls_cert.empty() ? "" : " (TLS)");
+  }
   LOG(INFO) << "moelora-controller listening on " << absl::GetFlag(FLAGS_host) << ":" << port
             << ", metrics on " << metrics_port << ", workers: "
             << (go.addresses.empty() ? absl::StrCat(tp, " local (", go.worker_bin, ")")
                                      : absl::GetFlag(FLAGS_workers));
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    if (auto s = moelora::WritePortFile(pf, port, metrics_port); !s.ok()) {
+    if (auto s = moelora::WritePortFile(pf, port, metrics_port, http_port); !s.ok()) {
       return fail(std::string(s.message()));
     }
   }
@@ -390,8 +458,15 @@ int main(int argc, char** argv) {
   LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
             << " s)";
   set_health(false);
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
+  const auto drain_deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  if (http) http->StopAccepting();
+  server->Shutdown(drain_deadline);
+  // HTTP requests in flight finish too, within the same deadline; then the server ends the rest.
+  while (http && http->open_exchanges() > 0 && std::chrono::system_clock::now() < drain_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  http.reset();
   stopping = true;
   watcher.join();
   controller.Stop();

@@ -1,13 +1,12 @@
 #include "controller/service.h"
 
 #include <atomic>
-#include <limits>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "proto/grpc_status.h"
-#include "tokenizer/text_stream.h"
+#include "controller/token_feed.h"
 
 namespace moelora {
 
@@ -139,10 +138,7 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
     {
       MutexLock lock(&mu_);
       r_ = r;
-      if (tokenizer != nullptr) {
-        text_.emplace(tokenizer, std::vector<std::string>(req.stop().begin(), req.stop().end()),
-                      /*skip_special=*/true);
-      }
+      feed_.emplace(c, svc_->metrics_, r);
     }
     if (cancelled_) {
       r->cancelled = true;
@@ -177,64 +173,37 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
 
   Action PumpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (final_ready_) return nullptr;
-    GenRequest::Progress p = r_->Peek(seen_, kept_);
-    if (!p.tokens.empty()) {
-      std::vector<int32_t>& t = p.tokens;
-      std::vector<float>& lp = p.logprobs;
-      std::string delta;
-      if (text_) {
-        for (size_t i = 0; i < t.size(); ++i) {
-          if (text_->Add(t[i])) {
-            kept_ = seen_ + i + 1;
-            t.resize(i + 1);
-            if (lp.size() > t.size()) lp.resize(t.size());
-            r_->stop_string = true;
-            svc_->controller_->Wake();
-            break;
-          }
-        }
-        delta = text_->TakeDelta();
-        all_text_ += delta;
-      }
-      seen_ += t.size();
-      if (stream_ != nullptr && !broken_) {
-        pending_.mutable_token_ids()->Add(t.begin(), t.end());
-        pending_.mutable_logprobs()->Add(lp.begin(), lp.end());
-        pending_.mutable_text()->append(delta);
-        has_pending_ = true;
-      }
+    TokenFeed::Chunk c = feed_->Take();
+    if (!c.tokens.empty() && stream_ != nullptr && !broken_) {
+      pending_.mutable_token_ids()->Add(c.tokens.begin(), c.tokens.end());
+      pending_.mutable_logprobs()->Add(c.logprobs.begin(), c.logprobs.end());
+      pending_.mutable_text()->append(c.text);
+      has_pending_ = true;
     }
-    if (p.done) Conclude();
+    if (c.done) Conclude();
     return Next();
   }
 
   // The request has ended and every token it kept was taken: the last response or the status.
   void Conclude() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     final_ready_ = true;
-    const GenRequest::Result res = r_->GetResult(kept_);
-    svc_->controller_->RecordRequest(r_->adapter, /*admitted=*/true, res.status.code());
-    if (!res.status.ok()) {
-      final_status_ = ToGrpc(res.status);
+    TokenFeed::Outcome o = feed_->Finish();
+    if (!o.status.ok()) {
+      final_status_ = ToGrpc(o.status);
       return;
     }
     v1::GenerateResponse& last = final_chunk_;
-    if (text_) {
-      const std::string rest = text_->Finish();
-      all_text_ += rest;
-      last.set_text(stream_ != nullptr ? rest : all_text_);
-    }
+    if (feed_->has_text()) last.set_text(stream_ != nullptr ? o.rest : o.text);
     if (stream_ == nullptr) {
-      last.mutable_token_ids()->Add(res.tokens.begin(), res.tokens.end());
-      last.mutable_logprobs()->Add(res.logprobs.begin(), res.logprobs.end());
+      last.mutable_token_ids()->Add(o.result.tokens.begin(), o.result.tokens.end());
+      last.mutable_logprobs()->Add(o.result.logprobs.begin(), o.result.logprobs.end());
     }
-    const bool stopped = kept_ != std::numeric_limits<size_t>::max();
-    if (stopped) svc_->metrics_->stop_strings.Increment();
-    last.set_finish_reason(stopped ? "stop" : res.finish_reason);
+    last.set_finish_reason(o.finish_reason);
     last.mutable_usage()->set_prompt_tokens(r_->req.prompt_token_ids_size());
-    last.mutable_usage()->set_completion_tokens(static_cast<int>(res.tokens.size()));
-    last.mutable_timings()->set_queue_seconds(res.queue_seconds);
-    last.mutable_timings()->set_time_to_first_token_seconds(res.ttft_seconds);
-    last.mutable_timings()->set_total_seconds(res.total_seconds);
+    last.mutable_usage()->set_completion_tokens(static_cast<int>(o.result.tokens.size()));
+    last.mutable_timings()->set_queue_seconds(o.result.queue_seconds);
+    last.mutable_timings()->set_time_to_first_token_seconds(o.result.ttft_seconds);
+    last.mutable_timings()->set_total_seconds(o.result.total_seconds);
   }
 
   // The next write, or the end of the call once everything was written (one write at a time);
@@ -281,11 +250,7 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
 
   Mutex mu_;
   std::shared_ptr<GenRequest> r_ ABSL_GUARDED_BY(mu_);
-  std::optional<tok::TextStream> text_ ABSL_GUARDED_BY(mu_);
-  std::string all_text_ ABSL_GUARDED_BY(mu_);  // the unary response's text
-  size_t seen_ ABSL_GUARDED_BY(mu_) = 0;       // tokens taken from the request
-  // Set when a stop string ends the text.
-  size_t kept_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<size_t>::max();
+  std::optional<TokenFeed> feed_ ABSL_GUARDED_BY(mu_);
   v1::GenerateResponse pending_ ABSL_GUARDED_BY(mu_);  // taken, not yet written
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
   v1::GenerateResponse in_flight_;  // the write gRPC holds (set only while no write is)

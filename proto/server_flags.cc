@@ -16,10 +16,13 @@ ABSL_FLAG(int, health_port, -1,
 
 namespace moelora {
 
+TlsFiles TlsFilesFromFlags() {
+  return {"--", absl::GetFlag(FLAGS_tls_cert_file), absl::GetFlag(FLAGS_tls_key_file),
+          absl::GetFlag(FLAGS_tls_ca_file)};
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFlags() {
-  return ServerCredentialsFrom({"--", absl::GetFlag(FLAGS_tls_cert_file),
-                                absl::GetFlag(FLAGS_tls_key_file),
-                                absl::GetFlag(FLAGS_tls_ca_file)});
+  return ServerCredentialsFrom(TlsFilesFromFlags());
 }
 
 absl::StatusOr<std::unique_ptr<HealthPort>> HealthPortFromFlags(const std::string& host) {

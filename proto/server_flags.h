@@ -9,9 +9,12 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/security/server_credentials.h"
 #include "proto/health_port.h"
+#include "proto/tls.h"
 
 namespace moelora {
 
+// --tls-cert-file, --tls-key-file and --tls-ca-file as given.
+TlsFiles TlsFilesFromFlags();
 // The port's credentials from --tls-*-file (insecure without them); errors name flag and file.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFlags();
 // The --health-port server on `host` (null when the flag is -1).

@@ -35,6 +35,12 @@ absl::Status ReadPair(const TlsFiles& f, std::string* cert, std::string* key) {
 
 }  // namespace
 
+absl::Status ServerPemFrom(const TlsFiles& f, std::string* cert, std::string* key) {
+  // The same rules as ServerCredentialsFrom (checked there first, at start-up).
+  if (f.cert.empty() && f.key.empty()) return absl::OkStatus();
+  return ReadPair(f, cert, key);
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(const TlsFiles& f) {
   const std::string& p = f.flag_prefix;
   if (f.cert.empty() && f.key.empty()) {

@@ -22,6 +22,9 @@ struct TlsFiles {
 // Insecure when neither cert nor key is given. With both: TLS with that identity; with `ca` as
 // well, clients must present a certificate that CA signed (mutual TLS).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(const TlsFiles& f);
+// The PEM text of the cert and key `f` names, for a server that is not gRPC (the controller's
+// HTTP port); both left empty when neither is given.
+absl::Status ServerPemFrom(const TlsFiles& f, std::string* cert, std::string* key);
 
 // Insecure when nothing is given. With `ca`: TLS, the server's certificate checked against it
 // (without: the system's roots); with cert and key: this client's certificate for mutual TLS.

@@ -4,7 +4,8 @@
 
 TEMPLATES_DIR holds the real templates (llama.cpp's models/templates from the PyPI
 llama-cpp-python sdist: Qwen3, Qwen3.5, Step-3.5-Flash, GPT-OSS); MODEL_DIR a tokenizer
-(tokenizer.json + tokenizer_config.json, whose special tokens the templates see). Writes
+(tokenizer.json + tokenizer_config.json, whose special tokens the templates see, and its own
+chat_template.jinja, rendered over the same corpus when present). Writes
 OUT_DIR/cases.jsonl (the input lines of `moelora-tokenizer chat MODEL_DIR`) and
 OUT_DIR/expected.jsonl (transformers' prompt, or {"error": ...} where it raises), one line per
 case: every template over a corpus of conversations (system prompts, multi-turn, tool calls and
@@ -222,13 +223,19 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     cases = []
+    templates = {}
     for name, file in TEMPLATES.items():
         with open(os.path.join(templates_dir, file), encoding="utf-8") as f:
-            template = f.read()
+            templates[name] = f.read()
+    if tok.chat_template:
+        templates["model"] = None  # MODEL_DIR's own (chat_template.jinja): no override
+    for name, template in templates.items():
         for conv_name, messages in conversations().items():
             for flags in FLAGS:
                 case = {"id": f"{name}/{conv_name}/{json.dumps(flags, sort_keys=True)[:80]}",
-                        "chat_template": template, "messages": messages}
+                        "messages": messages}
+                if template is not None:
+                    case["chat_template"] = template
                 case.update(flags)
                 cases.append(case)
     for k, (template, context) in enumerate(SNIPPETS):
@@ -241,7 +248,7 @@ def main():
                 text = tok.apply_chat_template(
                     case["messages"], tools=case.get("tools"), tokenize=False,
                     add_generation_prompt=case.get("add_generation_prompt", False),
-                    chat_template=case["chat_template"], **case.get("chat_template_kwargs", {}))
+                    chat_template=case.get("chat_template"), **case.get("chat_template_kwargs", {}))
                 expected = text
             except Exception as e:  # noqa: BLE001 - the template's own error is the reference
                 expected = {"error": f"{type(e).__name__}: {e}"}

@@ -197,6 +197,29 @@ def real(args):
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# The tiny models' chat template (ChatML, written for these fixtures): system, user, assistant
+# and tool turns, tools listed in the system turn, and the assistant's generation prompt.
+TINY_CHAT_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- 'Tools:' }}
+{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role != 'system' or not loop.first %}
+{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}
+{%- for call in message.tool_calls or [] %}
+{{- '\\n<tool_call>' + (call.function or call) | tojson + '</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
 
 def tiny(args):
     r = random.Random(7)
@@ -220,6 +243,8 @@ def tiny(args):
                        "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False,
                        "model_max_length": 256}, f, indent=1)
             f.write("\n")
+        with open(os.path.join(m, "chat_template.jinja"), "w") as f:
+            f.write(TINY_CHAT_TEMPLATE)
     texts = corpus(400, 11, TINY_SPECIALS + ["<think>"])
     texts = [t for t in texts if len(t) < 1500]  # keep the committed file small
     d = os.path.join(args.out, "tokenizer")

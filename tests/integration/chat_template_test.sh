@@ -27,9 +27,11 @@ if [ ! -d "$TEMPLATES" ]; then
   tar xzf "$TMP/llama_cpp_python-$VERSION.tar.gz" -C "$TMP" --wildcards '*/models/templates/*'
   TEMPLATES="$TMP/llama_cpp_python-$VERSION/vendor/llama.cpp/models/templates"
 fi
-# The tiny model's tokenizer with a BOS token, so that templates printing bos_token show it.
+# The tiny model's tokenizer and chat template, with a BOS token so that templates printing
+# bos_token show it.
 mkdir -p "$TMP/model"
-cp "$ROOT/tests/data/qwen3_moe/model/tokenizer.json" "$TMP/model/"
+cp "$ROOT/tests/data/qwen3_moe/model/tokenizer.json" "$ROOT/tests/data/qwen3_moe/model/chat_template.jinja" \
+  "$TMP/model/"
 "$VENV/bin/python" - "$ROOT/tests/data/qwen3_moe/model/tokenizer_config.json" "$TMP/model" <<'PY'
 import json, sys
 config = json.load(open(sys.argv[1]))

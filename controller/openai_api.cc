@@ -1,0 +1,723 @@
+#include "controller/openai_api.h"
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "controller/token_feed.h"
+
+namespace moelora {
+namespace {
+
+using nlohmann::json;
+using nlohmann::ordered_json;
+
+// OpenAI leaves seed 0 a seed like any other; the engine reads 0 as "random".
+constexpr uint64_t kSeedForZero = 0x9E3779B97F4A7C15ull;
+
+std::string RandomId(const char* prefix) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
+  return absl::StrCat(prefix, buf);
+}
+
+int64_t UnixNow() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A request body's parameters, read with their types checked: the first problem is kept and
+// names the parameter.
+class Params {
+ public:
+  explicit Params(const ordered_json& j) : j_(j) {}
+  const ordered_json* Get(const char* k) const {
+    auto it = j_.find(k);
+    return it == j_.end() || it->is_null() ? nullptr : &*it;
+  }
+  double Number(const char* k, double def) {
+    const ordered_json* v = Get(k);
+    if (v == nullptr) return def;
+    if (!v->is_number()) return Bad(k, "must be a number"), def;
+    return v->get<double>();
+  }
+  int64_t Int(const char* k, int64_t def) {
+    const ordered_json* v = Get(k);
+    if (v == nullptr) return def;
+    if (!v->is_number_integer()) return Bad(k, "must be an integer"), def;
+    return v->get<int64_t>();
+  }
+  bool Bool(const char* k, bool def) {
+    const ordered_json* v = Get(k);
+    if (v == nullptr) return def;
+    if (!v->is_boolean()) return Bad(k, "must be true or false"), def;
+    return v->get<bool>();
+  }
+  std::string Str(const char* k, std::string def) {
+    const ordered_json* v = Get(k);
+    if (v == nullptr) return def;
+    if (!v->is_string()) return Bad(k, "must be a string"), def;
+    return v->get<std::string>();
+  }
+  void Bad(const char* k, const std::string& why) {
+    if (status_.ok()) {
+      status_ = absl::InvalidArgumentError(absl::StrCat(k, " ", why));
+      param_ = k;
+    }
+  }
+  // A parameter the engine has no use for unless it has its neutral value.
+  void Refuse(const char* k, bool neutral, const std::string& why) {
+    if (Get(k) != nullptr && !neutral) Bad(k, why);
+  }
+  const absl::Status& status() const { return status_; }
+  const std::string& param() const { return param_; }
+
+ private:
+  const ordered_json& j_;
+  absl::Status status_;
+  std::string param_;
+};
+
+std::string Event(const json& j) { return absl::StrCat("data: ", j.dump(), "\n\n"); }
+
+json Usage(int64_t prompt, int64_t completion) {
+  return json{{"prompt_tokens", prompt},
+              {"completion_tokens", completion},
+              {"total_tokens", prompt + completion}};
+}
+
+}  // namespace
+
+void ReadSamplingDefaults(const std::string& model_dir, OpenAiOptions* o) {
+  std::ifstream f(model_dir + "/generation_config.json");
+  if (!f) return;
+  const json j = json::parse(f, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return;
+  if (auto it = j.find("temperature"); it != j.end() && it->is_number()) {
+    o->default_temperature = it->get<double>();
+  }
+  if (auto it = j.find("top_p"); it != j.end() && it->is_number()) {
+    o->default_top_p = it->get<double>();
+  }
+  if (auto it = j.find("top_k"); it != j.end() && it->is_number_integer()) {
+    o->default_top_k = it->get<int>();
+  }
+}
+
+// One /v1/completions or /v1/chat/completions call: its choices (prompts × n) are requests in
+// the scheduler, each followed by a TokenFeed; the listeners post Pump, which writes stream
+// events or, at the end, the whole answer. Shared by the pump threads and the listeners.
+class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
+ public:
+  Generation(OpenAiApi* api, std::shared_ptr<HttpExchange> ex, bool chat)
+      : api_(api), ex_(std::move(ex)), chat_(chat), route_(chat ? "chat" : "completions") {}
+
+  // A pump thread: parse, render and tokenize, submit.
+  void Start() {
+    std::vector<v1::GenerateRequest> reqs;
+    std::vector<Choice> choices;
+    Params p(body_);
+    absl::Status s = Prepare(&p, &reqs, &choices);
+    if (!s.ok()) return api_->AnswerError(ex_, route_, s, p.param());
+    Controller* c = api_->controller_;
+    std::vector<std::shared_ptr<GenRequest>> submitted;
+    for (const v1::GenerateRequest& req : reqs) {
+      absl::StatusOr<std::shared_ptr<GenRequest>> r =
+          c->Submit(req, std::chrono::steady_clock::time_point::max());
+      if (!r.ok()) {
+        c->RecordRequest(req.adapter(), /*admitted=*/false, r.status().code());
+        for (auto& done : submitted) done->cancelled = true;
+        if (!submitted.empty()) c->Wake();
+        absl::Status st = r.status();
+        if (st.code() == absl::StatusCode::kNotFound) {
+          st = absl::NotFoundError(absl::StrCat("The model `", model_, "` does not exist: ",
+                                                st.message()));
+        }
+        return api_->AnswerError(ex_, route_, st, st.code() == absl::StatusCode::kNotFound ? "model" : "");
+      }
+      submitted.push_back(*r);
+    }
+    {
+      MutexLock lock(&mu_);
+      choices_ = std::move(choices);
+      for (size_t k = 0; k < submitted.size(); ++k) {
+        choices_[k].feed.emplace(c, api_->metrics_, submitted[k]);
+      }
+    }
+    if (stream_) {
+      ex_->StartStream(200, "text/event-stream");
+      api_->metrics_->http_requests.Add({{"route", route_}, {"status", "200"}}).Increment();
+    }
+    // The exchange keeps this call alive until the request completes (or is cut short, which
+    // cancels what still runs).
+    ex_->SetOnClose([self = shared_from_this()] { self->Cancel(); });
+    for (auto& r : submitted) {
+      r->SetListener(
+          [weak = weak_from_this()] {
+            if (std::shared_ptr<Generation> self = weak.lock()) self->Schedule();
+          },
+          /*on_tokens=*/stream_ || !r->req.stop().empty());
+    }
+  }
+
+  ordered_json body_;  // set before Start
+
+ private:
+  struct Choice {
+    int index = 0;
+    int prompt = 0;
+    std::optional<TokenFeed> feed;
+    bool done = false;
+    bool role_sent = false;
+    size_t text_offset = 0;  // completions logprobs: bytes of text before the next token
+    TokenFeed::Outcome outcome;
+  };
+
+  // Parses the body into one request per choice (prompts × n) and `choices`.
+  absl::Status Prepare(Params* p, std::vector<v1::GenerateRequest>* reqs,
+                       std::vector<Choice>* choices) {
+    Controller* c = api_->controller_;
+    const OpenAiOptions& o = api_->options_;
+    const tok::Tokenizer* tokenizer = c->tokenizer();
+    model_ = p->Str("model", o.served_model_name);
+    stream_ = p->Bool("stream", false);
+    if (const ordered_json* so = p->Get("stream_options")) {
+      if (!so->is_object()) {
+        p->Bad("stream_options", "must be an object");
+      } else if (!stream_) {
+        p->Bad("stream_options", "is only allowed with stream: true");
+      } else if (auto it = so->find("include_usage"); it != so->end() && !it->is_null()) {
+        if (!it->is_boolean()) {
+          p->Bad("stream_options", "include_usage must be true or false");
+        } else {
+          include_usage_ = it->get<bool>();
+        }
+      }
+    }
+    const int64_t n = p->Int("n", 1);
+    if (p->status().ok() && (n < 1 || n > o.max_n)) p->Bad("n", absl::StrCat("must be in 1..", o.max_n));
+    const int64_t best_of = p->Int("best_of", n);
+    p->Refuse("best_of", best_of == n, "other than n is not supported");
+    p->Refuse("presence_penalty", p->Number("presence_penalty", 0) == 0, "is not supported (use 0)");
+    p->Refuse("frequency_penalty", p->Number("frequency_penalty", 0) == 0, "is not supported (use 0)");
+    p->Refuse("repetition_penalty", p->Number("repetition_penalty", 1) == 1, "is not supported (use 1)");
+    p->Refuse("min_p", p->Number("min_p", 0) == 0, "is not supported (use 0)");
+    p->Refuse("min_tokens", p->Int("min_tokens", 0) == 0, "is not supported (use 0)");
+    const ordered_json* bias = p->Get("logit_bias");
+    p->Refuse("logit_bias", bias == nullptr || bias->empty(), "is not supported");
+    p->Refuse("echo", !p->Bool("echo", false), "is not supported");
+    p->Refuse("suffix", p->Str("suffix", "").empty(), "is not supported");
+    p->Refuse("use_beam_search", !p->Bool("use_beam_search", false), "is not supported");
+    p->Refuse("prompt_logprobs", false, "is not supported");
+    for (const char* k : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                          "structured_outputs"}) {
+      p->Refuse(k, false, "(structured output) is not supported");
+    }
+    if (const ordered_json* rf = p->Get("response_format")) {
+      p->Refuse("response_format", rf->is_object() && rf->value("type", "text") == "text",
+                "other than {\"type\": \"text\"} is not supported");
+    }
+    // Logprobs: those of the sampled tokens; top alternatives are not computed.
+    if (chat_) {
+      logprobs_ = p->Bool("logprobs", false);
+      p->Refuse("top_logprobs", p->Int("top_logprobs", 0) == 0,
+                "above 0 is not supported: the engine returns the sampled tokens' logprobs only");
+    } else if (p->Get("logprobs") != nullptr) {
+      const int64_t lp = p->Int("logprobs", 0);
+      if (lp != 0) {
+        p->Bad("logprobs", "above 0 is not supported: the engine returns the sampled tokens' "
+                           "logprobs only (use 0)");
+      }
+      logprobs_ = true;
+    }
+    v1::GenerateRequest base;
+    base.set_adapter(model_ == o.served_model_name ? "" : model_);
+    base.set_temperature(static_cast<float>(p->Number("temperature", o.default_temperature.value_or(1.0))));
+    base.set_top_p(static_cast<float>(p->Number("top_p", o.default_top_p.value_or(1.0))));
+    const int64_t top_k = p->Int("top_k", o.default_top_k.value_or(0));
+    base.set_top_k(top_k < 0 ? 0 : static_cast<int32_t>(top_k));
+    base.set_ignore_eos(p->Bool("ignore_eos", false));
+    base.set_return_logprobs(logprobs_);
+    if (const ordered_json* stop = p->Get("stop")) {
+      if (stop->is_string()) {
+        base.add_stop(stop->get<std::string>());
+      } else if (stop->is_array()) {
+        for (const auto& s : *stop) {
+          if (!s.is_string()) {
+            p->Bad("stop", "must be a string or a list of strings");
+            break;
+          }
+          base.add_stop(s.get<std::string>());
+        }
+      } else {
+        p->Bad("stop", "must be a string or a list of strings");
+      }
+    }
+    if (const ordered_json* ids = p->Get("stop_token_ids")) {
+      if (!ids->is_array()) p->Bad("stop_token_ids", "must be a list of token ids");
+      for (const auto& id : ids->is_array() ? *ids : ordered_json::array()) {
+        if (!id.is_number_integer()) {
+          p->Bad("stop_token_ids", "must be a list of token ids");
+          break;
+        }
+        base.add_stop_token_ids(id.get<int32_t>());
+      }
+    }
+    const bool has_seed = p->Get("seed") != nullptr;
+    const int64_t seed = p->Int("seed", 0);
+    int64_t max_tokens = p->Int("max_tokens", -1);
+    if (chat_) max_tokens = p->Int("max_completion_tokens", max_tokens);
+    if (!p->status().ok()) return p->status();
+
+    // The prompts, as token ids.
+    std::vector<std::vector<int32_t>> prompts;
+    if (chat_) {
+      std::string text;
+      MOELORA_RETURN_IF_ERROR(RenderChat(p, &text));
+      if (tokenizer == nullptr) return absl::InvalidArgumentError("this model has no tokenizer");
+      auto ids = tokenizer->Encode(text, /*add_special_tokens=*/false);
+      if (!ids.ok()) return ids.status();
+      prompts.push_back(std::move(*ids));
+    } else {
+      const ordered_json* prompt = p->Get("prompt");
+      if (prompt == nullptr) return p->Bad("prompt", "is required"), p->status();
+      auto encode = [&](const std::string& text) -> absl::Status {
+        if (tokenizer == nullptr) {
+          return absl::InvalidArgumentError(
+              "this model directory has no tokenizer.json: send the prompt as token ids");
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        auto ids = tokenizer->Encode(text);
+        api_->metrics_->tokenize_seconds.Observe(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
+        prompts.push_back(std::move(*ids));
+        return absl::OkStatus();
+      };
+      auto token_list = [&](const ordered_json& a) -> bool {
+        std::vector<int32_t> ids;
+        for (const auto& t : a) {
+          if (!t.is_number_integer()) return false;
+          ids.push_back(t.get<int32_t>());
+        }
+        prompts.push_back(std::move(ids));
+        return true;
+      };
+      const char* kShape = "must be a string, a list of strings, a list of token ids or a list of those";
+      if (prompt->is_string()) {
+        MOELORA_RETURN_IF_ERROR(encode(prompt->get<std::string>()));
+      } else if (prompt->is_array() && !prompt->empty()) {
+        if ((*prompt)[0].is_number_integer()) {
+          if (!token_list(*prompt)) return p->Bad("prompt", kShape), p->status();
+        } else {
+          for (const auto& e : *prompt) {
+            if (e.is_string()) {
+              MOELORA_RETURN_IF_ERROR(encode(e.get<std::string>()));
+            } else if (!e.is_array() || e.empty() || !token_list(e)) {
+              return p->Bad("prompt", kShape), p->status();
+            }
+          }
+        }
+      } else {
+        return p->Bad("prompt", kShape), p->status();
+      }
+    }
+    for (size_t k = 0; k < prompts.size(); ++k) {
+      prompt_tokens_ += static_cast<int64_t>(prompts[k].size());
+      for (int64_t j = 0; j < n; ++j) {
+        v1::GenerateRequest req = base;
+        req.mutable_prompt_token_ids()->Add(prompts[k].begin(), prompts[k].end());
+        // OpenAI's default is 16 for completions; chat runs to the end of the context.
+        int64_t m = max_tokens;
+        if (m < 0) {
+          m = chat_ ? std::max<int64_t>(1, c->max_model_len() - static_cast<int64_t>(prompts[k].size()))
+                    : 16;
+        }
+        req.set_max_tokens(static_cast<int32_t>(std::min<int64_t>(m, INT32_MAX)));
+        if (has_seed) {
+          const uint64_t s = static_cast<uint64_t>(seed) + static_cast<uint64_t>(reqs->size());
+          req.set_seed(s == 0 ? kSeedForZero : s);
+        }
+        Choice ch;
+        ch.index = static_cast<int>(reqs->size());
+        ch.prompt = static_cast<int>(k);
+        choices->push_back(std::move(ch));
+        reqs->push_back(std::move(req));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RenderChat(Params* p, std::string* text) {
+    const OpenAiOptions& o = api_->options_;
+    if (o.chat_template == nullptr) {
+      return absl::InvalidArgumentError(
+          "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
+          "chat_template): use /v1/completions");
+    }
+    const ordered_json* messages = p->Get("messages");
+    if (messages == nullptr || !messages->is_array() || messages->empty()) {
+      p->Bad("messages", "must be a non-empty list");
+      return p->status();
+    }
+    p->Refuse("continue_final_message", !p->Bool("continue_final_message", false), "is not supported");
+    if (const ordered_json* tc = p->Get("tool_choice")) {
+      p->Refuse("tool_choice", tc->is_string() && (*tc == "auto" || *tc == "none"),
+                "other than \"auto\" or \"none\" is not supported");
+    }
+    const ordered_json* tools = p->Get("tools");
+    if (tools != nullptr && !tools->is_array()) p->Bad("tools", "must be a list");
+    const ordered_json* kwargs = p->Get("chat_template_kwargs");
+    if (kwargs != nullptr && !kwargs->is_object()) p->Bad("chat_template_kwargs", "must be an object");
+    const bool add_generation_prompt = p->Bool("add_generation_prompt", true);
+    if (!p->status().ok()) return p->status();
+    // Messages as vLLM hands them to the template: text parts joined into one string, tool
+    // call arguments parsed from their JSON text.
+    ordered_json chat = ordered_json::array();
+    for (size_t i = 0; i < messages->size(); ++i) {
+      const ordered_json& m = (*messages)[i];
+      const std::string where = absl::StrCat("messages[", i, "]");
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, " must be an object with a string role"));
+      }
+      ordered_json out = m;
+      if (m.contains("content") && m["content"].is_array()) {
+        std::string joined;
+        for (const auto& part : m["content"]) {
+          const std::string type = part.is_object() ? part.value("type", "") : "";
+          if (type != "text" || !part.contains("text") || !part["text"].is_string()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                where, ".content: only text parts are supported by this model (got \"", type, "\")"));
+          }
+          if (!joined.empty()) joined += "\n";
+          joined += part["text"].get<std::string>();
+        }
+        out["content"] = joined;
+      } else if (m.contains("content") && !m["content"].is_string() && !m["content"].is_null()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".content must be a string or a list of parts"));
+      }
+      if (out.contains("tool_calls") && out["tool_calls"].is_array()) {
+        for (auto& call : out["tool_calls"]) {
+          if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) continue;
+          auto& args = call["function"]["arguments"];
+          if (args.is_string()) {
+            ordered_json parsed = ordered_json::parse(args.get<std::string>(), nullptr, false);
+            if (!parsed.is_discarded()) args = std::move(parsed);
+          }
+        }
+      }
+      chat.push_back(std::move(out));
+    }
+    const ordered_json vars = tok::ChatTemplateVariables(
+        chat, tools != nullptr ? *tools : ordered_json(), add_generation_prompt, o.special_tokens,
+        kwargs != nullptr ? *kwargs : ordered_json::object());
+    absl::StatusOr<std::string> r = o.chat_template->Render(vars);
+    if (!r.ok()) return r.status();
+    *text = std::move(*r);
+    return absl::OkStatus();
+  }
+
+  void Cancel() {
+    MutexLock lock(&mu_);
+    for (Choice& c : choices_) {
+      if (c.feed) c.feed->request()->cancelled = true;
+    }
+    api_->controller_->Wake();
+  }
+
+  // A listener (the scheduler's thread): at most one Pump queued at a time.
+  void Schedule() {
+    if (!queued_.exchange(true)) api_->pump_.Post([self = shared_from_this()] { self->Pump(); });
+  }
+
+  json LogprobsJson(Choice& c, const std::vector<int32_t>& tokens, const std::vector<float>& lps) {
+    const tok::Tokenizer* tokenizer = api_->controller_->tokenizer();
+    auto token_text = [&](int32_t id) {
+      return tokenizer != nullptr ? tokenizer->Decode({id}) : std::to_string(id);
+    };
+    if (chat_) {
+      json content = json::array();
+      for (size_t i = 0; i < tokens.size() && i < lps.size(); ++i) {
+        json bytes = json::array();
+        if (tokenizer != nullptr) {
+          for (unsigned char b : tokenizer->DecodeBytes({tokens[i]})) bytes.push_back(b);
+        }
+        content.push_back({{"token", token_text(tokens[i])},
+                           {"logprob", lps[i]},
+                           {"bytes", std::move(bytes)},
+                           {"top_logprobs", json::array()}});
+      }
+      return json{{"content", std::move(content)}};
+    }
+    json toks = json::array(), lp = json::array(), offsets = json::array();
+    for (size_t i = 0; i < tokens.size() && i < lps.size(); ++i) {
+      const std::string t = token_text(tokens[i]);
+      toks.push_back(t);
+      lp.push_back(lps[i]);
+      offsets.push_back(c.text_offset);
+      c.text_offset += t.size();
+    }
+    return json{{"tokens", std::move(toks)},
+                {"token_logprobs", std::move(lp)},
+                {"top_logprobs", nullptr},
+                {"text_offset", std::move(offsets)}};
+  }
+
+  json ChunkHead() const {
+    return json{{"id", id_},
+                {"object", chat_ ? "chat.completion.chunk" : "text_completion"},
+                {"created", created_},
+                {"model", model_}};
+  }
+
+  // One stream event for a choice: its new text (and logprobs), or its end.
+  std::string ChunkEvent(Choice& c, const std::string& text, const std::vector<int32_t>& tokens,
+                         const std::vector<float>& lps, const std::string& finish_reason) {
+    json choice = {{"index", c.index}};
+    if (chat_) {
+      json delta = json::object();
+      if (!c.role_sent) {
+        delta["role"] = "assistant";
+        c.role_sent = true;
+      }
+      if (!text.empty() || finish_reason.empty()) delta["content"] = text;
+      choice["delta"] = std::move(delta);
+    } else {
+      choice["text"] = text;
+    }
+    choice["logprobs"] = logprobs_ && !tokens.empty() ? LogprobsJson(c, tokens, lps) : json();
+    choice["finish_reason"] = finish_reason.empty() ? json() : json(finish_reason);
+    json j = ChunkHead();
+    j["choices"] = json::array({std::move(choice)});
+    if (include_usage_) j["usage"] = nullptr;
+    return Event(j);
+  }
+
+  void Pump() {
+    queued_ = false;
+    MutexLock lock(&mu_);
+    if (finished_) return;
+    std::string out;
+    bool all_done = true;
+    for (Choice& c : choices_) {
+      if (c.done) continue;
+      TokenFeed::Chunk k = c.feed->Take();
+      if (stream_ && (!k.text.empty() || (logprobs_ && !k.tokens.empty()) || (chat_ && !c.role_sent))) {
+        out += ChunkEvent(c, k.text, k.tokens, k.logprobs, "");
+      }
+      if (!k.done) {
+        all_done = false;
+        continue;
+      }
+      c.done = true;
+      c.outcome = c.feed->Finish();
+      completion_tokens_ += static_cast<int64_t>(c.outcome.result.tokens.size());
+      if (stream_) {
+        if (c.outcome.status.ok()) {
+          out += ChunkEvent(c, c.outcome.rest, {}, {}, c.outcome.finish_reason);
+        } else {
+          out += absl::StrCat("data: ", OpenAiErrorBody(c.outcome.status), "\n\n");
+        }
+      }
+    }
+    if (stream_) {
+      if (all_done) {
+        if (include_usage_) {
+          json j = ChunkHead();
+          j["choices"] = json::array();
+          j["usage"] = Usage(prompt_tokens_, completion_tokens_);
+          out += Event(j);
+        }
+        out += "data: [DONE]\n\n";
+        finished_ = true;
+      }
+      if (!out.empty()) ex_->Write(std::move(out));
+      if (finished_) ex_->End();
+      return;
+    }
+    if (!all_done) return;
+    finished_ = true;
+    for (const Choice& c : choices_) {
+      if (!c.outcome.status.ok()) return api_->AnswerError(ex_, route_, c.outcome.status);
+    }
+    json choices = json::array();
+    for (Choice& c : choices_) {
+      json choice = {{"index", c.index}};
+      if (chat_) {
+        choice["message"] = {{"role", "assistant"}, {"content", c.outcome.text}};
+      } else {
+        choice["text"] = c.outcome.text;
+      }
+      choice["logprobs"] = logprobs_ ? LogprobsJson(c, c.outcome.result.tokens, c.outcome.result.logprobs)
+                                     : json();
+      choice["finish_reason"] = c.outcome.finish_reason;
+      choices.push_back(std::move(choice));
+    }
+    json j = {{"id", id_},
+              {"object", chat_ ? "chat.completion" : "text_completion"},
+              {"created", created_},
+              {"model", model_},
+              {"choices", std::move(choices)},
+              {"usage", Usage(prompt_tokens_, completion_tokens_)}};
+    api_->Answer(ex_, route_, 200, "application/json", j.dump());
+  }
+
+  OpenAiApi* const api_;
+  const std::shared_ptr<HttpExchange> ex_;
+  const bool chat_;
+  const std::string route_;
+  const std::string id_ = RandomId(chat_ ? "chatcmpl-" : "cmpl-");
+  const int64_t created_ = UnixNow();
+  // Set by Start before any listener runs.
+  std::string model_;
+  bool stream_ = false;
+  bool include_usage_ = false;
+  bool logprobs_ = false;
+  int64_t prompt_tokens_ = 0;
+
+  std::atomic<bool> queued_{false};
+  Mutex mu_;
+  std::vector<Choice> choices_ ABSL_GUARDED_BY(mu_);
+  int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+OpenAiApi::OpenAiApi(Controller* controller, ControllerMetrics* metrics, const TokenAuth* auth,
+                     OpenAiOptions options)
+    : controller_(controller),
+      metrics_(metrics),
+      auth_(auth),
+      options_(std::move(options)),
+      pump_(std::max(1, options_.pump_threads)) {}
+
+OpenAiApi::~OpenAiApi() = default;
+
+void OpenAiApi::Answer(const std::shared_ptr<HttpExchange>& ex, const std::string& route,
+                       int status, std::string content_type, std::string body) {
+  metrics_->http_requests.Add({{"route", route}, {"status", std::to_string(status)}}).Increment();
+  ex->Respond(status, std::move(content_type), std::move(body));
+}
+
+void OpenAiApi::AnswerError(const std::shared_ptr<HttpExchange>& ex, const std::string& route,
+                            const absl::Status& status, const std::string& param) {
+  Answer(ex, route, HttpStatusOf(status.code()), "application/json",
+         OpenAiErrorBody(status, param));
+}
+
+void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
+  const std::string& path = ex->path();
+  const std::string& method = ex->method();
+  struct Route {
+    const char* path;
+    const char* method;
+    const char* name;
+    bool admin;
+  };
+  static const Route kRoutes[] = {
+      {"/v1/completions", "POST", "completions", false},
+      {"/v1/chat/completions", "POST", "chat", false},
+      {"/v1/models", "GET", "models", false},
+      {"/v1/load_lora_adapter", "POST", "load_lora_adapter", true},
+      {"/v1/unload_lora_adapter", "POST", "unload_lora_adapter", true},
+      {"/health", "GET", "health", false},
+  };
+  const Route* route = nullptr;
+  for (const Route& r : kRoutes) {
+    if (path == r.path) route = &r;
+  }
+  if (route == nullptr) {
+    return AnswerError(ex, "other", absl::NotFoundError(absl::StrCat("no route ", path)));
+  }
+  if (method != route->method) {
+    metrics_->http_requests.Add({{"route", route->name}, {"status", "405"}}).Increment();
+    return ex->Respond(405, "application/json",
+                       OpenAiErrorBody(absl::InvalidArgumentError(absl::StrCat(
+                           path, " takes ", route->method, ", not ", method))));
+  }
+  const std::string name = route->name;
+  if (name == "health") {
+    const bool serving = controller_->serving();
+    return Answer(ex, name, serving ? 200 : 503, "text/plain", serving ? "" : "not serving");
+  }
+  // Tokens as on gRPC: the Authorization header's "Bearer <token>".
+  if (auth_ != nullptr) {
+    if (absl::Status s = auth_->Check(ex->authorization(), route->admin); !s.ok()) {
+      metrics_->auth_failures
+          .Add({{"code", absl::AsciiStrToLower(absl::StatusCodeToString(s.code()))}})
+          .Increment();
+      return AnswerError(ex, name, s);
+    }
+  }
+  if (name == "models") return Models(ex);
+  ordered_json body = ordered_json::parse(ex->body(), nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    return AnswerError(ex, name,
+                       absl::InvalidArgumentError("the request body is not a JSON object"));
+  }
+  if (name == "load_lora_adapter" || name == "unload_lora_adapter") {
+    // Short, but LoadAdapter reads and stages the adapter: off the server's thread.
+    return pump_.Post([this, ex, body = std::move(body), load = name == "load_lora_adapter"] {
+      const std::string route = load ? "load_lora_adapter" : "unload_lora_adapter";
+      const ordered_json* lora_name = body.contains("lora_name") ? &body["lora_name"] : nullptr;
+      if (lora_name == nullptr || !lora_name->is_string() || lora_name->get<std::string>().empty()) {
+        return AnswerError(ex, route, absl::InvalidArgumentError("lora_name must be a non-empty string"),
+                           "lora_name");
+      }
+      const std::string n = lora_name->get<std::string>();
+      if (load) {
+        if (!body.contains("lora_path") || !body["lora_path"].is_string()) {
+          return AnswerError(ex, route, absl::InvalidArgumentError("lora_path must be a string"),
+                             "lora_path");
+        }
+        v1::LoadAdapterRequest req;
+        req.set_name(n);
+        req.set_path(body["lora_path"].get<std::string>());
+        absl::StatusOr<v1::Adapter> a = controller_->LoadAdapter(req);
+        if (!a.ok()) return AnswerError(ex, route, a.status());
+        return Answer(ex, route, 200, "text/plain",
+                      absl::StrCat("Success: LoRA adapter '", n, "' added successfully."));
+      }
+      absl::StatusOr<v1::Adapter> a = controller_->UnloadAdapter(n);
+      if (!a.ok()) return AnswerError(ex, route, a.status());
+      return Answer(ex, route, 200, "text/plain",
+                    absl::StrCat("Success: LoRA adapter '", n, "' removed successfully."));
+    });
+  }
+  auto g = std::make_shared<Generation>(this, ex, name == "chat");
+  g->body_ = std::move(body);
+  pump_.Post([g] { g->Start(); });
+}
+
+void OpenAiApi::Models(const std::shared_ptr<HttpExchange>& ex) {
+  const int64_t now = UnixNow();
+  json data = json::array();
+  json base = {{"id", options_.served_model_name},
+               {"object", "model"},
+               {"created", now},
+               {"owned_by", "moelora"},
+               {"root", options_.model_path},
+               {"parent", nullptr}};
+  if (const int len = controller_->max_model_len(); len > 0) base["max_model_len"] = len;
+  data.push_back(std::move(base));
+  for (const v1::Adapter& a : controller_->ListAdapters()) {
+    if (a.state() != v1::ADAPTER_STATE_READY) continue;
+    data.push_back({{"id", a.name()},
+                    {"object", "model"},
+                    {"created", now},
+                    {"owned_by", "moelora"},
+                    {"root", a.path()},
+                    {"parent", options_.served_model_name}});
+  }
+  Answer(ex, "models", 200, "application/json",
+         json{{"object", "list"}, {"data", std::move(data)}}.dump());
+}
+
+}  // namespace moelora

@@ -1,0 +1,83 @@
+// The OpenAI-compatible HTTP API (--http-port) over the same controller as gRPC: the scheduler,
+// adapters, tokens and metrics are shared.
+//
+//   GET  /v1/models                the base model (--served-model-name) and every adapter
+//   POST /v1/completions           prompt as text, token ids, or a list of either
+//   POST /v1/chat/completions      messages rendered by the model's chat template
+//   POST /v1/load_lora_adapter     vLLM's {"lora_name", "lora_path"} (admin token)
+//   POST /v1/unload_lora_adapter   vLLM's {"lora_name"} (admin token)
+//   GET  /health                   200 while serving, else 503
+//
+// `model` names an adapter or the base. Sampling: max_tokens (max_completion_tokens),
+// temperature, top_p, seed, stop, n, logprobs of the sampled tokens, stream (server-sent
+// events ending in "data: [DONE]") with stream_options.include_usage, and vLLM's top_k,
+// ignore_eos, stop_token_ids. What the engine cannot do (penalties, logit_bias, top
+// alternatives in logprobs, echo, suffix, ...) is refused with 400 naming the parameter, never
+// ignored. Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+//
+// A generation runs like a gRPC Generate: its requests' listeners post to a few pump threads
+// that turn tokens into text and answer; nothing holds a thread while it waits.
+//
+// Thread-safety: Handle may be called from any thread.
+#ifndef MOELORA_CONTROLLER_OPENAI_API_H_
+#define MOELORA_CONTROLLER_OPENAI_API_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/work_pool.h"
+#include "controller/auth.h"
+#include "controller/controller.h"
+#include "controller/http_server.h"
+#include "controller/metrics.h"
+#include "nlohmann/json.hpp"
+#include "tokenizer/chat_template.h"
+
+namespace moelora {
+
+struct OpenAiOptions {
+  std::string served_model_name;  // `model` for the base
+  std::string model_path;         // /v1/models' root for the base
+  // The model's chat template (null: /v1/chat/completions answers 400 saying so).
+  std::shared_ptr<const tok::ChatTemplate> chat_template;
+  nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
+  // generation_config.json's sampling defaults, used where a request sets none (as vLLM does);
+  // else OpenAI's (temperature 1, top_p 1).
+  std::optional<double> default_temperature, default_top_p;
+  std::optional<int> default_top_k;
+  int pump_threads = 4;
+  int max_n = 16;  // `n` (choices per prompt) at most
+};
+
+// Reads generation_config.json's temperature, top_p and top_k from `model_dir` into `o` (absent
+// file or keys: nothing set).
+void ReadSamplingDefaults(const std::string& model_dir, OpenAiOptions* o);
+
+class OpenAiApi {
+ public:
+  OpenAiApi(Controller* controller, ControllerMetrics* metrics, const TokenAuth* auth,
+            OpenAiOptions options);
+  ~OpenAiApi();
+  // HttpServer's handler.
+  void Handle(std::shared_ptr<HttpExchange> ex);
+
+ private:
+  class Generation;
+  void Answer(const std::shared_ptr<HttpExchange>& ex, const std::string& route, int status,
+              std::string content_type, std::string body);
+  void AnswerError(const std::shared_ptr<HttpExchange>& ex, const std::string& route,
+                   const absl::Status& status, const std::string& param = "");
+  void Models(const std::shared_ptr<HttpExchange>& ex);
+
+  Controller* const controller_;
+  ControllerMetrics* const metrics_;
+  const TokenAuth* const auth_;
+  const OpenAiOptions options_;
+  WorkPool pump_;
+};
+
+}  // namespace moelora
+
+#endif  // MOELORA_CONTROLLER_OPENAI_API_H_
