@@ -5,10 +5,13 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "nlohmann/json.hpp"
 
 namespace moelora {
@@ -16,10 +19,9 @@ namespace moelora {
 // libmicrohttpd's callbacks. Each request's exchange lives in a heap shared_ptr in *req_cls
 // from the first call of OnRequest to OnCompleted; a stream's reader holds another.
 struct HttpExchange::Callbacks {
-  static MHD_Result OnRequest(void* cls, MHD_Connection* conn, const char* url,
-                              const char* method, const char* /*version*/,
-                              const char* upload_data, size_t* upload_data_size,
-                              void** req_cls) {
+  static MHD_Result OnRequest(void* cls, MHD_Connection* conn, const char* url, const char* method,
+                              const char* /*version*/, const char* upload_data,
+                              size_t* upload_data_size, void** req_cls) {
     auto* server = static_cast<HttpServer*>(cls);
     if (*req_cls == nullptr) {
       std::shared_ptr<HttpExchange> ex(new HttpExchange());
@@ -200,6 +202,13 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const Options& opt
   s->max_body_bytes_ = options.max_body_bytes;
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
                    MHD_USE_ERROR_LOG;
+  // libmicrohttpd's messages (a client that left mid-stream, a bad TLS handshake) at VLOG(1).
+  MHD_LogCallback logger = [](void*, const char* fmt, va_list ap) {
+    if (!VLOG_IS_ON(1)) return;
+    char buf[512];
+    std::vsnprintf(buf, sizeof(buf), fmt, ap);
+    VLOG(1) << "libmicrohttpd: " << buf;
+  };
   sockaddr_in v4{};
   sockaddr_in6 v6{};
   const sockaddr* addr = nullptr;
@@ -225,9 +234,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const Options& opt
       MHD_OPTION_NOTIFY_COMPLETED, &HttpExchange::Callbacks::OnCompleted, s.get(),
       MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(std::max(1, options.threads)),
       MHD_OPTION_CONNECTION_TIMEOUT, static_cast<unsigned>(options.idle_timeout_s),
-      MHD_OPTION_CONNECTION_LIMIT, 16384u, tls ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END,
-      options.tls_cert.c_str(), MHD_OPTION_HTTPS_MEM_KEY, options.tls_key.c_str(),
-      MHD_OPTION_END);
+      MHD_OPTION_CONNECTION_LIMIT, 16384u, MHD_OPTION_EXTERNAL_LOGGER, logger, nullptr,
+      tls ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END, options.tls_cert.c_str(),
+      MHD_OPTION_HTTPS_MEM_KEY, options.tls_key.c_str(), MHD_OPTION_END);
   if (s->daemon_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", options.host, ":",
                                                options.port, tls ? " (TLS)" : ""));

@@ -39,8 +39,7 @@ class HttpExchange {
 
   // The whole answer (the first answer wins; later ones and answers after the client left are
   // dropped).
-  void Respond(int status, std::string content_type, std::string body)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void Respond(int status, std::string content_type, std::string body) ABSL_LOCKS_EXCLUDED(mu_);
   // Starts an answer of unknown length (chunked): then Write, then End.
   void StartStream(int status, std::string content_type) ABSL_LOCKS_EXCLUDED(mu_);
   void Write(std::string data) ABSL_LOCKS_EXCLUDED(mu_);

@@ -285,6 +285,8 @@ int main(int argc, char** argv) {
   group.SetOnDown([&](const std::string& why) { controller.OnGroupDown(why); });
 
   moelora::ControllerService service(&controller, &metrics);
+  std::unique_ptr<moelora::OpenAiApi> openai;  // --http-port's, set up below
+  std::unique_ptr<moelora::HttpServer> http;
   std::unique_ptr<moelora::TokenAuth> auth;
   if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
     auto a = moelora::TokenAuth::Load(absl::GetFlag(FLAGS_auth_tokens_file));
@@ -324,6 +326,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<moelora::HealthPort> health_port = *std::move(hp);
   if (health_port) LOG(INFO) << "health (plaintext) on port " << health_port->port();
   auto set_health = [&](bool serving) {
+    if (openai) openai->set_healthy(serving);
     health->SetServingStatus(serving);
     health->SetServingStatus("moelora.v1.Controller", serving);
     if (health_port) {
@@ -332,8 +335,6 @@ int main(int argc, char** argv) {
     }
   };
   // The OpenAI-compatible HTTP API, on the same controller.
-  std::unique_ptr<moelora::OpenAiApi> openai;
-  std::unique_ptr<moelora::HttpServer> http;
   int http_port = -1;
   if (absl::GetFlag(FLAGS_http_port) >= 0) {
     moelora::OpenAiOptions oo;
@@ -350,12 +351,14 @@ int main(int argc, char** argv) {
     if (const std::string file = absl::GetFlag(FLAGS_chat_template); !file.empty()) {
       std::ifstream f(file);
       std::stringstream ss;
-      if (!f || !(ss << f.rdbuf())) return fail(absl::StrCat("--chat-template ", file, ": cannot be read"));
+      if (!f || !(ss << f.rdbuf()))
+        return fail(absl::StrCat("--chat-template ", file, ": cannot be read"));
       source = ss.str();
     }
     if (source.ok()) {
       auto t = moelora::tok::ChatTemplate::Parse(*source);
-      if (!t.ok()) return fail(absl::StrCat("chat template of ", tok_dir, ": ", t.status().message()));
+      if (!t.ok())
+        return fail(absl::StrCat("chat template of ", tok_dir, ": ", t.status().message()));
       oo.chat_template = *t;
     } else if (source.status().code() != absl::StatusCode::kNotFound) {
       return fail(source.status().ToString());
@@ -374,14 +377,17 @@ int main(int argc, char** argv) {
     ho.threads = std::max(1, absl::GetFlag(FLAGS_http_threads));
     const moelora::TlsFiles tls = moelora::TlsFilesFromFlags();
     if (!tls.ca.empty()) {
-      return fail("--http-port with --tls-ca-file: client certificates are not supported on the "
-                  "HTTP port (use bearer tokens, --auth-tokens-file)");
+      return fail(
+          "--http-port with --tls-ca-file: client certificates are not supported on the "
+          "HTTP port (use bearer tokens, --auth-tokens-file)");
     }
     if (absl::Status s = moelora::ServerPemFrom(tls, &ho.tls_cert, &ho.tls_key); !s.ok()) {
       return fail(std::string(s.message()));
     }
     auto h = moelora::HttpServer::Start(
-        ho, [api = openai.get()](std::shared_ptr<moelora::HttpExchange> ex) { api->Handle(std::move(ex)); });
+        ho, [api = openai.get()](std::shared_ptr<moelora::HttpExchange> ex) {
+          api->Handle(std::move(ex));
+        });
     if (!h.ok()) return fail(std::string(h.status().message()));
     http = *std::move(h);
     http_port = http->port();

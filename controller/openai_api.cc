@@ -138,10 +138,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         if (!submitted.empty()) c->Wake();
         absl::Status st = r.status();
         if (st.code() == absl::StatusCode::kNotFound) {
-          st = absl::NotFoundError(absl::StrCat("The model `", model_, "` does not exist: ",
-                                                st.message()));
+          st = absl::NotFoundError(
+              absl::StrCat("The model `", model_, "` does not exist: ", st.message()));
         }
-        return api_->AnswerError(ex_, route_, st, st.code() == absl::StatusCode::kNotFound ? "model" : "");
+        return api_->AnswerError(ex_, route_, st,
+                                 st.code() == absl::StatusCode::kNotFound ? "model" : "");
       }
       submitted.push_back(*r);
     }
@@ -203,12 +204,16 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       }
     }
     const int64_t n = p->Int("n", 1);
-    if (p->status().ok() && (n < 1 || n > o.max_n)) p->Bad("n", absl::StrCat("must be in 1..", o.max_n));
+    if (p->status().ok() && (n < 1 || n > o.max_n))
+      p->Bad("n", absl::StrCat("must be in 1..", o.max_n));
     const int64_t best_of = p->Int("best_of", n);
     p->Refuse("best_of", best_of == n, "other than n is not supported");
-    p->Refuse("presence_penalty", p->Number("presence_penalty", 0) == 0, "is not supported (use 0)");
-    p->Refuse("frequency_penalty", p->Number("frequency_penalty", 0) == 0, "is not supported (use 0)");
-    p->Refuse("repetition_penalty", p->Number("repetition_penalty", 1) == 1, "is not supported (use 1)");
+    p->Refuse("presence_penalty", p->Number("presence_penalty", 0) == 0,
+              "is not supported (use 0)");
+    p->Refuse("frequency_penalty", p->Number("frequency_penalty", 0) == 0,
+              "is not supported (use 0)");
+    p->Refuse("repetition_penalty", p->Number("repetition_penalty", 1) == 1,
+              "is not supported (use 1)");
     p->Refuse("min_p", p->Number("min_p", 0) == 0, "is not supported (use 0)");
     p->Refuse("min_tokens", p->Int("min_tokens", 0) == 0, "is not supported (use 0)");
     const ordered_json* bias = p->Get("logit_bias");
@@ -217,8 +222,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     p->Refuse("suffix", p->Str("suffix", "").empty(), "is not supported");
     p->Refuse("use_beam_search", !p->Bool("use_beam_search", false), "is not supported");
     p->Refuse("prompt_logprobs", false, "is not supported");
-    for (const char* k : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                          "structured_outputs"}) {
+    for (const char* k :
+         {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
       p->Refuse(k, false, "(structured output) is not supported");
     }
     if (const ordered_json* rf = p->Get("response_format")) {
@@ -233,14 +238,16 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     } else if (p->Get("logprobs") != nullptr) {
       const int64_t lp = p->Int("logprobs", 0);
       if (lp != 0) {
-        p->Bad("logprobs", "above 0 is not supported: the engine returns the sampled tokens' "
-                           "logprobs only (use 0)");
+        p->Bad("logprobs",
+               "above 0 is not supported: the engine returns the sampled tokens' "
+               "logprobs only (use 0)");
       }
       logprobs_ = true;
     }
     v1::GenerateRequest base;
     base.set_adapter(model_ == o.served_model_name ? "" : model_);
-    base.set_temperature(static_cast<float>(p->Number("temperature", o.default_temperature.value_or(1.0))));
+    base.set_temperature(
+        static_cast<float>(p->Number("temperature", o.default_temperature.value_or(1.0))));
     base.set_top_p(static_cast<float>(p->Number("top_p", o.default_top_p.value_or(1.0))));
     const int64_t top_k = p->Int("top_k", o.default_top_k.value_or(0));
     base.set_top_k(top_k < 0 ? 0 : static_cast<int32_t>(top_k));
@@ -298,7 +305,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         auto ids = tokenizer->Encode(text);
         api_->metrics_->tokenize_seconds.Observe(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        if (!ids.ok()) return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
+        if (!ids.ok())
+          return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
         prompts.push_back(std::move(*ids));
         return absl::OkStatus();
       };
@@ -311,7 +319,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         prompts.push_back(std::move(ids));
         return true;
       };
-      const char* kShape = "must be a string, a list of strings, a list of token ids or a list of those";
+      const char* kShape =
+          "must be a string, a list of strings, a list of token ids or a list of those";
       if (prompt->is_string()) {
         MOELORA_RETURN_IF_ERROR(encode(prompt->get<std::string>()));
       } else if (prompt->is_array() && !prompt->empty()) {
@@ -338,7 +347,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         // OpenAI's default is 16 for completions; chat runs to the end of the context.
         int64_t m = max_tokens;
         if (m < 0) {
-          m = chat_ ? std::max<int64_t>(1, c->max_model_len() - static_cast<int64_t>(prompts[k].size()))
+          m = chat_ ? std::max<int64_t>(
+                          1, c->max_model_len() - static_cast<int64_t>(prompts[k].size()))
                     : 16;
         }
         req.set_max_tokens(static_cast<int32_t>(std::min<int64_t>(m, INT32_MAX)));
@@ -368,7 +378,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       p->Bad("messages", "must be a non-empty list");
       return p->status();
     }
-    p->Refuse("continue_final_message", !p->Bool("continue_final_message", false), "is not supported");
+    p->Refuse("continue_final_message", !p->Bool("continue_final_message", false),
+              "is not supported");
     if (const ordered_json* tc = p->Get("tool_choice")) {
       p->Refuse("tool_choice", tc->is_string() && (*tc == "auto" || *tc == "none"),
                 "other than \"auto\" or \"none\" is not supported");
@@ -376,7 +387,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     const ordered_json* tools = p->Get("tools");
     if (tools != nullptr && !tools->is_array()) p->Bad("tools", "must be a list");
     const ordered_json* kwargs = p->Get("chat_template_kwargs");
-    if (kwargs != nullptr && !kwargs->is_object()) p->Bad("chat_template_kwargs", "must be an object");
+    if (kwargs != nullptr && !kwargs->is_object())
+      p->Bad("chat_template_kwargs", "must be an object");
     const bool add_generation_prompt = p->Bool("add_generation_prompt", true);
     if (!p->status().ok()) return p->status();
     // Messages as vLLM hands them to the template: text parts joined into one string, tool
@@ -386,7 +398,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       const ordered_json& m = (*messages)[i];
       const std::string where = absl::StrCat("messages[", i, "]");
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, " must be an object with a string role"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " must be an object with a string role"));
       }
       ordered_json out = m;
       if (m.contains("content") && m["content"].is_array()) {
@@ -394,19 +407,22 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         for (const auto& part : m["content"]) {
           const std::string type = part.is_object() ? part.value("type", "") : "";
           if (type != "text" || !part.contains("text") || !part["text"].is_string()) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                where, ".content: only text parts are supported by this model (got \"", type, "\")"));
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, ".content: only text parts are supported by this model (got \"",
+                             type, "\")"));
           }
           if (!joined.empty()) joined += "\n";
           joined += part["text"].get<std::string>();
         }
         out["content"] = joined;
       } else if (m.contains("content") && !m["content"].is_string() && !m["content"].is_null()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".content must be a string or a list of parts"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".content must be a string or a list of parts"));
       }
       if (out.contains("tool_calls") && out["tool_calls"].is_array()) {
         for (auto& call : out["tool_calls"]) {
-          if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) continue;
+          if (!call.is_object() || !call.contains("function") || !call["function"].is_object())
+            continue;
           auto& args = call["function"]["arguments"];
           if (args.is_string()) {
             ordered_json parsed = ordered_json::parse(args.get<std::string>(), nullptr, false);
@@ -425,8 +441,12 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     return absl::OkStatus();
   }
 
+  // The client left: what still runs is cancelled, and this call lives on (the exchange no
+  // longer holds it) until its requests have ended and been counted.
   void Cancel() {
     MutexLock lock(&mu_);
+    if (finished_) return;
+    keep_alive_ = shared_from_this();
     for (Choice& c : choices_) {
       if (c.feed) c.feed->request()->cancelled = true;
     }
@@ -510,7 +530,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     for (Choice& c : choices_) {
       if (c.done) continue;
       TokenFeed::Chunk k = c.feed->Take();
-      if (stream_ && (!k.text.empty() || (logprobs_ && !k.tokens.empty()) || (chat_ && !c.role_sent))) {
+      if (stream_ &&
+          (!k.text.empty() || (logprobs_ && !k.tokens.empty()) || (chat_ && !c.role_sent))) {
         out += ChunkEvent(c, k.text, k.tokens, k.logprobs, "");
       }
       if (!k.done) {
@@ -528,6 +549,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         }
       }
     }
+    if (all_done) keep_alive_.reset();  // the last Pump holds a reference of its own
     if (stream_) {
       if (all_done) {
         if (include_usage_) {
@@ -556,8 +578,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       } else {
         choice["text"] = c.outcome.text;
       }
-      choice["logprobs"] = logprobs_ ? LogprobsJson(c, c.outcome.result.tokens, c.outcome.result.logprobs)
-                                     : json();
+      choice["logprobs"] =
+          logprobs_ ? LogprobsJson(c, c.outcome.result.tokens, c.outcome.result.logprobs) : json();
       choice["finish_reason"] = c.outcome.finish_reason;
       choices.push_back(std::move(choice));
     }
@@ -588,6 +610,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
   std::vector<Choice> choices_ ABSL_GUARDED_BY(mu_);
   int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::shared_ptr<Generation> keep_alive_ ABSL_GUARDED_BY(mu_);  // set by Cancel
 };
 
 OpenAiApi::OpenAiApi(Controller* controller, ControllerMetrics* metrics, const TokenAuth* auth,
@@ -639,12 +662,12 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
   if (method != route->method) {
     metrics_->http_requests.Add({{"route", route->name}, {"status", "405"}}).Increment();
     return ex->Respond(405, "application/json",
-                       OpenAiErrorBody(absl::InvalidArgumentError(absl::StrCat(
-                           path, " takes ", route->method, ", not ", method))));
+                       OpenAiErrorBody(absl::InvalidArgumentError(
+                           absl::StrCat(path, " takes ", route->method, ", not ", method))));
   }
   const std::string name = route->name;
   if (name == "health") {
-    const bool serving = controller_->serving();
+    const bool serving = healthy_ && controller_->serving();
     return Answer(ex, name, serving ? 200 : 503, "text/plain", serving ? "" : "not serving");
   }
   // Tokens as on gRPC: the Authorization header's "Bearer <token>".
@@ -667,8 +690,10 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
     return pump_.Post([this, ex, body = std::move(body), load = name == "load_lora_adapter"] {
       const std::string route = load ? "load_lora_adapter" : "unload_lora_adapter";
       const ordered_json* lora_name = body.contains("lora_name") ? &body["lora_name"] : nullptr;
-      if (lora_name == nullptr || !lora_name->is_string() || lora_name->get<std::string>().empty()) {
-        return AnswerError(ex, route, absl::InvalidArgumentError("lora_name must be a non-empty string"),
+      if (lora_name == nullptr || !lora_name->is_string() ||
+          lora_name->get<std::string>().empty()) {
+        return AnswerError(ex, route,
+                           absl::InvalidArgumentError("lora_name must be a non-empty string"),
                            "lora_name");
       }
       const std::string n = lora_name->get<std::string>();
@@ -676,6 +701,14 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
         if (!body.contains("lora_path") || !body["lora_path"].is_string()) {
           return AnswerError(ex, route, absl::InvalidArgumentError("lora_path must be a string"),
                              "lora_path");
+        }
+        // vLLM refuses a name that is loaded already (gRPC's LoadAdapter takes the same name and
+        // path again as a no-op).
+        if (controller_->GetAdapter(n).ok()) {
+          return AnswerError(ex, route,
+                             absl::InvalidArgumentError(absl::StrCat("The lora adapter '", n,
+                                                                     "' has already been loaded.")),
+                             "lora_name");
         }
         v1::LoadAdapterRequest req;
         req.set_name(n);

@@ -6,7 +6,7 @@
 //   POST /v1/chat/completions      messages rendered by the model's chat template
 //   POST /v1/load_lora_adapter     vLLM's {"lora_name", "lora_path"} (admin token)
 //   POST /v1/unload_lora_adapter   vLLM's {"lora_name"} (admin token)
-//   GET  /health                   200 while serving, else 503
+//   GET  /health                   200 while gRPC's health says SERVING, else 503
 //
 // `model` names an adapter or the base. Sampling: max_tokens (max_completion_tokens),
 // temperature, top_p, seed, stop, n, logprobs of the sampled tokens, stream (server-sent
@@ -22,6 +22,7 @@
 #ifndef MOELORA_CONTROLLER_OPENAI_API_H_
 #define MOELORA_CONTROLLER_OPENAI_API_H_
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -62,6 +63,8 @@ class OpenAiApi {
   ~OpenAiApi();
   // HttpServer's handler.
   void Handle(std::shared_ptr<HttpExchange> ex);
+  // What /health says (the binary sets it with gRPC's health: serving, and preloads done).
+  void set_healthy(bool healthy) { healthy_ = healthy; }
 
  private:
   class Generation;
@@ -75,6 +78,7 @@ class OpenAiApi {
   ControllerMetrics* const metrics_;
   const TokenAuth* const auth_;
   const OpenAiOptions options_;
+  std::atomic<bool> healthy_{false};
   WorkPool pump_;
 };
 

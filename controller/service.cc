@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
-#include "proto/grpc_status.h"
 #include "controller/token_feed.h"
+#include "proto/grpc_status.h"
 
 namespace moelora {
 

@@ -53,7 +53,7 @@ class TokenFeed {
   const std::shared_ptr<GenRequest> r_;
   std::optional<tok::TextStream> text_;
   std::string all_text_;
-  size_t seen_ = 0;                                     // tokens taken from the request
+  size_t seen_ = 0;                                   // tokens taken from the request
   size_t kept_ = std::numeric_limits<size_t>::max();  // set when a stop string ends the text
 };
 

@@ -79,11 +79,12 @@ TEST(ChatTemplateVariablesTest, DropsNullKeysAndAliasesReasoning) {
   const ordered_json messages = ordered_json::parse(
       R"([{"role": "assistant", "content": null, "reasoning": "r", "tool_calls": []},
           {"role": "user", "content": "u"}])");
-  const ordered_json vars = ChatTemplateVariables(messages, nullptr, true,
-                                                  ordered_json{{"bos_token", "<s>"}},
-                                                  ordered_json{{"bos_token", "B"}, {"k", 1}});
-  EXPECT_EQ(vars["messages"][0].dump(),
-            R"({"thinking":"r","role":"assistant","reasoning":"r","tool_calls":[],"reasoning_content":"r"})");
+  const ordered_json vars =
+      ChatTemplateVariables(messages, nullptr, true, ordered_json{{"bos_token", "<s>"}},
+                            ordered_json{{"bos_token", "B"}, {"k", 1}});
+  EXPECT_EQ(
+      vars["messages"][0].dump(),
+      R"({"thinking":"r","role":"assistant","reasoning":"r","tool_calls":[],"reasoning_content":"r"})");
   EXPECT_EQ(vars["messages"][1].dump(), R"({"role":"user","content":"u"})");
   EXPECT_TRUE(vars["tools"].is_null());
   EXPECT_EQ(vars["add_generation_prompt"], true);
