@@ -9,6 +9,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
 #include "common/status_macros.h"
 #include "controller/token_feed.h"
 
@@ -651,6 +652,7 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
       {"/v1/load_lora_adapter", "POST", "load_lora_adapter", true},
       {"/v1/unload_lora_adapter", "POST", "unload_lora_adapter", true},
       {"/health", "GET", "health", false},
+      {"/metrics", "GET", "metrics", false},
   };
   const Route* route = nullptr;
   for (const Route& r : kRoutes) {
@@ -669,6 +671,12 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
   if (name == "health") {
     const bool serving = healthy_ && controller_->serving();
     return Answer(ex, name, serving ? 200 : 503, "text/plain", serving ? "" : "not serving");
+  }
+  // The controller's metrics here too (as on --metrics-port): the Kubernetes inference gateway's
+  // endpoint picker scrapes the pool's serving port.
+  if (name == "metrics") {
+    return Answer(ex, name, 200, "text/plain; version=0.0.4",
+                  prometheus::TextSerializer().Serialize(metrics_->registry()->Collect()));
   }
   // Tokens as on gRPC: the Authorization header's "Bearer <token>".
   if (auth_ != nullptr) {

@@ -7,6 +7,7 @@
 //   POST /v1/load_lora_adapter     vLLM's {"lora_name", "lora_path"} (admin token)
 //   POST /v1/unload_lora_adapter   vLLM's {"lora_name"} (admin token)
 //   GET  /health                   200 while gRPC's health says SERVING, else 503
+//   GET  /metrics                  the controller's Prometheus metrics (as on --metrics-port)
 //
 // `model` names an adapter or the base. Sampling: max_tokens (max_completion_tokens),
 // temperature, top_p, seed, stop, n, logprobs of the sampled tokens, stream (server-sent

@@ -18,6 +18,8 @@ PACKAGES=(
   libsqlite3-dev nlohmann-json3-dev libgoogle-glog-dev
   # the tokenizer: PCRE2 for the pre-tokenizer regexes, ICU for NFC
   libpcre2-dev libicu-dev
+  # the OpenAI-compatible HTTP API (--http-port)
+  libmicrohttpd-dev
 )
 if [ "$MODE" != "build" ]; then
   PACKAGES+=(

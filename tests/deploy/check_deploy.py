@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Static checks of deploy/: Dockerfiles, Kubernetes manifests (schemas via kubernetes-validate,
 offline), and that flags, ports and probes match what the built binaries accept; metric names in
-the alert rules and the dashboard exist in the sources.
+the alert rules and the dashboard exist in the sources; the Gateway API inference extension
+objects (custom resources, so checked by structure) point at moelora's HTTP port, its endpoint
+picker and metrics that moelora exports.
 
     check_deploy.py REPO_ROOT CONTROLLER_BIN WORKER_BIN
 """
@@ -16,6 +18,9 @@ import kubernetes_validate
 import yaml
 
 K8S_VERSION = "1.30.0"
+# Custom resources (Gateway API and its inference extension): no schema in kubernetes-validate;
+# check_inference_gateway checks what they reference.
+CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "Gateway", "InferenceObjective"}
 failures = []
 
 
@@ -114,6 +119,8 @@ def check_manifests(root, bins):
     configmaps = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "ConfigMap"}
     for path, doc in docs:
         where = f"{os.path.relpath(path, root)}: {doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except Exception as e:  # ValidationError or InvalidSchemaError
@@ -124,6 +131,10 @@ def check_manifests(root, bins):
         grace = spec.get("terminationGracePeriodSeconds", 30)
         annotations = doc["spec"]["template"]["metadata"].get("annotations", {})
         for c in spec["containers"]:
+            if not c["image"].startswith("moelora"):  # another project's image (the EPP)
+                if "resources" not in c or "limits" not in c.get("resources", {}):
+                    fail(f"{where}: container {c['name']} without resource requests and limits")
+                continue
             binary = bins["worker"] if "worker" in " ".join(c.get("command", [])) + c["name"] else bins["controller"]
             known = help_flags(binary)
             args = list(c.get("args", []))
@@ -140,6 +151,8 @@ def check_manifests(root, bins):
             ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
             if "port" in flags and int(flags["port"]) != ports.get("grpc"):
                 fail(f"{where}: --port {flags['port']} != containerPort grpc {ports.get('grpc')}")
+            if "http_port" in flags and int(flags["http_port"]) != ports.get("http"):
+                fail(f"{where}: --http_port {flags['http_port']} != containerPort http {ports.get('http')}")
             if "metrics_port" in flags and int(flags["metrics_port"]) != ports.get("metrics"):
                 fail(f"{where}: --metrics_port {flags['metrics_port']} != containerPort metrics {ports.get('metrics')}")
             if annotations.get("prometheus.io/port") and int(annotations["prometheus.io/port"]) != ports.get("metrics"):
@@ -176,12 +189,82 @@ def check_manifests(root, bins):
         if k not in kinds:
             fail(f"deploy/k8s: no {k}")
     print(f"checked {len(docs)} Kubernetes objects against the v{K8S_VERSION} schemas")
+    return docs, configmaps
+
+
+def exported_metrics(root):
+    names = set()
+    for src in ("controller/metrics.cc", "worker/metrics.cc"):
+        names |= set(re.findall(r'\.Name\("(moelora_[a-z_]+)"\)', open(os.path.join(root, src)).read()))
+    return names
+
+
+def check_inference_gateway(root, docs, configmaps):
+    """The InferencePool selects moelora pods serving HTTP on its target port; its endpoint picker
+    is a Service in front of an EPP Deployment for this pool whose metric flags name moelora's
+    metrics; every HTTPRoute to a pool names one that exists."""
+    exported = exported_metrics(root)
+    pools = {d["metadata"]["name"]: (p, d) for p, d in docs if d["kind"] == "InferencePool"}
+    workloads = [(p, d) for p, d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    services = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Service"}
+    for name, (path, pool) in pools.items():
+        where = f"{os.path.relpath(path, root)}: InferencePool/{name}"
+        spec = pool["spec"]
+        labels = spec["selector"]["matchLabels"]
+        port = spec["targetPorts"][0]["number"]
+        served = False
+        for _, w in workloads:
+            pod = w["spec"]["template"]
+            if not labels.items() <= pod["metadata"].get("labels", {}).items():
+                continue
+            for c in pod["spec"]["containers"]:
+                flags = parse_flags(c.get("args", []))
+                if "flagfile" in flags:
+                    cm = next((v["configMap"]["name"] for v in pod["spec"]["volumes"] if "configMap" in v), None)
+                    flags.update(parse_flags(configmaps.get(cm, {}).get("data", {}).get("flags", "").splitlines()))
+                ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+                if c["image"].startswith("moelora") and str(flags.get("http_port")) == str(port) and ports.get("http") == port:
+                    served = True
+        if not served:
+            fail(f"{where}: no moelora pod it selects serves HTTP (--http_port, containerPort http) on {port}")
+        ref = spec["endpointPickerRef"]
+        svc = services.get(ref["name"])
+        if svc is None or ref["port"]["number"] not in [p["port"] for p in svc["spec"]["ports"]]:
+            fail(f"{where}: endpointPickerRef {ref} is not a Service port here")
+            continue
+        epps = [w for _, w in workloads
+                if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"].get("labels", {}).items()]
+        if not epps:
+            fail(f"{where}: the picker's Service selects no Deployment")
+            continue
+        args = parse_flags(epps[0]["spec"]["template"]["spec"]["containers"][0].get("args", []))
+        if args.get("pool_name") != name:
+            fail(f"{where}: the picker's --pool-name is {args.get('pool_name')}")
+        for flag in ("total_queued_requests_metric", "total_running_requests_metric",
+                     "kv_cache_usage_percentage_metric", "lora_info_metric"):
+            metric = args.get(flag)
+            if not isinstance(metric, str) or metric not in exported:
+                fail(f"{where}: the picker's --{flag.replace('_', '-')} {metric!r} is not a metric moelora exports")
+        # The LoRA metric in vLLM's form: the labels the picker parses.
+        sched = open(os.path.join(root, "controller/scheduler.cc")).read()
+        for label in ("running_lora_adapters", "waiting_lora_adapters", "max_lora"):
+            if f'"{label}"' not in sched:
+                fail(f"moelora_lora_requests_info lacks the label {label} the picker reads")
+    for path, d in docs:
+        if d["kind"] != "HTTPRoute":
+            continue
+        for rule in d["spec"]["rules"]:
+            for b in rule.get("backendRefs", []):
+                if b.get("kind") == "InferencePool" and b["name"] not in pools:
+                    fail(f"{os.path.relpath(path, root)}: HTTPRoute/{d['metadata']['name']} routes to "
+                         f"unknown InferencePool {b['name']}")
+    if not pools:
+        fail("deploy/k8s: no InferencePool (the Gateway API inference extension example)")
+    print(f"checked {len(pools)} InferencePool(s): pods, endpoint picker, metric names")
 
 
 def check_metric_names(root):
-    exported = set()
-    for src in ("controller/metrics.cc", "worker/metrics.cc"):
-        exported |= set(re.findall(r'\.Name\("(moelora_[a-z_]+)"\)', open(os.path.join(root, src)).read()))
+    exported = exported_metrics(root)
     used = set()
     used |= set(re.findall(r"moelora_[a-z_]+", open(os.path.join(root, "deploy/prometheus/alerts.yml")).read()))
     dash = json.load(open(os.path.join(root, "deploy/grafana/moelora.json")))
@@ -203,7 +286,8 @@ def main(argv):
     pkgs = needed_packages([controller, worker])
     check_dockerfile(os.path.join(root, "deploy/docker/Dockerfile"), pkgs)
     check_dockerfile(os.path.join(root, "deploy/docker/Dockerfile.cuda"), None)
-    check_manifests(root, bins)
+    docs, configmaps = check_manifests(root, bins)
+    check_inference_gateway(root, docs, configmaps)
     check_metric_names(root)
     if failures:
         print(f"{len(failures)} problem(s)")

@@ -144,6 +144,10 @@ check(bad.status_code == 400 and "error" in bad.json(), f"bad JSON: {bad.status_
 check(httpx.get(f"{BASE}/v1/nothing").status_code == 404, "unknown route")
 check(httpx.get(f"{BASE}/v1/completions").status_code == 405, "wrong method")
 check(httpx.get(f"{BASE}/health").status_code == 200, "health")
+# The metrics the inference gateway's endpoint picker reads, on the serving port.
+prom = httpx.get(f"{BASE}/metrics").text
+check(all(m in prom for m in ("moelora_queue_depth", "moelora_running_sequences", "moelora_kv_cache_usage_ratio",
+                              "moelora_lora_requests_info{")), "metrics on the HTTP port")
 
 # vLLM's adapter endpoints: load, use, unload; a bad adapter changes nothing.
 r = httpx.post(f"{BASE}/v1/load_lora_adapter", json={"lora_name": "shared", "lora_path": "qwen3_moe/adapter_2d_shared_a"})
