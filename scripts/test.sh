@@ -99,6 +99,7 @@ phase "bench (figures only)"
 "$B/bench/adapter_load" --layers 8 --repeat 2
 "$B/bench/decode_step" --steps 5 --repeat 2 --prefill 128
 "$B/bench/serving" --clients 8 --requests 10 --loads 6
+"$B/bench/http_api" --requests 8 --rounds 3
 # The tokenizer corpus exists when the tokenizer_corpus test could pip-install its generator.
 if [ -s "$B/tokenizer_corpus/corpus.jsonl" ]; then "$B/bench/tokenizer_encode" "$B/tokenizer_corpus" --repeat 5; fi
 phase "done"

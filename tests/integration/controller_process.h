@@ -60,6 +60,7 @@ class ControllerProcess {
     auto j = nlohmann::json::parse(text);
     port_ = j["port"].get<int>();
     metrics_port_ = j["metrics_port"].get<int>();
+    http_port_ = j.value("http_port", -1);
     auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
                                        grpc::InsecureChannelCredentials());
     stub_ = v1::Controller::NewStub(channel);
@@ -69,6 +70,7 @@ class ControllerProcess {
   bool started() const { return stub_ != nullptr; }
   v1::Controller::Stub& stub() { return *stub_; }
   int port() const { return port_; }
+  int http_port() const { return http_port_; }  // -1 without --http-port
   ChildProcess& process() { return *proc_; }
   std::string Metrics() const { return HttpGet(metrics_port_, "/metrics"); }
   std::string Log() const { return proc_->Log(); }
@@ -191,7 +193,7 @@ class ControllerProcess {
 
  private:
   std::unique_ptr<ChildProcess> proc_;
-  int port_ = 0, metrics_port_ = 0;
+  int port_ = 0, metrics_port_ = 0, http_port_ = -1;
   std::unique_ptr<v1::Controller::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
