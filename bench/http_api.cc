@@ -45,7 +45,8 @@ size_t Append(char* data, size_t size, size_t n, void* out) {
 // One HTTP client: a curl handle whose connection is kept alive between requests.
 class HttpClient {
  public:
-  explicit HttpClient(int port) : url_("http://127.0.0.1:" + std::to_string(port) + "/v1/completions") {
+  explicit HttpClient(int port)
+      : url_("http://127.0.0.1:" + std::to_string(port) + "/v1/completions") {
     curl_ = curl_easy_init();
     headers_ = curl_slist_append(nullptr, "Content-Type: application/json");
     curl_easy_setopt(curl_, CURLOPT_URL, url_.c_str());
@@ -60,9 +61,8 @@ class HttpClient {
   // Generated tokens received (usage.completion_tokens, or the stream's text chunks counted
   // through its final usage); -1 on an error.
   int Complete(const std::string& model, int max_tokens, bool stream) {
-    nlohmann::json body = {{"model", model},       {"prompt", kPrompt},
-                           {"max_tokens", max_tokens}, {"temperature", 0},
-                           {"ignore_eos", true},   {"stream", stream}};
+    nlohmann::json body = {{"model", model},   {"prompt", kPrompt},  {"max_tokens", max_tokens},
+                           {"temperature", 0}, {"ignore_eos", true}, {"stream", stream}};
     if (stream) body["stream_options"] = {{"include_usage", true}};
     const std::string text = body.dump();
     std::string out;
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   }
   curl_global_init(CURL_GLOBAL_DEFAULT);
   const bool tiny = model == "qwen3_moe/model";
-  std::vector<std::string> flags = {"--http-port", "0", "--served-model-name", "base",
+  std::vector<std::string> flags = {"--http-port",    "0", "--served-model-name", "base",
                                     "--max-num-seqs", "64"};
   if (tiny) flags.push_back("--enable-mixed-moe-lora-format");
   for (auto f : absl::StrSplit(extra, ' ', absl::SkipEmpty())) flags.emplace_back(f);
@@ -210,10 +210,11 @@ int main(int argc, char** argv) {
         http_tps.push_back(h);
         ratios.push_back(h / g);
       }
-      std::printf("  %-8s %2d clients: gRPC %8.0f tok/s  HTTP %8.0f tok/s  HTTP/gRPC %.3f "
-                  "(median of %d rounds; per round",
-                  stream ? "stream" : "unary", n, Median(grpc_tps), Median(http_tps),
-                  Median(ratios), rounds);
+      std::printf(
+          "  %-8s %2d clients: gRPC %8.0f tok/s  HTTP %8.0f tok/s  HTTP/gRPC %.3f "
+          "(median of %d rounds; per round",
+          stream ? "stream" : "unary", n, Median(grpc_tps), Median(http_tps), Median(ratios),
+          rounds);
       for (double x : ratios) std::printf(" %.3f", x);
       std::printf(")\n");
     }

@@ -5,9 +5,11 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -138,7 +140,7 @@ struct HttpExchange::Callbacks {
       MutexLock lock(&ex->mu_);
       ex->conn_ = nullptr;
       ex->suspended_ = false;
-      cut_short = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK || !ex->ended_;
+      cut_short = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK || !ex->ended_ || ex->stopping_;
       on_close = std::move(ex->on_close_);
       ex->on_close_ = nullptr;
     }
@@ -152,6 +154,7 @@ struct HttpExchange::Callbacks {
 };
 
 void HttpExchange::WakeLocked() {
+  // A stream that waits and is now told to stop ends at its next read.
   if (suspended_ && conn_ != nullptr) {
     suspended_ = false;
     MHD_resume_connection(conn_);
@@ -253,7 +256,8 @@ void HttpServer::StopAccepting() {
 HttpServer::~HttpServer() {
   if (daemon_ == nullptr) return;
   StopAccepting();
-  // libmicrohttpd must not stop with suspended connections: wake each, to end it.
+  // libmicrohttpd must not stop with suspended connections: wake each, to end it (a waiting
+  // answer becomes 503, a stream ends), and give them a moment to go out.
   {
     MutexLock lock(&mu_);
     for (HttpExchange* ex : live_) {
@@ -261,6 +265,10 @@ HttpServer::~HttpServer() {
       ex->stopping_ = true;
       ex->WakeLocked();
     }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (open_exchanges() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   MHD_stop_daemon(daemon_);
   if (listen_fd_ >= 0) close(listen_fd_);

@@ -9,9 +9,9 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "prometheus/text_serializer.h"
 #include "common/status_macros.h"
 #include "controller/token_feed.h"
+#include "prometheus/text_serializer.h"
 
 namespace moelora {
 namespace {

@@ -62,7 +62,7 @@ if [ "${MOELORA_SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --build "$B-tsan" -j"$JOBS" --target moelora-controller controller_unit_test controller_test
   (cd "$B-tsan" && MOELORA_WORKER_BIN="$WORKER_BIN" \
     TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$ROOT/tests/tsan.supp" \
-    ctest --output-on-failure -j"$JOBS" -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|RequestValidationTest|ControllerTest)\.')
+    ctest --output-on-failure -j"$JOBS" -R '^(RegistryTest|PathPolicyTest|SlotPoolTest|ControllerUnitTest|RequestValidationTest|ControllerTest|HttpServerTest)\.')
   phase "ASan+UBSan: unit + integration"
   # -O1 -g1: about twice as fast to compile as RelWithDebInfo, still with file:line in reports.
   # A unity build for the libraries that allow it (the worker's, which include ATen, most of all;
