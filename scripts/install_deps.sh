@@ -31,8 +31,8 @@ if [ "$MODE" != "build" ]; then
     prometheus python3-venv
     # the README's metrics example
     curl
-    # bench/http_api's HTTP client
-    libcurl4-openssl-dev
+    # bench/http_api's HTTP client; bench/sse_streams' other server library
+    libcurl4-openssl-dev libcpp-httplib-dev
     # the Docker image test: a Docker engine, and debootstrap for its Debian base image
     docker.io debootstrap
   )
