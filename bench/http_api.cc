@@ -3,7 +3,9 @@
 // max_tokens, adapters a2d and base in turn) through Generate (gRPC) and through
 // /v1/completions (HTTP/1.1 keep-alive, libcurl), unary and streamed (GenerateStream vs
 // server-sent events); the modes alternate, R rounds each, and the medians' ratio is printed.
-// Generated tokens per second count what each client received.
+// Generated tokens per second count what each client received. The clients start each request
+// together (a barrier per wave), so both protocols meet the same batches: without it, how 32
+// clients' arrivals happen to fall into steps moved single rounds by 0.65–1.49x either way.
 //
 //   http_api [--clients 1,32] [--requests M] [--max-tokens T] [--rounds R] [--model DIR]
 //            [--flags "controller flags"]
@@ -11,10 +13,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -88,6 +92,29 @@ class HttpClient {
   std::string url_;
   CURL* curl_;
   curl_slist* headers_;
+};
+
+// Every client waits here before each request (std::barrier is C++20).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    const int gen = gen_;
+    if (++waiting_ == n_) {
+      waiting_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(l, [&] { return gen_ != gen; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const int n_;
+  int waiting_ = 0, gen_ = 0;
 };
 
 int GrpcComplete(testing::ControllerProcess& c, const std::string& adapter, int max_tokens,
@@ -171,12 +198,14 @@ int main(int argc, char** argv) {
   // One round of one mode: tokens per second over all clients.
   auto run = [&](bool http, bool stream, int n_clients) {
     std::vector<std::future<int>> fs;
+    Barrier wave(n_clients);
     const auto t0 = Clock::now();
     for (int k = 0; k < n_clients; ++k) {
       fs.push_back(std::async(std::launch::async, [&, k] {
         HttpClient client(c.http_port());
         int tokens = 0;
         for (int i = 0; i < requests; ++i) {
+          wave.Wait();
           const std::string& a = adapters[(k + i) % adapters.size()];
           const int n = http ? client.Complete(a.empty() ? "base" : a, max_tokens, stream)
                              : GrpcComplete(c, a, max_tokens, stream);

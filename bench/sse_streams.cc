@@ -66,7 +66,8 @@ Result Drive(int port, int n, int events, long base_threads, long base_rss) {
     curl_easy_setopt(handles[i], CURLOPT_WRITEFUNCTION, &Discard);
     curl_easy_setopt(handles[i], CURLOPT_WRITEDATA, &bytes[i]);
     curl_easy_setopt(handles[i], CURLOPT_TIMEOUT, 600L);
-    curl_easy_setopt(handles[i], CURLOPT_FORBID_REUSE, 1L);  // a stream's connection closes after it
+    curl_easy_setopt(handles[i], CURLOPT_FORBID_REUSE,
+                     1L);  // a stream's connection closes after it
     curl_multi_add_handle(multi, handles[i]);
   }
   std::atomic<bool> done{false};

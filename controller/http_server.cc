@@ -195,8 +195,14 @@ void HttpExchange::End() {
 }
 
 void HttpExchange::SetOnClose(std::function<void()> fn) {
-  MutexLock lock(&mu_);
-  on_close_ = std::move(fn);
+  {
+    MutexLock lock(&mu_);
+    if (conn_ != nullptr) {
+      on_close_ = std::move(fn);
+      return;
+    }
+  }
+  fn();  // the request has completed already: it was cut short
 }
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const Options& options,

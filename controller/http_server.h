@@ -45,8 +45,9 @@ class HttpExchange {
   void Write(std::string data) ABSL_LOCKS_EXCLUDED(mu_);
   void End() ABSL_LOCKS_EXCLUDED(mu_);
   // Called once, on a server thread, when the connection ends before the answer was complete
-  // (the client left, or the server stops). Set it before answering. It is dropped when the
-  // request completes either way, so it may hold what must live as long as the request.
+  // (the client left, or the server stops); at once, on this thread, when that happened
+  // already. Set it before answering. It is dropped when the request completes either way, so
+  // it may hold what must live as long as the request.
   void SetOnClose(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The server's callbacks (http_server.cc); not for handlers.

@@ -123,11 +123,14 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
 
   // A pump thread: parse, render and tokenize, submit.
   void Start() {
+    // From here the exchange keeps this call alive until the request completes (or is cut
+    // short, which cancels what still runs).
+    ex_->SetOnClose([self = shared_from_this()] { self->Cancel(); });
     std::vector<v1::GenerateRequest> reqs;
     std::vector<Choice> choices;
     Params p(body_);
     absl::Status s = Prepare(&p, &reqs, &choices);
-    if (!s.ok()) return api_->AnswerError(ex_, route_, s, p.param());
+    if (!s.ok()) return Refuse(s, p.param());
     Controller* c = api_->controller_;
     std::vector<std::shared_ptr<GenRequest>> submitted;
     for (const v1::GenerateRequest& req : reqs) {
@@ -142,8 +145,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
           st = absl::NotFoundError(
               absl::StrCat("The model `", model_, "` does not exist: ", st.message()));
         }
-        return api_->AnswerError(ex_, route_, st,
-                                 st.code() == absl::StatusCode::kNotFound ? "model" : "");
+        return Refuse(st, st.code() == absl::StatusCode::kNotFound ? "model" : "");
       }
       submitted.push_back(*r);
     }
@@ -152,15 +154,14 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       choices_ = std::move(choices);
       for (size_t k = 0; k < submitted.size(); ++k) {
         choices_[k].feed.emplace(c, api_->metrics_, submitted[k]);
+        if (client_gone_) submitted[k]->cancelled = true;  // it left while this submitted
       }
+      if (client_gone_) c->Wake();
     }
     if (stream_) {
       ex_->StartStream(200, "text/event-stream");
       api_->metrics_->http_requests.Add({{"route", route_}, {"status", "200"}}).Increment();
     }
-    // The exchange keeps this call alive until the request completes (or is cut short, which
-    // cancels what still runs).
-    ex_->SetOnClose([self = shared_from_this()] { self->Cancel(); });
     for (auto& r : submitted) {
       r->SetListener(
           [weak = weak_from_this()] {
@@ -447,11 +448,22 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
   void Cancel() {
     MutexLock lock(&mu_);
     if (finished_) return;
+    client_gone_ = true;
     keep_alive_ = shared_from_this();
     for (Choice& c : choices_) {
       if (c.feed) c.feed->request()->cancelled = true;
     }
     api_->controller_->Wake();
+  }
+
+  // Answers an error before anything ran; nothing keeps this call alive after.
+  void Refuse(const absl::Status& s, const std::string& param) {
+    {
+      MutexLock lock(&mu_);
+      finished_ = true;
+      keep_alive_.reset();
+    }
+    api_->AnswerError(ex_, route_, s, param);
   }
 
   // A listener (the scheduler's thread): at most one Pump queued at a time.
@@ -611,6 +623,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
   std::vector<Choice> choices_ ABSL_GUARDED_BY(mu_);
   int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool client_gone_ ABSL_GUARDED_BY(mu_) = false;
   std::shared_ptr<Generation> keep_alive_ ABSL_GUARDED_BY(mu_);  // set by Cancel
 };
 
