@@ -165,11 +165,18 @@ mapfile -t CMD_ARGS < <("$DOCKER" image inspect -f '{{json .Config.Cmd}}' "$IMAG
 mkdir -m 777 "$TMP/single"
 CONTAINERS+=(moelora-test-single)
 "$DOCKER" run -d --name moelora-test-single --network host -v "$TMP/single:/run/moelora" "$IMAGE" \
-  "${CMD_ARGS[@]}" --host=127.0.0.1 --port=0 --metrics-port=0 --port-file=/run/moelora/ports.json > /dev/null
+  "${CMD_ARGS[@]}" --host=127.0.0.1 --port=0 --metrics-port=0 --http-port=0 \
+  --port-file=/run/moelora/ports.json > /dev/null
 wait_port_file "$TMP/single/ports.json" "the controller"
 P="$(port_of "$TMP/single/ports.json")"
 wait_serving "$P"
 check_service "$P" "$TMP/single.out"
+# The image's HTTP API (the CMD's --http-port, here on a free port).
+HP="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["http_port"])' "$TMP/single/ports.json")"
+R="$(curl -s "127.0.0.1:$HP/v1/chat/completions" -H 'Content-Type: application/json' \
+  -d '{"model": "a3d", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}')"
+grep -q '"chat.completion"' <<<"$R" || fail "HTTP chat completion: $R"
+echo "  HTTP on port $HP: chat completion with a3d OK"
 
 echo "== multi-node shape: 2 worker containers + a controller container with --workers"
 mkdir -m 777 "$TMP/rdv" "$TMP/multi"

@@ -42,54 +42,49 @@ for _ in $(seq 1 300); do
   grpcurl -plaintext localhost:50051 grpc.health.v1.Health/Check 2>/dev/null | grep -q '"SERVING"' && break
   sleep 0.2
 done
-# The first ```sh block after "## Using the service", continuation lines joined.
-awk '/^## Using the service/{s=1} s && /^```sh/{b=1; next} b && /^```/{exit} b' README.md |
-  sed -e ':a' -e '/\\$/N; s/\\\n *//; ta' >"$TMP/commands"
-N="$(grep -c . "$TMP/commands")"
-[ "$N" -ge 8 ] || { echo "only $N commands extracted from README.md"; exit 1; }
-i=0
-while IFS= read -r cmd; do
-  i=$((i + 1))
-  echo "[$i/$N] $cmd"
-  if ! out="$(bash -c "set -o pipefail; $cmd" 2>&1)"; then
-    echo "$out"; echo "FAILED: $cmd"; cat "$TMP/controller.log"; exit 1
-  fi
-  echo "$out" | head -20
-  bad=0
-  case "$cmd" in
-    *Health/Check*) grep -q '"status": "SERVING"' <<<"$out" || bad=1 ;;
-    *'"prompt":'*Controller/Generate*) grep -q '"token_ids"' <<<"$out" && grep -q '"text"' <<<"$out" || bad=1 ;;
-    *Controller/Generate*) grep -q '"tokenIds"\|"token_ids"' <<<"$out" || bad=1 ;;
-    *" list") grep -qx "moelora.v1.Controller" <<<"$out" || bad=1 ;;
+# A README section's first ```LANG block (continuation lines joined) into FILE.
+extract() {  # extract SECTION LANG FILE
+  awk -v sec="^## $1" -v lang="^\`\`\`$2" '$0 ~ sec {s=1} s && $0 ~ lang {b=1; next} b && /^```/ {exit} b' \
+    README.md | sed -e ':a' -e '/\\$/N; s/\\\n *//; ta' >"$3"
+}
+# Does a command's output look right? (0: yes)
+check() {  # check CMD OUT
+  case "$1" in
+    *Health/Check*) grep -q '"status": "SERVING"' <<<"$2" ;;
+    *'"prompt":'*Controller/Generate*) grep -q '"token_ids"' <<<"$2" && grep -q '"text"' <<<"$2" ;;
+    *Controller/Generate*) grep -q '"tokenIds"\|"token_ids"' <<<"$2" ;;
+    *" list") grep -qx "moelora.v1.Controller" <<<"$2" ;;
+    */v1/models*) grep -q '"id":"a3d"' <<<"$2" && grep -q '"id":"qwen3-moe-tiny"' <<<"$2" ;;
+    *'"stream": true'*) grep -q '^data: \[DONE\]' <<<"$2" && grep -q '"chat.completion.chunk"' <<<"$2" ;;
+    */v1/completions*) grep -q '"object":"text_completion"' <<<"$2" && grep -q '"usage"' <<<"$2" ;;
+    */v1/chat/completions*) grep -q '"role":"assistant"' <<<"$2" ;;
+    */v1/load_lora_adapter*) grep -q "added successfully" <<<"$2" ;;
+    */v1/unload_lora_adapter*) grep -q "removed successfully" <<<"$2" ;;
+    *) true ;;
   esac
-  [ "$bad" = 0 ] || { echo "unexpected output: $cmd"; exit 1; }
-done <"$TMP/commands"
-# "Using the HTTP API": the curl block, then the Python block.
-awk '/^## Using the HTTP API/{s=1} s && /^```sh/{b=1; next} b && /^```/{exit} b' README.md |
-  sed -e ':a' -e '/\\$/N; s/\\\n *//; ta' >"$TMP/http_commands"
-H="$(grep -c . "$TMP/http_commands")"
-[ "$H" -ge 6 ] || { echo "only $H HTTP commands extracted from README.md"; exit 1; }
-i=0
-while IFS= read -r cmd; do
-  i=$((i + 1))
-  echo "[HTTP $i/$H] $cmd"
-  if ! out="$(bash -c "set -o pipefail; $cmd" 2>&1)"; then
-    echo "$out"; echo "FAILED: $cmd"; cat "$TMP/controller.log"; exit 1
-  fi
-  echo "$out" | head -c 600; echo
-  bad=0
-  case "$cmd" in
-    */v1/models*) grep -q '"id":"a3d"' <<<"$out" && grep -q '"id":"qwen3-moe-tiny"' <<<"$out" || bad=1 ;;
-    *'"stream": true'*) grep -q '^data: \[DONE\]' <<<"$out" && grep -q '"chat.completion.chunk"' <<<"$out" || bad=1 ;;
-    */v1/completions*) grep -q '"object":"text_completion"' <<<"$out" && grep -q '"usage"' <<<"$out" || bad=1 ;;
-    */v1/chat/completions*) grep -q '"role":"assistant"' <<<"$out" || bad=1 ;;
-    */v1/load_lora_adapter*) grep -q "added successfully" <<<"$out" || bad=1 ;;
-    */v1/unload_lora_adapter*) grep -q "removed successfully" <<<"$out" || bad=1 ;;
-  esac
-  [ "$bad" = 0 ] || { echo "unexpected output: $cmd"; exit 1; }
-done <"$TMP/http_commands"
-awk '/^## Using the HTTP API/{s=1} s && /^```python/{b=1; next} b && /^```/{exit} b' README.md \
-  >"$TMP/client.py"
+}
+run_block() {  # run_block FILE LABEL MIN: each line must exit 0 and pass check
+  local n i=0 cmd out
+  n="$(grep -c . "$1")"
+  [ "$n" -ge "$3" ] || { echo "only $n $2 commands extracted from README.md"; exit 1; }
+  while IFS= read -r cmd; do
+    i=$((i + 1))
+    echo "[$2 $i/$n] $cmd"
+    if ! out="$(bash -c "set -o pipefail; $cmd" 2>&1)"; then
+      echo "$out"; echo "FAILED: $cmd"; cat "$TMP/controller.log"; exit 1
+    fi
+    echo "$out" | head -c 1500; echo
+    check "$cmd" "$out" || { echo "unexpected output: $cmd"; exit 1; }
+  done <"$1"
+  COUNT="$n"
+}
+extract "Using the service" sh "$TMP/commands"
+run_block "$TMP/commands" gRPC 8
+N="$COUNT"
+extract "Using the HTTP API" sh "$TMP/http_commands"
+run_block "$TMP/http_commands" HTTP 6
+H="$COUNT"
+extract "Using the HTTP API" python "$TMP/client.py"
 grep -q "OpenAI(" "$TMP/client.py" || { echo "no openai snippet in README.md"; exit 1; }
 out="$("$VENV/bin/python" "$TMP/client.py" 2>&1)" || { echo "$out"; echo "FAILED: the openai snippet"; exit 1; }
 echo "$out"
