@@ -162,7 +162,12 @@ struct Args {
   }
 };
 
-Value FromJson(const ordered_json& j) {
+// Request data nested deeper than this is refused (the evaluator recurses over values).
+constexpr int kMaxDepth = 256;
+
+Value FromJson(const ordered_json& j, int depth = 0) {
+  if (depth > kMaxDepth)
+    Fail(absl::StrCat("a template variable nests deeper than ", kMaxDepth, " levels"));
   switch (j.type()) {
     case ordered_json::value_t::null:
       return Value::None();
@@ -183,13 +188,13 @@ Value FromJson(const ordered_json& j) {
     case ordered_json::value_t::array: {
       List l;
       l.reserve(j.size());
-      for (const auto& e : j) l.push_back(FromJson(e));
+      for (const auto& e : j) l.push_back(FromJson(e, depth + 1));
       return Value::MakeList(std::move(l));
     }
     case ordered_json::value_t::object: {
       Dict d;
       d.reserve(j.size());
-      for (const auto& [k, v] : j.items()) d.emplace_back(k, FromJson(v));
+      for (const auto& [k, v] : j.items()) d.emplace_back(k, FromJson(v, depth + 1));
       return Value::MakeDict(std::move(d));
     }
     default:
@@ -1500,11 +1505,10 @@ class TemplateParser {
     return body;
   }
 
-  // The tokens of the current piece after its keyword (the ending statement's).
-  ExprParser EndParser(std::string_view keyword) {
+  // The tokens of the current piece (the statement that ended a body) after its keyword.
+  ExprParser EndParser() {
     ExprParser ep(pieces_[pos_].tokens);
     ep.ExpectName();
-    (void)keyword;
     return ep;
   }
 
@@ -1518,7 +1522,7 @@ class TemplateParser {
       ep.ExpectEnd();
       while (true) {
         n->bodies.push_back(ParseBody({"elif", "else", "endif"}, &end));
-        ExprParser tail = EndParser(end);
+        ExprParser tail = EndParser();
         ++pos_;
         if (end == "elif") {
           n->exprs.push_back(tail.Parse());
@@ -1528,7 +1532,7 @@ class TemplateParser {
         tail.ExpectEnd();
         if (end == "else") {
           n->bodies.push_back(ParseBody({"endif"}, &end));
-          EndParser(end).ExpectEnd();
+          EndParser().ExpectEnd();
           ++pos_;
         }
         break;
@@ -1551,11 +1555,11 @@ class TemplateParser {
       if (ep.IsName("recursive")) Fail("recursive for loops are not supported", line);
       ep.ExpectEnd();
       n->bodies.push_back(ParseBody({"else", "endfor"}, &end));
-      EndParser(end).ExpectEnd();
+      EndParser().ExpectEnd();
       ++pos_;
       if (end == "else") {
         n->bodies.push_back(ParseBody({"endfor"}, &end));
-        EndParser(end).ExpectEnd();
+        EndParser().ExpectEnd();
         ++pos_;
       }
     } else if (keyword == "set") {
@@ -1573,7 +1577,7 @@ class TemplateParser {
       if (ep.AtEnd() && n->attr.empty() && n->names.empty()) {
         n->kind = Node::Kind::kSetBlock;
         n->bodies.push_back(ParseBody({"endset"}, &end));
-        EndParser(end).ExpectEnd();
+        EndParser().ExpectEnd();
         ++pos_;
       } else {
         n->kind = Node::Kind::kSet;
