@@ -133,11 +133,12 @@ int main(int argc, char** argv) {
   const std::vector<std::string> rest = moelora::ParseFlags(
       argc, argv,
       "moelora-controller --model DIR --adapter-root DIR [--tensor-parallel-size N | --workers "
-      "H:P,...] [--port P] [--metrics-port M]\n\n"
+      "H:P,...] [--port P] [--metrics-port M] [--http-port H]\n\n"
       "Serves MoE models with many LoRA adapters (2D per-expert and 3D fused) over gRPC:\n"
       "moelora.v1.Controller (LoadAdapter, UnloadAdapter, ListAdapters, GetAdapter, Generate,\n"
       "GenerateStream), grpc.health.v1 (SERVING once every worker rank has the model) and server\n"
-      "reflection (grpcurl works without proto files). Spawns --tensor-parallel-size\n"
+      "reflection (grpcurl works without proto files); with --http-port, the OpenAI-compatible\n"
+      "HTTP API too. Spawns --tensor-parallel-size\n"
       "moelora-worker processes, or drives --workers. Exit status: 0 after SIGTERM/SIGINT (after\n"
       "draining) or --help; 1 for a bad flag or a setup failure (the reason is printed).\n"
       "Flags may be spelled --max-loras or --max_loras.",

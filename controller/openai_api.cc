@@ -4,6 +4,7 @@
 #include <chrono>
 #include <fstream>
 #include <random>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -671,6 +672,16 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
   for (const Route& r : kRoutes) {
     if (path == r.path) route = &r;
   }
+  // GET /v1/models/{id}: one model.
+  static constexpr char kModelPrefix[] = "/v1/models/";
+  std::string model_id;
+  if (route == nullptr && path.rfind(kModelPrefix, 0) == 0 &&
+      path.size() > sizeof(kModelPrefix) - 1) {
+    model_id = path.substr(sizeof(kModelPrefix) - 1);
+    for (const Route& r : kRoutes) {
+      if (std::string_view(r.name) == "models") route = &r;
+    }
+  }
   if (route == nullptr) {
     return AnswerError(ex, "other", absl::NotFoundError(absl::StrCat("no route ", path)));
   }
@@ -700,7 +711,7 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
       return AnswerError(ex, name, s);
     }
   }
-  if (name == "models") return Models(ex);
+  if (name == "models") return Models(ex, model_id);
   ordered_json body = ordered_json::parse(ex->body(), nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) {
     return AnswerError(ex, name,
@@ -750,7 +761,7 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
   pump_.Post([g] { g->Start(); });
 }
 
-void OpenAiApi::Models(const std::shared_ptr<HttpExchange>& ex) {
+void OpenAiApi::Models(const std::shared_ptr<HttpExchange>& ex, const std::string& id) {
   const int64_t now = UnixNow();
   json data = json::array();
   json base = {{"id", options_.served_model_name},
@@ -770,8 +781,15 @@ void OpenAiApi::Models(const std::shared_ptr<HttpExchange>& ex) {
                     {"root", a.path()},
                     {"parent", options_.served_model_name}});
   }
-  Answer(ex, "models", 200, "application/json",
-         json{{"object", "list"}, {"data", std::move(data)}}.dump());
+  if (id.empty()) {
+    return Answer(ex, "models", 200, "application/json",
+                  json{{"object", "list"}, {"data", std::move(data)}}.dump());
+  }
+  for (json& m : data) {
+    if (m["id"] == id) return Answer(ex, "models", 200, "application/json", m.dump());
+  }
+  AnswerError(ex, "models",
+              absl::NotFoundError(absl::StrCat("The model `", id, "` does not exist.")), "model");
 }
 
 }  // namespace moelora

@@ -1,7 +1,7 @@
 // The OpenAI-compatible HTTP API (--http-port) over the same controller as gRPC: the scheduler,
 // adapters, tokens and metrics are shared.
 //
-//   GET  /v1/models                the base model (--served-model-name) and every adapter
+//   GET  /v1/models[/ID]           the base model (--served-model-name) and every adapter
 //   POST /v1/completions           prompt as text, token ids, or a list of either
 //   POST /v1/chat/completions      messages rendered by the model's chat template
 //   POST /v1/load_lora_adapter     vLLM's {"lora_name", "lora_path"} (admin token)
@@ -73,7 +73,8 @@ class OpenAiApi {
               std::string content_type, std::string body);
   void AnswerError(const std::shared_ptr<HttpExchange>& ex, const std::string& route,
                    const absl::Status& status, const std::string& param = "");
-  void Models(const std::shared_ptr<HttpExchange>& ex);
+  // The model list, or the model `id` (404 when there is none).
+  void Models(const std::shared_ptr<HttpExchange>& ex, const std::string& id);
 
   Controller* const controller_;
   ControllerMetrics* const metrics_;

@@ -60,6 +60,13 @@ check({MODEL, "a2d", "a3d"} <= set(models), f"models: {sorted(models)}")
 check(models["a2d"].model_extra["parent"] == MODEL and models["a2d"].model_extra["root"] == "qwen3_moe/adapter_2d",
       f"a2d: {models['a2d']}")
 
+check(client.models.retrieve("a3d").model_extra["root"] == "qwen3_moe/adapter_3d", "retrieve a3d")
+try:
+    client.models.retrieve("no-such-model")
+    check(False, "an unknown model was retrieved")
+except openai.NotFoundError:
+    check(True, "")
+
 tok = AutoTokenizer.from_pretrained(MODEL_DIR)
 for model in (MODEL, "a2d", "a3d"):
     # Completions: unary == streamed; greedy tokens == gRPC Generate's for the same prompt ids.
