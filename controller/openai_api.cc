@@ -22,6 +22,8 @@ using nlohmann::ordered_json;
 
 // OpenAI leaves seed 0 a seed like any other; the engine reads 0 as "random".
 constexpr uint64_t kSeedForZero = 0x9E3779B97F4A7C15ull;
+// Prompts × n of one call at most (each is a request in the scheduler's queue).
+constexpr int kMaxChoices = 256;
 
 std::string RandomId(const char* prefix) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -55,6 +57,9 @@ class Params {
     const ordered_json* v = Get(k);
     if (v == nullptr) return def;
     if (!v->is_number_integer()) return Bad(k, "must be an integer"), def;
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return Bad(k, "is out of range"), def;
+    }
     return v->get<int64_t>();
   }
   bool Bool(const char* k, bool def) {
@@ -87,6 +92,24 @@ class Params {
   absl::Status status_;
   std::string param_;
 };
+
+// A JSON integer that fits an int32 (token ids): a larger one is an error, never wrapped.
+bool AsInt32(const ordered_json& v, int32_t* out) {
+  if (!v.is_number_integer()) return false;
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)
+                             : (v.get<int64_t>() < INT32_MIN || v.get<int64_t>() > INT32_MAX)) {
+    return false;
+  }
+  *out = static_cast<int32_t>(v.get<int64_t>());
+  return true;
+}
+
+// A string member of a JSON object, or "" (a value of another type is not read as one).
+std::string StringMember(const ordered_json& o, const char* key) {
+  if (!o.is_object()) return "";
+  auto it = o.find(key);
+  return it != o.end() && it->is_string() ? it->get<std::string>() : "";
+}
 
 std::string Event(const json& j) { return absl::StrCat("data: ", j.dump(), "\n\n"); }
 
@@ -230,7 +253,8 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       p->Refuse(k, false, "(structured output) is not supported");
     }
     if (const ordered_json* rf = p->Get("response_format")) {
-      p->Refuse("response_format", rf->is_object() && rf->value("type", "text") == "text",
+      p->Refuse("response_format",
+                rf->is_object() && (!rf->contains("type") || StringMember(*rf, "type") == "text"),
                 "other than {\"type\": \"text\"} is not supported");
     }
     // Logprobs: those of the sampled tokens; top alternatives are not computed.
@@ -274,11 +298,12 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     if (const ordered_json* ids = p->Get("stop_token_ids")) {
       if (!ids->is_array()) p->Bad("stop_token_ids", "must be a list of token ids");
       for (const auto& id : ids->is_array() ? *ids : ordered_json::array()) {
-        if (!id.is_number_integer()) {
+        int32_t v = 0;
+        if (!AsInt32(id, &v)) {
           p->Bad("stop_token_ids", "must be a list of token ids");
           break;
         }
-        base.add_stop_token_ids(id.get<int32_t>());
+        base.add_stop_token_ids(v);
       }
     }
     const bool has_seed = p->Get("seed") != nullptr;
@@ -316,8 +341,9 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       auto token_list = [&](const ordered_json& a) -> bool {
         std::vector<int32_t> ids;
         for (const auto& t : a) {
-          if (!t.is_number_integer()) return false;
-          ids.push_back(t.get<int32_t>());
+          int32_t v = 0;
+          if (!AsInt32(t, &v)) return false;
+          ids.push_back(v);
         }
         prompts.push_back(std::move(ids));
         return true;
@@ -341,6 +367,10 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       } else {
         return p->Bad("prompt", kShape), p->status();
       }
+    }
+    if (prompts.size() * static_cast<size_t>(n) > static_cast<size_t>(kMaxChoices)) {
+      return absl::InvalidArgumentError(absl::StrCat(prompts.size(), " prompts x n = ", n,
+                                                     " is more than ", kMaxChoices, " choices"));
     }
     for (size_t k = 0; k < prompts.size(); ++k) {
       prompt_tokens_ += static_cast<int64_t>(prompts[k].size());
@@ -408,7 +438,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       if (m.contains("content") && m["content"].is_array()) {
         std::string joined;
         for (const auto& part : m["content"]) {
-          const std::string type = part.is_object() ? part.value("type", "") : "";
+          const std::string type = StringMember(part, "type");
           if (type != "text" || !part.contains("text") || !part["text"].is_string()) {
             return absl::InvalidArgumentError(
                 absl::StrCat(where, ".content: only text parts are supported by this model (got \"",
@@ -424,8 +454,10 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       }
       if (out.contains("tool_calls") && out["tool_calls"].is_array()) {
         for (auto& call : out["tool_calls"]) {
-          if (!call.is_object() || !call.contains("function") || !call["function"].is_object())
+          if (!call.is_object() || !call.contains("function") || !call["function"].is_object() ||
+              !call["function"].contains("arguments")) {
             continue;
+          }
           auto& args = call["function"]["arguments"];
           if (args.is_string()) {
             ordered_json parsed = ordered_json::parse(args.get<std::string>(), nullptr, false);

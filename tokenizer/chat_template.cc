@@ -44,6 +44,25 @@ struct TemplateError {
   throw TemplateError{std::move(message), line};
 }
 
+// Bounds the recursion of parsing and rendering (nested expressions, blocks, macro calls), so
+// that a template can fail but never exhaust the stack.
+class DepthGuard {
+ public:
+  static constexpr int kMax = 200;
+  DepthGuard(int* depth, int line) : depth_(depth) {
+    if (++*depth_ > kMax) {
+      --*depth_;
+      Fail(absl::StrCat("nested deeper than ", kMax, " levels"), line);
+    }
+  }
+  ~DepthGuard() { --*depth_; }
+  DepthGuard(const DepthGuard&) = delete;
+  DepthGuard& operator=(const DepthGuard&) = delete;
+
+ private:
+  int* depth_;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Values: Python's types as a template sees them.
 
@@ -1116,6 +1135,7 @@ class ExprParser {
   }
 
   ExprPtr CondExpr() {
+    DepthGuard guard(&depth_, Peek().line);
     ExprPtr body = Or();
     while (IsName("if")) {
       ++pos_;
@@ -1166,6 +1186,7 @@ class ExprParser {
     return e;
   }
   ExprPtr Not() {
+    DepthGuard guard(&depth_, Peek().line);
     if (IsName("not")) {
       const int line = Next().line;
       auto e = Make(Expr::Kind::kNot, line);
@@ -1228,6 +1249,7 @@ class ExprParser {
   }
   // Jinja applies filters after a sign: -3|abs is (-3)|abs.
   ExprPtr Unary(bool with_filter = true) {
+    DepthGuard guard(&depth_, Peek().line);
     ExprPtr e;
     if (IsOp("-") || IsOp("+")) {
       const Token& t = Next();
@@ -1433,6 +1455,7 @@ class ExprParser {
 
   const std::vector<Token>& t_;
   size_t pos_;
+  int depth_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1467,6 +1490,7 @@ class TemplateParser {
   // Statements until one of `ends` (a block keyword), whose keyword goes to *end_found and
   // whose piece index stays current.
   Body ParseBody(const std::vector<std::string>& ends, std::string* end_found) {
+    DepthGuard guard(&depth_, pos_ < pieces_.size() ? pieces_[pos_].line : 0);
     Body body;
     while (pos_ < pieces_.size()) {
       Piece& p = pieces_[pos_];
@@ -1620,6 +1644,7 @@ class TemplateParser {
   }
 
   std::vector<Piece> pieces_;
+  int depth_ = 0;
   size_t pos_ = 0;
 };
 
@@ -1759,6 +1784,7 @@ class Renderer {
 
   Value MakeMacro(const Node& n) {
     return Value::Fn([this, &n](Args& args) {
+      DepthGuard guard(&calls_, n.line);  // a macro that calls itself forever
       Scope s;
       s.parent = root_;
       for (size_t k = 0; k < n.names.size(); ++k) {
@@ -2399,6 +2425,7 @@ class Renderer {
   }
 
   Scope* root_;
+  int calls_ = 0;
 };
 
 Value Globals(const std::string& name) {

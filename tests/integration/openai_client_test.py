@@ -246,3 +246,30 @@ check(state["peak_threads"] - base_threads < 20,
       f"{state['peak_open']} open streams: {base_threads} threads before, {state['peak_threads']} with them")
 print(f"openai client: {checks} checks passed (controller threads: {base_threads} before, "
       f"{state['peak_threads']} at most with {state['peak_open']} streams open at once)")
+
+# Bad input of every shape: a JSON error with a 4xx status each time, and the server serves on.
+import random
+rng = random.Random(5)
+junk = [None, True, -1, 2**64, 1e308, "x", [], {}, [1, "a"], {"type": 3}, [[2**40]], "\ud7ff" * 3]
+fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+          "stream", "stream_options", "logprobs", "top_logprobs", "stop_token_ids", "tools",
+          "chat_template_kwargs", "response_format", "tool_choice", "ignore_eos", "top_k"]
+statuses = {}
+for i in range(300):
+    body = {"model": "a2d", "max_tokens": 2}
+    if i % 2:
+        body["messages"] = [{"role": "user", "content": rng.choice(["hi", [{"type": "text", "text": "x"}],
+                                                                    [{"type": 7}], {"a": 1}, None])}]
+    else:
+        body["prompt"] = rng.choice(["hi", [1, 2], [[1, 2], [3]], [2**31], [-1], [], [[]]])
+    for f in rng.sample(fields, 3):
+        body[f] = rng.choice(junk)
+    path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+    r = httpx.post(f"{BASE}{path}", json=body, timeout=60)
+    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+    if r.status_code != 200:
+        check(400 <= r.status_code < 500 and "error" in r.json(), f"{body}: {r.status_code} {r.text[:200]}")
+check(httpx.get(f"{BASE}/health").status_code == 200, "serving after bad input")
+check(client.completions.create(model="a2d", prompt=PROMPT, max_tokens=4, temperature=0).usage.completion_tokens == 4,
+      "generating after bad input")
+print(f"bad input: 300 bodies answered {dict(sorted(statuses.items()))}; {checks} checks passed")

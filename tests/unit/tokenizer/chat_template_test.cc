@@ -45,6 +45,29 @@ TEST(ChatTemplateTest, RuntimeErrorsComeBackAsStatus) {
   EXPECT_THAT(f.status().message(), HasSubstr("no_such_filter"));
 }
 
+TEST(ChatTemplateTest, RecursionIsBoundedNotACrash) {
+  // Deeply nested expressions and blocks fail to parse; a macro that calls itself fails to
+  // render; neither exhausts the stack.
+  auto parens =
+      ChatTemplate::Parse("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}");
+  ASSERT_FALSE(parens.ok());
+  EXPECT_THAT(parens.status().message(), HasSubstr("nested deeper"));
+  std::string blocks;
+  for (int i = 0; i < 5000; ++i) blocks += "{% if true %}";
+  EXPECT_FALSE(ChatTemplate::Parse(blocks).ok());
+  auto self = ChatTemplate::Parse("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}");
+  ASSERT_TRUE(self.ok());
+  auto r = (*self)->Render(ordered_json::object());
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("nested deeper"));
+  // Request data nested beyond the bound is refused too.
+  ordered_json deep = 1;
+  for (int i = 0; i < 1000; ++i) deep = ordered_json::array({deep});
+  auto t = ChatTemplate::Parse("{{ x|length }}");
+  ASSERT_TRUE(t.ok());
+  EXPECT_FALSE((*t)->Render(ordered_json{{"x", deep}}).ok());
+}
+
 class ChatTemplateDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
