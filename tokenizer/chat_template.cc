@@ -1,6 +1,7 @@
 #include "tokenizer/chat_template.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -934,7 +935,9 @@ size_t LexTag(const std::string& src, size_t pos, std::string_view close, int* l
         t.f = std::strtod(num.c_str(), nullptr);
       } else {
         t.kind = Token::Kind::kInt;
+        errno = 0;
         t.i = std::strtoll(num.c_str(), nullptr, 10);
+        if (errno == ERANGE) Fail("an integer literal beyond 64 bits", *line);
       }
       pos = end;
     } else if (c == '\'' || c == '"') {
@@ -1864,6 +1867,8 @@ class Renderer {
           Fail(absl::StrCat("bad operand type for unary -: '", TypeName(v), "'"), e.line);
         if (e.kind == Expr::Kind::kPos)
           return v.kind == Value::Kind::kBool ? Value::Int(v.AsInt()) : v;
+        if (v.kind != Value::Kind::kFloat && v.AsInt() == INT64_MIN)
+          Fail("integer - beyond 64 bits", e.line);
         return v.kind == Value::Kind::kFloat ? Value::Float(-v.f) : Value::Int(-v.AsInt());
       }
       case Expr::Kind::kAnd: {
@@ -1928,7 +1933,12 @@ class Renderer {
       const Value* count = a.is_string() ? &b : &a;
       if (text != nullptr && count->kind != Value::Kind::kFloat && count->is_number()) {
         std::string out;
-        for (int64_t k = 0; k < count->AsInt(); ++k) out += text->s;
+        const int64_t times = std::max<int64_t>(0, count->AsInt());
+        if (!text->s.empty() &&
+            times > (int64_t{64} << 20) / static_cast<int64_t>(text->s.size())) {
+          Fail("a string repeated beyond 64 MiB", line);
+        }
+        for (int64_t k = 0; k < times; ++k) out += text->s;
         return Value::Str(std::move(out));
       }
     }
@@ -1936,9 +1946,24 @@ class Renderer {
       const bool floats = a.kind == Value::Kind::kFloat || b.kind == Value::Kind::kFloat;
       const double x = a.AsDouble(), y = b.AsDouble();
       const int64_t p = a.AsInt(), q = b.AsInt();
-      if (op == "+") return floats ? Value::Float(x + y) : Value::Int(p + q);
-      if (op == "-") return floats ? Value::Float(x - y) : Value::Int(p - q);
-      if (op == "*") return floats ? Value::Float(x * y) : Value::Int(p * q);
+      // Python's integers have no bound; ours end at 64 bits, loudly.
+      int64_t r = 0;
+      auto overflow = [&] { Fail(absl::StrCat("integer ", op, " beyond 64 bits"), line); };
+      if (op == "+") {
+        if (floats) return Value::Float(x + y);
+        if (__builtin_add_overflow(p, q, &r)) overflow();
+        return Value::Int(r);
+      }
+      if (op == "-") {
+        if (floats) return Value::Float(x - y);
+        if (__builtin_sub_overflow(p, q, &r)) overflow();
+        return Value::Int(r);
+      }
+      if (op == "*") {
+        if (floats) return Value::Float(x * y);
+        if (__builtin_mul_overflow(p, q, &r)) overflow();
+        return Value::Int(r);
+      }
       if (op == "/") {
         if (y == 0) Fail("division by zero", line);
         return Value::Float(x / y);
@@ -1949,13 +1974,21 @@ class Renderer {
           const double d = std::floor(x / y);
           return op == "//" ? Value::Float(d) : Value::Float(x - d * y);
         }
+        if (p == INT64_MIN && q == -1) overflow();
         int64_t d = p / q;
         if ((p % q != 0) && ((p < 0) != (q < 0))) --d;  // floor, as Python
         return op == "//" ? Value::Int(d) : Value::Int(p - d * q);
       }
-      if (op == "**")
-        return floats || q < 0 ? Value::Float(std::pow(x, y))
-                               : Value::Int(static_cast<int64_t>(std::llround(std::pow(x, y))));
+      if (op == "**") {
+        if (floats || q < 0) return Value::Float(std::pow(x, y));
+        int64_t acc = 1;
+        for (int64_t k = 0; k < q; ++k) {
+          if (__builtin_mul_overflow(acc, p, &acc)) overflow();
+          if (acc == 0 || acc == 1) break;  // 0 and 1 stay; -1 alternates (handled below)
+        }
+        if (p == -1) acc = q % 2 == 0 ? 1 : -1;
+        return Value::Int(acc);
+      }
     }
     Fail(absl::StrCat("unsupported operand type(s) for ", op, ": '", TypeName(a), "' and '",
                       TypeName(b), "'"),
@@ -1995,7 +2028,8 @@ class Renderer {
         parts[1].kind == Value::Kind::kNone ? (step > 0 ? n : -1) : adjust(get(parts[1], 0), false);
     List out;
     std::string s;
-    for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
+    for (int64_t k = start; step > 0 ? k < stop : k > stop;
+         k = __builtin_add_overflow(k, step, &k) ? stop : k) {
       if (obj.kind == Value::Kind::kList) {
         out.push_back((*obj.list)[k]);
       } else {
@@ -2471,7 +2505,8 @@ Value Globals(const std::string& name) {
       }
       if (step == 0) Fail("range() arg 3 must not be zero");
       List out;
-      for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
+      for (int64_t k = start; step > 0 ? k < stop : k > stop;
+           k = __builtin_add_overflow(k, step, &k) ? stop : k) {
         out.push_back(Value::Int(k));
         if (out.size() > 1000000) Fail("range() too large");
       }

@@ -68,6 +68,19 @@ TEST(ChatTemplateTest, RecursionIsBoundedNotACrash) {
   EXPECT_FALSE((*t)->Render(ordered_json{{"x", deep}}).ok());
 }
 
+TEST(ChatTemplateTest, IntegersBeyond64BitsAreErrorsNotWrapped) {
+  // Python's integers have no bound; where ours would wrap, the template fails instead.
+  for (const char* src :
+       {"{{ 9223372036854775807 + 1 }}", "{{ 3 ** 64 }}", "{{ -9223372036854775807 - 2 }}",
+        "{{ 99999999999999999999 }}", "{{ 'ab' * 100000000000 }}"}) {
+    auto t = ChatTemplate::Parse(src);
+    if (!t.ok()) continue;  // a literal beyond 64 bits is refused when parsed
+    auto r = (*t)->Render(ordered_json::object());
+    EXPECT_FALSE(r.ok()) << src << " gave " << *r;
+  }
+  // (Results within 64 bits are compared with Python's in the chat_template corpus.)
+}
+
 class ChatTemplateDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
