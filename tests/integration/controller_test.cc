@@ -994,7 +994,8 @@ TEST_F(ControllerTest, TextPromptsStreamsStopStringsAndEos) {
     ASSERT_FALSE(by_text.text().empty());
 
     std::vector<v1::GenerateResponse> chunks;
-    ASSERT_TRUE(c.Stream(TextRequest(adapter, prompt, 12), &chunks).ok());
+    grpc::Status ss = c.Stream(TextRequest(adapter, prompt, 12), &chunks);
+    ASSERT_TRUE(ss.ok()) << ss.error_code() << " " << ss.error_message() << "\n" << c.Log();
     std::vector<int32_t> streamed;
     EXPECT_EQ(Joined(chunks, &streamed), by_text.text());
     EXPECT_EQ(streamed, tokens);
@@ -1024,7 +1025,8 @@ TEST_F(ControllerTest, TextPromptsStreamsStopStringsAndEos) {
     EXPECT_EQ((*tokenizer)->Decode(std::vector<int32_t>(st.begin(), st.end() - 1), true).find(stop),
               std::string::npos);
     chunks.clear();
-    ASSERT_TRUE(c.Stream(sreq, &chunks).ok());
+    ss = c.Stream(sreq, &chunks);
+    ASSERT_TRUE(ss.ok()) << ss.error_code() << " " << ss.error_message() << "\n" << c.Log();
     std::vector<int32_t> streamed_stop;
     EXPECT_EQ(Joined(chunks, &streamed_stop), stopped.text());
     EXPECT_EQ(streamed_stop, st);
