@@ -20,6 +20,8 @@ PACKAGES=(
   libpcre2-dev libicu-dev
   # the OpenAI-compatible HTTP API (--http-port)
   libmicrohttpd-dev
+  # images (vision/): the PNG, JPEG and WebP decoders
+  libpng-dev libjpeg62-turbo-dev libwebp-dev
 )
 if [ "$MODE" != "build" ]; then
   PACKAGES+=(
