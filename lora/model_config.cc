@@ -59,6 +59,21 @@ namespace {
         absl::StrCat(file, ": partial_rotary_factor ", r.partial_rotary_factor, " of head_dim ",
                      r.head_dim, " must give an even number of rotary dims in (0, head_dim]"));
   }
+  // Multimodal RoPE (Qwen3-VL, Qwen3.5): which of the (temporal, height, width) position streams
+  // each frequency takes (lora/rope.h).
+  if (rp.contains("mrope_section") && !rp["mrope_section"].is_null()) {
+    const auto& ms = rp["mrope_section"];
+    if (ms.is_array() && ms.size() == 3) {
+      for (const auto& v : ms) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1 << 20)) break;
+        r.mrope_section.push_back(v.get<int>());
+      }
+    }
+    if (r.mrope_section.size() != 3) {
+      return absl::InvalidArgumentError(absl::StrCat(file, ": ", where, ".mrope_section ",
+                                                     ms.dump(), ": three non-negative integers"));
+    }
+  }
   // Keys each type may carry; anything else in the dict changes the math in a way we do not.
   std::vector<std::string> allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor",
                                       // Qwen3-VL / Qwen3.5 multimodal RoPE: with text-only

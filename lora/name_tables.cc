@@ -137,22 +137,33 @@ NameMapping MapQwen3Moe(const std::string& ckpt, bool lw) {
   return Dense(n, lw);
 }
 
+namespace {
+
+// The vision tower's tensors: `model.visual.…` (older exports `visual.…`), loaded under
+// model.visual. with any PEFT `.base_layer.` removed (worker/models/vision_tower.h).
+bool MatchVisual(const std::string& ckpt, NameMapping* out) {
+  std::string n = StripBaseLayer(ckpt);
+  if (absl::StartsWith(n, "visual.")) n = "model." + n;
+  if (!absl::StartsWith(n, "model.visual.")) return false;
+  out->kind = NameMapping::kLoad;
+  out->target.param = n;
+  return true;
+}
+
+}  // namespace
+
 NameMapping MapQwen3VlMoe(const std::string& ckpt, bool lw) {
-  if (absl::StartsWith(ckpt, "model.visual.") || absl::StartsWith(ckpt, "visual.")) {
-    return Skip("vision tower (text path only)");
-  }
-  const std::string n = TextPrefix(StripBaseLayer(ckpt));
   NameMapping m;
+  if (MatchVisual(ckpt, &m)) return m;
+  const std::string n = TextPrefix(StripBaseLayer(ckpt));
   if (MatchFused(n, /*transposed=*/true, lw, &m)) return m;
   return Dense(n, lw);
 }
 
 NameMapping MapQwen35Moe(const std::string& ckpt, bool lw) {
-  if (absl::StartsWith(ckpt, "model.visual.") || absl::StartsWith(ckpt, "visual.")) {
-    return Skip("vision tower (text path only)");
-  }
-  const std::string n = TextPrefix(StripBaseLayer(ckpt));
   NameMapping m;
+  if (MatchVisual(ckpt, &m)) return m;
+  const std::string n = TextPrefix(StripBaseLayer(ckpt));
   if (MatchFused(n, /*transposed=*/false, lw, &m)) return m;
   if (MatchPerExpert(n, lw, &m)) return m;  // FP8 releases store experts one by one
   return Dense(n, lw);

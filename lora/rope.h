@@ -25,6 +25,12 @@ struct RopeSpec {
   bool truncate = true;
   // llama3
   double low_freq_factor = 1.0, high_freq_factor = 4.0;
+  // Multimodal RoPE (mrope_section: frequencies per temporal, height, width stream; empty: none).
+  // The layout is the interleaved one of Qwen3-VL and Qwen3.5 (transformers uses it for both,
+  // whatever mrope_interleaved says): frequency j takes the height position when j % 3 == 1 and
+  // j < 3 · section[1], the width position when j % 3 == 2 and j < 3 · section[2], else the
+  // temporal one.
+  std::vector<int> mrope_section;
 
   // Dims that rotate: int(head_dim · partial_rotary_factor), as transformers computes it.
   int rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -24,7 +25,9 @@
 #include "kernels/device.h"
 #include "lora/adapter.h"
 #include "lora/model_info.h"
+#include "vision/image_processor.h"
 #include "worker/model/causal_lm.h"
+#include "worker/models/vision_tower.h"
 #include "worker/torch_guard.h"
 
 namespace moelora {
@@ -170,9 +173,32 @@ struct Engine::Impl {
     std::vector<int32_t> history;      // the token at each position: the prompt, then sampled
     std::vector<float> prompt_logits;  // return_prompt_logits: collected over the chunks
     bool Prefilling() const { return fed < feed.size(); }
+    // Images of the prompt: their tokens, patch grid, and the tower's output while the prompt
+    // is being read (computed when a chunk first reaches the image, dropped once the prompt is
+    // past it; a preempted sequence computes it again).
+    struct Image {
+      int64_t offset = 0, tokens = 0;
+      int grid_h = 0, grid_w = 0;
+      at::Tensor pixel_values;  // f32 [grid_h · grid_w, patch_dim] on the host
+      VisionEncoding encoded;
+    };
+    std::vector<Image> images;
+    // Multimodal RoPE with images: each prompt position's (t, h, w) rows; positions after the
+    // prompt are p + rope_delta on every stream.
+    std::vector<int64_t> pos3;
+    int64_t rope_delta = 0;
+    // Position p's three streams (text-only sequences: p on each).
+    std::array<int64_t, 3> Position(int64_t p) const {
+      const int64_t P = static_cast<int64_t>(spec.prompt.size());
+      if (pos3.empty()) return {p, p, p};
+      if (p >= P) return {p + rope_delta, p + rope_delta, p + rope_delta};
+      return {pos3[p], pos3[P + p], pos3[2 * P + p]};
+    }
   };
   KvCache* kv = nullptr;  // the model's
   bool prefix_caching = false;
+  // Models with a vision tower: preprocessor_config.json (how pixels become pixel_values).
+  std::optional<vision::ImageProcessorConfig> image_processor;
   mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
   // When the last Steps call's work ended (compute thread; under step_mu).
   std::optional<std::chrono::steady_clock::time_point> last_steps_end;
@@ -198,6 +224,171 @@ struct Engine::Impl {
   };
   std::list<Cached> host_cache;
   int64_t host_cache_bytes = 0;
+
+  // A joiner's images against the model (the controller checks the same before sending):
+  // INVALID_ARGUMENT naming the image.
+  absl::Status CheckImages(const NewSequence& n) const {
+    const VisionConfig* v = model->vision();
+    if (n.images.empty()) {
+      if (v == nullptr) return absl::OkStatus();
+      for (int32_t t : n.prompt) {
+        if (t == v->image_token_id) {
+          return absl::InvalidArgumentError(absl::StrCat("the prompt holds image token ", t,
+                                                         " but the request has no image for it"));
+        }
+      }
+      return absl::OkStatus();
+    }
+    if (v == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          model->config().info.architecture, " has no vision tower: images are not accepted"));
+    }
+    const int factor = v->patch_size * v->spatial_merge_size;
+    const int64_t P = static_cast<int64_t>(n.prompt.size());
+    int64_t end = 0, covered = 0;
+    for (size_t i = 0; i < n.images.size(); ++i) {
+      const ImageInput& im = n.images[i];
+      auto bad = [&](auto&&... parts) {
+        return absl::InvalidArgumentError(absl::StrCat("image ", i, ": ", parts...));
+      };
+      if (im.height <= 0 || im.width <= 0 || im.height % factor != 0 || im.width % factor != 0) {
+        return bad(im.width, "x", im.height, " pixels: both sides must be positive multiples of ",
+                   factor, " (patch × merge)");
+      }
+      if (static_cast<int64_t>(im.rgb.size()) != int64_t{3} * im.height * im.width) {
+        return bad(im.rgb.size(), " bytes of RGB for ", im.width, "x", im.height, " pixels");
+      }
+      const int64_t tokens = int64_t{im.height / factor} * (im.width / factor);
+      if (im.offset < end || im.offset + tokens > P) {
+        return bad("its ", tokens, " tokens at ", im.offset,
+                   " overlap another image or pass the prompt's end (", P, ")");
+      }
+      for (int64_t p = im.offset; p < im.offset + tokens; ++p) {
+        if (n.prompt[p] != v->image_token_id) {
+          return bad("prompt position ", p, " holds token ", n.prompt[p], ", not the image token ",
+                     v->image_token_id);
+        }
+      }
+      end = im.offset + tokens;
+      covered += tokens;
+    }
+    const int64_t pads =
+        std::count(n.prompt.begin(), n.prompt.end(), static_cast<int32_t>(v->image_token_id));
+    if (pads != covered) {
+      return absl::InvalidArgumentError(absl::StrCat("the prompt holds ", pads,
+                                                     " image tokens; its ", n.images.size(),
+                                                     " images take ", covered));
+    }
+    return absl::OkStatus();
+  }
+
+  // A joiner's images (checked): their pixel_values, and the prompt's multimodal positions
+  // (transformers' get_rope_index): text runs on; an image's tokens take (start, start + row,
+  // start + column) of its merged grid; the text after it starts at start + max(rows, columns).
+  void AddImages(Sequence& s) const {
+    if (s.spec.images.empty()) return;
+    const VisionConfig& v = *model->vision();
+    const int merge = v.spatial_merge_size;
+    const int64_t P = static_cast<int64_t>(s.spec.prompt.size());
+    const bool mrope = !model->config().rope.mrope_section.empty();
+    if (mrope) s.pos3.assign(3 * P, 0);
+    int64_t cur = 0, next = 0;  // the next position; the next prompt index to place
+    auto text_until = [&](int64_t stop) {
+      for (; next < stop; ++next, ++cur) {
+        if (mrope) s.pos3[next] = s.pos3[P + next] = s.pos3[2 * P + next] = cur;
+      }
+    };
+    for (const ImageInput& in : s.spec.images) {
+      vision::ProcessedImage pi;
+      pi.pixels.height = in.height;
+      pi.pixels.width = in.width;
+      pi.pixels.rgb.assign(in.rgb.begin(), in.rgb.end());
+      pi.grid_h = in.height / v.patch_size;
+      pi.grid_w = in.width / v.patch_size;
+      std::vector<float> px = vision::PixelValues(pi, *image_processor);
+      Sequence::Image im;
+      im.offset = in.offset;
+      im.grid_h = pi.grid_h;
+      im.grid_w = pi.grid_w;
+      im.tokens = pi.tokens(merge);
+      im.pixel_values =
+          at::from_blob(px.data(), {pi.patches(), image_processor->patch_dim()}, at::kFloat)
+              .clone();
+      text_until(im.offset);
+      const int64_t rows = im.grid_h / merge, cols = im.grid_w / merge;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c, ++next) {
+          if (mrope) {
+            s.pos3[next] = cur;
+            s.pos3[P + next] = cur + r;
+            s.pos3[2 * P + next] = cur + c;
+          }
+        }
+      }
+      cur += std::max(rows, cols);
+      s.images.push_back(std::move(im));
+    }
+    for (ImageInput& in : s.spec.images) std::string().swap(in.rgb);  // pixel_values hold them
+    text_until(P);
+    s.rope_delta = cur - P;
+    if (!mrope) s.pos3.clear();
+  }
+
+  // Before a forward: the tower's output for every image a prompt chunk of `b` reaches that has
+  // none yet (all of them in one tower call), and `b`'s image rows with their embeddings and
+  // DeepStack features.
+  absl::Status PrepareImages(ForwardBatch& b, const std::vector<size_t>& in_batch) {
+    std::vector<VisionImage> todo;
+    std::vector<Sequence::Image*> targets;
+    auto chunk_of = [&](size_t k, const Sequence& s) {
+      return std::pair<int64_t, int64_t>(s.Prefilling() ? static_cast<int64_t>(s.fed) : -1,
+                                         s.Prefilling() ? s.fed + b.seqs[k].count : -1);
+    };
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      Sequence& s = running[in_batch[k]];
+      const auto [from, to] = chunk_of(k, s);
+      for (Sequence::Image& im : s.images) {
+        if (im.encoded.embeds.defined() || im.offset >= to || im.offset + im.tokens <= from) {
+          continue;
+        }
+        todo.push_back({im.pixel_values, 1, im.grid_h, im.grid_w, s.slot});
+        targets.push_back(&im);
+      }
+    }
+    if (!todo.empty()) {
+      MOELORA_ASSIGN_OR_RETURN(VisionEncoding e, model->EncodeImages(todo));
+      int64_t row = 0;
+      for (Sequence::Image* im : targets) {
+        im->encoded.embeds = e.embeds.narrow(0, row, im->tokens);
+        im->encoded.deepstack.clear();
+        for (const at::Tensor& d : e.deepstack) {
+          im->encoded.deepstack.push_back(d.narrow(0, row, im->tokens));
+        }
+        row += im->tokens;
+      }
+    }
+    std::vector<at::Tensor> embeds;
+    std::vector<std::vector<at::Tensor>> deep;
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      Sequence& s = running[in_batch[k]];
+      const auto [from, to] = chunk_of(k, s);
+      for (Sequence::Image& im : s.images) {
+        const int64_t lo = std::max(im.offset, from), hi = std::min(im.offset + im.tokens, to);
+        if (lo >= hi) continue;
+        for (int64_t p = lo; p < hi; ++p) b.visual_rows.push_back(b.seqs[k].begin + p - from);
+        embeds.push_back(im.encoded.embeds.narrow(0, lo - im.offset, hi - lo));
+        deep.resize(im.encoded.deepstack.size());
+        for (size_t d = 0; d < im.encoded.deepstack.size(); ++d) {
+          deep[d].push_back(im.encoded.deepstack[d].narrow(0, lo - im.offset, hi - lo));
+        }
+      }
+    }
+    if (!embeds.empty()) {
+      b.visual_embeds = at::cat(embeds, 0);
+      for (auto& d : deep) b.visual_deepstack.push_back(at::cat(d, 0));
+    }
+    return absl::OkStatus();
+  }
 
   // Under adapters_mu.
   HostCacheStats CacheStats() const {
@@ -258,6 +449,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.expert_parallel = o.enable_expert_parallel;
   mo.fully_sharded_loras = o.fully_sharded_loras;
   mo.dummy_weights = o.dummy_weights;
+  mo.tower_connector_lora = o.enable_tower_connector_lora;
   MOELORA_ASSIGN_OR_RETURN(impl->model,
                            impl->compute->Run([&] { return LoadCausalLM(o.model_dir, mo, comm); }));
   const int cfg_len = impl->model->config().max_position_embeddings;
@@ -285,6 +477,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
   impl->kv = model->kv_cache();
   impl->prefix_caching = o.enable_prefix_caching && !model->has_recurrent_layers();
+  if (const VisionConfig* v = model->vision()) {
+    MOELORA_ASSIGN_OR_RETURN(impl->image_processor,
+                             vision::ImageProcessorConfig::Load(o.model_dir));
+    if (impl->image_processor->patch_size != v->patch_size ||
+        impl->image_processor->merge_size != v->spatial_merge_size ||
+        impl->image_processor->temporal_patch_size != v->temporal_patch_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(o.model_dir,
+                       "/preprocessor_config.json: patch_size, merge_size and "
+                       "temporal_patch_size must equal vision_config's patch_size (",
+                       v->patch_size, "), spatial_merge_size (", v->spatial_merge_size,
+                       ") and temporal_patch_size (", v->temporal_patch_size, ")"));
+    }
+  }
   LOG(INFO) << "KV cache: " << impl->kv->num_blocks() << " blocks of " << o.block_size
             << " tokens, " << impl->kv->bytes_per_block() << " bytes each ("
             << impl->kv->num_blocks() * impl->kv->bytes_per_block() << " bytes reserved)";
@@ -596,6 +802,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       return bad("prompt of ", n.prompt.size(), " tokens leaves no room under max_model_len ",
                  m.max_model_len);
     }
+    if (absl::Status st = m.CheckImages(n); !st.ok()) return bad(st.message());
     int32_t slot = -1;
     if (n.adapter_id != 0) {
       std::lock_guard<std::mutex> lock(m.adapters_mu);
@@ -636,6 +843,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     s.sampler = std::make_unique<Sampler>(add[i].sampling);
     s.feed = add[i].prompt;
     s.history = add[i].prompt;
+    m.AddImages(s);
     m.running.push_back(std::move(s));
   }
   StepOutput out;
@@ -693,7 +901,8 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     for (size_t i = 0; i < nrun && budget > 0; ++i) {
       Impl::Sequence& s = m.running[i];
       if (!s.Prefilling() || take[i] > 0) continue;
-      if (m.prefix_caching && s.fed == 0 && !s.state.table.Holds() &&
+      // (Not for prompts with images: their image tokens are all the same id.)
+      if (m.prefix_caching && s.fed == 0 && !s.state.table.Holds() && s.images.empty() &&
           !(s.spec.return_prompt_logits && !s.recompute)) {
         // Blocks of a prefix computed before under the same adapter: not computed again.
         const int64_t hit = m.kv->Match(s.spec.adapter_id, s.feed, s.state.table);
@@ -748,12 +957,26 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     b.seqs.push_back(fs);
     in_batch.push_back(i);
   }
-  absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&] {
+  bool mm = false;  // a sequence of the batch has images: multimodal positions
+  for (size_t k = 0; k < b.seqs.size(); ++k) mm = mm || !m.running[in_batch[k]].pos3.empty();
+  if (mm) {
+    const int64_t T = static_cast<int64_t>(b.tokens.size());
+    b.positions3.resize(3 * T);
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      const Impl::Sequence& s = m.running[in_batch[k]];
+      for (int64_t i = 0; i < b.seqs[k].count; ++i) {
+        const std::array<int64_t, 3> p = s.Position(s.state.len + i);
+        for (int r = 0; r < 3; ++r) b.positions3[r * T + b.seqs[k].begin + i] = p[r];
+      }
+    }
+  }
+  absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&]() -> absl::StatusOr<at::Tensor> {
     if (const int f = m.options.debug_fail_prompt_chunk_tokens; f > 0) {
       for (const ForwardBatch::Seq& fs : b.seqs) {
         if (fs.count >= f) (void)at::empty({int64_t{1} << 62}, at::kByte);  // throws
       }
     }
+    MOELORA_RETURN_IF_ERROR(m.PrepareImages(b, in_batch));
     return m.model->Forward(b);
   });
   if (!logits.ok() && logits.status().code() == absl::StatusCode::kResourceExhausted &&
@@ -816,6 +1039,9 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       }
       s.fed += b.seqs[k].count;
       samples[k] = !s.Prefilling();
+      for (Impl::Sequence::Image& im : s.images) {
+        if (im.offset + im.tokens <= static_cast<int64_t>(s.fed)) im.encoded = VisionEncoding();
+      }
     } else {
       samples[k] = 1;
     }
@@ -864,7 +1090,9 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     // The full blocks this step completed become findable (before finished sequences release
     // theirs, which then stay cached until evicted), then the sliding-window blocks no later
     // query sees go back.
-    if (m.prefix_caching) m.kv->Publish(s.spec.adapter_id, s.history, s.state.len, s.state.table);
+    if (m.prefix_caching && s.images.empty()) {
+      m.kv->Publish(s.spec.adapter_id, s.history, s.state.len, s.state.table);
+    }
     m.kv->Trim(s.state.table, s.state.len);
   }
   for (auto it = m.running.begin(); it != m.running.end();) {

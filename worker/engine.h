@@ -40,9 +40,10 @@ struct EngineOptions {
   int max_cpu_loras = 8;
   int max_lora_rank = 16;
   bool enable_mixed_moe_lora_format = false;
-  bool enable_expert_parallel = false;  // whole experts per rank (ModelOptions)
-  bool dummy_weights = false;           // --load-format dummy (ModelOptions)
-  bool fully_sharded_loras = false;     // ModelOptions::fully_sharded_loras
+  bool enable_expert_parallel = false;       // whole experts per rank (ModelOptions)
+  bool dummy_weights = false;                // --load-format dummy (ModelOptions)
+  bool fully_sharded_loras = false;          // ModelOptions::fully_sharded_loras
+  bool enable_tower_connector_lora = false;  // ModelOptions::tower_connector_lora
   int max_num_seqs = 256;
   int max_model_len = 0;  // 0: the model's max_position_embeddings
   int block_size = 16;    // KV cache block (token positions)
@@ -61,6 +62,15 @@ struct EngineOptions {
   int debug_fail_prompt_chunk_tokens = 0;
 };
 
+// An image of a multimodal prompt, as the controller prepared it (vision/image_processor.h):
+// resized RGB pixels, and where its tokens are in the prompt (merged patches: height / patch ·
+// width / patch / merge² image tokens from `offset`).
+struct ImageInput {
+  int64_t offset = 0;
+  int height = 0, width = 0;
+  std::string rgb;  // height · width · 3 bytes
+};
+
 struct NewSequence {
   int64_t id = 0;
   int64_t adapter_id = 0;  // 0 = base model
@@ -71,6 +81,7 @@ struct NewSequence {
   bool return_logprobs = false;
   bool return_logits = false;         // full logits row of every sampled position (tests, debug)
   bool return_prompt_logits = false;  // logits of every prompt position, at the prefill step
+  std::vector<ImageInput> images;     // models with a vision tower; in prompt order
 };
 
 struct TokenOut {

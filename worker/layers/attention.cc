@@ -142,7 +142,10 @@ const at::Tensor& ResidualStream::Sum() {
 }
 
 Rotary::Rotary(const RopeSpec& spec, const at::Device& device)
-    : rotary_dim_(spec.rotary_dim()), head_dim_(spec.head_dim), device_(device) {
+    : rotary_dim_(spec.rotary_dim()),
+      head_dim_(spec.head_dim),
+      mrope_section_(spec.mrope_section),
+      device_(device) {
   const std::vector<double> inv = RopeInvFreq(spec, &scaling_);
   std::vector<float> f(inv.begin(), inv.end());
   inv_freq_ =
@@ -182,6 +185,39 @@ Rotary::Table Rotary::Compute(const std::vector<int64_t>& positions, at::ScalarT
     t.dtype = dtype;
   }
   return {GatherRows(t.cos, positions), GatherRows(t.sin, positions)};
+}
+
+Rotary::Table Rotary::ComputeMrope(const std::vector<int64_t>& positions,
+                                   at::ScalarType dtype) const {
+  const int64_t T = static_cast<int64_t>(positions.size()) / 3;
+  auto row = [&](int r) {
+    return std::vector<int64_t>(positions.begin() + r * T, positions.begin() + (r + 1) * T);
+  };
+  const std::vector<int64_t> t = row(0), h = row(1), w = row(2);
+  Table out = Compute(t, dtype);
+  if (mrope_section_.empty() || (t == h && t == w)) return out;
+  // Each element is cos / sin of its own stream's position times the frequency: the rows of the
+  // height and width tables are taken where the layout gives those streams the frequency.
+  const Table th = Compute(h, dtype), tw = Compute(w, dtype);
+  const int64_t half = rotary_dim_ / 2;
+  std::vector<int64_t> hcols, wcols;
+  for (int64_t c = 0; c < rotary_dim_; ++c) {
+    const int64_t j = c % half;
+    if (j % 3 == 1 && j < 3 * mrope_section_[1]) hcols.push_back(c);
+    if (j % 3 == 2 && j < 3 * mrope_section_[2]) wcols.push_back(c);
+  }
+  auto take = [&](at::Tensor& dst, const at::Tensor& src, const std::vector<int64_t>& cols) {
+    if (cols.empty()) return;
+    const at::Tensor idx = at::from_blob(const_cast<int64_t*>(cols.data()),
+                                         {static_cast<int64_t>(cols.size())}, at::kLong)
+                               .to(dst.device());
+    dst.index_copy_(1, idx, src.index_select(1, idx));
+  };
+  take(out.cos, th.cos, hcols);
+  take(out.sin, th.sin, hcols);
+  take(out.cos, tw.cos, wcols);
+  take(out.sin, tw.sin, wcols);
+  return out;
 }
 
 namespace {

@@ -25,6 +25,11 @@ class Rotary {
     at::Tensor cos, sin;
   };
   Table Compute(const std::vector<int64_t>& positions, at::ScalarType dtype) const;
+  // Multimodal RoPE (spec.mrope_section): `positions` holds three rows of T positions
+  // (temporal, height, width); frequency j reads the row lora/rope.h's layout gives it. Equal
+  // rows give Compute's table.
+  Table ComputeMrope(const std::vector<int64_t>& positions, at::ScalarType dtype) const;
+  bool mrope() const { return !mrope_section_.empty(); }
   // x [T, heads, head_dim]: rotates dims [0, rotary_dim) by pairs (i, i + rotary_dim / 2); the
   // rest pass through.
   at::Tensor Apply(const at::Tensor& x, const Table& t) const;
@@ -47,6 +52,7 @@ class Rotary {
   double scaling_ = 1.0;
   int64_t rotary_dim_ = 0;
   int64_t head_dim_ = 0;
+  std::vector<int> mrope_section_;
   at::Device device_ = at::kCPU;
 };
 

@@ -38,6 +38,11 @@ std::string TextModule(const std::string& module) {
 
 CausalLM::~CausalLM() = default;
 
+absl::StatusOr<VisionEncoding> CausalLM::EncodeImages(const std::vector<VisionImage>&) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(config_.info.architecture, " has no vision tower: images are not accepted"));
+}
+
 at::Device CausalLM::device() const {
   return options_.kernels == LoraKernels::kCuda
              ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options_.cuda_device))
@@ -190,6 +195,13 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
   std::vector<std::pair<LoraModule*, const LoraPair*>> dense;
   for (const auto& [module, pair] : a.dense) {
     LoraModule* m = FindLora(module);
+    if (m == nullptr && vision() != nullptr && !options_.tower_connector_lora &&
+        (absl::StartsWith(module, "model.visual.") || absl::StartsWith(module, "visual."))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          a.safetensors_path, ": tensor ", pair.a_name, " targets the vision tower module ", module,
+          ": start the workers with --enable-tower-connector-lora to serve LoRA on the "
+          "tower and its mergers"));
+    }
     if (m == nullptr || m->takes_experts()) {
       return absl::InvalidArgumentError(absl::StrCat(
           a.safetensors_path, ": tensor ", pair.a_name, " targets module ", module, ", which ",

@@ -31,6 +31,21 @@
 namespace moelora {
 
 class PinnedUploader;  // kernels/device.h
+struct VisionConfig;   // worker/models/vision_tower.h
+
+// An image for the vision tower: its pixel_values rows (vision/image_processor.h), patch grid,
+// and the LoRA slot of its request (-1: none).
+struct VisionImage {
+  at::Tensor pixel_values;  // f32 [t·h·w, patch_dim] on the host
+  int grid_t = 1, grid_h = 0, grid_w = 0;
+  int32_t slot = -1;
+};
+// The tower's output for a list of images, one after the other: merged embeddings
+// [tokens, hidden] and the DeepStack features (one tensor per merger, same rows).
+struct VisionEncoding {
+  at::Tensor embeds;
+  std::vector<at::Tensor> deepstack;
+};
 
 struct ModelContext;  // worker/model/model_context.h
 
@@ -56,6 +71,9 @@ struct ModelOptions {
   // --fully-sharded-loras: dense LoRA layers shard lora_A (column-parallel) / lora_B
   // (row-parallel) too, with one more collective each (worker/layers/linear.h).
   bool fully_sharded_loras = false;
+  // --enable-tower-connector-lora (vLLM's name): the vision tower's and mergers' linears take
+  // adapters (else an adapter that targets them is refused).
+  bool tower_connector_lora = false;
   // --load-format dummy (vLLM's name): random weights of the shapes config.json implies, no
   // checkpoint read. For trying a config (release configs in tests, sizing) without its weights.
   bool dummy_weights = false;
@@ -79,6 +97,17 @@ struct SeqState {
 struct ForwardBatch {
   std::vector<int64_t> tokens;  // all new tokens, sequence after sequence
   std::vector<int32_t> slots;   // per token: LoRA slot, -1 = base model
+  // Multimodal RoPE (models whose rotary has an mrope_section): each token's (temporal, height,
+  // width) positions as three rows of tokens.size() values. Empty: every stream is the token's
+  // index in its sequence (len + offset), as for text.
+  std::vector<int64_t> positions3;
+  // Image tokens: their indices in `tokens` (ascending), the embeddings that replace their token
+  // embeddings [rows, hidden], and the DeepStack features added to the hidden states after the
+  // first layers at those rows (one [rows, hidden] tensor per layer); compute dtype, on the
+  // model's device. Empty: none.
+  std::vector<int64_t> visual_rows;
+  at::Tensor visual_embeds;
+  std::vector<at::Tensor> visual_deepstack;
   struct Seq {
     SeqState* state = nullptr;
     int64_t begin = 0;        // first token in `tokens`
@@ -98,6 +127,12 @@ class CausalLM {
   // Logits (f32, on the host) [rows, vocab]: per sequence in order, every new token's row
   // (all_logits) or the last one. Advances each sequence's state by its new tokens.
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
+
+  // The vision tower (models built with one: Qwen3-VL-MoE, Qwen3.5 with a vision_config);
+  // nullptr otherwise. EncodeImages runs it over `images` (each with its request's LoRA slot).
+  virtual const VisionConfig* vision() const { return nullptr; }
+  [[nodiscard]] virtual absl::StatusOr<VisionEncoding> EncodeImages(
+      const std::vector<VisionImage>& images);
 
   // A fresh per-sequence state (nothing held; the first forward reserves it blocks and a zeroed
   // recurrent state). Creates a KV cache with the default options when InitKvCache was not

@@ -66,14 +66,61 @@ namespace moelora {
   return mw;
 }
 
+absl::StatusOr<std::optional<VisionConfig>> ReadVisionConfig(const ModelContext& ctx,
+                                                             const ModelConfig& c, bool deepstack,
+                                                             int64_t image_token_default) {
+  MOELORA_ASSIGN_OR_RETURN(const std::string text, ReadConfigText(ctx.dir));
+  return VisionConfig::Parse(text, ctx.dir + "/config.json", deepstack, image_token_default,
+                             c.info.hidden_size, c.vocab_size);
+}
+
+absl::Status DecoderModel::BuildVision(const VisionConfig& v,
+                                       const std::map<std::string, at::Tensor>& params,
+                                       const ModelContext& ctx) {
+  const SlotShape shape = SlotShape::For(options_, device(), ctx.comm);
+  MOELORA_ASSIGN_OR_RETURN(
+      vision_, VisionTower::Create(v, params, options_, shape, options_.tower_connector_lora));
+  if (options_.tower_connector_lora) {
+    for (LoraModule* m : vision_->lora_modules()) RegisterLora(m);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<VisionEncoding> DecoderModel::EncodeImages(const std::vector<VisionImage>& images) {
+  if (!vision_) return CausalLM::EncodeImages(images);
+  if (options_.kernels == LoraKernels::kCuda) {
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
+  }
+  return vision_->Forward(images, [this](at::Tensor& t) { return AllReduce(t); });
+}
+
 absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
   const at::Device dev = device();
   MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
+  const int64_t T = static_cast<int64_t>(b.tokens.size());
+  if (!b.positions3.empty() && static_cast<int64_t>(b.positions3.size()) != 3 * T) {
+    return absl::InvalidArgumentError("positions3 must hold three rows of the batch's tokens");
+  }
   std::vector<Rotary::Table> tables;
   tables.reserve(rotaries_.size());
-  for (const Rotary& r : rotaries_) tables.push_back(r.Compute(in.positions, options_.dtype));
-  ResidualStream x(ends_.embed.index_select(0, in.tokens));
+  for (const Rotary& r : rotaries_) {
+    tables.push_back(!b.positions3.empty() && r.mrope()
+                         ? r.ComputeMrope(b.positions3, options_.dtype)
+                         : r.Compute(in.positions, options_.dtype));
+  }
+  at::Tensor embedded = ends_.embed.index_select(0, in.tokens);
+  at::Tensor visual_rows;
+  if (!b.visual_rows.empty()) {
+    const int64_t n = static_cast<int64_t>(b.visual_rows.size());
+    if (!b.visual_embeds.defined() || b.visual_embeds.size(0) != n ||
+        b.visual_embeds.size(1) != embedded.size(1)) {
+      return absl::InvalidArgumentError("visual_embeds do not match visual_rows");
+    }
+    visual_rows = at::from_blob(const_cast<int64_t*>(b.visual_rows.data()), {n}, at::kLong).to(dev);
+    embedded.index_copy_(0, visual_rows, b.visual_embeds.to(embedded.scalar_type()));
+  }
+  ResidualStream x(std::move(embedded));
   const double eps = config_.rms_norm_eps;
   for (size_t l = 0; l < layers_.size(); ++l) {
     DecoderLayer& L = layers_[l];
@@ -90,6 +137,11 @@ absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
     if (!f.ok()) return f.status();
     MOELORA_RETURN_IF_ERROR(AllReduce(*f));
     x.Add(*f);
+    if (l < b.visual_deepstack.size() && visual_rows.defined()) {
+      // DeepStack: the layer's output at the image tokens plus the tower's features (in place
+      // on the stream, which Sum has just completed).
+      x.Sum().index_add_(0, visual_rows, b.visual_deepstack[l].to(x.Sum().scalar_type()));
+    }
   }
   return ends_.Finish(b, x.Sum(), eps, norm_);
 }

@@ -23,6 +23,7 @@
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/causal_lm.h"
 #include "worker/model/model_context.h"
+#include "worker/models/vision_tower.h"
 
 namespace moelora {
 
@@ -33,6 +34,10 @@ struct StepInputs {
   std::vector<int64_t> positions;
   at::Tensor tokens;
 };
+// The vision config of a multimodal checkpoint (VisionConfig::Parse of config.json; nullopt for
+// a text-only one). `deepstack`: the architecture has DeepStack mergers.
+[[nodiscard]] absl::StatusOr<std::optional<VisionConfig>> ReadVisionConfig(
+    const ModelContext& ctx, const ModelConfig& c, bool deepstack, int64_t image_token_default);
 [[nodiscard]] absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
                                                    const at::Device& device);
 
@@ -74,8 +79,18 @@ class DecoderModel : public CausalLM {
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const ForwardBatch& b) final;
   std::vector<KvLayerShape> KvShapes() const final;
   std::vector<StateLayerShape> StateShapes() const final;
+  const VisionConfig* vision() const final { return vision_ ? &vision_->config() : nullptr; }
+  [[nodiscard]] absl::StatusOr<VisionEncoding> EncodeImages(
+      const std::vector<VisionImage>& images) final;
 
  protected:
+  // The factory's last step for a multimodal checkpoint: the tower from the loaded parameters
+  // (after Adopt), its linears registered as LoRA modules when --enable-tower-connector-lora.
+  [[nodiscard]] absl::Status BuildVision(const VisionConfig& v,
+                                         const std::map<std::string, at::Tensor>& params,
+                                         const ModelContext& ctx);
+  std::unique_ptr<VisionTower> vision_;
+
   LmEnds ends_;
   std::vector<Rotary> rotaries_;  // one per distinct RoPE of the layers
   std::vector<DecoderLayer> layers_;

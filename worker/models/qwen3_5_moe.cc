@@ -126,8 +126,16 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     return bad("shared_expert_intermediate_size ", c.info.shared_expert_intermediate_size,
                " must be positive and divide by --tensor-parallel-size ", tp);
   }
-  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw,
-                           LoadModelWeights(ctx, c, [&](bool lm) { return Qwen35Specs(c, lm); }));
+  // The vision tower of the multimodal release (no DeepStack; image_token_id's class default).
+  MOELORA_ASSIGN_OR_RETURN(std::optional<VisionConfig> vision,
+                           ReadVisionConfig(ctx, c, /*deepstack=*/false, 248056));
+  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) {
+                             std::vector<ParamSpec> s = Qwen35Specs(c, lm);
+                             if (vision) {
+                               for (ParamSpec& v : VisionParamSpecs(*vision)) s.push_back(v);
+                             }
+                             return s;
+                           }));
   LoadedWeights& w = mw.weights;
   const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Qwen35Moe>(new Qwen35Moe());
@@ -210,6 +218,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     m->RegisterLora(L.moe->shared()->down.get());
     m->RegisterLora(L.moe->experts());
   }
+  if (vision) MOELORA_RETURN_IF_ERROR(m->BuildVision(*vision, P, ctx));
   return std::unique_ptr<CausalLM>(std::move(m));
 }
 

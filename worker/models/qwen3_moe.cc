@@ -75,8 +75,20 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     return refuse("partial_rotary_factor ", c.rope.partial_rotary_factor,
                   " is not implemented for ", c.info.architecture, " (whole-head RoPE only)");
   }
+  // Qwen3-VL-MoE: the vision tower with DeepStack mergers (image_token_id's class default).
+  std::optional<VisionConfig> vision;
+  if (c.info.architecture == "Qwen3VLMoeForConditionalGeneration") {
+    MOELORA_ASSIGN_OR_RETURN(vision, ReadVisionConfig(ctx, c, /*deepstack=*/true, 151655));
+    if (vision && static_cast<int>(vision->deepstack_visual_indexes.size()) > c.info.num_layers) {
+      return refuse("vision_config.deepstack_visual_indexes: more DeepStack features than layers");
+    }
+  }
   MOELORA_ASSIGN_OR_RETURN(ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) {
-                             return Qwen3MoeParamSpecs(c, true, lm);
+                             std::vector<ParamSpec> s = Qwen3MoeParamSpecs(c, true, lm);
+                             if (vision) {
+                               for (ParamSpec& v : VisionParamSpecs(*vision)) s.push_back(v);
+                             }
+                             return s;
                            }));
   LoadedWeights& w = mw.weights;
   const bool has_lm_head = mw.has_lm_head;
@@ -127,6 +139,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     m->RegisterLora(L.attn->o());
     m->RegisterLora(L.moe->experts());
   }
+  if (vision) MOELORA_RETURN_IF_ERROR(m->BuildVision(*vision, P, ctx));
   return std::unique_ptr<CausalLM>(std::move(m));
 }
 

@@ -1,0 +1,301 @@
+// Image prompts on Qwen3-VL-MoE and Qwen3.5-MoE with their vision towers against transformers
+// (tools/make_vision_fixtures.py, logits computed in float64): the pixel_values the processor
+// made, the logits of prompts with one or two images (DeepStack, M-RoPE positions after each
+// image, images at the start), base and with adapters of both layouts that also adapt the tower
+// and the mergers, whole and in 16-token chunks.
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/status_matchers.h"
+#include "tests/unit/worker/engine_test_util.h"
+#include "vision/image_processor.h"
+
+namespace moelora {
+namespace {
+
+using ::moelora::testing::Data;
+using ::moelora::testing::MaxAbsDiff;
+using ::moelora::testing::StatusIs;
+using ::testing::HasSubstr;
+
+struct MmPrompt {
+  std::vector<int32_t> ids;
+  std::vector<std::string> images;  // file names under images/
+  std::vector<int64_t> rows;        // the rows whose logits the fixture keeps
+  std::vector<float> pixel_values;  // the processor's, all images
+  std::map<std::string, std::vector<float>> logits;  // variant -> [rows, V]
+};
+
+std::vector<MmPrompt> ReadMm(const std::string& fixture) {
+  std::vector<MmPrompt> out;
+  auto f = SafetensorsFile::Open(Data(fixture + "/expected_logits.safetensors"));
+  EXPECT_TRUE(f.ok()) << f.status();
+  if (!f.ok()) return out;
+  auto vec = [&](const std::string& name, auto* dst) {
+    const TensorView* t = (*f)->Find(name);
+    if (t == nullptr) return false;
+    dst->resize(t->nbytes / sizeof((*dst)[0]));
+    std::memcpy(dst->data(), t->data, t->nbytes);
+    return true;
+  };
+  for (int k = 0;; ++k) {
+    MmPrompt p;
+    if (!vec(absl::StrCat("prompt.", k), &p.ids)) break;
+    vec(absl::StrCat("rows.", k), &p.rows);
+    vec(absl::StrCat("pixel_values.", k), &p.pixel_values);
+    for (const char* v : {"base", "adapter_3d", "adapter_2d"}) {
+      vec(absl::StrCat("logits.", v, ".", k), &p.logits[v]);
+    }
+    for (const auto& n : nlohmann::json::parse((*f)->metadata().at(absl::StrCat("images.", k)))) {
+      p.images.push_back(n.get<std::string>());
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The engine's images for a prompt, prepared as the controller prepares them.
+std::vector<ImageInput> Images(const std::string& fixture, const MmPrompt& p) {
+  auto cfg = vision::ImageProcessorConfig::Load(Data(fixture + "/model"));
+  EXPECT_TRUE(cfg.ok()) << cfg.status();
+  std::vector<ImageInput> out;
+  int64_t at = 0;
+  for (const std::string& name : p.images) {
+    auto im = vision::ProcessImage(ReadBytes(Data(fixture + "/images/" + name)), *cfg);
+    EXPECT_TRUE(im.ok()) << im.status();
+    const int64_t tokens = im->tokens(cfg->merge_size);
+    while (at < static_cast<int64_t>(p.ids.size()) && p.ids[at] != 386) ++at;  // <|image_pad|>
+    ImageInput in;
+    in.offset = at;
+    in.height = im->pixels.height;
+    in.width = im->pixels.width;
+    in.rgb.assign(im->pixels.rgb.begin(), im->pixels.rgb.end());
+    out.push_back(std::move(in));
+    at += tokens;
+  }
+  return out;
+}
+
+struct EngineSetup {
+  bool tower_lora = true;
+  bool mixed = true;
+  int max_num_batched_tokens = 512;
+  int tp_rank = 0;
+};
+
+std::unique_ptr<testing::EngineHolder> MakeMmEngine(const std::string& fixture, EngineSetup s = {}) {
+  auto h = std::make_unique<testing::EngineHolder>();
+  EngineOptions o;
+  o.model_dir = Data(fixture + "/model");
+  o.enable_mixed_moe_lora_format = s.mixed;
+  o.enable_tower_connector_lora = s.tower_lora;
+  o.max_loras = 4;
+  o.max_lora_rank = 8;
+  o.max_num_batched_tokens = s.max_num_batched_tokens;
+  o.max_num_seqs = 8;
+  o.kv_cache_memory_bytes = int64_t{64} << 20;
+  auto e = Engine::Create(o, h->comm.get());
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return nullptr;
+  h->engine = std::move(*e);
+  return h;
+}
+
+std::vector<float> Rows(const std::vector<float>& all, const std::vector<int64_t>& rows,
+                        size_t V) {
+  std::vector<float> out;
+  for (int64_t r : rows) {
+    if ((r + 1) * V > all.size()) return {};
+    out.insert(out.end(), all.begin() + r * V, all.begin() + (r + 1) * V);
+  }
+  return out;
+}
+
+std::vector<float> MmPromptLogits(Engine& e, int64_t adapter, const std::string& fixture,
+                                  const MmPrompt& p, int64_t id = 1) {
+  NewSequence n;
+  n.id = id;
+  n.adapter_id = adapter;
+  n.prompt = p.ids;
+  n.images = Images(fixture, p);
+  n.return_prompt_logits = true;
+  n.max_tokens = 1;
+  std::vector<float> logits;
+  // Chunked prefills take several steps before the sampled token.
+  for (int step = 0; step < 64 && logits.empty(); ++step) {
+    auto out = e.Step(step == 0 ? std::vector<NewSequence>{n} : std::vector<NewSequence>{}, {});
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (!out.ok()) return {};
+    for (const TokenOut& t : out->tokens) {
+      if (t.sequence_id == id) logits = t.prompt_logits;
+    }
+  }
+  return logits;
+}
+
+class VisionTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(VisionTest, PixelValuesEqualTheProcessors) {
+  const std::string fixture = GetParam();
+  auto cfg = vision::ImageProcessorConfig::Load(Data(fixture + "/model"));
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  int checked = 0;
+  for (const MmPrompt& p : ReadMm(fixture)) {
+    std::vector<float> ours;
+    for (const std::string& name : p.images) {
+      auto im = vision::ProcessImage(ReadBytes(Data(fixture + "/images/" + name)), *cfg);
+      ASSERT_TRUE(im.ok()) << im.status();
+      const auto v = vision::PixelValues(*im, *cfg);
+      ours.insert(ours.end(), v.begin(), v.end());
+    }
+    EXPECT_EQ(ours, p.pixel_values);
+    checked += !p.images.empty();
+  }
+  EXPECT_EQ(checked, 3);
+}
+
+TEST_P(VisionTest, ImagePromptsMatchTransformersBaseAndBothLayoutsWithTowerLora) {
+  const std::string fixture = GetParam();
+  const auto prompts = ReadMm(fixture);
+  ASSERT_EQ(prompts.size(), 4u);
+  // Whole prompts in one step, and chunks of 16 tokens (images split across steps).
+  for (int chunk : {512, 16}) {
+    EngineSetup s;
+    s.max_num_batched_tokens = chunk;
+    auto h = MakeMmEngine(fixture, s);
+    ASSERT_NE(h, nullptr);
+    ASSERT_OK(testing::Load(*h->engine, 3, fixture + "/adapter_3d"));
+    ASSERT_OK(testing::Load(*h->engine, 2, fixture + "/adapter_2d"));
+    for (size_t k = 0; k < prompts.size(); ++k) {
+      const MmPrompt& p = prompts[k];
+      for (auto [variant, id] : {std::pair<const char*, int64_t>{"base", 0}, {"adapter_3d", 3},
+                                 {"adapter_2d", 2}}) {
+        const auto& want = p.logits.at(variant);
+        const size_t V = want.size() / p.rows.size();
+        const auto got = Rows(MmPromptLogits(*h->engine, id, fixture, p), p.rows, V);
+        const float d = MaxAbsDiff(got, want);
+        std::printf("[ref] %s chunk %d prompt %zu %s: max |logit - HF| = %.3g\n", fixture.c_str(),
+                    chunk, k, variant, d);
+        EXPECT_LE(d, 1e-4f) << fixture << " chunk " << chunk << " prompt " << k << " " << variant;
+      }
+    }
+  }
+}
+
+TEST_P(VisionTest, MixedBatchOfImagesAndAdaptersEqualsEachAlone) {
+  const std::string fixture = GetParam();
+  const auto prompts = ReadMm(fixture);
+  auto h = MakeMmEngine(fixture);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(testing::Load(*h->engine, 3, fixture + "/adapter_3d"));
+  ASSERT_OK(testing::Load(*h->engine, 2, fixture + "/adapter_2d"));
+  auto run = [&](const std::vector<std::pair<size_t, int64_t>>& reqs, int64_t first_id) {
+    std::vector<NewSequence> add;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      NewSequence n;
+      n.id = first_id + static_cast<int64_t>(i);
+      n.adapter_id = reqs[i].second;
+      n.prompt = prompts[reqs[i].first].ids;
+      n.images = Images(fixture, prompts[reqs[i].first]);
+      n.max_tokens = 6;
+      n.return_logits = true;
+      add.push_back(std::move(n));
+    }
+    std::vector<testing::Generation> g(reqs.size());
+    for (int step = 0; step < 40; ++step) {
+      auto out = h->engine->Step(step == 0 ? add : std::vector<NewSequence>{}, {});
+      EXPECT_TRUE(out.ok()) << out.status();
+      if (!out.ok()) break;
+      for (const TokenOut& t : out->tokens) {
+        g[t.sequence_id - first_id].tokens.push_back(t.token);
+        g[t.sequence_id - first_id].logits.push_back(t.logits);
+      }
+    }
+    return g;
+  };
+  // The upstream test's shape: two images through a 2D and a 3D adapter, together and in the
+  // other order, and beside the base model.
+  const std::vector<std::pair<size_t, int64_t>> mixed = {{0, 2}, {1, 3}, {3, 0}};
+  const std::vector<std::pair<size_t, int64_t>> swapped = {{1, 2}, {0, 3}, {3, 0}};
+  for (const auto& reqs : {mixed, swapped}) {
+    auto batch = run(reqs, 100);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto alone = run({reqs[i]}, 200);
+      ASSERT_EQ(alone[0].tokens.size(), 6u);
+      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "request " << i;
+      for (size_t t = 0; t < alone[0].logits.size() && t < batch[i].logits.size(); ++t) {
+        EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 5e-5f)
+            << "request " << i << " token " << t;
+      }
+    }
+  }
+}
+
+TEST_P(VisionTest, TowerLoraNeedsTheFlagAndBadImagesAreRefusedByIndex) {
+  const std::string fixture = GetParam();
+  const auto prompts = ReadMm(fixture);
+  EngineSetup s;
+  s.tower_lora = false;
+  auto h = MakeMmEngine(fixture, s);
+  ASSERT_NE(h, nullptr);
+  auto st = testing::Load(*h->engine, 3, fixture + "/adapter_3d");
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument,
+                           HasSubstr("--enable-tower-connector-lora")));
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.visual.")));
+  // Images still work without it (base model).
+  const MmPrompt& p = prompts[1];
+  const size_t V = p.logits.at("base").size() / p.rows.size();
+  EXPECT_LE(MaxAbsDiff(Rows(MmPromptLogits(*h->engine, 0, fixture, p), p.rows, V),
+                       p.logits.at("base")),
+            1e-4f);
+
+  auto step = [&](NewSequence n) {
+    n.id = 50;
+    n.max_tokens = 1;
+    return h->engine->Step({n}, {}).status();
+  };
+  NewSequence n;
+  n.prompt = p.ids;
+  n.images = Images(fixture, p);
+  n.images[1].rgb.resize(10);
+  EXPECT_THAT(step(n), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("image 1: ")));
+  n.images = Images(fixture, p);
+  n.images[0].offset += 1;
+  EXPECT_THAT(step(n), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("image 0: ")));
+  n.images = Images(fixture, p);
+  n.images.pop_back();
+  EXPECT_THAT(step(n), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("image tokens")));
+  n.images.clear();
+  EXPECT_THAT(step(n), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no image")));
+  // Nothing of the refused joiners stayed.
+  EXPECT_EQ(h->engine->Info().running, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, VisionTest,
+                         ::testing::Values("qwen3_vl_moe_mm", "qwen3_5_moe_mm"));
+
+TEST(VisionTextOnlyModelTest, ImagesAreRefused) {
+  auto h = testing::MakeEngine("qwen3_moe/model", false);
+  ASSERT_NE(h, nullptr);
+  NewSequence n;
+  n.id = 1;
+  n.prompt = {1, 2, 3};
+  n.max_tokens = 1;
+  n.images.push_back({0, 16, 16, std::string(16 * 16 * 3, '\0')});
+  EXPECT_THAT(h->engine->Step({n}, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no vision tower")));
+}
+
+}  // namespace
+}  // namespace moelora
