@@ -26,6 +26,9 @@ ABSL_FLAG(bool, enable_expert_parallel, false,
 ABSL_FLAG(bool, fully_sharded_loras, false,
           "Shard lora_A of column-parallel and lora_B of row-parallel LoRA layers too (vLLM's "
           "meaning), with one more collective per LoRA layer (CPU path)");
+ABSL_FLAG(bool, enable_tower_connector_lora, false,
+          "Let adapters adapt the vision tower and its mergers (attn.qkv, attn.proj, "
+          "linear_fc1, linear_fc2 under model.visual.); without it such an adapter is refused");
 ABSL_FLAG(int, max_num_seqs, 64, "Sequences in the running batch at most");
 ABSL_FLAG(int, max_model_len, 0, "Prompt + generated tokens at most (0: from config.json)");
 ABSL_FLAG(std::string, dtype, "float32", "Compute dtype: float32 | bfloat16");
@@ -85,6 +88,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   f.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
   f.expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
   f.fully_sharded_loras = absl::GetFlag(FLAGS_fully_sharded_loras);
+  f.tower_connector_lora = absl::GetFlag(FLAGS_enable_tower_connector_lora);
   f.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   f.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   f.dtype = absl::GetFlag(FLAGS_dtype);
@@ -148,6 +152,7 @@ std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
   if (f.mixed) a.push_back("--enable-mixed-moe-lora-format");
   if (f.expert_parallel) a.push_back("--enable-expert-parallel");
   if (f.fully_sharded_loras) a.push_back("--fully-sharded-loras");
+  if (f.tower_connector_lora) a.push_back("--enable-tower-connector-lora");
   return a;
 }
 

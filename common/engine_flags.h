@@ -18,6 +18,7 @@ ABSL_DECLARE_FLAG(int, max_lora_rank);
 ABSL_DECLARE_FLAG(bool, enable_mixed_moe_lora_format);
 ABSL_DECLARE_FLAG(bool, enable_expert_parallel);
 ABSL_DECLARE_FLAG(bool, fully_sharded_loras);
+ABSL_DECLARE_FLAG(bool, enable_tower_connector_lora);
 ABSL_DECLARE_FLAG(int, max_num_seqs);
 ABSL_DECLARE_FLAG(int, max_model_len);
 ABSL_DECLARE_FLAG(std::string, dtype);
@@ -38,6 +39,7 @@ struct EngineFlags {
   bool mixed = false;
   bool expert_parallel = false;
   bool fully_sharded_loras = false;
+  bool tower_connector_lora = false;  // LoRA on the vision tower and its mergers
   int max_num_seqs = 64;
   int max_model_len = 0;  // 0: from config.json
   std::string dtype = "float32";

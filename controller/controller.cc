@@ -90,13 +90,26 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
   limits.kv_block_size = info.block_size();
   limits.tokenizer = options_.tokenizer.get();
   limits.eos_token_ids = options_.eos_token_ids;
+  if (info.vision()) {
+    limits.image_token_id = info.image_token_id();
+    limits.max_images = options_.limit_images_per_prompt;
+    limits.image_processor = options_.image_processor.get();
+    if (!limits.image_processor) {
+      limits.no_images_reason = "the controller's model directory has no preprocessor_config.json";
+    }
+  }
   // A text prompt is encoded here, in the RPC thread: the scheduler and the workers never wait
   // on it.
   absl::StatusOr<ValidatedRequest> v = ValidateGenerateRequest(request, limits);
   if (!v.ok()) return v.status();
   if (v->tokenize_seconds > 0) metrics_->tokenize_seconds.Observe(v->tokenize_seconds);
+  if (!v->images.empty()) {
+    metrics_->image_seconds.Observe(v->image_seconds);
+    metrics_->images.Increment(static_cast<double>(v->images.size()));
+  }
   auto r = std::make_shared<GenRequest>();
   r->req = std::move(v->req);
+  r->images = std::move(v->images);
   r->tokenize_seconds = v->tokenize_seconds;
   r->adapter = r->req.adapter();
   r->arrival = options_.clock->Now();

@@ -22,6 +22,7 @@
 #include "lora/model_info.h"
 #include "moelora/v1/controller.pb.h"
 #include "tokenizer/tokenizer.h"
+#include "vision/image_processor.h"
 
 namespace moelora {
 
@@ -54,6 +55,10 @@ struct ControllerOptions {
   ModelInfo model;  // from --model's config.json: dims for adapter validation
   // The model's tokenizer (null: none; text prompts and stop strings are then refused).
   std::shared_ptr<const tok::Tokenizer> tokenizer;
+  // The model's image processor (preprocessor_config.json; null: images refused) and
+  // --limit-mm-per-prompt's image count.
+  std::shared_ptr<const vision::ImageProcessorConfig> image_processor;
+  int limit_images_per_prompt = 999;
   // Added to every request's stop tokens unless it sets ignore_eos.
   std::vector<int32_t> eos_token_ids;
   // The time the scheduler and the adapter manager decide by (common/clock.h); tests pass a

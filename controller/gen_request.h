@@ -21,6 +21,7 @@
 #include "absl/types/span.h"
 #include "common/mutex.h"
 #include "moelora/v1/controller.pb.h"
+#include "moelora/v1/worker.pb.h"
 
 namespace moelora {
 
@@ -33,6 +34,8 @@ class GenRequest {
   int64_t adapter_id = 0;
   std::string adapter;  // "" = base
   v1::GenerateRequest req;
+  // Its images, prepared (sent to the workers with the sequence, then released).
+  std::vector<v1::SequenceImage> images;
   uint64_t seed = 0;
   Clock::time_point arrival;
   Clock::time_point deadline = Clock::time_point::max();  // the client's

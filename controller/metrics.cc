@@ -121,6 +121,18 @@ ControllerMetrics::ControllerMetrics()
               .Add({}, prometheus::Histogram::BucketBoundaries{1e-5, 1e-4, 2.5e-4, 5e-4, 0.001,
                                                                0.0025, 0.005, 0.01, 0.025, 0.05,
                                                                0.1, 0.25, 1})),
+      image_seconds(prometheus::BuildHistogram()
+                        .Name("moelora_image_preprocess_seconds")
+                        .Help("Decoding and resizing a request's images (before admission)")
+                        .Register(*registry_)
+                        .Add({}, prometheus::Histogram::BucketBoundaries{1e-4, 5e-4, 0.001, 0.0025,
+                                                                         0.005, 0.01, 0.025, 0.05,
+                                                                         0.1, 0.25, 0.5, 1, 2.5})),
+      images(prometheus::BuildCounter()
+                 .Name("moelora_images_total")
+                 .Help("Images in accepted requests")
+                 .Register(*registry_)
+                 .Add({})),
       stop_strings(prometheus::BuildCounter()
                        .Name("moelora_stop_string_matches_total")
                        .Help("Requests ended by a stop string")

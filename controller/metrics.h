@@ -42,6 +42,8 @@ class ControllerMetrics {
   prometheus::Gauge& serving;
   prometheus::Counter& worker_restarts;
   prometheus::Histogram& tokenize_seconds;
+  prometheus::Histogram& image_seconds;  // decoding and resizing a request's images
+  prometheus::Counter& images;           // images received in requests that were accepted
   prometheus::Counter& stop_strings;
   prometheus::Family<prometheus::Gauge>& adapter_resident;    // {adapter, tier}
   prometheus::Family<prometheus::Gauge>& lora_requests_info;  // vLLM's, for LoRA-affinity routing

@@ -32,6 +32,7 @@
 #include "controller/worker_group.h"
 #include "grpc/health/v1/health.pb.h"
 #include "kernels/sgmv.h"
+#include "nlohmann/json.hpp"
 #include "prometheus/exposer.h"
 #include "proto/server_flags.h"
 #include "proto/tls.h"
@@ -111,6 +112,9 @@ ABSL_FLAG(std::string, served_model_name, "",
 ABSL_FLAG(std::string, chat_template, "",
           "A Jinja chat template file for /v1/chat/completions (default: the model's "
           "chat_template.jinja or tokenizer_config.json chat_template)");
+ABSL_FLAG(std::string, limit_mm_per_prompt, "{\"image\": 999}",
+          "vLLM's JSON: how many images one prompt may hold, e.g. '{\"image\": 1}' (0: none); "
+          "other modalities are not served");
 ABSL_FLAG(std::string, preload, "",
           "NAME=PATH[,NAME=PATH...]: adapters to load once serving (PATH under --adapter-root)");
 
@@ -281,6 +285,32 @@ int main(int argc, char** argv) {
     co.eos_token_ids = *eos;
     LOG(INFO) << "no tokenizer.json in " << tok_dir << ": token-id requests only";
   }
+  // Images: --limit-mm-per-prompt, and the model's image processor when it has one.
+  {
+    const nlohmann::json j = nlohmann::json::parse(absl::GetFlag(FLAGS_limit_mm_per_prompt),
+                                                   nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      return fail("--limit-mm-per-prompt: a JSON object such as '{\"image\": 1}' expected");
+    }
+    for (const auto& [modality, n] : j.items()) {
+      if (!n.is_number_integer() || n.get<int64_t>() < 0 || n.get<int64_t>() > 100000) {
+        return fail(absl::StrCat("--limit-mm-per-prompt: ", modality,
+                                 ": a count in [0, 100000] expected, not ", n.dump()));
+      }
+      if (modality == "image") {
+        co.limit_images_per_prompt = n.get<int>();
+      } else if (n.get<int64_t>() != 0) {
+        return fail(absl::StrCat("--limit-mm-per-prompt: ", modality,
+                                 " inputs are not served (images only)"));
+      }
+    }
+    if (std::filesystem::exists(std::filesystem::path(model) / "preprocessor_config.json")) {
+      auto ip = moelora::vision::ImageProcessorConfig::Load(model);
+      if (!ip.ok()) return fail(ip.status().ToString());
+      co.image_processor =
+          std::make_shared<const moelora::vision::ImageProcessorConfig>(*std::move(ip));
+    }
+  }
   moelora::Controller controller(co, registry->get(), &group, &metrics);
   group.SetOnReady([&] { return controller.OnGroupReady(); });
   group.SetOnDown([&](const std::string& why) { controller.OnGroupDown(why); });
@@ -309,6 +339,8 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
                            *credentials, &port);
   builder.RegisterService(&service);
+  // A Generate request may carry image files (gRPC's default is 4 MiB).
+  builder.SetMaxReceiveMessageSize(64 << 20);
   // Generate and GenerateStream hold no thread while they wait (callback API, service.h). The
   // synchronous adapter RPCs get at most 64 threads: beyond, gRPC answers RESOURCE_EXHAUSTED.
   grpc::ResourceQuota quota("moelora-controller");

@@ -8,6 +8,72 @@
 #include "common/status_macros.h"
 
 namespace moelora {
+namespace {
+
+// The request's images decoded and resized, each bound to the prompt's next run of image pad
+// tokens: a run of one pad grows to the image's token count, a run of exactly that many stays.
+absl::Status PrepareImages(v1::GenerateRequest& req, const RequestLimits& limits,
+                           ValidatedRequest* out) {
+  const int n = req.images_size();
+  if (n > 0 && limits.image_processor == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("images: ", limits.no_images_reason));
+  }
+  if (n > limits.max_images) {
+    return absl::InvalidArgumentError(absl::StrCat(n, " images: at most ", limits.max_images,
+                                                   " per prompt (--limit-mm-per-prompt)"));
+  }
+  const int32_t pad = limits.image_token_id;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [begin, end) of each run of pads
+  const auto& ids = req.prompt_token_ids();
+  for (int64_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] != pad) continue;
+    int64_t j = i;
+    while (j < ids.size() && ids[j] == pad) ++j;
+    runs.push_back({i, j});
+    i = j - 1;
+  }
+  if (static_cast<int>(runs.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the prompt has ", runs.size(), " image placeholders (runs of image pad token ", pad,
+        ", <|image_pad|> in text) for ", n, " images"));
+  }
+  if (n == 0) return absl::OkStatus();
+  const auto t0 = std::chrono::steady_clock::now();
+  const vision::ImageProcessorConfig& cfg = *limits.image_processor;
+  std::vector<int32_t> expanded;
+  int64_t from = 0;
+  for (int k = 0; k < n; ++k) {
+    auto im = vision::ProcessImage(req.images(k), cfg, limits.decode_limits);
+    if (!im.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("images[", k, "]: ", im.status().message()));
+    }
+    const int64_t tokens = im->tokens(cfg.merge_size);
+    const auto [b, e] = runs[k];
+    if (e - b != 1 && e - b != tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("images[", k, "]: its placeholder has ", e - b,
+                                                     " image pad tokens; the image takes ", tokens,
+                                                     " (", im->pixels.width, "x", im->pixels.height,
+                                                     " pixels after resizing): give "
+                                                     "one pad or exactly that many"));
+    }
+    expanded.insert(expanded.end(), ids.begin() + from, ids.begin() + b);
+    v1::SequenceImage s;
+    s.set_offset(static_cast<int64_t>(expanded.size()));
+    s.set_height(im->pixels.height);
+    s.set_width(im->pixels.width);
+    s.set_rgb(im->pixels.rgb.data(), im->pixels.rgb.size());
+    out->images.push_back(std::move(s));
+    expanded.insert(expanded.end(), tokens, pad);
+    from = e;
+  }
+  expanded.insert(expanded.end(), ids.begin() + from, ids.end());
+  req.mutable_prompt_token_ids()->Assign(expanded.begin(), expanded.end());
+  req.clear_images();
+  out->image_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
                                                          const RequestLimits& limits) {
@@ -38,6 +104,9 @@ absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(const v1::GenerateReque
     req.mutable_prompt_token_ids()->Add(ids->begin(), ids->end());
   }
   if (req.prompt_token_ids().empty()) return absl::InvalidArgumentError("empty prompt");
+  if (req.images_size() > 0 || limits.image_token_id >= 0) {
+    MOELORA_RETURN_IF_ERROR(PrepareImages(req, limits, &out));
+  }
   if (req.stop_size() > 0) {
     if (limits.tokenizer == nullptr) {
       return absl::InvalidArgumentError(

@@ -9,7 +9,9 @@
 
 #include "absl/status/statusor.h"
 #include "moelora/v1/controller.pb.h"
+#include "moelora/v1/worker.pb.h"
 #include "tokenizer/tokenizer.h"
+#include "vision/image_processor.h"
 
 namespace moelora {
 
@@ -26,14 +28,24 @@ struct RequestLimits {
   int64_t kv_block_size = 0;
   const tok::Tokenizer* tokenizer = nullptr;  // null: text prompts and stop strings refused
   std::vector<int32_t> eos_token_ids;         // added to the stop tokens unless ignore_eos
+  // Images (models with a vision tower): how to prepare them (null: images are refused, with
+  // `no_images_reason`), the prompt's image pad token, and how many one prompt may hold.
+  const vision::ImageProcessorConfig* image_processor = nullptr;
+  std::string no_images_reason = "this model takes no images";
+  int32_t image_token_id = -1;
+  int max_images = 0;
+  vision::DecodeLimits decode_limits;
 };
 
 struct ValidatedRequest {
-  v1::GenerateRequest req;      // prompt_token_ids filled, prompt cleared, stop tokens completed
+  v1::GenerateRequest req;      // prompt_token_ids filled (image pads expanded), prompt and
+                                // images cleared, stop tokens completed
   double tokenize_seconds = 0;  // encoding a text prompt (0 for token ids)
+  std::vector<v1::SequenceImage> images;  // decoded and resized, with their prompt offsets
+  double image_seconds = 0;               // decoding and resizing them
 };
 
-// INVALID_ARGUMENT naming the field and the bound it broke.
+// INVALID_ARGUMENT naming the field and the bound it broke (an image by its index).
 [[nodiscard]] absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(
     const v1::GenerateRequest& request, const RequestLimits& limits);
 

@@ -301,6 +301,8 @@ void Scheduler::Loop() {
           s->set_return_logprobs(r->req.return_logprobs());
           s->set_max_tokens(r->req.max_tokens());
           s->mutable_stop_token_ids()->CopyFrom(r->req.stop_token_ids());
+          for (v1::SequenceImage& im : r->images) *s->add_images() = std::move(im);
+          r->images.clear();
           running_[r->seq_id] = r;
         }
         for (const auto& [id, r] : running_) {

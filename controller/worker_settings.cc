@@ -55,6 +55,10 @@ WorkerSettings WorkerSettingsFromFlags(const EngineFlags& flags, const std::stri
       return differ("--fully-sharded-loras", flag_value(f.fully_sharded_loras),
                     flag_value(w.fully_sharded_loras()));
     }
+    if (w.tower_connector_lora() != f.tower_connector_lora) {
+      return differ("--enable-tower-connector-lora", flag_value(f.tower_connector_lora),
+                    flag_value(w.tower_connector_lora()));
+    }
     if (w.max_num_seqs() < f.max_num_seqs) {
       return differ("--max-num-seqs", absl::StrCat(f.max_num_seqs, " (at most the workers')"),
                     w.max_num_seqs());

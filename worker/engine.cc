@@ -1139,6 +1139,11 @@ EngineInfo Engine::Info() const {
   i.max_num_batched_tokens = m.options.max_num_batched_tokens;
   i.prefix_caching = m.prefix_caching;
   i.prefill_tokens_beside_decodes = m.options.prefill_tokens_beside_decodes;
+  if (const VisionConfig* v = m.model->vision()) {
+    i.vision = true;
+    i.image_token_id = v->image_token_id;
+  }
+  i.tower_connector_lora = m.options.enable_tower_connector_lora;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());
   return i;

@@ -165,6 +165,10 @@ struct EngineInfo {
   int max_num_batched_tokens = 0;
   bool prefix_caching = false;  // on and supported by the model
   int prefill_tokens_beside_decodes = 0;
+  // The vision tower: loaded, its image pad token, adapters may adapt it.
+  bool vision = false;
+  int64_t image_token_id = -1;
+  bool tower_connector_lora = false;
 };
 
 class Engine {

@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
                            *credentials, &port);
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxReceiveMessageSize(1 << 30);  // a step may carry images (resized RGB)
   builder.SetMaxSendMessageSize(256 << 20);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -215,6 +215,7 @@ int main(int argc, char** argv) {
     eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
     eo.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
     eo.fully_sharded_loras = absl::GetFlag(FLAGS_fully_sharded_loras);
+    eo.enable_tower_connector_lora = absl::GetFlag(FLAGS_enable_tower_connector_lora);
     eo.dummy_weights = load_format == "dummy";
     eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);

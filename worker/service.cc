@@ -175,6 +175,9 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
     n.return_logprobs = s.return_logprobs();
     n.return_logits = s.return_logits();
     n.return_prompt_logits = s.return_prompt_logits();
+    for (const v1::SequenceImage& im : s.images()) {
+      n.images.push_back({im.offset(), im.height(), im.width(), im.rgb()});
+    }
     add.push_back(std::move(n));
   }
   std::vector<int64_t> remove(req->remove().begin(), req->remove().end());
@@ -298,6 +301,9 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_prefix_caching(i.prefix_caching);
   resp->set_prefill_tokens_beside_decodes(i.prefill_tokens_beside_decodes);
   resp->set_running_sequences(i.running);
+  resp->set_vision(i.vision);
+  resp->set_image_token_id(static_cast<int32_t>(i.image_token_id));
+  resp->set_tower_connector_lora(i.tower_connector_lora);
   return grpc::Status::OK;
 }
 

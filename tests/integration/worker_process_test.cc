@@ -14,6 +14,7 @@
 #include "tests/testing/http_get.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "tests/unit/worker/mm_fixture.h"
 
 namespace moelora {
 namespace {
@@ -121,6 +122,111 @@ TEST_P(WorkerTpTest, Tp2EqualsTp1AndBothMatchTheReference) {
               worst);
   EXPECT_LE(worst, 1e-4f);
 }
+
+struct VisionCase {
+  const char* fixture;
+  int tp;
+  std::vector<std::string> flags;
+  const char* tag;
+};
+
+class WorkerVisionTest : public ::testing::TestWithParam<VisionCase> {};
+
+// The upstream mixed 2D/3D test's shape through worker processes: image prompts under a 2D and a
+// 3D adapter that both adapt the tower, alone and in one batch in both orders (with a base
+// request beside them), at TP=1 and at TP=2 with expert parallelism or fully sharded LoRAs:
+// prompt logits within 1e-4 of transformers, greedy tokens equal transformers' and equal alone
+// and together.
+TEST_P(WorkerVisionTest, ImagesThroughBothLayoutsAloneAndMixedMatchTransformers) {
+  const VisionCase c = GetParam();
+  const std::string fx = c.fixture;
+  const auto prompts = testing::ReadMm(fx);
+  std::vector<std::string> flags = {"--enable-mixed-moe-lora-format",
+                                    "--enable-tower-connector-lora"};
+  flags.insert(flags.end(), c.flags.begin(), c.flags.end());
+  WorkerGroup g(Data(fx + "/model"), c.tp, flags);
+  ASSERT_TRUE(g.WaitReady()) << g.Logs();
+  ASSERT_TRUE(g.Load(2, Data(fx + "/adapter_2d")).ok());
+  ASSERT_TRUE(g.Load(3, Data(fx + "/adapter_3d")).ok());
+  int64_t next_id = 1, step = 1;
+  // (prompt, adapter id) requests run as one batch to completion: tokens and prompt logits.
+  auto run = [&](const std::vector<std::pair<size_t, int64_t>>& reqs) {
+    v1::StepRequest req;
+    const int64_t first = next_id;
+    for (const auto& [k, adapter] : reqs) {
+      v1::SequenceSpec* s = req.add_add();
+      s->set_sequence_id(next_id++);
+      s->set_adapter_id(adapter);
+      s->mutable_prompt_token_ids()->Add(prompts[k].ids.begin(), prompts[k].ids.end());
+      s->set_max_tokens(6);
+      s->set_return_prompt_logits(true);
+      for (const ImageInput& im : testing::Images(fx, prompts[k])) {
+        v1::SequenceImage* si = s->add_images();
+        si->set_offset(im.offset);
+        si->set_height(im.height);
+        si->set_width(im.width);
+        si->set_rgb(im.rgb);
+      }
+    }
+    std::vector<Gen> out(reqs.size());
+    for (int i = 0; i < 8; ++i) {
+      req.set_step(step++);
+      v1::StepResponse resp;
+      grpc::Status st = g.Step(req, &resp);
+      EXPECT_TRUE(st.ok()) << st.error_message() << "\n" << g.Logs();
+      if (!st.ok()) break;
+      for (const auto& t : resp.tokens()) {
+        Gen& o = out[t.sequence_id() - first];
+        o.tokens.push_back(t.token_id());
+        if (t.prompt_logits_size() > 0) {
+          o.prompt_logits.assign(t.prompt_logits().begin(), t.prompt_logits().end());
+        }
+      }
+      req.clear_add();
+    }
+    return out;
+  };
+  auto variant = [](int64_t id) {
+    return id == 0 ? "base" : id == 2 ? "adapter_2d" : "adapter_3d";
+  };
+  const std::vector<std::pair<size_t, int64_t>> mixed = {{0, 2}, {1, 3}, {3, 0}};
+  const std::vector<std::pair<size_t, int64_t>> swapped = {{1, 2}, {0, 3}, {3, 0}};
+  for (const auto& reqs : {mixed, swapped}) {
+    const auto batch = run(reqs);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const auto [k, adapter] = reqs[i];
+      const auto alone = run({reqs[i]});
+      const testing::MmPrompt& p = prompts[k];
+      EXPECT_EQ(batch[i].tokens, p.continuation.at(variant(adapter)))
+          << c.tag << " prompt " << k << " " << variant(adapter) << " in the batch";
+      EXPECT_EQ(alone[0].tokens, batch[i].tokens) << c.tag << " prompt " << k;
+      const auto& want = p.logits.at(variant(adapter));
+      const size_t V = want.size() / p.rows.size();
+      std::vector<float> rows;
+      for (int64_t r : p.rows) {
+        if ((r + 1) * V > batch[i].prompt_logits.size()) break;
+        rows.insert(rows.end(), batch[i].prompt_logits.begin() + r * V,
+                    batch[i].prompt_logits.begin() + (r + 1) * V);
+      }
+      const float d = MaxAbsDiff(rows, want);
+      std::printf("[ref] %s %s prompt %zu %s: max |logit - HF| = %.3g\n", fx.c_str(), c.tag, k,
+                  variant(adapter), d);
+      EXPECT_LE(d, 1e-4f) << c.tag << " prompt " << k << " " << variant(adapter);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, WorkerVisionTest,
+    ::testing::Values(VisionCase{"qwen3_vl_moe_mm", 1, {}, "tp1"},
+                      VisionCase{"qwen3_vl_moe_mm", 2, {"--enable-expert-parallel"}, "tp2_ep"},
+                      VisionCase{"qwen3_vl_moe_mm", 2, {"--fully-sharded-loras"}, "tp2_fs"},
+                      VisionCase{"qwen3_5_moe_mm", 1, {}, "tp1"},
+                      VisionCase{"qwen3_5_moe_mm", 2, {"--enable-expert-parallel"}, "tp2_ep"},
+                      VisionCase{"qwen3_5_moe_mm", 2, {"--fully-sharded-loras"}, "tp2_fs"}),
+    [](const ::testing::TestParamInfo<VisionCase>& i) {
+      return std::string(i.param.fixture) + "_" + i.param.tag;
+    });
 
 INSTANTIATE_TEST_SUITE_P(
     Fixtures, WorkerTpTest,

@@ -180,11 +180,9 @@ namespace {
   return out;
 }
 
-[[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt,
-                                                        const ArchTable& table,
-                                                        const ModelConfig& config,
-                                                        const std::vector<ParamSpec>& specs,
-                                                        const LoadOptions& opt) {
+[[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(
+    const Checkpoint& ckpt, const ArchTable& table, const ModelConfig& config,
+    const std::vector<ParamSpec>& specs, const LoadOptions& opt, const SkipUnlisted& skip) {
   const int E = config.info.num_experts;
   const int64_t I = config.info.moe_intermediate_size;
   const int64_t H = config.info.hidden_size;
@@ -216,6 +214,11 @@ namespace {
       continue;
     }
     auto sit = m.kind == NameMapping::kLoad ? spec_of.find(m.target.param) : spec_of.end();
+    if (sit == spec_of.end() && m.kind == NameMapping::kLoad && !skip.prefix.empty() &&
+        absl::StartsWith(m.target.param, skip.prefix)) {
+      out.skipped.push_back(absl::StrCat(name, " (", skip.reason, ")"));
+      continue;
+    }
     if (sit == spec_of.end()) {
       unconsumed.push_back(m.kind == NameMapping::kLoad
                                ? absl::StrCat(name, " (-> ", m.target.param, ", not a parameter)")

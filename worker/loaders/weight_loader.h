@@ -48,6 +48,13 @@ struct LoadOptions {
   bool expert_parallel = false;
 };
 
+// Checkpoint parameters a model knowingly leaves out: those under `prefix` that no spec lists
+// are skipped (listed with `reason`), not errors (a vision tower the model does not build).
+struct SkipUnlisted {
+  std::string prefix;
+  std::string reason;
+};
+
 struct LoadedWeights {
   std::map<std::string, at::Tensor> params;  // this rank's shards, in options.dtype
   std::vector<std::string> skipped;          // "name (reason)" for knowingly skipped tensors
@@ -62,11 +69,9 @@ at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype);
 // INVALID_ARGUMENT for: a checkpoint tensor no rule consumes, a parameter piece left unset or set
 // twice, a shape that contradicts the spec, an expert index >= E, a non-float dtype, a split that
 // does not divide by tp_size.
-[[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(const Checkpoint& ckpt,
-                                                        const ArchTable& table,
-                                                        const ModelConfig& config,
-                                                        const std::vector<ParamSpec>& specs,
-                                                        const LoadOptions& options);
+[[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(
+    const Checkpoint& ckpt, const ArchTable& table, const ModelConfig& config,
+    const std::vector<ParamSpec>& specs, const LoadOptions& options, const SkipUnlisted& skip = {});
 
 // --load-format dummy: every parameter of `specs` as this rank's shard, drawn from N(0, 0.02^2)
 // (repeatable: seeded by name and rank). INVALID_ARGUMENT when a split does not divide.

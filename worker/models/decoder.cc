@@ -1,5 +1,6 @@
 #include "worker/models/decoder.h"
 
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
+#include "glog/logging.h"
 #include "kernels/device.h"
 #include "lora/config_defaults.h"
 #include "nlohmann/json.hpp"
@@ -51,6 +53,9 @@ namespace moelora {
   ModelWeights mw;
   const ModelOptions& o = ctx.options;
   LoadOptions lo{o.tp_rank, o.tp_size, o.dtype, /*lora_wrapped=*/true, o.expert_parallel};
+  // A vision tower the factory did not build (no preprocessor_config.json).
+  const SkipUnlisted skip{"model.visual.",
+                          "vision tower not loaded: no preprocessor_config.json (text path only)"};
   if (o.dummy_weights) {
     mw.has_lm_head = !c.tie_word_embeddings;
     MOELORA_ASSIGN_OR_RETURN(mw.weights, DummyWeights(c, specs(mw.has_lm_head), lo));
@@ -61,8 +66,8 @@ namespace moelora {
     return absl::InvalidArgumentError(
         absl::StrCat(ctx.dir, ": no lm_head.weight and tie_word_embeddings is false"));
   }
-  MOELORA_ASSIGN_OR_RETURN(mw.weights,
-                           LoadWeights(*ctx.checkpoint, *ctx.arch, c, specs(mw.has_lm_head), lo));
+  MOELORA_ASSIGN_OR_RETURN(
+      mw.weights, LoadWeights(*ctx.checkpoint, *ctx.arch, c, specs(mw.has_lm_head), lo, skip));
   return mw;
 }
 
@@ -70,8 +75,21 @@ absl::StatusOr<std::optional<VisionConfig>> ReadVisionConfig(const ModelContext&
                                                              const ModelConfig& c, bool deepstack,
                                                              int64_t image_token_default) {
   MOELORA_ASSIGN_OR_RETURN(const std::string text, ReadConfigText(ctx.dir));
-  return VisionConfig::Parse(text, ctx.dir + "/config.json", deepstack, image_token_default,
-                             c.info.hidden_size, c.vocab_size);
+  const std::string file = ctx.dir + "/config.json";
+  MOELORA_ASSIGN_OR_RETURN(std::optional<VisionConfig> v,
+                           VisionConfig::Parse(text, file, deepstack, image_token_default,
+                                               c.info.hidden_size, /*vocab_size=*/0));
+  if (v && !std::filesystem::exists(ctx.dir + "/preprocessor_config.json")) {
+    // Without the image processor's settings no image can be prepared: the text path only.
+    LOG(WARNING) << ctx.dir << " has a vision_config but no preprocessor_config.json: the vision "
+                 << "tower is not loaded and requests with images are refused";
+    return std::optional<VisionConfig>();
+  }
+  if (v) {
+    return VisionConfig::Parse(text, file, deepstack, image_token_default, c.info.hidden_size,
+                               c.vocab_size);
+  }
+  return v;
 }
 
 absl::Status DecoderModel::BuildVision(const VisionConfig& v,

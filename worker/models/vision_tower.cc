@@ -15,9 +15,8 @@ constexpr double kLayerNormEps = 1e-6;  // every LayerNorm of the tower (transfo
 
 // This rank's part of a full [out, in] weight (and bias) for `mode`, as LoraLinear::Create
 // takes it: the output rows and input columns lora/tp_slice.h gives the rank.
-absl::StatusOr<std::unique_ptr<LoraLinear>> MakeLinear(const std::string& path,
-                                                       const at::Tensor& w, const at::Tensor& b,
-                                                       TpMode mode,
+absl::StatusOr<std::unique_ptr<LoraLinear>> MakeLinear(const std::string& path, const at::Tensor& w,
+                                                       const at::Tensor& b, TpMode mode,
                                                        const std::vector<int64_t>& sections,
                                                        const SlotShape& shape) {
   const int64_t in = w.size(1);
@@ -47,12 +46,9 @@ at::Tensor Gelu(const at::Tensor& x, const std::string& act) {
 
 }  // namespace
 
-absl::StatusOr<std::optional<VisionConfig>> VisionConfig::Parse(const std::string& text,
-                                                                const std::string& file,
-                                                                bool deepstack,
-                                                                int64_t image_token_default,
-                                                                int64_t text_hidden_size,
-                                                                int64_t vocab_size) {
+absl::StatusOr<std::optional<VisionConfig>> VisionConfig::Parse(
+    const std::string& text, const std::string& file, bool deepstack, int64_t image_token_default,
+    int64_t text_hidden_size, int64_t vocab_size) {
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("vision_config") ||
       !j["vision_config"].is_object()) {
@@ -113,7 +109,7 @@ absl::StatusOr<std::optional<VisionConfig>> VisionConfig::Parse(const std::strin
   if (j.contains("image_token_id") && j["image_token_id"].is_number_integer()) {
     v.image_token_id = j["image_token_id"].get<int64_t>();
   }
-  if (v.image_token_id < 0 || v.image_token_id >= vocab_size) {
+  if (v.image_token_id < 0 || (vocab_size > 0 && v.image_token_id >= vocab_size)) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": image_token_id ", v.image_token_id,
                                                    " is outside the vocabulary (", vocab_size,
                                                    ")"));
@@ -135,8 +131,8 @@ absl::StatusOr<std::optional<VisionConfig>> VisionConfig::Parse(const std::strin
 }
 
 std::vector<ParamSpec> VisionParamSpecs(const VisionConfig& v) {
-  const int64_t D = v.hidden_size, F = v.intermediate_size, M = int64_t{D} * v.spatial_merge_size *
-                                                                    v.spatial_merge_size;
+  const int64_t D = v.hidden_size, F = v.intermediate_size,
+                M = int64_t{D} * v.spatial_merge_size * v.spatial_merge_size;
   std::vector<ParamSpec> s = {
       {"model.visual.patch_embed.proj.weight",
        {D, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}},
@@ -222,9 +218,9 @@ absl::StatusOr<std::unique_ptr<VisionTower>> VisionTower::Create(
     m.norm_b = P.at(p + "norm.bias");
     MOELORA_ASSIGN_OR_RETURN(m.fc1, MakeLinear(p + "linear_fc1", P.at(p + "linear_fc1.weight"),
                                                P.at(p + "linear_fc1.bias"), m1, {M}, shape));
-    MOELORA_ASSIGN_OR_RETURN(m.fc2, MakeLinear(p + "linear_fc2", P.at(p + "linear_fc2.weight"),
-                                               P.at(p + "linear_fc2.bias"), m2,
-                                               {v.out_hidden_size}, shape));
+    MOELORA_ASSIGN_OR_RETURN(
+        m.fc2, MakeLinear(p + "linear_fc2", P.at(p + "linear_fc2.weight"),
+                          P.at(p + "linear_fc2.bias"), m2, {v.out_hidden_size}, shape));
     return m;
   };
   MOELORA_ASSIGN_OR_RETURN(t->merger_, merger("model.visual.merger.", false));
@@ -254,10 +250,10 @@ absl::StatusOr<at::Tensor> VisionTower::RunMerger(
     const Merger& m, const at::Tensor& x, const LoraBatch& lb,
     const std::function<absl::Status(at::Tensor&)>& all_reduce) const {
   const int64_t M = x.size(1) * v_.spatial_merge_size * v_.spatial_merge_size;
-  at::Tensor h = m.postshuffle
-                     ? at::layer_norm(x.reshape({-1, M}), {M}, m.norm_w, m.norm_b, kLayerNormEps)
-                     : at::layer_norm(x, {x.size(1)}, m.norm_w, m.norm_b, kLayerNormEps)
-                           .reshape({-1, M});
+  at::Tensor h =
+      m.postshuffle
+          ? at::layer_norm(x.reshape({-1, M}), {M}, m.norm_w, m.norm_b, kLayerNormEps)
+          : at::layer_norm(x, {x.size(1)}, m.norm_w, m.norm_b, kLayerNormEps).reshape({-1, M});
   MOELORA_ASSIGN_OR_RETURN(at::Tensor a, m.fc1->Forward(h.contiguous(), lb));
   a = at::gelu(a, "none");
   MOELORA_ASSIGN_OR_RETURN(at::Tensor y, m.fc2->Forward(a, lb));
@@ -270,8 +266,8 @@ absl::StatusOr<VisionTower::Output> VisionTower::Forward(
     const std::function<absl::Status(at::Tensor&)>& all_reduce) const {
   const at::Device dev = patch_w_.device();
   const at::ScalarType dt = patch_w_.scalar_type();
-  const int m = v_.spatial_merge_size, side = static_cast<int>(std::lround(
-                                           std::sqrt(v_.num_position_embeddings)));
+  const int m = v_.spatial_merge_size,
+            side = static_cast<int>(std::lround(std::sqrt(v_.num_position_embeddings)));
   // Per patch (images one after the other, each in merge-block order as pixel_values are):
   // its slot, its (row, col) on the grid, and the position table's bilinear taps.
   std::vector<at::Tensor> pixels;

@@ -66,8 +66,8 @@ class VisionTower {
   // From the loaded parameters (in the compute dtype, on the model's device). `lora`: its
   // linears take adapters (--enable-tower-connector-lora); they are LoRA modules either way.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<VisionTower>> Create(
-      const VisionConfig& v, const std::map<std::string, at::Tensor>& params,
-      const ModelOptions& o, const SlotShape& shape, bool lora);
+      const VisionConfig& v, const std::map<std::string, at::Tensor>& params, const ModelOptions& o,
+      const SlotShape& shape, bool lora);
 
   // Every image's merged embeddings [tokens, out_hidden] and DeepStack features (one tensor per
   // DeepStack merger, same rows), images one after the other. `all_reduce` sums a tensor over

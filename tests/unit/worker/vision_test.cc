@@ -12,6 +12,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "tests/unit/worker/mm_fixture.h"
 #include "vision/image_processor.h"
 
 namespace moelora {
@@ -21,71 +22,10 @@ using ::moelora::testing::Data;
 using ::moelora::testing::MaxAbsDiff;
 using ::moelora::testing::StatusIs;
 using ::testing::HasSubstr;
-
-struct MmPrompt {
-  std::vector<int32_t> ids;
-  std::vector<std::string> images;  // file names under images/
-  std::vector<int64_t> rows;        // the rows whose logits the fixture keeps
-  std::vector<float> pixel_values;  // the processor's, all images
-  std::map<std::string, std::vector<float>> logits;  // variant -> [rows, V]
-};
-
-std::vector<MmPrompt> ReadMm(const std::string& fixture) {
-  std::vector<MmPrompt> out;
-  auto f = SafetensorsFile::Open(Data(fixture + "/expected_logits.safetensors"));
-  EXPECT_TRUE(f.ok()) << f.status();
-  if (!f.ok()) return out;
-  auto vec = [&](const std::string& name, auto* dst) {
-    const TensorView* t = (*f)->Find(name);
-    if (t == nullptr) return false;
-    dst->resize(t->nbytes / sizeof((*dst)[0]));
-    std::memcpy(dst->data(), t->data, t->nbytes);
-    return true;
-  };
-  for (int k = 0;; ++k) {
-    MmPrompt p;
-    if (!vec(absl::StrCat("prompt.", k), &p.ids)) break;
-    vec(absl::StrCat("rows.", k), &p.rows);
-    vec(absl::StrCat("pixel_values.", k), &p.pixel_values);
-    for (const char* v : {"base", "adapter_3d", "adapter_2d"}) {
-      vec(absl::StrCat("logits.", v, ".", k), &p.logits[v]);
-    }
-    for (const auto& n : nlohmann::json::parse((*f)->metadata().at(absl::StrCat("images.", k)))) {
-      p.images.push_back(n.get<std::string>());
-    }
-    out.push_back(std::move(p));
-  }
-  return out;
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// The engine's images for a prompt, prepared as the controller prepares them.
-std::vector<ImageInput> Images(const std::string& fixture, const MmPrompt& p) {
-  auto cfg = vision::ImageProcessorConfig::Load(Data(fixture + "/model"));
-  EXPECT_TRUE(cfg.ok()) << cfg.status();
-  std::vector<ImageInput> out;
-  int64_t at = 0;
-  for (const std::string& name : p.images) {
-    auto im = vision::ProcessImage(ReadBytes(Data(fixture + "/images/" + name)), *cfg);
-    EXPECT_TRUE(im.ok()) << im.status();
-    const int64_t tokens = im->tokens(cfg->merge_size);
-    while (at < static_cast<int64_t>(p.ids.size()) && p.ids[at] != 386) ++at;  // <|image_pad|>
-    ImageInput in;
-    in.offset = at;
-    in.height = im->pixels.height;
-    in.width = im->pixels.width;
-    in.rgb.assign(im->pixels.rgb.begin(), im->pixels.rgb.end());
-    out.push_back(std::move(in));
-    at += tokens;
-  }
-  return out;
-}
+using testing::Images;
+using testing::MmPrompt;
+using testing::ReadBytes;
+using testing::ReadMm;
 
 struct EngineSetup {
   bool tower_lora = true;
@@ -94,7 +34,8 @@ struct EngineSetup {
   int tp_rank = 0;
 };
 
-std::unique_ptr<testing::EngineHolder> MakeMmEngine(const std::string& fixture, EngineSetup s = {}) {
+std::unique_ptr<testing::EngineHolder> MakeMmEngine(const std::string& fixture,
+                                                    EngineSetup s = {}) {
   auto h = std::make_unique<testing::EngineHolder>();
   EngineOptions o;
   o.model_dir = Data(fixture + "/model");
@@ -112,8 +53,7 @@ std::unique_ptr<testing::EngineHolder> MakeMmEngine(const std::string& fixture, 
   return h;
 }
 
-std::vector<float> Rows(const std::vector<float>& all, const std::vector<int64_t>& rows,
-                        size_t V) {
+std::vector<float> Rows(const std::vector<float>& all, const std::vector<int64_t>& rows, size_t V) {
   std::vector<float> out;
   for (int64_t r : rows) {
     if ((r + 1) * V > all.size()) return {};
@@ -179,8 +119,8 @@ TEST_P(VisionTest, ImagePromptsMatchTransformersBaseAndBothLayoutsWithTowerLora)
     ASSERT_OK(testing::Load(*h->engine, 2, fixture + "/adapter_2d"));
     for (size_t k = 0; k < prompts.size(); ++k) {
       const MmPrompt& p = prompts[k];
-      for (auto [variant, id] : {std::pair<const char*, int64_t>{"base", 0}, {"adapter_3d", 3},
-                                 {"adapter_2d", 2}}) {
+      for (auto [variant, id] :
+           {std::pair<const char*, int64_t>{"base", 0}, {"adapter_3d", 3}, {"adapter_2d", 2}}) {
         const auto& want = p.logits.at(variant);
         const size_t V = want.size() / p.rows.size();
         const auto got = Rows(MmPromptLogits(*h->engine, id, fixture, p), p.rows, V);
@@ -233,6 +173,11 @@ TEST_P(VisionTest, MixedBatchOfImagesAndAdaptersEqualsEachAlone) {
     for (size_t i = 0; i < reqs.size(); ++i) {
       auto alone = run({reqs[i]}, 200);
       ASSERT_EQ(alone[0].tokens.size(), 6u);
+      const char* variant = reqs[i].second == 0   ? "base"
+                            : reqs[i].second == 2 ? "adapter_2d"
+                                                  : "adapter_3d";
+      EXPECT_EQ(alone[0].tokens, prompts[reqs[i].first].continuation.at(variant))
+          << "transformers' greedy tokens, request " << i;
       EXPECT_EQ(alone[0].tokens, batch[i].tokens) << "request " << i;
       for (size_t t = 0; t < alone[0].logits.size() && t < batch[i].logits.size(); ++t) {
         EXPECT_LE(MaxAbsDiff(alone[0].logits[t], batch[i].logits[t]), 5e-5f)
@@ -250,15 +195,15 @@ TEST_P(VisionTest, TowerLoraNeedsTheFlagAndBadImagesAreRefusedByIndex) {
   auto h = MakeMmEngine(fixture, s);
   ASSERT_NE(h, nullptr);
   auto st = testing::Load(*h->engine, 3, fixture + "/adapter_3d");
-  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument,
-                           HasSubstr("--enable-tower-connector-lora")));
+  EXPECT_THAT(
+      st, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--enable-tower-connector-lora")));
   EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.visual.")));
   // Images still work without it (base model).
   const MmPrompt& p = prompts[1];
   const size_t V = p.logits.at("base").size() / p.rows.size();
-  EXPECT_LE(MaxAbsDiff(Rows(MmPromptLogits(*h->engine, 0, fixture, p), p.rows, V),
-                       p.logits.at("base")),
-            1e-4f);
+  EXPECT_LE(
+      MaxAbsDiff(Rows(MmPromptLogits(*h->engine, 0, fixture, p), p.rows, V), p.logits.at("base")),
+      1e-4f);
 
   auto step = [&](NewSequence n) {
     n.id = 50;
