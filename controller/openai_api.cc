@@ -4,11 +4,14 @@
 #include <chrono>
 #include <fstream>
 #include <random>
+#include <set>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "controller/token_feed.h"
@@ -173,8 +176,17 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       }
       submitted.push_back(*r);
     }
+    // Prompt tokens as submitted (image placeholders expanded), each prompt once.
+    int64_t prompt_tokens = 0;
+    std::set<int> counted;
+    for (size_t k = 0; k < submitted.size(); ++k) {
+      if (counted.insert(choices[k].prompt).second) {
+        prompt_tokens += submitted[k]->req.prompt_token_ids_size();
+      }
+    }
     {
       MutexLock lock(&mu_);
+      prompt_tokens_ = prompt_tokens;
       choices_ = std::move(choices);
       for (size_t k = 0; k < submitted.size(); ++k) {
         choices_[k].feed.emplace(c, api_->metrics_, submitted[k]);
@@ -316,7 +328,9 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     std::vector<std::vector<int32_t>> prompts;
     if (chat_) {
       std::string text;
-      MOELORA_RETURN_IF_ERROR(RenderChat(p, &text));
+      std::vector<std::string> images;
+      MOELORA_RETURN_IF_ERROR(RenderChat(p, &text, &images));
+      for (std::string& im : images) base.add_images(std::move(im));
       if (tokenizer == nullptr) return absl::InvalidArgumentError("this model has no tokenizer");
       auto ids = tokenizer->Encode(text, /*add_special_tokens=*/false);
       if (!ids.ok()) return ids.status();
@@ -373,7 +387,6 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
                                                      " is more than ", kMaxChoices, " choices"));
     }
     for (size_t k = 0; k < prompts.size(); ++k) {
-      prompt_tokens_ += static_cast<int64_t>(prompts[k].size());
       for (int64_t j = 0; j < n; ++j) {
         v1::GenerateRequest req = base;
         req.mutable_prompt_token_ids()->Add(prompts[k].begin(), prompts[k].end());
@@ -399,7 +412,31 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     return absl::OkStatus();
   }
 
-  absl::Status RenderChat(Params* p, std::string* text) {
+  // An image_url part's image: a data: URL with base64 content ({"image_url": {"url": ...}} or
+  // {"image_url": "..."}). Other URLs are refused: the server fetches nothing.
+  static absl::Status ImageFromUrlPart(const ordered_json& part, const std::string& at,
+                                       std::string* bytes) {
+    const ordered_json* u = part.contains("image_url") ? &part["image_url"] : nullptr;
+    if (u != nullptr && u->is_object() && u->contains("url")) u = &(*u)["url"];
+    if (u == nullptr || !u->is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".image_url.url must be a string"));
+    }
+    const std::string& url = u->get_ref<const std::string&>();
+    const size_t comma = url.find(',');
+    if (!absl::StartsWith(url, "data:") || comma == std::string::npos ||
+        url.substr(0, comma).find(";base64") == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at,
+          ".image_url.url: only data: URLs with base64 content are accepted (the server "
+          "fetches nothing)"));
+    }
+    if (!absl::Base64Unescape(absl::string_view(url).substr(comma + 1), bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".image_url.url: invalid base64"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RenderChat(Params* p, std::string* text, std::vector<std::string>* images) {
     const OpenAiOptions& o = api_->options_;
     if (o.chat_template == nullptr) {
       return absl::InvalidArgumentError(
@@ -436,18 +473,33 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       }
       ordered_json out = m;
       if (m.contains("content") && m["content"].is_array()) {
+        // Text parts only: joined into one string. With images: the list of parts the
+        // multimodal templates read ({"type": "image"} where each image goes, which they
+        // render as the model's image placeholder), and the images' bytes in order.
         std::string joined;
-        for (const auto& part : m["content"]) {
+        ordered_json parts = ordered_json::array();
+        bool has_image = false;
+        for (size_t j = 0; j < m["content"].size(); ++j) {
+          const auto& part = m["content"][j];
           const std::string type = StringMember(part, "type");
+          const std::string at = absl::StrCat(where, ".content[", j, "]");
+          if (type == "image_url") {
+            std::string bytes;
+            MOELORA_RETURN_IF_ERROR(ImageFromUrlPart(part, at, &bytes));
+            images->push_back(std::move(bytes));
+            parts.push_back({{"type", "image"}});
+            has_image = true;
+            continue;
+          }
           if (type != "text" || !part.contains("text") || !part["text"].is_string()) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(where, ".content: only text parts are supported by this model (got \"",
-                             type, "\")"));
+            return absl::InvalidArgumentError(absl::StrCat(
+                at, ": only text and image_url parts are supported (got \"", type, "\")"));
           }
           if (!joined.empty()) joined += "\n";
           joined += part["text"].get<std::string>();
+          parts.push_back({{"type", "text"}, {"text", part["text"]}});
         }
-        out["content"] = joined;
+        out["content"] = has_image ? parts : ordered_json(joined);
       } else if (m.contains("content") && !m["content"].is_string() && !m["content"].is_null()) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, ".content must be a string or a list of parts"));

@@ -12,7 +12,8 @@ fixed seeds):
   model/                 config.json, model.safetensors (the VL class's checkpoint: text under
                          model.language_model., the tower under model.visual.), tokenizer.json
                          (the tiny byte-level BPE plus <|vision_start|>, <|vision_end|> and
-                         <|image_pad|>), tokenizer_config.json, preprocessor_config.json
+                         <|image_pad|>), tokenizer_config.json, preprocessor_config.json,
+                         chat_template.jinja (ChatML; an image part is the image placeholder)
   images/                the PNG, JPEG and WebP images the prompts show
   adapter_3d/            PEFT: target_parameters on the fused experts, q_proj/o_proj, and the tower's
                          attn.qkv, attn.proj, linear_fc1, linear_fc2 (blocks, merger, DeepStack
@@ -58,6 +59,13 @@ PROCESSOR = {"size": {"shortest_edge": 256, "longest_edge": 4096}, "patch_size":
 VISION = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=40, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=H,
               num_position_embeddings=36, hidden_act="gelu_pytorch_tanh")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' or 'image' in c or 'image_url' in c %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CONTINUATION = 6  # greedy tokens per prompt and variant
 TOWER_MODULES = ["attn.qkv", "attn.proj", "linear_fc1", "linear_fc2"]
 # Prompts: text ids around image placeholders; "IMG" stands for one image's
@@ -92,10 +100,13 @@ def write_tokenizer(src_dir, dst_dir):
                                     "lstrip": False, "rstrip": False, "normalized": False,
                                     "special": True})
     json.dump(tok, open(os.path.join(dst_dir, "tokenizer.json"), "w"), ensure_ascii=False)
-    for f in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+    for f in ("tokenizer_config.json", "generation_config.json"):
         if os.path.exists(os.path.join(src_dir, f)):
             shutil.copy(os.path.join(src_dir, f), dst_dir)
     json.dump(PROCESSOR, open(os.path.join(dst_dir, "preprocessor_config.json"), "w"), indent=1)
+    # ChatML with the Qwen-VL rule for content parts: an image part is the image placeholder.
+    with open(os.path.join(dst_dir, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
 
 
 def randomise(model, seed, scale):

@@ -469,7 +469,7 @@ absl::StatusOr<RgbImage> Resize(const RgbImage& in, int height, int width, Resam
   }
   // Image.resize: an image over 100 times taller than wide that gets shorter is resized in
   // two calls, the height first (Pillow 12; Pillow 13 picks the order of the passes by rules of
-  // its own, see the decision record on image preprocessing).
+  // its own: docs/decisions/image-preprocessing-as-pillow-does-it.md).
   if (int64_t{in.height} > int64_t{in.width} * 100 && height < in.height) {
     return ResampleInner(ResampleInner(in, height, in.width, f), height, width, f);
   }

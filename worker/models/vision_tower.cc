@@ -361,10 +361,19 @@ absl::StatusOr<VisionTower::Output> VisionTower::Forward(
     std::vector<at::Tensor> outs;
     for (size_t i = 0; i + 1 < bounds.size(); ++i) {
       const int64_t s = bounds[i], n = bounds[i + 1] - bounds[i];
-      at::Tensor qi = q.narrow(0, s, n).transpose(0, 1), ki = k.narrow(0, s, n).transpose(0, 1),
-                 vi = vv.narrow(0, s, n).transpose(0, 1);  // [heads, n, hd]
-      at::Tensor p = (at::matmul(qi, ki.transpose(1, 2)) * scale).softmax(-1, at::kFloat).to(dt);
-      outs.push_back(at::matmul(p, vi).transpose(0, 1).reshape({n, hl * hd}));
+      at::Tensor ki = k.narrow(0, s, n).transpose(0, 1).contiguous(),
+                 vi = vv.narrow(0, s, n).transpose(0, 1).contiguous();  // [heads, n, hd]
+      const at::Tensor kt = ki.transpose(1, 2);
+      // Queries in chunks, so that the scores [heads, rows, n] stay near 64 MiB (a 1344 x 1344
+      // image's whole [16, 7056, 7056] would be 3 GiB).
+      const int64_t rows =
+          std::max<int64_t>(64, (int64_t{16} << 20) / std::max<int64_t>(1, hl * n));
+      for (int64_t r = 0; r < n; r += rows) {
+        const int64_t m = std::min(rows, n - r);
+        at::Tensor qi = q.narrow(0, s + r, m).transpose(0, 1);  // [heads, m, hd]
+        at::Tensor p = (at::matmul(qi, kt) * scale).softmax(-1, at::kFloat).to(dt);
+        outs.push_back(at::matmul(p, vi).transpose(0, 1).reshape({m, hl * hd}));
+      }
     }
     at::Tensor a = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
     MOELORA_ASSIGN_OR_RETURN(at::Tensor o, B.proj->Forward(a.contiguous(), lb));

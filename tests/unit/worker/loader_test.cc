@@ -102,8 +102,16 @@ INSTANTIATE_TEST_SUITE_P(
         NameCase{"Qwen3VLMoeForConditionalGeneration",
                  "model.language_model.layers.2.self_attn.v_proj.base_layer.weight", true,
                  "model.layers.2.self_attn.v_proj.base_layer.weight", -1, kNone, false},
+        // The vision tower: under model.visual. (older exports: visual.), PEFT's .base_layer.
+        // removed; never wrapped by the engine's own .base_layer. (its linears are built by the
+        // tower from the plain names).
         NameCase{"Qwen3VLMoeForConditionalGeneration", "model.visual.blocks.0.attn.qkv.weight",
-                 true, "", -1, kNone, false},
+                 true, "model.visual.blocks.0.attn.qkv.weight", -1, kNone, false},
+        NameCase{"Qwen3VLMoeForConditionalGeneration",
+                 "visual.blocks.0.mlp.linear_fc1.base_layer.weight", true,
+                 "model.visual.blocks.0.mlp.linear_fc1.weight", -1, kNone, false},
+        NameCase{"Qwen3_5MoeForConditionalGeneration", "model.visual.merger.linear_fc2.bias", true,
+                 "model.visual.merger.linear_fc2.bias", -1, kNone, false},
         // Qwen3.5-MoE: fused [E, 2I, H] (not transposed); per-expert FP8 releases; MTP head.
         NameCase{"Qwen3_5MoeForConditionalGeneration",
                  "model.language_model.layers.9.mlp.experts.gate_up_proj", true,

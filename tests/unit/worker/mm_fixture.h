@@ -22,9 +22,9 @@ namespace moelora::testing {
 
 struct MmPrompt {
   std::vector<int32_t> ids;
-  std::vector<std::string> images;  // file names under images/
-  std::vector<int64_t> rows;        // the rows whose logits the fixture keeps
-  std::vector<float> pixel_values;  // the processor's, all images
+  std::vector<std::string> images;                   // file names under images/
+  std::vector<int64_t> rows;                         // the rows whose logits the fixture keeps
+  std::vector<float> pixel_values;                   // the processor's, all images
   std::map<std::string, std::vector<float>> logits;  // variant -> [rows, V]
   std::map<std::string, std::vector<int32_t>> continuation;  // variant -> greedy tokens
 };
