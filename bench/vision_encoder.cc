@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
       runs = std::stoi(value());
     } else if (f == "--images") {
       images.clear();
-      for (absl::string_view s : absl::StrSplit(value(), ',')) images.push_back(std::stoi(std::string(s)));
+      for (absl::string_view s : absl::StrSplit(value(), ','))
+        images.push_back(std::stoi(std::string(s)));
     } else {
       std::fprintf(stderr,
                    "usage: vision_encoder [--python PY] [--dir DIR] [--threads N] [--runs R] "

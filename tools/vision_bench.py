@@ -28,7 +28,7 @@ def make(out, depth):
     mdir = os.path.join(out, "model")
     os.makedirs(mdir, exist_ok=True)
     text = dict(vocab_size=512, hidden_size=2048, intermediate_size=256, moe_intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=8192,
                 decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6,

@@ -22,7 +22,8 @@ struct RgbImage {
 
 // What DecodeImage accepts.
 struct DecodeLimits {
-  int64_t max_pixels = int64_t{1} << 28;  // width × height of the encoded image
+  // Width × height of the encoded image at most: Pillow's decompression-bomb limit.
+  int64_t max_pixels = 89478485;
 };
 
 // PNG (libpng), JPEG (libjpeg-turbo) or WebP (libwebp), told apart by their signatures, to RGB as

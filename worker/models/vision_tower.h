@@ -58,6 +58,12 @@ struct VisionConfig {
       int64_t image_token_default, int64_t text_hidden_size, int64_t vocab_size);
 };
 
+// Attention within each frame, no mask: q, k, v [N, heads, head_dim], `frames` the row bounds of
+// each frame; [N, heads · head_dim] in q's dtype. `tiled` (the CPU's): flash attention's
+// schedule over 512 x 512 tiles with BLAS products; else ATen over query chunks (other devices).
+at::Tensor FrameAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::vector<int64_t>& frames, double scale, bool tiled);
+
 // The tower's parameters (`model.visual.…`, whole on every rank; the tower slices them).
 std::vector<ParamSpec> VisionParamSpecs(const VisionConfig& v);
 

@@ -14,6 +14,7 @@
 #include "tests/unit/worker/engine_test_util.h"
 #include "tests/unit/worker/mm_fixture.h"
 #include "vision/image_processor.h"
+#include "worker/models/vision_tower.h"
 
 namespace moelora {
 namespace {
@@ -229,6 +230,33 @@ TEST_P(VisionTest, TowerLoraNeedsTheFlagAndBadImagesAreRefusedByIndex) {
 
 INSTANTIATE_TEST_SUITE_P(Models, VisionTest,
                          ::testing::Values("qwen3_vl_moe_mm", "qwen3_5_moe_mm"));
+
+TEST(VisionAttentionTest, TiledEqualsPlainSoftmaxOverFramesOfManyTiles) {
+  // Frames of 700 and 1300 rows: several 512-row and 512-key tiles, partial ones included.
+  at::manual_seed(3);
+  const int64_t N = 2000, heads = 3, d = 72;
+  const at::Tensor q = at::randn({N, heads, d}), k = at::randn({N, heads, d}),
+                   v = at::randn({N, heads, d});
+  const std::vector<int64_t> frames = {0, 700, 2000};
+  const at::Tensor tiled = FrameAttention(q, k, v, frames, 0.12, true);
+  const at::Tensor chunked = FrameAttention(q, k, v, frames, 0.12, false);
+  // The plain form: the whole softmax of each frame.
+  std::vector<at::Tensor> ref;
+  for (size_t f = 0; f + 1 < frames.size(); ++f) {
+    const int64_t s = frames[f], n = frames[f + 1] - s;
+    const at::Tensor qi = q.narrow(0, s, n).transpose(0, 1), ki = k.narrow(0, s, n).transpose(0, 1),
+                     vi = v.narrow(0, s, n).transpose(0, 1);
+    ref.push_back(at::matmul((at::matmul(qi, ki.transpose(1, 2)) * 0.12).softmax(-1), vi)
+                      .transpose(0, 1)
+                      .reshape({n, heads * d}));
+  }
+  const at::Tensor want = at::cat(ref, 0);
+  EXPECT_LE((tiled - want).abs().max().item<float>(), 1e-5f);
+  EXPECT_LE((chunked - want).abs().max().item<float>(), 1e-5f);
+  // Not the attention over both frames at once.
+  const at::Tensor one = FrameAttention(q, k, v, {0, N}, 0.12, true);
+  EXPECT_GT((one - want).abs().max().item<float>(), 1e-2f);
+}
 
 TEST(VisionTextOnlyModelTest, ImagesAreRefused) {
   auto h = testing::MakeEngine("qwen3_moe/model", false);
