@@ -1,4 +1,5 @@
-// Command-line pieces the process benchmarks share (adapter_spread, slora).
+// Command-line pieces the benchmarks share (adapter_spread, slora; Capture: peer,
+// vision_encoder).
 #ifndef MOELORA_BENCH_BENCH_ARGS_H_
 #define MOELORA_BENCH_BENCH_ARGS_H_
 
@@ -11,6 +12,20 @@
 #include "absl/strings/str_split.h"
 
 namespace moelora::bench {
+
+// The standard output of `cmd` (its exit status must be 0), or "" with a message.
+inline std::string Capture(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return "";
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  if (pclose(p) != 0) {
+    std::fprintf(stderr, "failed: %s\n", cmd.c_str());
+    return "";
+  }
+  return out;
+}
 
 // The value after argv[*i], advancing *i; exits 2 naming the flag when there is none.
 inline std::string NextValue(int argc, char** argv, int* i) {

@@ -68,6 +68,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_args.h"
 #include "bench/compute_peak.h"
 #include "bench/plain_read.h"
 #include "nlohmann/json.hpp"
@@ -378,19 +379,7 @@ bool RunMoelora(testing::ControllerProcess& c, const std::string& state_dir,
   return true;
 }
 
-// The standard output of `cmd` (its exit status must be 0), or "" with a message.
-std::string Capture(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return "";
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-  if (pclose(p) != 0) {
-    std::fprintf(stderr, "failed: %s\n", cmd.c_str());
-    return "";
-  }
-  return out;
-}
+using bench::Capture;
 
 // llama.cpp as a peer: its binaries' directory and a model converted per dtype.
 struct LlamaPeer {

@@ -2,6 +2,7 @@
 // the same weights, image and threads (float32), medians of runs made back to back.
 //
 //   vision_encoder [--python PY] [--dir DIR] [--threads N] [--runs R] [--images 448,1344]
+//                  [--dtype float32|bfloat16]
 //
 // DIR (default .cache/vision-bench) holds a Qwen3-VL-MoE checkpoint whose tower has the released
 // 30B-A3B's dimensions with fewer blocks (tools/vision_bench.py make, run once: --depth there),
@@ -22,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_args.h"
 #include "nlohmann/json.hpp"
 #include "vision/image_processor.h"
 #include "worker/comm/communicator.h"
@@ -30,18 +32,7 @@
 
 namespace {
 
-std::string Capture(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return "";
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-  if (pclose(p) != 0) {
-    std::fprintf(stderr, "failed: %s\n", cmd.c_str());
-    return "";
-  }
-  return out;
-}
+using moelora::bench::Capture;
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -55,6 +46,7 @@ int main(int argc, char** argv) {
   const std::string src = MOELORA_SOURCE_DIR;
   std::string python = src + "/.cache/peer-venv/bin/python", dir = src + "/.cache/vision-bench";
   int threads = 2, runs = 3;
+  std::string dtype = "float32";
   std::vector<int> images = {448, 1344};
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -65,6 +57,8 @@ int main(int argc, char** argv) {
       dir = value();
     } else if (f == "--threads") {
       threads = std::stoi(value());
+    } else if (f == "--dtype") {
+      dtype = value();
     } else if (f == "--runs") {
       runs = std::stoi(value());
     } else if (f == "--images") {
@@ -74,7 +68,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: vision_encoder [--python PY] [--dir DIR] [--threads N] [--runs R] "
-                   "[--images 448,1344]\n");
+                   "[--images 448,1344] [--dtype float32|bfloat16]\n");
       return f == "--help" ? 0 : 2;
     }
   }
@@ -89,6 +83,7 @@ int main(int argc, char** argv) {
   at::set_num_threads(threads);
   auto comm = MakeLocalCommunicator();
   ModelOptions o;
+  o.dtype = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
   auto m = LoadCausalLM(dir + "/model", o, comm.get());
   if (!m.ok()) {
     std::fprintf(stderr, "%s\n", std::string(m.status().message()).c_str());
@@ -96,8 +91,8 @@ int main(int argc, char** argv) {
   }
   auto cfg = vision::ImageProcessorConfig::Load(dir + "/model");
   if (!cfg.ok()) return 1;
-  std::printf("vision tower: %d blocks of %d, threads %d, float32, %d runs each (median)\n",
-              (*m)->vision()->depth, (*m)->vision()->hidden_size, threads, runs);
+  std::printf("vision tower: %d blocks of %d, threads %d, %s, %d runs each (median)\n",
+              (*m)->vision()->depth, (*m)->vision()->hidden_size, threads, dtype.c_str(), runs);
   std::printf("%-7s %8s %12s %14s %7s\n", "image", "patches", "moelora s", "transformers s",
               "ratio");
   for (int side : images) {
@@ -123,9 +118,9 @@ int main(int argc, char** argv) {
         t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
     }
-    const std::string peer =
-        Capture(absl::StrCat(python, " ", script, " run --dir ", dir, " --threads ", threads,
-                             " --runs ", runs, " --image ", side, " 2>/dev/null"));
+    const std::string peer = Capture(
+        absl::StrCat(python, " ", script, " run --dir ", dir, " --threads ", threads, " --runs ",
+                     runs, " --image ", side, " --dtype ", dtype, " 2>/dev/null"));
     double theirs = 0;
     for (absl::string_view line : absl::StrSplit(peer, '\n')) {
       const auto j = nlohmann::json::parse(line, nullptr, false);

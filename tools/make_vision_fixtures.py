@@ -78,6 +78,16 @@ PROMPTS = [
 ]
 
 
+def transpose_expert_storage(path):
+    """Rewrites a Qwen3-VL-MoE checkpoint written by transformers with the text experts stored
+    transposed ([E,H,2I] / [E,I,H]), as the releases store them."""
+    sd = load_file(path)
+    for k in list(sd):
+        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+            sd[k] = sd[k].transpose(1, 2).contiguous()
+    save_file(sd, path, metadata={"format": "pt"})
+
+
 def make_images(d):
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
@@ -218,13 +228,7 @@ def build(out, name, cls, cfg, seed, transposed_experts, scale):
     randomise(model, seed + 1, scale)
     model.save_pretrained(mdir)
     if transposed_experts:
-        # Qwen3-VL-MoE releases store the text experts transposed ([E,H,2I] / [E,I,H]).
-        path = os.path.join(mdir, "model.safetensors")
-        sd = load_file(path)
-        for k in list(sd):
-            if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
-                sd[k] = sd[k].transpose(1, 2).contiguous()
-        save_file(sd, path, metadata={"format": "pt"})
+        transpose_expert_storage(os.path.join(mdir, "model.safetensors"))
     write_tokenizer(os.path.join(out, "qwen3_moe", "model"), mdir)
     load = lambda: cls.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
     # The reference logits come from float64 copies: transformers' own f32 logits are up to 3e-5

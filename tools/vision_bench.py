@@ -6,8 +6,8 @@ fewer blocks, with a small text model; and transformers' timing of that tower.
     vision_bench.py make --out DIR [--depth 4]
         writes DIR/model (config.json, model.safetensors, preprocessor_config.json, random
         weights) and DIR/images/{448,1344}.png
-    vision_bench.py run --dir DIR --threads N --runs R --image 448
-        times model.model.visual(pixel_values, grid_thw) in float32 on N threads (median of R
+    vision_bench.py run --dir DIR --threads N --runs R --image 448 [--dtype bfloat16]
+        times model.model.visual(pixel_values, grid_thw) in the dtype on N threads (median of R
         runs after one warm-up) on the image's processor output; prints one JSON line
         {"image", "patches", "seconds": [...], "median"}
 """
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -46,13 +47,9 @@ def make(out, depth):
     model = Qwen3VLMoeForConditionalGeneration(cfg).eval()
     model.save_pretrained(mdir)
     # The released checkpoints keep the text experts transposed.
-    from safetensors.torch import load_file, save_file
-    path = os.path.join(mdir, "model.safetensors")
-    sd = load_file(path)
-    for k in list(sd):
-        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
-            sd[k] = sd[k].transpose(1, 2).contiguous()
-    save_file(sd, path, metadata={"format": "pt"})
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from make_vision_fixtures import transpose_expert_storage
+    transpose_expert_storage(os.path.join(mdir, "model.safetensors"))
     json.dump({"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"},
@@ -67,19 +64,20 @@ def make(out, depth):
         Image.fromarray(img).save(os.path.join(idir, f"{side}.png"))
 
 
-def run(d, threads, runs, image):
+def run(d, threads, runs, image, dtype):
     from PIL import Image
     from transformers import Qwen3VLMoeForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.set_num_threads(threads)
     mdir = os.path.join(d, "model")
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(mdir, dtype=torch.float32).eval()
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(mdir, dtype=dt).eval()
     cfg = json.load(open(os.path.join(mdir, "preprocessor_config.json")))
     cfg.pop("image_processor_type", None)
     proc = Qwen2VLImageProcessorPil(**cfg)
     out = proc(images=[Image.open(os.path.join(d, "images", f"{image}.png"))], return_tensors="pt")
-    pix, grid = out["pixel_values"], out["image_grid_thw"]
+    pix, grid = out["pixel_values"].to(dt), out["image_grid_thw"]
     times = []
     with torch.no_grad():
         for i in range(runs + 1):
@@ -103,11 +101,12 @@ def main():
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--runs", type=int, default=3)
     r.add_argument("--image", type=int, default=448)
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.out, a.depth)
     else:
-        run(a.dir, a.threads, a.runs, a.image)
+        run(a.dir, a.threads, a.runs, a.image, a.dtype)
 
 
 if __name__ == "__main__":

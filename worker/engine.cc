@@ -178,8 +178,7 @@ struct Engine::Impl {
     // past it; a preempted sequence computes it again).
     struct Image {
       int64_t offset = 0, tokens = 0;
-      int grid_h = 0, grid_w = 0;
-      at::Tensor pixel_values;  // f32 [grid_h · grid_w, patch_dim] on the host
+      vision::ProcessedImage pixels;  // the controller's resized RGB (pixel_values made per encode)
       VisionEncoding encoded;
     };
     std::vector<Image> images;
@@ -298,24 +297,18 @@ struct Engine::Impl {
         if (mrope) s.pos3[next] = s.pos3[P + next] = s.pos3[2 * P + next] = cur;
       }
     };
-    for (const ImageInput& in : s.spec.images) {
-      vision::ProcessedImage pi;
-      pi.pixels.height = in.height;
-      pi.pixels.width = in.width;
-      pi.pixels.rgb.assign(in.rgb.begin(), in.rgb.end());
-      pi.grid_h = in.height / v.patch_size;
-      pi.grid_w = in.width / v.patch_size;
-      std::vector<float> px = vision::PixelValues(pi, *image_processor);
+    for (ImageInput& in : s.spec.images) {
       Sequence::Image im;
       im.offset = in.offset;
-      im.grid_h = pi.grid_h;
-      im.grid_w = pi.grid_w;
-      im.tokens = pi.tokens(merge);
-      im.pixel_values =
-          at::from_blob(px.data(), {pi.patches(), image_processor->patch_dim()}, at::kFloat)
-              .clone();
+      im.pixels.pixels.height = in.height;
+      im.pixels.pixels.width = in.width;
+      im.pixels.pixels.rgb.assign(in.rgb.begin(), in.rgb.end());
+      std::string().swap(in.rgb);
+      im.pixels.grid_h = in.height / v.patch_size;
+      im.pixels.grid_w = in.width / v.patch_size;
+      im.tokens = im.pixels.tokens(merge);
       text_until(im.offset);
-      const int64_t rows = im.grid_h / merge, cols = im.grid_w / merge;
+      const int64_t rows = im.pixels.grid_h / merge, cols = im.pixels.grid_w / merge;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c, ++next) {
           if (mrope) {
@@ -328,7 +321,6 @@ struct Engine::Impl {
       cur += std::max(rows, cols);
       s.images.push_back(std::move(im));
     }
-    for (ImageInput& in : s.spec.images) std::string().swap(in.rgb);  // pixel_values hold them
     text_until(P);
     s.rope_delta = cur - P;
     if (!mrope) s.pos3.clear();
@@ -340,6 +332,7 @@ struct Engine::Impl {
   absl::Status PrepareImages(ForwardBatch& b, const std::vector<size_t>& in_batch) {
     std::vector<VisionImage> todo;
     std::vector<Sequence::Image*> targets;
+    std::vector<std::vector<float>> pixel_values;  // alive until the tower has run
     auto chunk_of = [&](size_t k, const Sequence& s) {
       return std::pair<int64_t, int64_t>(s.Prefilling() ? static_cast<int64_t>(s.fed) : -1,
                                          s.Prefilling() ? s.fed + b.seqs[k].count : -1);
@@ -351,7 +344,11 @@ struct Engine::Impl {
         if (im.encoded.embeds.defined() || im.offset >= to || im.offset + im.tokens <= from) {
           continue;
         }
-        todo.push_back({im.pixel_values, 1, im.grid_h, im.grid_w, s.slot});
+        pixel_values.push_back(vision::PixelValues(im.pixels, *image_processor));
+        todo.push_back(
+            {at::from_blob(pixel_values.back().data(),
+                           {im.pixels.patches(), image_processor->patch_dim()}, at::kFloat),
+             1, im.pixels.grid_h, im.pixels.grid_w, s.slot});
         targets.push_back(&im);
       }
     }
