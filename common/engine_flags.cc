@@ -41,6 +41,10 @@ ABSL_FLAG(std::string, kv_cache_memory_bytes, "4Gi",
           "KV cache budget of each worker: bytes, or with a K/M/G (1000) or Ki/Mi/Gi (1024) "
           "suffix; the worker holds as many blocks as it buys (no more than --max-num-seqs "
           "sequences of --max-model-len tokens can fill)");
+ABSL_FLAG(std::string, mm_encoder_cache_bytes, "256Mi",
+          "Vision tower outputs each worker keeps for reuse (the same image under the same "
+          "adapter, or any adapter without --enable-tower-connector-lora), least recently used "
+          "first out; bytes as --kv-cache-memory-bytes; 0: none");
 ABSL_FLAG(int, max_num_batched_tokens, 512,
           "Tokens one step computes at most: running decodes first, then chunks of prompts");
 ABSL_FLAG(int, prefill_tokens_beside_decodes, 16,
@@ -103,6 +107,14 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
       ParseByteCount(absl::GetFlag(FLAGS_kv_cache_memory_bytes), &f.kv_cache_memory_bytes);
   if (!s.ok())
     return absl::InvalidArgumentError(absl::StrCat("--kv-cache-memory-bytes: ", s.message()));
+  if (absl::GetFlag(FLAGS_mm_encoder_cache_bytes) != "0") {
+    const absl::Status e =
+        ParseByteCount(absl::GetFlag(FLAGS_mm_encoder_cache_bytes), &f.mm_encoder_cache_bytes);
+    if (!e.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--mm-encoder-cache-bytes: ", e.message()));
+  } else {
+    f.mm_encoder_cache_bytes = 0;
+  }
   return absl::OkStatus();
 }
 
@@ -147,6 +159,8 @@ std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
                                 "--max-num-batched-tokens",
                                 std::to_string(f.max_num_batched_tokens)};
   a.push_back(f.prefix_caching ? "--enable-prefix-caching" : "--noenable-prefix-caching");
+  a.push_back("--mm-encoder-cache-bytes");
+  a.push_back(std::to_string(f.mm_encoder_cache_bytes));
   a.push_back("--prefill-tokens-beside-decodes");
   a.push_back(std::to_string(f.prefill_tokens_beside_decodes));
   if (f.mixed) a.push_back("--enable-mixed-moe-lora-format");

@@ -26,6 +26,7 @@ ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(int, dist_timeout_s);
 ABSL_DECLARE_FLAG(int, block_size);
 ABSL_DECLARE_FLAG(std::string, kv_cache_memory_bytes);
+ABSL_DECLARE_FLAG(std::string, mm_encoder_cache_bytes);
 ABSL_DECLARE_FLAG(int, max_num_batched_tokens);
 ABSL_DECLARE_FLAG(bool, enable_prefix_caching);
 ABSL_DECLARE_FLAG(int, prefill_tokens_beside_decodes);
@@ -45,10 +46,11 @@ struct EngineFlags {
   std::string dtype = "float32";
   std::string device = "cpu";
   int dist_timeout_s = 120;
-  int block_size = 16;                               // tokens per KV cache block
-  int64_t kv_cache_memory_bytes = int64_t{4} << 30;  // per worker
-  int max_num_batched_tokens = 512;                  // tokens of one step at most
-  int prefill_tokens_beside_decodes = 16;            // while sequences decode
+  int block_size = 16;                                  // tokens per KV cache block
+  int64_t kv_cache_memory_bytes = int64_t{4} << 30;     // per worker
+  int64_t mm_encoder_cache_bytes = int64_t{256} << 20;  // vision tower outputs kept, per worker
+  int max_num_batched_tokens = 512;                     // tokens of one step at most
+  int prefill_tokens_beside_decodes = 16;               // while sequences decode
   bool prefix_caching = true;  // where the model allows it (no recurrent layers)
 };
 

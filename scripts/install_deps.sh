@@ -22,6 +22,8 @@ PACKAGES=(
   libmicrohttpd-dev
   # images (vision/): the PNG, JPEG and WebP decoders
   libpng-dev libjpeg62-turbo-dev libwebp-dev
+  # SHA-256 (the workers' encoder cache keys)
+  libssl-dev
 )
 if [ "$MODE" != "build" ]; then
   PACKAGES+=(

@@ -2,15 +2,18 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <openssl/evp.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <future>
 #include <list>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -33,6 +36,22 @@
 namespace moelora {
 
 namespace {
+
+// The SHA-256 of `bytes` in hex (the encoder cache's key: a collision would hand one request
+// another image's tower output, so a cryptographic hash, OpenSSL's).
+std::string Sha256Hex(const std::vector<uint8_t>& bytes) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr);
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned int k = 0; k < n; ++k) {
+    out.push_back(kHex[md[k] >> 4]);
+    out.push_back(kHex[md[k] & 15]);
+  }
+  return out;
+}
+
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -179,6 +198,7 @@ struct Engine::Impl {
     struct Image {
       int64_t offset = 0, tokens = 0;
       vision::ProcessedImage pixels;  // the controller's resized RGB (pixel_values made per encode)
+      std::string cache_key;          // the encoder cache's: the pixels' SHA-256, size, adapter
       VisionEncoding encoded;
     };
     std::vector<Image> images;
@@ -198,6 +218,46 @@ struct Engine::Impl {
   bool prefix_caching = false;
   // Models with a vision tower: preprocessor_config.json (how pixels become pixel_values).
   std::optional<vision::ImageProcessorConfig> image_processor;
+  // Tower outputs kept for reuse (--mm-encoder-cache-bytes), most recently used first; the
+  // compute thread's alone.
+  struct CachedEncoding {
+    std::string key;
+    VisionEncoding encoding;
+    int64_t bytes = 0;
+  };
+  std::list<CachedEncoding> encoder_cache;
+  std::map<std::string, std::list<CachedEncoding>::iterator> encoder_index;
+  int64_t encoder_cache_bytes = 0;
+  std::atomic<int64_t> encoder_cache_hits{0}, images_encoded{0};
+  bool CachedEncodingFor(const std::string& key, VisionEncoding* out) {
+    auto it = encoder_index.find(key);
+    if (it == encoder_index.end()) return false;
+    encoder_cache.splice(encoder_cache.begin(), encoder_cache, it->second);
+    *out = it->second->encoding;
+    return true;
+  }
+  // Keeps a copy of `e` (its own storage, not a view of a batch's output), evicting the least
+  // recently used beyond the budget; nothing when `e` alone is larger.
+  void CacheEncoding(const std::string& key, const VisionEncoding& e) {
+    if (options.mm_encoder_cache_bytes <= 0 || encoder_index.count(key)) return;
+    CachedEncoding c;
+    c.key = key;
+    c.encoding.embeds = e.embeds.clone();
+    c.bytes = c.encoding.embeds.nbytes();
+    for (const at::Tensor& d : e.deepstack) {
+      c.encoding.deepstack.push_back(d.clone());
+      c.bytes += d.nbytes();
+    }
+    if (c.bytes > options.mm_encoder_cache_bytes) return;
+    while (encoder_cache_bytes + c.bytes > options.mm_encoder_cache_bytes) {
+      encoder_cache_bytes -= encoder_cache.back().bytes;
+      encoder_index.erase(encoder_cache.back().key);
+      encoder_cache.pop_back();
+    }
+    encoder_cache_bytes += c.bytes;
+    encoder_cache.push_front(std::move(c));
+    encoder_index[key] = encoder_cache.begin();
+  }
   mutable std::mutex step_mu;  // serialises Step, Unload's in-use check, Info
   // When the last Steps call's work ended (compute thread; under step_mu).
   std::optional<std::chrono::steady_clock::time_point> last_steps_end;
@@ -307,6 +367,9 @@ struct Engine::Impl {
       im.pixels.grid_h = in.height / v.patch_size;
       im.pixels.grid_w = in.width / v.patch_size;
       im.tokens = im.pixels.tokens(merge);
+      // The tower's output depends on the pixels, and on the adapter where adapters adapt it.
+      im.cache_key = absl::StrCat(Sha256Hex(im.pixels.pixels.rgb), ":", in.width, "x", in.height,
+                                  ":", options.enable_tower_connector_lora ? s.spec.adapter_id : 0);
       text_until(im.offset);
       const int64_t rows = im.pixels.grid_h / merge, cols = im.pixels.grid_w / merge;
       for (int64_t r = 0; r < rows; ++r) {
@@ -344,6 +407,10 @@ struct Engine::Impl {
         if (im.encoded.embeds.defined() || im.offset >= to || im.offset + im.tokens <= from) {
           continue;
         }
+        if (CachedEncodingFor(im.cache_key, &im.encoded)) {
+          ++encoder_cache_hits;
+          continue;
+        }
         pixel_values.push_back(vision::PixelValues(im.pixels, *image_processor));
         todo.push_back(
             {at::from_blob(pixel_values.back().data(),
@@ -362,7 +429,9 @@ struct Engine::Impl {
           im->encoded.deepstack.push_back(d.narrow(0, row, im->tokens));
         }
         row += im->tokens;
+        CacheEncoding(im->cache_key, im->encoded);
       }
+      images_encoded += static_cast<int64_t>(targets.size());
     }
     std::vector<at::Tensor> embeds;
     std::vector<std::vector<at::Tensor>> deep;
@@ -1141,6 +1210,8 @@ EngineInfo Engine::Info() const {
     i.image_token_id = v->image_token_id;
   }
   i.tower_connector_lora = m.options.enable_tower_connector_lora;
+  i.encoder_cache_hits = m.encoder_cache_hits;
+  i.images_encoded = m.images_encoded;
   std::lock_guard<std::mutex> step_lock(m.step_mu);
   i.running = static_cast<int>(m.running.size());
   return i;

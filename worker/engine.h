@@ -44,6 +44,9 @@ struct EngineOptions {
   bool dummy_weights = false;                // --load-format dummy (ModelOptions)
   bool fully_sharded_loras = false;          // ModelOptions::fully_sharded_loras
   bool enable_tower_connector_lora = false;  // ModelOptions::tower_connector_lora
+  // Vision tower outputs kept for reuse by later requests with the same image (and the same
+  // adapter, where adapters adapt the tower), least recently used out first; 0: none.
+  int64_t mm_encoder_cache_bytes = int64_t{256} << 20;
   int max_num_seqs = 256;
   int max_model_len = 0;  // 0: the model's max_position_embeddings
   int block_size = 16;    // KV cache block (token positions)
@@ -169,6 +172,8 @@ struct EngineInfo {
   bool vision = false;
   int64_t image_token_id = -1;
   bool tower_connector_lora = false;
+  // Images whose tower output came from the encoder cache / was computed, since the start.
+  int64_t encoder_cache_hits = 0, images_encoded = 0;
 };
 
 class Engine {

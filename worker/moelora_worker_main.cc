@@ -221,6 +221,7 @@ int main(int argc, char** argv) {
     eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
     eo.block_size = engine_flags.block_size;
     eo.kv_cache_memory_bytes = engine_flags.kv_cache_memory_bytes;
+    eo.mm_encoder_cache_bytes = engine_flags.mm_encoder_cache_bytes;
     eo.max_num_batched_tokens = engine_flags.max_num_batched_tokens;
     eo.enable_prefix_caching = engine_flags.prefix_caching;
     eo.prefill_tokens_beside_decodes = engine_flags.prefill_tokens_beside_decodes;

@@ -188,6 +188,32 @@ TEST_P(VisionTest, MixedBatchOfImagesAndAdaptersEqualsEachAlone) {
   }
 }
 
+TEST_P(VisionTest, AnImageSeenBeforeReusesItsTowerOutputPerAdapter) {
+  const std::string fixture = GetParam();
+  const auto prompts = ReadMm(fixture);
+  auto h = MakeMmEngine(fixture);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(testing::Load(*h->engine, 3, fixture + "/adapter_3d"));
+  const MmPrompt& p = prompts[0];
+  const auto first = MmPromptLogits(*h->engine, 3, fixture, p, 1);
+  EngineInfo i = h->engine->Info();
+  EXPECT_EQ(i.images_encoded, 1);
+  EXPECT_EQ(i.encoder_cache_hits, 0);
+  // The same image under the same adapter (a later turn of a chat): the tower does not run, and
+  // the logits are the same bit for bit.
+  const auto again = MmPromptLogits(*h->engine, 3, fixture, p, 2);
+  i = h->engine->Info();
+  EXPECT_EQ(i.images_encoded, 1);
+  EXPECT_EQ(i.encoder_cache_hits, 1);
+  ASSERT_EQ(first.size(), again.size());
+  EXPECT_EQ(0, std::memcmp(first.data(), again.data(), first.size() * sizeof(float)));
+  // Another adapter adapts the tower differently: computed, not reused.
+  const auto base = MmPromptLogits(*h->engine, 0, fixture, p, 3);
+  EXPECT_EQ(h->engine->Info().images_encoded, 2);
+  const size_t V = p.logits.at("base").size() / p.rows.size();
+  EXPECT_LE(MaxAbsDiff(Rows(base, p.rows, V), p.logits.at("base")), 1e-4f);
+}
+
 TEST_P(VisionTest, TowerLoraNeedsTheFlagAndBadImagesAreRefusedByIndex) {
   const std::string fixture = GetParam();
   const auto prompts = ReadMm(fixture);
