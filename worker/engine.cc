@@ -341,7 +341,8 @@ struct Engine::Impl {
     return absl::OkStatus();
   }
 
-  // A joiner's images (checked): their pixel_values, and the prompt's multimodal positions
+  // A joiner's images (checked): their pixels and encoder cache keys, and the prompt's multimodal
+  // positions
   // (transformers' get_rope_index): text runs on; an image's tokens take (start, start + row,
   // start + column) of its merged grid; the text after it starts at start + max(rows, columns).
   void AddImages(Sequence& s) const {
