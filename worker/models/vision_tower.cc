@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -176,6 +177,38 @@ absl::StatusOr<std::optional<VisionConfig>> VisionConfig::Parse(
       return absl::FailedPreconditionError(absl::StrCat(
           file, ": vision_config.deepstack_visual_indexes: this architecture has no DeepStack"));
     }
+  }
+  // Every other key changes the tower in a way this code does not implement: refused by name,
+  // never ignored (bookkeeping keys aside).
+  static const std::set<std::string> kKnown = {
+      "depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
+      "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings",
+      "deepstack_visual_indexes", "hidden_act", "rope_parameters", "rope_scaling",
+      // bookkeeping
+      "model_type", "initializer_range", "dtype", "torch_dtype", "_name_or_path",
+      "transformers_version", "num_attention_heads", "num_hidden_layers"};
+  for (const auto& [key, value] : vc.items()) {
+    if (!kKnown.count(key)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file, ": vision_config.", key, " is not implemented by the vision tower"));
+    }
+  }
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (vc.contains(key) && vc[key].is_object() && vc[key].contains("rope_type") &&
+        vc[key]["rope_type"] != "axial" && vc[key]["rope_type"] != "default") {
+      return absl::FailedPreconditionError(absl::StrCat(file, ": vision_config.", key,
+                                                        ".rope_type ", vc[key]["rope_type"].dump(),
+                                                        " is not implemented (axial)"));
+    }
+  }
+  // transformers' attribute_map aliases; they must agree with the names read above.
+  if (vc.contains("num_attention_heads") && vc.contains("num_heads") &&
+      vc["num_attention_heads"] != vc["num_heads"]) {
+    return bad("num_attention_heads", "differs from num_heads");
+  }
+  if (vc.contains("num_hidden_layers") && vc.contains("depth") &&
+      vc["num_hidden_layers"] != vc["depth"]) {
+    return bad("num_hidden_layers", "differs from depth");
   }
   if (vc.contains("hidden_act") && vc["hidden_act"].is_string()) {
     v.hidden_act = vc["hidden_act"].get<std::string>();

@@ -284,6 +284,22 @@ TEST(VisionAttentionTest, TiledEqualsPlainSoftmaxOverFramesOfManyTiles) {
   EXPECT_GT((one - want).abs().max().item<float>(), 1e-2f);
 }
 
+TEST(VisionConfigTest, KeysTheTowerDoesNotImplementAreRefusedByName) {
+  const std::string ok = R"({"vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2,
+      "out_hidden_size": 24, "num_position_embeddings": 36, "model_type": "x"}})";
+  ASSERT_OK(VisionConfig::Parse(ok, "c.json", true, 5, 24, 100).status());
+  for (const char* extra : {R"("window_size": 112)", R"("fullatt_block_indexes": [7])",
+                            R"("rope_parameters": {"rope_type": "yarn"})"}) {
+    const std::string bad = R"({"vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2,
+        "out_hidden_size": 24, "num_position_embeddings": 36, )" +
+                            std::string(extra) + "}}";
+    EXPECT_THAT(
+        VisionConfig::Parse(bad, "c.json", true, 5, 24, 100).status(),
+        StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("c.json: vision_config.")))
+        << extra;
+  }
+}
+
 TEST(VisionTextOnlyModelTest, ImagesAreRefused) {
   auto h = testing::MakeEngine("qwen3_moe/model", false);
   ASSERT_NE(h, nullptr);
