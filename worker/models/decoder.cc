@@ -76,6 +76,8 @@ absl::StatusOr<std::optional<VisionConfig>> ReadVisionConfig(const ModelContext&
                                                              int64_t image_token_default) {
   MOELORA_ASSIGN_OR_RETURN(const std::string text, ReadConfigText(ctx.dir));
   const std::string file = ctx.dir + "/config.json";
+  // The vocabulary is checked once the tower is known to be built (test checkpoints carry
+  // towers with the class's image_token_id and no preprocessor_config.json).
   MOELORA_ASSIGN_OR_RETURN(std::optional<VisionConfig> v,
                            VisionConfig::Parse(text, file, deepstack, image_token_default,
                                                c.info.hidden_size, /*vocab_size=*/0));
@@ -85,9 +87,10 @@ absl::StatusOr<std::optional<VisionConfig>> ReadVisionConfig(const ModelContext&
                  << "tower is not loaded and requests with images are refused";
     return std::optional<VisionConfig>();
   }
-  if (v) {
-    return VisionConfig::Parse(text, file, deepstack, image_token_default, c.info.hidden_size,
-                               c.vocab_size);
+  if (v && v->image_token_id >= c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": image_token_id ", v->image_token_id,
+                                                   " is outside the vocabulary (", c.vocab_size,
+                                                   ")"));
   }
   return v;
 }
