@@ -4,13 +4,15 @@
 //   chaos_client flood --target=HOST:PORT --streams=N [--max_tokens=M] [--prompt_tokens=L]
 //       [--adapters=a,b] [--disconnect_after=K] [--deadline_s=D] [--controller_pid=P]
 //       [--max_threads=T] [--health_max_ms=H] [--refusal_max_ms=R] [--forbid=CODE,...]
-//       [--expect=CODE]
+//       [--expect=CODE] [--health_may_be_down]
 //     Opens N GenerateStream calls at once (a few client threads: gRPC's callback API), each with
 //     a deadline of D s; with K > 0 each client goes away after K chunks. Every call must end
 //     with a final status (none may outlive its deadline by more than a second); statuses named
 //     in --forbid fail the run, and any other than --expect; RESOURCE_EXHAUSTED must come within
 //     R ms; the controller's
-//     threads (/proc/P/status) must stay at most T and health must answer within H ms.
+//     threads (/proc/P/status) must stay at most T and health must answer within H ms, SERVING
+//     (or, with --health_may_be_down, NOT_SERVING while a fault has the worker group out of
+//     service: an answer all the same).
 //   chaos_client check --target=HOST:PORT --metrics_port=M --workers=A,B [--within_s=S]
 //       [--expect_adapters=a,b]
 //     Within S s: health SERVING, every worker holding zero sequences, each worker's committed
@@ -61,6 +63,8 @@ ABSL_FLAG(double, deadline_s, 60, "flood: each call's deadline");
 ABSL_FLAG(int, controller_pid, 0, "flood: the controller process to watch (0: none)");
 ABSL_FLAG(int, max_threads, 0, "flood: most controller threads allowed (0: not checked)");
 ABSL_FLAG(int, health_max_ms, 1000, "flood: slowest health answer allowed");
+ABSL_FLAG(bool, health_may_be_down, false,
+          "flood: a NOT_SERVING answer is no failure (a fault takes the workers down meanwhile)");
 ABSL_FLAG(int, refusal_max_ms, 1000, "flood: slowest RESOURCE_EXHAUSTED allowed");
 ABSL_FLAG(std::string, forbid, "",
           "flood: status codes (e.g. DEADLINE_EXCEEDED) that fail the run");
@@ -114,15 +118,19 @@ long ProcStatus(int pid, const std::string& field) {
   return -1;
 }
 
-// Health Check latency in ms, or -1 when it failed or was not SERVING.
-double HealthMs(grpc::health::v1::Health::Stub* stub, int timeout_ms) {
+// Health Check latency in ms, or -1 when it failed or was not SERVING (NOT_SERVING accepted
+// with `not_serving_ok`: the call was answered).
+double HealthMs(grpc::health::v1::Health::Stub* stub, int timeout_ms, bool not_serving_ok = false) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   HealthCheckRequest req;
   HealthCheckResponse resp;
   const auto t0 = Clock::now();
   grpc::Status s = stub->Check(&ctx, req, &resp);
-  if (!s.ok() || resp.status() != HealthCheckResponse::SERVING) return -1;
+  if (!s.ok()) return -1;
+  if (resp.status() != HealthCheckResponse::SERVING &&
+      !(not_serving_ok && resp.status() == HealthCheckResponse::NOT_SERVING))
+    return -1;
   return Ms(Clock::now() - t0);
 }
 
@@ -214,13 +222,14 @@ int Flood() {
   long max_threads = threads_before, max_rss_kb = pid > 0 ? ProcStatus(pid, "VmRSS") : -1;
   double health_max_ms = 0;
   int health_failures = 0, health_probes = 0;
+  const bool health_may_be_down = absl::GetFlag(FLAGS_health_may_be_down);
   std::thread watcher([&] {
     while (!done) {
       if (pid > 0) {
         max_threads = std::max(max_threads, ProcStatus(pid, "Threads"));
         max_rss_kb = std::max(max_rss_kb, ProcStatus(pid, "VmRSS"));
       }
-      const double h = HealthMs(health_stub.get(), 5000);
+      const double h = HealthMs(health_stub.get(), 5000, health_may_be_down);
       ++health_probes;
       if (h < 0) {
         ++health_failures;

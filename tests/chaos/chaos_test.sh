@@ -107,12 +107,13 @@ check_all() {  # check_all STATE_DIR
     --expect_adapters a2d,a3d || fail "after $SCENARIO"
 }
 # Requests in flight while the fault strikes: 32 streams of 100 tokens (about 2 s at 20 ms a
-# step), of which none may end by its own deadline (the service must end them first).
+# step), of which none may end by its own deadline (the service must end them first). Health
+# must answer throughout; NOT_SERVING while the fault has the worker group down is that answer.
 background_load() {
   "$CLIENT" check --target "127.0.0.1:$PORT" --metrics_port "$MPORT" --within_s 30 >/dev/null ||
     fail "not serving before $SCENARIO"
   "$CLIENT" flood --target "127.0.0.1:$PORT" --streams 32 --max_tokens 100 --adapters a2d,a3d, \
-    --deadline_s 60 --forbid DEADLINE_EXCEEDED >"$TMP/load.out" 2>&1 &
+    --deadline_s 60 --forbid DEADLINE_EXCEEDED --health_may_be_down >"$TMP/load.out" 2>&1 &
   LOAD=$!
   sleep 0.7
 }
