@@ -25,6 +25,7 @@
 #include "proto/server_flags.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
+#include "worker/layers/gemm.h"
 #include "worker/metrics.h"
 #include "worker/service.h"
 
@@ -76,6 +77,15 @@ int main(int argc, char** argv) {
       "Flags may be spelled --max-loras or --max_loras.",
       "moelora_worker_main");
   moelora::InitLogging(argv[0]);
+  if (bool slow = false; !moelora::BlasDescription(&slow).empty()) {
+    if (slow) {
+      LOG(WARNING) << moelora::BlasDescription(&slow)
+                   << ": kernels below this CPU's AVX-512 (unset OPENBLAS_CORETYPE for OpenBLAS's "
+                      "own choice: prompt products about 1.5x faster)";
+    } else {
+      LOG(INFO) << "BLAS: " << moelora::BlasDescription(&slow);
+    }
+  }
   auto fail = [](int code, const std::string& msg) {
     std::fprintf(stderr, "moelora-worker: %s\n", msg.c_str());
     return code;

@@ -1,6 +1,7 @@
 #include "worker/layers/gemm.h"
 
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -324,6 +325,21 @@ SkinnyGemmArgs Args(const at::Tensor& xf, const at::Tensor& x, int64_t i, int64_
 
 static at::Tensor Bf16AsF32Matmul(const at::Tensor& a, const at::Tensor& b) {
   return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+}
+
+std::string BlasDescription(bool* slower_than_cpu) {
+  *slower_than_cpu = false;
+  using CoreName = char* (*)();
+  auto corename = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  if (corename == nullptr) return "";
+  const std::string core = corename();
+  std::string d = "OpenBLAS " + core;
+  if (const char* e = std::getenv("OPENBLAS_CORETYPE"); e != nullptr) {
+    d += std::string(" (OPENBLAS_CORETYPE=") + e + ")";
+    *slower_than_cpu = __builtin_cpu_supports("avx512f") && core != "SkylakeX" &&
+                       core != "Cooperlake" && core != "SapphireRapids";
+  }
+  return d;
 }
 
 Bf16Gemm CpuBf16Gemm() {

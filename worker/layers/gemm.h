@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -79,6 +80,14 @@ inline constexpr int64_t kWideBf16MaxRows = 128;
 // MOELORA_CPU_BF16_GEMM=native|widened overrides the choice (benchmarks, tests); read once.
 enum class Bf16Gemm { kNative, kWidened };
 Bf16Gemm CpuBf16Gemm();
+
+// The BLAS under ATen's larger f32 products, for the log and the benchmarks: "OpenBLAS
+// Cooperlake", with " (OPENBLAS_CORETYPE=Haswell)" where the environment chose the core, or ""
+// where the BLAS is not OpenBLAS (symbols looked up with dlsym: nothing links against it).
+// *slower_than_cpu is set where that variable holds OpenBLAS to kernels below the CPU's
+// instruction set (an AVX2 core on an AVX-512 CPU: a 784-row vision tower on a Zen 5 ran its
+// products at 231 GFLOP/s there against 346 with the core OpenBLAS picks itself).
+std::string BlasDescription(bool* slower_than_cpu);
 
 // Rows up to which x of this dtype goes through the skinny kernel (0: never).
 int64_t SkinnyMaxRows(at::ScalarType x_dtype);
