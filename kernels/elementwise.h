@@ -46,6 +46,15 @@ int64_t ArgMax(const float* x, int64_t n, float* max);
 // step at batch 32 on the Zen 5, timers).
 void SoftmaxRow(const void* l, bool bf16_logits, float* p, int64_t n);
 
+// One row of a flash-attention tile of n scores, in place: with m' = max(*m, max_j s[j]), s[j]
+// becomes exp(s[j] − m'), *l becomes *l · c + Σ_j exp(s[j] − m') and *m becomes m'; returns c =
+// exp(*m − m') (0 while *m was −inf), the factor for the row's output accumulated so far. Two
+// passes over a row that stays in L1 (its max; exp, store and sum), where ATen took six passes
+// over the whole tile (scale, max, subtract, exp, sum, and the factor's own ops) and its exp is
+// Sleef's 8-lane one: the vision tower's attention (worker/models/vision_tower.cc). exp as in
+// SoftmaxRow. A row whose scores and *m are all −inf is left as no contribution (s[j] = 0, c = 1).
+float OnlineSoftmaxRow(float* s, int64_t n, float* m, float* l);
+
 // The forms of RmsNorm the served architectures use (the worker's NormKind): with
 // r = 1 / sqrt(SumSquares(x, n) / n + eps),
 //   kPlain:       out = w · R(x · r), R rounding to bf16 when round_bf16 (else the identity);

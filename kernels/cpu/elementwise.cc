@@ -285,9 +285,60 @@ MOELORA_AVX512F void SoftmaxRowAvx512(const void* l, bool bf16, float* p, int64_
   }
 }
 
+// max over the row, 16 lanes at a time.
+MOELORA_AVX512F float RowMaxAvx512(const float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n, i);
+    mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, s + i));
+  }
+  return _mm512_reduce_max_ps(mv);
+}
+
+// s[i] = exp(s[i] - mx) in place; returns their sum.
+MOELORA_AVX512F float ExpSumAvx512(float* s, int64_t n, float mx) {
+  const __m512 mv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n, i);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mv));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 }  // namespace
 
 bool ElementwiseVectorised() { return HasAvx512(); }
+
+float OnlineSoftmaxRow(float* s, int64_t n, float* m, float* l) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const bool v = HasAvx512();
+  float top = *m;
+  if (v) {
+    top = std::max(top, RowMaxAvx512(s, n));
+  } else {
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+  }
+  if (top == ninf) {
+    std::fill(s, s + n, 0.0f);
+    return 1.0f;
+  }
+  float sum = 0.0f;
+  if (v) {
+    sum = ExpSumAvx512(s, n, top);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - top);
+      sum += s[i];
+    }
+  }
+  const float c = *m == ninf ? 0.0f : std::exp(*m - top);
+  *l = *l * c + sum;
+  *m = top;
+  return c;
+}
 
 void SoftmaxRow(const void* l, bool bf16_logits, float* p, int64_t n) {
   if (n <= 0) return;

@@ -2,12 +2,15 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/elementwise.h"
 #include "lora/tp_slice.h"
 #include "nlohmann/json.hpp"
 #include "worker/layers/lora_batch.h"
@@ -50,15 +53,18 @@ at::Tensor Gelu(const at::Tensor& x, const std::string& act) {
 
 // Attention within each frame on the CPU (no mask), by tiles as flash attention schedules it:
 // per (head, tile of query rows), key tiles of kKeyTile: the scores as one BLAS product into a
-// buffer that stays in cache, the online softmax on it (ATen's vectorised exp), the weighted
-// values as a second product. No [rows, keys] score matrix exists (a 1344 x 1344 image's
-// [16, 7056, 7056] would be 3 GiB). q, k, v: [N, heads, head_dim]; frames: the row bounds of each
-// frame. Returns f32 [N, heads · head_dim]. Tiles of 512 x 512 measured fastest of 128-512 rows
-// x 512-1024 keys (bench/vision_encoder, 1344 x 1344: 12.4 s against 13.1-13.9).
+// buffer that stays in cache, the online softmax row by row on it (OnlineSoftmaxRow: two passes
+// over a row in L1), the weighted values as a second product. No [rows, keys] score matrix exists
+// (a 1344 x 1344 image's [16, 7056, 7056] would be 3 GiB). q, k, v: [N, heads, head_dim]; frames:
+// the row bounds of each frame. Returns f32 [N, heads · head_dim]. Tiles (bench/vision_encoder,
+// 1344 x 1344 on a Zen 5, 2 runs each): 512 x 512 7.26 s, 256 x 512 7.34, 256 x 1024 6.81,
+// 1024 x 1024 6.82, 512 x 1024 6.72 and 7.06, 512 x 2048 6.62, 384 x 1536 6.50 (the spread
+// within runs' noise from 512 x 1024 on); with the softmax in ATen ops, 512 x 512 took 11.0 s.
 at::Tensor TiledAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::vector<int64_t>& frames, double scale) {
-  constexpr int64_t kRowTile = 512, kKeyTile = 512;
-  const at::Tensor qh = q.to(at::kFloat).transpose(0, 1).contiguous();  // [heads, N, d]
+  constexpr int64_t kRowTile = 512, kKeyTile = 1024;
+  // The scale goes into q once (the scores' own pass over each tile is gone).
+  const at::Tensor qh = (q.to(at::kFloat) * scale).transpose(0, 1).contiguous();  // [heads, N, d]
   const at::Tensor kh = k.to(at::kFloat).transpose(0, 1).contiguous();
   const at::Tensor vh = v.to(at::kFloat).transpose(0, 1).contiguous();
   const int64_t heads = q.size(1), d = q.size(2), N = q.size(0);
@@ -77,27 +83,34 @@ at::Tensor TiledAttention(const at::Tensor& q, const at::Tensor& k, const at::Te
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor s_buf = at::empty({kRowTile, kKeyTile}, f32);
+    at::Tensor s_buf = at::empty({kRowTile * kKeyTile}, f32);
+    std::vector<float> mx(kRowTile), l(kRowTile);
     for (int64_t t = t0; t < t1; ++t) {
       const Task& w = tasks[t];
       const int64_t m = w.rows;
       const at::Tensor qt = qh[w.head].narrow(0, w.row0, m);
       at::Tensor a = at::zeros({m, d}, f32);
-      at::Tensor mx = at::full({m}, -std::numeric_limits<float>::infinity(), f32);
-      at::Tensor l = at::zeros({m}, f32);
+      float* ap = a.data_ptr<float>();
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.0f);
       for (int64_t kb = 0; kb < w.keys; kb += kKeyTile) {
         const int64_t c = std::min(kKeyTile, w.keys - kb);
-        at::Tensor s = s_buf.narrow(0, 0, m).narrow(1, 0, c);
+        at::Tensor s = s_buf.narrow(0, 0, m * c).view({m, c});
         at::mm_out(s, qt, kh[w.head].narrow(0, w.frame_begin + kb, c).t());
-        s.mul_(scale);
-        const at::Tensor top = at::maximum(mx, std::get<0>(s.max(1)));
-        const at::Tensor corr = (mx - top).exp_();  // 0 on the first tile
-        s.sub_(top.unsqueeze(1)).exp_();
-        l.mul_(corr).add_(s.sum(1));
-        a.mul_(corr.unsqueeze(1)).addmm_(s, vh[w.head].narrow(0, w.frame_begin + kb, c));
-        mx = top;
+        float* sp = s.data_ptr<float>();
+        for (int64_t i = 0; i < m; ++i) {
+          const float corr = OnlineSoftmaxRow(sp + i * c, c, &mx[i], &l[i]);
+          if (corr != 1.0f) {
+            for (int64_t j = 0; j < d; ++j) ap[i * d + j] *= corr;
+          }
+        }
+        a.addmm_(s, vh[w.head].narrow(0, w.frame_begin + kb, c));
       }
-      out[w.head].narrow(0, w.row0, m).copy_(a.div_(l.unsqueeze(1)));
+      for (int64_t i = 0; i < m; ++i) {
+        const float inv = 1.0f / l[i];
+        for (int64_t j = 0; j < d; ++j) ap[i * d + j] *= inv;
+      }
+      out[w.head].narrow(0, w.row0, m).copy_(a);
     }
   });
   return out.transpose(0, 1).reshape({N, heads * d});

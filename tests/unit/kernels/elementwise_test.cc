@@ -163,6 +163,48 @@ TEST(ElementwiseKernelTest, SoftmaxRowIsWithinAFewUlpOfADoubleSoftmax) {
   }
 }
 
+// The flash-attention row fed a row in chunks (growing and shrinking maxima, 16-lane tails):
+// every chunk's exps rescaled by the factors returned after it, and the final sum, give the
+// double-precision softmax of the whole row; an all −inf row contributes nothing.
+TEST(ElementwiseKernelTest, OnlineSoftmaxRowInChunksIsTheSoftmaxOfTheRow) {
+  for (int64_t n : {int64_t{1}, int64_t{23}, int64_t{100}, int64_t{1030}}) {
+    for (int64_t chunk : {int64_t{1}, int64_t{16}, int64_t{37}, int64_t{512}}) {
+      std::mt19937 rng(static_cast<uint32_t>(n * 7 + chunk));
+      std::normal_distribution<float> d(0, 6);
+      std::vector<float> l(n);
+      for (int64_t i = 0; i < n; ++i) l[i] = d(rng) + 0.05f * static_cast<float>(i % 97);
+      std::vector<float> p = l;
+      std::vector<double> scale(n, 1.0);  // what each element's exp is multiplied by afterwards
+      float m = -std::numeric_limits<float>::infinity(), sum = 0;
+      for (int64_t b = 0; b < n; b += chunk) {
+        const int64_t c = std::min(chunk, n - b);
+        const float f = OnlineSoftmaxRow(p.data() + b, c, &m, &sum);
+        if (b == 0) {
+          ASSERT_EQ(f, 0.0f);
+        } else {
+          ASSERT_LE(f, 1.0f);
+        }
+        for (int64_t i = 0; i < b; ++i) scale[i] *= f;
+      }
+      const float mx = *std::max_element(l.begin(), l.end());
+      ASSERT_EQ(m, mx);
+      double want_sum = 0;
+      for (float v : l) want_sum += std::exp(static_cast<double>(v - mx));
+      ASSERT_NEAR(sum, want_sum, want_sum * 1e-5) << "n " << n << " chunk " << chunk;
+      for (int64_t i = 0; i < n; ++i) {
+        const double want = std::exp(static_cast<double>(l[i] - mx)) / want_sum;
+        ASSERT_NEAR(p[i] * scale[i] / sum, want, want * 2e-5 + 1e-30)
+            << "n " << n << " chunk " << chunk << " i " << i;
+      }
+    }
+  }
+  std::vector<float> none(20, -std::numeric_limits<float>::infinity());
+  float m = -std::numeric_limits<float>::infinity(), sum = 0;
+  EXPECT_EQ(OnlineSoftmaxRow(none.data(), 20, &m, &sum), 1.0f);
+  EXPECT_EQ(sum, 0.0f);
+  for (float v : none) EXPECT_EQ(v, 0.0f);
+}
+
 TEST(ElementwiseKernelTest, SumSquaresMatchesADoubleSum) {
   for (int64_t n : {int64_t{3}, int64_t{64}, int64_t{1000}}) {
     const std::vector<float> v = Values(n, 99);
