@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""An independent reference of Qwen3.5-MoE's MTP (multi-token prediction) head, and the fixture
+the worker's MTP tests compare against. transformers ignores the checkpoint's `mtp.*` weights
+(`_keys_to_ignore_on_load_unexpected`), so this writes the head from its published structure
+(the semantics of vLLM's qwen3_5_mtp.py, read, not copied), reusing transformers' decoder layer,
+norm and rotary modules for the parts they share with the target:
+
+    for draft position p (the target has seen x[0..p] and produced h[p], its hidden state after
+    the final norm):
+        e = zcRMS(mtp.pre_fc_norm_embedding)(embed(x[p+1]))       embeddings shared with the target
+        h = zcRMS(mtp.pre_fc_norm_hidden)(h[p])
+        z = mtp.fc([e ; h])                                        [H, 2H], no bias, embedding first
+        z = mtp.layers.0(z) at rotary position p                   full attention over the head's own
+                                                                   keys of positions 0..p, MoE + shared expert
+        logits = lm_head(zcRMS(mtp.norm)(z))                       a draft of x[p+2]
+    (zcRMS: the zero-centred RMSNorm of the target, weight 1 + w.)
+
+    mtp_reference.py make --out DIR [--steps 400]
+        DIR/model: a tiny Qwen3.5-MoE checkpoint (the shape of tests/data/qwen3_5_moe) with
+        "mtp_num_hidden_layers": 1 and an MTP head trained on the target's own greedy
+        continuations (so that drafts are accepted as often as a released head's are);
+        DIR/expected_mtp.safetensors: per prompt i, `prompt.i` (ids), `hidden.i` (the target's
+        post-norm hidden states), `mtp_logits.i` [len - 1, vocab] (the head's logits at each
+        position), `greedy.i` (the target's 16 greedy tokens after the prompt) and the head's
+        acceptance on them (in DIR/mtp_stats.json).
+
+Test-only: the product never runs Python.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transformers import Qwen3_5MoeForCausalLM  # noqa: E402
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig  # noqa: E402
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (  # noqa: E402
+    Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm, Qwen3_5MoeTextRotaryEmbedding)
+
+EAGER = dict(attn_implementation="eager", experts_implementation="eager")
+# The tiny target: tests/data/qwen3_5_moe's dimensions (make_fixtures.py's Q35).
+H, I, E, VOCAB = 24, 10, 4, 96
+Q35 = dict(vocab_size=VOCAB, hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=12,
+           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+           num_experts=E, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+           layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+           linear_value_head_dim=6, linear_conv_kernel_dim=4,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+PROMPTS = [[1, 17, 42, 5, 88], [3, 9, 27, 81, 50, 11, 60], [(7 * i + 3) % VOCAB for i in range(40)]]
+GREEDY = 16
+
+
+class MtpHead(torch.nn.Module):
+    """The head's parameters under their checkpoint names (without the `mtp.` prefix)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        # transformers builds a layer's mixer from config.layer_types[layer_idx]: the head's layer
+        # is always full attention, so it gets a config whose only layer is one.
+        lcfg = Qwen3_5MoeTextConfig(**{**cfg.to_dict(), "num_hidden_layers": 1,
+                                       "layer_types": ["full_attention"]})
+        lcfg._attn_implementation = "eager"
+        lcfg._experts_implementation = "eager"
+        self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.pre_fc_norm_embedding = Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = torch.nn.ModuleList([Qwen3_5MoeDecoderLayer(lcfg, 0)])
+        self.norm = Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary = Qwen3_5MoeTextRotaryEmbedding(config=lcfg)
+
+    def forward(self, embeds, hidden):
+        """embeds [B, n, H]: embed(x[p+1]); hidden [B, n, H]: h[p]; positions 0..n-1. Returns the
+        head's output after mtp.norm [B, n, H]."""
+        B, n, _ = embeds.shape
+        z = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        pos = torch.arange(n).view(1, 1, n).expand(3, B, n)
+        mask = torch.full((n, n), float("-inf")).triu(1).view(1, 1, n, n)
+        z = self.layers[0](z, position_embeddings=self.rotary(z, pos), attention_mask=mask,
+                           position_ids=pos[0])
+        return self.norm(z)
+
+
+def target_hidden(model, ids):
+    """The target's hidden states after the final norm, [1, n, H]."""
+    with torch.no_grad():
+        return model.model(input_ids=torch.tensor([ids])).last_hidden_state
+
+
+def head_logits(model, head, ids, hidden=None):
+    """The head's logits at positions 0..n-2 (drafts of x[2..n]) for prompt ids [n]."""
+    if hidden is None:
+        hidden = target_hidden(model, ids)
+    emb = model.model.embed_tokens(torch.tensor([ids[1:]]))
+    return model.lm_head(head(emb, hidden[:, :-1]))[0]
+
+
+def greedy(model, ids, n):
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def randomise_norms(model, seed):
+    """transformers initialises the zero-centred norms to 0 and dt_bias to 1: randomise them
+    (as make_fixtures.py's q35_randomise) so that every path of the forward matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2.0 - 1.0)
+            elif name.endswith("dt_bias") or name.endswith("shared_expert_gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def train_head(model, head, steps, seed):
+    """Trains the head on the target's greedy continuations of random prompts: at each position
+    p of a sequence the target wrote, the head sees (x[p+1], h[p]) and must predict x[p+2]."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(48):
+        prompt = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+        seqs.append(prompt + greedy(model, prompt, 26))
+    ids = torch.tensor(seqs)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        emb = model.model.embed_tokens(ids[:, 1:])
+    target = ids[:, 2:]
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model.lm_head(head(emb, hidden[:, :-1]))[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+def make(out, steps):
+    shutil.rmtree(out, ignore_errors=True)
+    mdir = os.path.join(out, "model")
+    cfg = Qwen3_5MoeTextConfig(**Q35, **EAGER)
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    torch.manual_seed(5432)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+    randomise_norms(model, 98)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(77)
+    head = MtpHead(cfg)
+    randomise_norms(head, 97)
+    untrained = {p: head_logits(model, head, p) for p in map(tuple, PROMPTS)}
+    loss = train_head(model, head, steps, 11)
+    head.eval()
+    # The checkpoint: the target's weights as make_fixtures.py writes them (fused experts) and
+    # the head under mtp.* (rotary buffers are not weights).
+    model.save_pretrained(mdir)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for k, v in head.state_dict().items():
+        if not k.startswith("rotary."):
+            sd["mtp." + k] = v.detach().contiguous()
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(mdir, "config.json")))
+    c["mtp_num_hidden_layers"] = 1
+    c["mtp_use_dedicated_embeddings"] = False
+    json.dump(c, open(os.path.join(mdir, "config.json"), "w"), indent=2)
+    # transformers reads the checkpoint back (ignoring mtp.*) to the same target.
+    back = Qwen3_5MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    expected, stats = {}, {"train_loss": loss, "prompts": []}
+    for i, p in enumerate(PROMPTS):
+        hidden = target_hidden(model, p)
+        assert (hidden - target_hidden(back, p)).abs().max().item() < 1e-6
+        with torch.no_grad():
+            lg = head_logits(model, head, p, hidden)
+        expected[f"prompt.{i}"] = torch.tensor(p, dtype=torch.int64)
+        expected[f"hidden.{i}"] = hidden[0].contiguous()
+        expected[f"mtp_logits.{i}"] = lg.contiguous()
+        cont = greedy(model, p, GREEDY)
+        expected[f"greedy.{i}"] = torch.tensor(cont, dtype=torch.int64)
+        # Acceptance on the target's own continuation: the head's draft at each position of
+        # prompt + continuation against the token the target wrote there.
+        full = p + cont
+        with torch.no_grad():
+            drafts = head_logits(model, head, full).argmax(-1)[len(p) - 2:]
+            before = untrained[tuple(p)]
+        want = torch.tensor(full[len(p):])
+        acc = float((drafts[:len(want)] == want).float().mean())
+        stats["prompts"].append({"prompt": i, "acceptance": acc,
+                                 "untrained_logits_changed": bool((before - lg).abs().max() > 1e-3)})
+    save_file(expected, os.path.join(out, "expected_mtp.safetensors"))
+    json.dump(stats, open(os.path.join(out, "mtp_stats.json"), "w"), indent=2)
+    print(json.dumps(stats))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--out", required=True)
+    m.add_argument("--steps", type=int, default=400)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    if args.cmd == "make":
+        make(args.out, args.steps)
+
+
+if __name__ == "__main__":
+    main()
