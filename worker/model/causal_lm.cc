@@ -53,11 +53,13 @@ SeqState& SeqState::operator=(SeqState&& o) noexcept {
   if (this == &o) return *this;
   if (kv != nullptr) kv->Release(table);
   len = o.len;
+  mtp_len = o.mtp_len;
   table = std::move(o.table);
   kv = o.kv;
   o.table = KvTable();
   o.kv = nullptr;
   o.len = 0;
+  o.mtp_len = 0;
   return *this;
 }
 
@@ -70,6 +72,11 @@ absl::Status CausalLM::InitKvCache(const KvCacheOptions& o) {
   MOELORA_ASSIGN_OR_RETURN(
       kv_, KvCache::Create(KvShapes(), StateShapes(), num_layers_, o, options_.dtype, device()));
   return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> CausalLM::ForwardMtp(const ForwardBatch&, const at::Tensor&,
+                                                at::Tensor*) {
+  return absl::FailedPreconditionError("this model was built without an MTP head");
 }
 
 SeqState CausalLM::NewState() {

@@ -77,6 +77,10 @@ struct ModelOptions {
   // --load-format dummy (vLLM's name): random weights of the shapes config.json implies, no
   // checkpoint read. For trying a config (release configs in tests, sizing) without its weights.
   bool dummy_weights = false;
+  // Build the checkpoint's multi-token-prediction head (Qwen3.5's `mtp.*`) beside the model:
+  // CausalLM::ForwardMtp, its layer's keys and values in one more KV layer. Off: the head's
+  // weights are skipped (and listed) as before.
+  bool mtp = false;
 };
 
 // A sequence's state on this rank: the tokens computed so far and what it holds in the KV
@@ -90,6 +94,9 @@ struct SeqState {
   ~SeqState();
 
   int64_t len = 0;
+  // Positions the MTP head has computed (ForwardMtp): its keys and values at 0 .. mtp_len - 1 of
+  // the sequence's blocks. The head at position p reads token p + 1, so it runs one behind.
+  int64_t mtp_len = 0;
   KvTable table;
   KvCache* kv = nullptr;
 };
@@ -127,6 +134,21 @@ class CausalLM {
   // Logits (f32, on the host) [rows, vocab]: per sequence in order, every new token's row
   // (all_logits) or the last one. Advances each sequence's state by its new tokens.
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
+
+  // The MTP head (a model built with ModelOptions::mtp): whether it is there; the hidden
+  // states after the final norm [rows, hidden] (compute dtype, on the model's device) of the
+  // rows the last Forward returned logits for; and the head itself over `b`, where each
+  // sequence's tokens are the head's inputs at its next positions (token p + 1 at position p =
+  // state->mtp_len + offset) and `hidden` [tokens, hidden] the target's hidden state at p for
+  // each (row i with token i). Writes the head's keys and values at those positions (its own KV
+  // layer; the blocks are the sequence's), advances mtp_len, and returns the draft logits (f32,
+  // host) of the rows `b` asks for, as Forward does; *out (when given) gets those rows' output
+  // after the head's norm, the hidden input of a further draft step. The head runs without LoRA.
+  virtual bool has_mtp() const { return false; }
+  virtual at::Tensor last_hidden() const { return at::Tensor(); }
+  [[nodiscard]] virtual absl::StatusOr<at::Tensor> ForwardMtp(const ForwardBatch& b,
+                                                              const at::Tensor& hidden,
+                                                              at::Tensor* out = nullptr);
 
   // The vision tower (models built with one: Qwen3-VL-MoE, Qwen3.5 with a vision_config);
   // nullptr otherwise. EncodeImages runs it over `images` (each with its request's LoRA slot).
@@ -206,7 +228,7 @@ class CausalLM {
   AdapterFormat wrapper_ = AdapterFormat::k2D;
   AdapterFormat native_ = AdapterFormat::k2D;
   std::vector<std::string> skipped_;
-  int num_layers_ = 0;
+  int num_layers_ = 0;  // layer indices the KV cache holds: the decoder's (and an MTP head's)
   std::unique_ptr<KvCache> kv_;
 
  private:

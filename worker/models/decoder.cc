@@ -144,27 +144,93 @@ absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
   ResidualStream x(std::move(embedded));
   const double eps = config_.rms_norm_eps;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    DecoderLayer& L = layers_[l];
-    const int li = static_cast<int>(l);
-    const at::Tensor hn = x.Norm(L.in_norm, eps, norm_);
-    absl::StatusOr<at::Tensor> mixed =
-        L.gdn ? L.gdn->Forward(hn, b, li, lb)
-              : L.attn->Forward(hn, b, li, rotaries_[L.rope], tables[L.rope], lb);
-    if (!mixed.ok()) return mixed.status();
-    MOELORA_RETURN_IF_ERROR(AllReduce(*mixed));
-    x.Add(*mixed);
-    const at::Tensor fn = x.Norm(L.post_norm, eps, norm_);
-    absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(fn, lb) : L.mlp->Forward(fn, lb);
-    if (!f.ok()) return f.status();
-    MOELORA_RETURN_IF_ERROR(AllReduce(*f));
-    x.Add(*f);
+    MOELORA_RETURN_IF_ERROR(RunLayer(layers_[l], static_cast<int>(l), x, b, tables, lb));
     if (l < b.visual_deepstack.size() && visual_rows.defined()) {
       // DeepStack: the layer's output at the image tokens plus the tower's features (in place
       // on the stream, which Sum has just completed).
       x.Sum().index_add_(0, visual_rows, b.visual_deepstack[l].to(x.Sum().scalar_type()));
     }
   }
-  return ends_.Finish(b, x.Sum(), eps, norm_);
+  return ends_.Finish(b, x.Sum(), eps, norm_, mtp_ ? &last_hidden_ : nullptr);
+}
+
+absl::Status DecoderModel::RunLayer(DecoderLayer& L, int index, ResidualStream& x,
+                                    const ForwardBatch& b, const std::vector<Rotary::Table>& t,
+                                    const LoraBatch& lb) {
+  const double eps = config_.rms_norm_eps;
+  const at::Tensor hn = x.Norm(L.in_norm, eps, norm_);
+  absl::StatusOr<at::Tensor> mixed =
+      L.gdn ? L.gdn->Forward(hn, b, index, lb)
+            : L.attn->Forward(hn, b, index, rotaries_[L.rope], t[L.rope], lb);
+  if (!mixed.ok()) return mixed.status();
+  MOELORA_RETURN_IF_ERROR(AllReduce(*mixed));
+  x.Add(*mixed);
+  const at::Tensor fn = x.Norm(L.post_norm, eps, norm_);
+  absl::StatusOr<at::Tensor> f = L.moe ? L.moe->Forward(fn, lb) : L.mlp->Forward(fn, lb);
+  if (!f.ok()) return f.status();
+  MOELORA_RETURN_IF_ERROR(AllReduce(*f));
+  x.Add(*f);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> DecoderModel::ForwardMtp(const ForwardBatch& b, const at::Tensor& hidden,
+                                                    at::Tensor* out) {
+  if (!mtp_) return CausalLM::ForwardMtp(b, hidden, out);
+  const int64_t T = static_cast<int64_t>(b.tokens.size()), H = config_.info.hidden_size;
+  if (T == 0 || b.slots.size() != b.tokens.size()) {
+    return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
+  }
+  if (!hidden.defined() || hidden.dim() != 2 || hidden.size(0) != T || hidden.size(1) != H) {
+    return absl::InvalidArgumentError(absl::StrCat("the MTP head takes one hidden state of ", H,
+                                                   " values per token (", T, " tokens)"));
+  }
+  const at::Device dev = device();
+  if (options_.kernels == LoraKernels::kCuda) {
+    MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
+  }
+  // The head's positions are its own, one behind the target's: while its layer runs, each
+  // sequence's len stands for its mtp_len (what the attention writes at and reads up to).
+  std::vector<int64_t> positions(T), saved;
+  for (const auto& s : b.seqs) {
+    SeqState& st = *s.state;
+    if (st.kv == nullptr || !st.kv->Reserve(st.table, st.mtp_len + s.count)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the KV cache cannot hold the MTP head's positions up to ", st.mtp_len + s.count));
+    }
+    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = st.mtp_len + i;
+  }
+  for (const auto& s : b.seqs) {
+    saved.push_back(s.state->len);
+    s.state->len = s.state->mtp_len;
+  }
+  auto restore = [&] {
+    for (size_t i = 0; i < b.seqs.size(); ++i) b.seqs[i].state->len = saved[i];
+  };
+  const double eps = config_.rms_norm_eps;
+  const Rotary& rope = rotaries_[mtp_->layer.rope];
+  std::vector<Rotary::Table> tables(rotaries_.size());
+  tables[mtp_->layer.rope] = rope.Compute(positions, options_.dtype);
+  // The draft runs unadapted: no sequence's LoRA slot reaches the head.
+  const LoraBatch lb = LoraBatch::Make(options_, std::vector<int32_t>(T, -1), dev);
+  const at::Tensor tokens =
+      at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
+  const at::Tensor e = RmsNorm(ends_.embed.index_select(0, tokens), mtp_->norm_embed, eps, norm_);
+  const at::Tensor h =
+      RmsNorm(hidden.to(dev).to(e.scalar_type()).contiguous(), mtp_->norm_hidden, eps, norm_);
+  ResidualStream x(MatmulWt(at::cat({e, h}, 1), mtp_->fc));
+  const absl::Status st = RunLayer(mtp_->layer, mtp_->kv_layer, x, b, tables, lb);
+  restore();
+  MOELORA_RETURN_IF_ERROR(st);
+  for (const auto& s : b.seqs) s.state->mtp_len += s.count;
+  std::vector<int64_t> rows;
+  for (const auto& s : b.seqs) {
+    for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
+  }
+  const at::Tensor sel = x.Sum().index_select(
+      0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
+  const at::Tensor o = RmsNorm(sel, mtp_->norm, eps, norm_);
+  if (out != nullptr) *out = o;
+  return MatmulWt(o, ends_.lm_head).to(at::kFloat).to(at::kCPU).contiguous();
 }
 
 std::vector<KvLayerShape> DecoderModel::KvShapes() const {
@@ -173,6 +239,10 @@ std::vector<KvLayerShape> DecoderModel::KvShapes() const {
     if (!layers_[l].attn) continue;
     const AttentionSpec& a = layers_[l].attn->spec();
     v.push_back({static_cast<int>(l), a.kv_heads, a.head_dim, a.sliding_window});
+  }
+  if (mtp_) {
+    const AttentionSpec& a = mtp_->layer.attn->spec();
+    v.push_back({mtp_->kv_layer, a.kv_heads, a.head_dim, a.sliding_window});
   }
   return v;
 }
@@ -195,8 +265,8 @@ LmEnds LmEnds::From(const std::map<std::string, at::Tensor>& P, bool has_lm_head
   return e;
 }
 
-at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps,
-                          NormKind kind) const {
+at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind,
+                          at::Tensor* hidden) const {
   for (const auto& s : b.seqs) s.state->len += s.count;
   std::vector<int64_t> rows;
   for (const auto& s : b.seqs) {
@@ -205,6 +275,7 @@ at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps
   at::Tensor sel = x.index_select(
       0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(x.device()));
   sel = RmsNorm(sel, final_norm, eps, kind);
+  if (hidden != nullptr) *hidden = sel;
   return MatmulWt(sel, lm_head).to(at::kFloat).to(at::kCPU).contiguous();
 }
 

@@ -57,8 +57,10 @@ struct LmEnds {
   // From the loaded parameters; lm_head is the embedding when the checkpoint ties them.
   static LmEnds From(const std::map<std::string, at::Tensor>& params, bool has_lm_head);
   // The step's end: every sequence's state advanced by its new tokens; the rows whose logits
-  // are asked for through the final norm and the LM head, f32 on the host.
-  at::Tensor Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind) const;
+  // are asked for through the final norm and the LM head, f32 on the host (*hidden, when given,
+  // gets those rows after the final norm).
+  at::Tensor Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind,
+                    at::Tensor* hidden = nullptr) const;
 };
 
 // One decoder layer: exactly one mixer and one FFN.
@@ -69,6 +71,17 @@ struct DecoderLayer {
   size_t rope = 0;                     // the attention's RoPE: an index into the model's rotaries
   std::unique_ptr<MoeBlock> moe;       // MoE layers
   std::unique_ptr<SwiGluMlp> mlp;      // dense layers
+};
+
+// A multi-token-prediction head (Qwen3.5's `mtp.*`, docs/models.md): the normed embedding of
+// the next token and the normed target hidden state, concatenated (embedding first) through fc,
+// one decoder layer (full attention, its keys and values in KV layer `kv_layer`), the head's
+// norm, then the model's LM head.
+struct MtpHead {
+  at::Tensor fc;  // [hidden, 2 · hidden], whole on every rank
+  at::Tensor norm_embed, norm_hidden, norm;
+  DecoderLayer layer;
+  int kv_layer = 0;
 };
 
 // The decoder loop every architecture runs. A model's factory (a static member of its subclass,
@@ -82,8 +95,17 @@ class DecoderModel : public CausalLM {
   const VisionConfig* vision() const final { return vision_ ? &vision_->config() : nullptr; }
   [[nodiscard]] absl::StatusOr<VisionEncoding> EncodeImages(
       const std::vector<VisionImage>& images) final;
+  bool has_mtp() const final { return mtp_ != nullptr; }
+  at::Tensor last_hidden() const final { return last_hidden_; }
+  [[nodiscard]] absl::StatusOr<at::Tensor> ForwardMtp(const ForwardBatch& b,
+                                                      const at::Tensor& hidden,
+                                                      at::Tensor* out) final;
 
  protected:
+  // One decoder layer over the stream (mixer, all-reduce, residual; FFN, all-reduce, residual).
+  [[nodiscard]] absl::Status RunLayer(DecoderLayer& L, int index, ResidualStream& x,
+                                      const ForwardBatch& b, const std::vector<Rotary::Table>& t,
+                                      const LoraBatch& lb);
   // The factory's last step for a multimodal checkpoint: the tower from the loaded parameters
   // (after Adopt), its linears registered as LoRA modules when --enable-tower-connector-lora.
   [[nodiscard]] absl::Status BuildVision(const VisionConfig& v,
@@ -95,6 +117,8 @@ class DecoderModel : public CausalLM {
   std::vector<Rotary> rotaries_;  // one per distinct RoPE of the layers
   std::vector<DecoderLayer> layers_;
   NormKind norm_ = NormKind::kPlain;  // every norm of the stack, the final one included
+  std::unique_ptr<MtpHead> mtp_;      // ModelOptions::mtp
+  at::Tensor last_hidden_;            // with mtp_: the last Forward's rows after the final norm
 };
 
 // Specs of a layer's attention projections (`<layer>self_attn.{q,k,v,o}_proj`, q with

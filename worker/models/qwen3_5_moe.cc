@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "lora/name_tables.h"
+#include "nlohmann/json.hpp"
 #include "worker/layers/attention.h"
 #include "worker/layers/gated_delta_net.h"
 #include "worker/layers/moe.h"
@@ -19,10 +21,36 @@ namespace {
 
 bool IsLinear(const ModelConfig& c, int l) { return c.layer_types[l] == "linear_attention"; }
 
-std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
-  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
-                d = c.info.head_dim, hq = c.info.num_attention_heads,
+// A layer's MoE block (router, routed experts, shared expert and its gate) at prefix p.
+void AddMoeSpecs(std::vector<ParamSpec>& s, const std::string& p, const ModelConfig& c) {
+  const int64_t H = c.info.hidden_size, E = c.info.num_experts,
                 Is = c.info.shared_expert_intermediate_size;
+  s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
+  AddExpertSpecs(s, p + "mlp.experts", c, /*lora_wrapped=*/true);
+  AddSwiGluSpecs(s, p + "mlp.shared_expert.", H, Is);
+  s.push_back({p + "mlp.shared_expert_gate.weight", {1, H}, TpSplit::kReplicated});
+}
+
+// The MTP head (`mtp.*`): fc over [embedding ; hidden], its two input norms, one full-attention
+// MoE layer, its norm.
+std::vector<ParamSpec> MtpSpecs(const ModelConfig& c) {
+  const int64_t H = c.info.hidden_size;
+  std::vector<ParamSpec> s = {{"mtp.fc.weight", {H, 2 * H}, TpSplit::kReplicated},
+                              {"mtp.pre_fc_norm_embedding.weight", {H}, TpSplit::kReplicated},
+                              {"mtp.pre_fc_norm_hidden.weight", {H}, TpSplit::kReplicated},
+                              {"mtp.norm.weight", {H}, TpSplit::kReplicated}};
+  const std::string p = "mtp.layers.0.";
+  s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+  s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+  AddAttentionSpecs(s, p, c, 2 * int64_t{c.info.num_attention_heads} * c.info.head_dim,
+                    /*qk_norm=*/true, /*lora_wrapped=*/true);
+  AddMoeSpecs(s, p, c);
+  return s;
+}
+
+std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size, d = c.info.head_dim,
+                hq = c.info.num_attention_heads;
   const int64_t kd = int64_t{c.info.linear_num_key_heads} * c.info.linear_key_head_dim,
                 vd = int64_t{c.info.linear_num_value_heads} * c.info.linear_value_head_dim,
                 nv = c.info.linear_num_value_heads, K = c.linear_conv_kernel;
@@ -48,10 +76,7 @@ std::vector<ParamSpec> Qwen35Specs(const ModelConfig& c, bool with_lm_head) {
     } else {
       AddAttentionSpecs(s, p, c, 2 * hq * d, /*qk_norm=*/true, /*lora_wrapped=*/true);
     }
-    s.push_back({p + "mlp.gate.weight", {E, H}, TpSplit::kReplicated});
-    AddExpertSpecs(s, p + "mlp.experts", c, /*lora_wrapped=*/true);
-    AddSwiGluSpecs(s, p + "mlp.shared_expert.", H, Is);
-    s.push_back({p + "mlp.shared_expert_gate.weight", {1, H}, TpSplit::kReplicated});
+    AddMoeSpecs(s, p, c);
   }
   return s;
 }
@@ -129,10 +154,37 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   // The vision tower of the multimodal release (no DeepStack; image_token_id's class default).
   MOELORA_ASSIGN_OR_RETURN(std::optional<VisionConfig> vision,
                            ReadVisionConfig(ctx, c, /*deepstack=*/false, 248056));
-  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) {
+  // The MTP head, when asked for: config.json must declare it (one layer, as released), and the
+  // checkpoint's `mtp.*` names are then read (the main table skips them).
+  ModelContext load_ctx = ctx;
+  ArchTable with_mtp;
+  if (o.mtp) {
+    MOELORA_ASSIGN_OR_RETURN(const std::string text, ReadConfigText(ctx.dir));
+    const auto j = nlohmann::json::parse(text, nullptr, false);
+    const auto& t =
+        j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
+    const int n =
+        t.contains("mtp_num_hidden_layers") && t["mtp_num_hidden_layers"].is_number_integer()
+            ? t["mtp_num_hidden_layers"].get<int>()
+            : 0;
+    if (n <= 0) return refuse("no mtp_num_hidden_layers: the checkpoint has no MTP head");
+    if (n != 1) return refuse("mtp_num_hidden_layers ", n, " (an MTP head of one layer only)");
+    if (t.contains("mtp_use_dedicated_embeddings") && t["mtp_use_dedicated_embeddings"] == true) {
+      return refuse(
+          "mtp_use_dedicated_embeddings true is not implemented (the head shares the "
+          "model's embeddings)");
+    }
+    with_mtp = *ctx.arch;
+    with_mtp.map = &MapQwen35Moe;
+    load_ctx.arch = &with_mtp;
+  }
+  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw, LoadModelWeights(load_ctx, c, [&](bool lm) {
                              std::vector<ParamSpec> s = Qwen35Specs(c, lm);
                              if (vision) {
                                for (ParamSpec& v : VisionParamSpecs(*vision)) s.push_back(v);
+                             }
+                             if (o.mtp) {
+                               for (ParamSpec& v : MtpSpecs(c)) s.push_back(v);
                              }
                              return s;
                            }));
@@ -151,15 +203,44 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
   const int64_t kd = int64_t{lin.linear_num_key_heads} * lin.linear_key_head_dim,
                 vd = int64_t{lin.linear_num_value_heads} * lin.linear_value_head_dim,
                 nv = lin.linear_num_value_heads;
+  auto linear = [&](const std::string& path, TpMode mode, int64_t in, std::vector<int64_t> out) {
+    return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
+                              std::move(out), shape);
+  };
+  // A gated full-attention mixer at layer prefix p.
+  auto attention = [&](const std::string& p, DecoderLayer& L) -> absl::Status {
+    const std::string a = p + "self_attn.";
+    MOELORA_ASSIGN_OR_RETURN(auto q, linear(a + "q_proj", TpMode::kColumn, H, {2 * hq * d}));
+    MOELORA_ASSIGN_OR_RETURN(auto k, linear(a + "k_proj", TpMode::kColumn, H, {hkv * d}));
+    MOELORA_ASSIGN_OR_RETURN(auto v, linear(a + "v_proj", TpMode::kColumn, H, {hkv * d}));
+    MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "o_proj", TpMode::kRow, hq * d, {H}));
+    AttentionSpec as;
+    as.heads = hq / tp;
+    as.kv_heads = hkv / tp;
+    as.head_dim = d;
+    as.eps = c.rms_norm_eps;
+    as.qk_norm_kind = NormKind::kZeroCentred;
+    as.output_gate = true;
+    L.attn =
+        std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
+                                    P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
+    return absl::OkStatus();
+  };
+  // The MoE block with its shared expert at layer prefix p.
+  auto moe = [&](const std::string& p, DecoderLayer& L) -> absl::Status {
+    MOELORA_ASSIGN_OR_RETURN(auto shared, MakeSwiGluMlp(P, p + "mlp.shared_expert.", H, Is, shape));
+    shared->gate_weight = P.at(p + "mlp.shared_expert_gate.weight");
+    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
+    L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
+                                       c.num_experts_per_tok, /*norm_topk_prob=*/true,
+                                       std::move(experts), std::move(shared));
+    return absl::OkStatus();
+  };
   for (int l = 0; l < c.info.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     DecoderLayer L;
     L.in_norm = P.at(p + "input_layernorm.weight");
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
-    auto linear = [&](const std::string& path, TpMode mode, int64_t in, std::vector<int64_t> out) {
-      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
-                                std::move(out), shape);
-    };
     if (IsLinear(c, l)) {
       const std::string a = p + "linear_attn.";
       MOELORA_ASSIGN_OR_RETURN(auto qkv,
@@ -180,29 +261,25 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
           P.at(a + "conv1d.weight").squeeze(1), P.at(a + "dt_bias"), P.at(a + "A_log"),
           P.at(a + "norm.weight"));
     } else {
-      const std::string a = p + "self_attn.";
-      MOELORA_ASSIGN_OR_RETURN(auto q, linear(a + "q_proj", TpMode::kColumn, H, {2 * hq * d}));
-      MOELORA_ASSIGN_OR_RETURN(auto k, linear(a + "k_proj", TpMode::kColumn, H, {hkv * d}));
-      MOELORA_ASSIGN_OR_RETURN(auto v, linear(a + "v_proj", TpMode::kColumn, H, {hkv * d}));
-      MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "o_proj", TpMode::kRow, hq * d, {H}));
-      AttentionSpec as;
-      as.heads = hq / tp;
-      as.kv_heads = hkv / tp;
-      as.head_dim = d;
-      as.eps = c.rms_norm_eps;
-      as.qk_norm_kind = NormKind::kZeroCentred;
-      as.output_gate = true;
-      L.attn =
-          std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
-                                      P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
+      MOELORA_RETURN_IF_ERROR(attention(p, L));
     }
-    MOELORA_ASSIGN_OR_RETURN(auto shared, MakeSwiGluMlp(P, p + "mlp.shared_expert.", H, Is, shape));
-    shared->gate_weight = P.at(p + "mlp.shared_expert_gate.weight");
-    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
-    L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
-                                       c.num_experts_per_tok, /*norm_topk_prob=*/true,
-                                       std::move(experts), std::move(shared));
+    MOELORA_RETURN_IF_ERROR(moe(p, L));
     m->layers_.push_back(std::move(L));
+  }
+  if (o.mtp) {
+    auto head = std::make_unique<MtpHead>();
+    head->fc = P.at("mtp.fc.weight");
+    head->norm_embed = P.at("mtp.pre_fc_norm_embedding.weight");
+    head->norm_hidden = P.at("mtp.pre_fc_norm_hidden.weight");
+    head->norm = P.at("mtp.norm.weight");
+    head->layer.in_norm = P.at("mtp.layers.0.input_layernorm.weight");
+    head->layer.post_norm = P.at("mtp.layers.0.post_attention_layernorm.weight");
+    MOELORA_RETURN_IF_ERROR(attention("mtp.layers.0.", head->layer));
+    MOELORA_RETURN_IF_ERROR(moe("mtp.layers.0.", head->layer));
+    // Its keys and values: one more KV layer after the decoder's.
+    head->kv_layer = c.info.num_layers;
+    m->num_layers_ = c.info.num_layers + 1;
+    m->mtp_ = std::move(head);
   }
   for (DecoderLayer& L : m->layers_) {
     if (L.gdn) {

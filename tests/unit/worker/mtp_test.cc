@@ -1,0 +1,225 @@
+// Qwen3.5's MTP head against tools/mtp_reference.py (an independent torch forward of the head,
+// tests/data/qwen3_5_moe_mtp): the target's hidden states after the final norm, and the head's
+// draft logits over whole prompts and in pieces (its own keys and values carried in the KV
+// cache); the checkpoint with its experts stored one by one under `.base_layer.` names; a model
+// built without the head, and a checkpoint without one.
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/unit/worker/engine_test_util.h"
+#include "worker/model/causal_lm.h"
+
+namespace moelora {
+namespace {
+
+using ::moelora::testing::Data;
+using ::moelora::testing::StatusIs;
+using ::moelora::testing::TempDir;
+using ::testing::HasSubstr;
+
+constexpr float kRefTol = 1e-4f;
+
+// One tensor of a safetensors file as a tensor of its own (f32 or i64).
+at::Tensor Read(const SafetensorsFile& f, const std::string& name) {
+  const TensorView* v = f.Find(name);
+  EXPECT_NE(v, nullptr) << name;
+  if (v == nullptr) return at::Tensor();
+  const at::ScalarType t = v->dtype == DType::kI64 ? at::kLong : at::kFloat;
+  return at::from_blob(const_cast<uint8_t*>(v->data), v->shape, t).clone();
+}
+
+struct Holder {
+  std::unique_ptr<Communicator> comm = MakeLocalCommunicator();
+  std::unique_ptr<CausalLM> model;
+};
+
+absl::StatusOr<std::unique_ptr<Holder>> Load(const std::string& dir, bool mtp) {
+  auto h = std::make_unique<Holder>();
+  ModelOptions o;
+  o.mtp = mtp;
+  MOELORA_ASSIGN_OR_RETURN(h->model, LoadCausalLM(dir, o, h->comm.get()));
+  return h;
+}
+
+std::vector<int64_t> Ids(const at::Tensor& t) {
+  return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+}
+
+// The target over `ids` in pieces (every row's logits), then the head over the same positions
+// in pieces of its own: each head piece feeds tokens p + 1 with the target's hidden state at p.
+// Returns the head's logits [ids.size() - 1, vocab] and the target's hidden states.
+std::pair<at::Tensor, at::Tensor> TargetThenHead(CausalLM& m, const std::vector<int64_t>& ids,
+                                                 const std::vector<int64_t>& target_pieces,
+                                                 const std::vector<int64_t>& head_pieces) {
+  SeqState st = m.NewState();
+  std::vector<at::Tensor> hidden;
+  int64_t pos = 0;
+  for (int64_t n : target_pieces) {
+    ForwardBatch b;
+    b.tokens.assign(ids.begin() + pos, ids.begin() + pos + n);
+    b.slots.assign(n, -1);
+    b.seqs.push_back({&st, 0, n, /*all_logits=*/true});
+    auto logits = m.Forward(b);
+    EXPECT_TRUE(logits.ok()) << logits.status();
+    if (!logits.ok()) return {};
+    hidden.push_back(m.last_hidden().clone());
+    pos += n;
+  }
+  const at::Tensor h = at::cat(hidden, 0);
+  std::vector<at::Tensor> drafts;
+  pos = 0;
+  for (int64_t n : head_pieces) {
+    ForwardBatch b;
+    b.tokens.assign(ids.begin() + pos + 1, ids.begin() + pos + 1 + n);
+    b.slots.assign(n, -1);
+    b.seqs.push_back({&st, 0, n, /*all_logits=*/true});
+    auto logits = m.ForwardMtp(b, h.narrow(0, pos, n));
+    EXPECT_TRUE(logits.ok()) << logits.status();
+    if (!logits.ok()) return {};
+    drafts.push_back(*logits);
+    pos += n;
+  }
+  EXPECT_EQ(st.len, static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(st.mtp_len, static_cast<int64_t>(ids.size()) - 1);
+  return {at::cat(drafts, 0), h.to(at::kFloat)};
+}
+
+float MaxDiff(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.sizes() != b.sizes()) return INFINITY;
+  return (a - b).abs().max().item<float>();
+}
+
+void ExpectHeadMatchesTheReference(CausalLM& m) {
+  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(ref);
+  ASSERT_TRUE(m.has_mtp());
+  for (int k = 0; (*ref)->Find(absl::StrCat("prompt.", k)) != nullptr; ++k) {
+    SCOPED_TRACE(absl::StrCat("prompt ", k));
+    const std::vector<int64_t> ids = Ids(Read(**ref, absl::StrCat("prompt.", k)));
+    const at::Tensor want = Read(**ref, absl::StrCat("mtp_logits.", k));
+    const at::Tensor want_hidden = Read(**ref, absl::StrCat("hidden.", k));
+    const int64_t n = static_cast<int64_t>(ids.size());
+    auto [whole, hidden] = TargetThenHead(m, ids, {n}, {n - 1});
+    EXPECT_LE(MaxDiff(hidden, want_hidden), kRefTol);
+    const float d_whole = MaxDiff(whole, want);
+    // In pieces: the head's keys and values from earlier pieces are read back from the cache.
+    std::vector<int64_t> tp = {n}, hp = {n - 1};
+    if (n > 3) tp = {2, n - 2}, hp = {1, 1, n - 3};
+    const float d_pieces = MaxDiff(TargetThenHead(m, ids, tp, hp).first, want);
+    std::vector<int64_t> ones(n - 1, 1);
+    const float d_steps = MaxDiff(TargetThenHead(m, ids, {n}, ones).first, want);
+    std::printf("[ref] qwen3_5 MTP prompt %d (%lld tokens): whole %.3g, in pieces %.3g, token by "
+                "token %.3g\n",
+                k, static_cast<long long>(n), d_whole, d_pieces, d_steps);
+    EXPECT_LE(d_whole, kRefTol);
+    EXPECT_LE(d_pieces, kRefTol);
+    EXPECT_LE(d_steps, kRefTol);
+  }
+}
+
+TEST(MtpTest, HeadLogitsMatchTheReference) {
+  auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  ExpectHeadMatchesTheReference(*(*h)->model);
+}
+
+// The released layouts differ: experts one by one, and `.base_layer.` in the names once LoRA
+// wraps the layer. The same head from such a checkpoint.
+TEST(MtpTest, PerExpertBaseLayerCheckpointGivesTheSameHead) {
+  const std::string src = Data("qwen3_5_moe_mtp/model");
+  TempDir dir;
+  std::filesystem::copy_file(src + "/config.json", dir.path() + "/config.json");
+  auto f = SafetensorsFile::Open(src + "/model.safetensors");
+  ASSERT_OK(f);
+  std::vector<std::string> names;
+  std::vector<at::Tensor> keep;
+  std::vector<TensorToWrite> out;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    keep.push_back(t.contiguous());
+    names.push_back(name);
+  };
+  int split = 0;
+  for (const TensorView& v : (*f)->tensors()) {
+    const at::Tensor t = Read(**f, v.name);
+    const std::string e = "mtp.layers.0.mlp.experts.";
+    if (v.name == e + "gate_up_proj") {  // [E, 2I, H]: gate rows, then up rows
+      const int64_t I = t.size(1) / 2;
+      for (int64_t x = 0; x < t.size(0); ++x) {
+        add(absl::StrCat(e, x, ".gate_proj.base_layer.weight"), t[x].narrow(0, 0, I));
+        add(absl::StrCat(e, x, ".up_proj.base_layer.weight"), t[x].narrow(0, I, I));
+      }
+      ++split;
+    } else if (v.name == e + "down_proj") {  // [E, H, I]
+      for (int64_t x = 0; x < t.size(0); ++x) {
+        add(absl::StrCat(e, x, ".down_proj.base_layer.weight"), t[x]);
+      }
+      ++split;
+    } else if (v.name == "mtp.layers.0.self_attn.q_proj.weight") {
+      add("mtp.layers.0.self_attn.q_proj.base_layer.weight", t);
+    } else {
+      add(v.name, t);
+    }
+  }
+  ASSERT_EQ(split, 2);
+  for (size_t i = 0; i < keep.size(); ++i) {
+    out.push_back({names[i], DType::kF32, keep[i].sizes().vec(), keep[i].data_ptr(),
+                   static_cast<size_t>(keep[i].nbytes())});
+  }
+  ASSERT_OK(WriteSafetensors(dir.path() + "/model.safetensors", out, {{"format", "pt"}}));
+  auto h = Load(dir.path(), /*mtp=*/true);
+  ASSERT_OK(h);
+  ExpectHeadMatchesTheReference(*(*h)->model);
+}
+
+TEST(MtpTest, WithoutTheOptionTheHeadIsSkippedAndRefused) {
+  auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/false);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  EXPECT_FALSE(m.has_mtp());
+  bool listed = false;
+  for (const std::string& s : m.skipped_tensors()) listed |= s.rfind("mtp.fc.weight", 0) == 0;
+  EXPECT_TRUE(listed);
+  SeqState st = m.NewState();
+  ForwardBatch b;
+  b.tokens = {1, 2};
+  b.slots = {-1, -1};
+  b.seqs.push_back({&st, 0, 2, true});
+  EXPECT_THAT(m.ForwardMtp(b, at::zeros({2, m.config().info.hidden_size})),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("without an MTP head")));
+}
+
+TEST(MtpTest, ACheckpointWithoutAHeadIsRefusedByName) {
+  auto h = Load(Data("qwen3_5_moe/model"), /*mtp=*/true);
+  EXPECT_THAT(h.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("mtp_num_hidden_layers")));
+}
+
+TEST(MtpTest, HiddenStatesOfTheWrongShapeAreRefused) {
+  auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  SeqState st = m.NewState();
+  ForwardBatch b;
+  b.tokens = {1, 2, 3};
+  b.slots = {-1, -1, -1};
+  b.seqs.push_back({&st, 0, 3, true});
+  EXPECT_THAT(m.ForwardMtp(b, at::zeros({2, m.config().info.hidden_size})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one hidden state")));
+  EXPECT_EQ(st.mtp_len, 0);
+}
+
+}  // namespace
+}  // namespace moelora
