@@ -26,8 +26,8 @@ GatedDeltaNet::GatedDeltaNet(const GatedDeltaNetSpec& spec, std::unique_ptr<Lora
       norm_(std::move(norm)) {}
 
 at::Tensor GatedDeltaNet::Recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& g, const at::Tensor& beta,
-                                    at::Tensor& S) const {
+                                    const at::Tensor& g, const at::Tensor& beta, at::Tensor& S,
+                                    at::Tensor* steps) const {
   const int64_t n = q.size(1);
   at::Tensor o = at::empty({v.size(0), n, v.size(2)}, v.options());
   at::Tensor decay = g.exp();
@@ -38,6 +38,7 @@ at::Tensor GatedDeltaNet::Recurrent(const at::Tensor& q, const at::Tensor& k, co
     at::Tensor delta = (vt - kv) * beta.select(1, t).unsqueeze(-1);  // [nv, dv]
     S.add_(at::bmm(kt.unsqueeze(2), delta.unsqueeze(1)));            // k δᵀ
     o.select(1, t).copy_(at::bmm(qt.unsqueeze(1), S).squeeze(1));    // Sᵀq (updated state)
+    if (steps != nullptr) steps->select(0, t).copy_(S);
   }
   return o;
 }
@@ -132,10 +133,21 @@ absl::StatusOr<at::Tensor> GatedDeltaNet::Forward(const at::Tensor& h, const For
     v = v.permute({1, 0, 2}).contiguous();
     at::Tensor g = g_all.narrow(0, seq.begin, n).t().contiguous();  // [nv, n]
     at::Tensor beta = beta_all.narrow(0, seq.begin, n).t().contiguous();
-    const bool chunked = spec_.form == GatedDeltaNetSpec::Form::kChunked ||
-                         (spec_.form == GatedDeltaNetSpec::Form::kAuto && n > 1);
+    // A speculative verify keeps the state after each token (RollBack returns to one): the
+    // recurrent form, which passes through each.
+    const bool chunked =
+        !seq.keep_states && (spec_.form == GatedDeltaNetSpec::Form::kChunked ||
+                             (spec_.form == GatedDeltaNetSpec::Form::kAuto && n > 1));
     at::Tensor S = ssm;  // Recurrent updates it in place; Chunked computes a new one
-    at::Tensor o = chunked ? Chunked(q, k, v, g, beta, S) : Recurrent(q, k, v, g, beta, S);
+    at::Tensor steps;
+    if (seq.keep_states) {
+      std::vector<int64_t> shape = {n};
+      for (int64_t x : ssm.sizes()) shape.push_back(x);
+      steps = at::empty(shape, ssm.options());
+      seq.state->steps[layer] = {steps, xcat};
+    }
+    at::Tensor o = chunked ? Chunked(q, k, v, g, beta, S)
+                           : Recurrent(q, k, v, g, beta, S, seq.keep_states ? &steps : nullptr);
     if (!S.is_same(ssm)) ssm.copy_(S);
     // Gated RMSNorm per value head (norm before gate), as transformers computes it.
     at::Tensor of = o.permute({1, 0, 2}).to(h.scalar_type()).to(at::kFloat);  // [n, nv, dv]

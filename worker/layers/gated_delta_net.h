@@ -66,9 +66,11 @@ class GatedDeltaNet {
   LoraLinear* out() { return out_.get(); }
 
  private:
-  // q, k [nv, n, dk], v [nv, n, dv], g, beta [nv, n] (f32); state [nv, dk, dv] updated in place.
+  // q, k [nv, n, dk], v [nv, n, dv], g, beta [nv, n] (f32); state [nv, dk, dv] updated in place
+  // (and, with `steps` [n, nv, dk, dv], copied there after each token).
   at::Tensor Recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state) const;
+                       const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                       at::Tensor* steps = nullptr) const;
   at::Tensor Chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& g, const at::Tensor& beta, at::Tensor& state) const;
 

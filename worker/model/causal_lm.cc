@@ -54,6 +54,7 @@ SeqState& SeqState::operator=(SeqState&& o) noexcept {
   if (kv != nullptr) kv->Release(table);
   len = o.len;
   mtp_len = o.mtp_len;
+  steps = std::move(o.steps);
   table = std::move(o.table);
   kv = o.kv;
   o.table = KvTable();
@@ -71,6 +72,33 @@ absl::Status CausalLM::InitKvCache(const KvCacheOptions& o) {
   if (kv_ != nullptr) return absl::FailedPreconditionError("the KV cache exists already");
   MOELORA_ASSIGN_OR_RETURN(
       kv_, KvCache::Create(KvShapes(), StateShapes(), num_layers_, o, options_.dtype, device()));
+  return absl::OkStatus();
+}
+
+absl::Status CausalLM::RollBack(SeqState& st, int64_t count, int64_t keep) {
+  auto steps = std::move(st.steps);
+  st.steps.clear();
+  if (count < 1 || keep < 1 || keep > count || count > st.len) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot keep ", keep, " of the last ", count,
+                                                   " tokens of a sequence of ", st.len));
+  }
+  if (st.kv == nullptr) return absl::FailedPreconditionError("the sequence has no KV cache");
+  if (steps.size() != StateShapes().size()) {
+    return absl::FailedPreconditionError(
+        "the last forward kept no per-token recurrent states (ForwardBatch::Seq::keep_states)");
+  }
+  for (auto& [layer, s] : steps) {
+    if (s.first.size(0) != count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, " kept ", s.first.size(0), " states, not ", count));
+    }
+    st.kv->ssm(layer, st.table.state).copy_(s.first[keep - 1]);
+    at::Tensor conv = st.kv->conv(layer, st.table.state);
+    conv.copy_(s.second.narrow(0, keep, conv.size(0)));
+  }
+  st.len -= count - keep;
+  st.mtp_len = std::min(st.mtp_len, std::max<int64_t>(st.len - 1, 0));
+  st.kv->Shrink(st.table, st.len);
   return absl::OkStatus();
 }
 

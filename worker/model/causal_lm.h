@@ -97,6 +97,10 @@ struct SeqState {
   // Positions the MTP head has computed (ForwardMtp): its keys and values at 0 .. mtp_len - 1 of
   // the sequence's blocks. The head at position p reads token p + 1, so it runs one behind.
   int64_t mtp_len = 0;
+  // With ForwardBatch::Seq::keep_states: each recurrent layer's state after every token of the
+  // last forward (by layer: the SSM states [count, ...] and the conv inputs [K - 1 + count,
+  // channels]), which RollBack returns to.
+  std::map<int, std::pair<at::Tensor, at::Tensor>> steps;
   KvTable table;
   KvCache* kv = nullptr;
 };
@@ -120,6 +124,9 @@ struct ForwardBatch {
     int64_t begin = 0;        // first token in `tokens`
     int64_t count = 0;        // new tokens (prompt at prefill, 1 at decode)
     bool all_logits = false;  // logits for every new token, else only the last
+    // Keep the recurrent layers' state after each new token (SeqState::steps), so that
+    // CausalLM::RollBack can drop the last ones (a speculative verify).
+    bool keep_states = false;
   };
   std::vector<Seq> seqs;
 };
@@ -149,6 +156,12 @@ class CausalLM {
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> ForwardMtp(const ForwardBatch& b,
                                                               const at::Tensor& hidden,
                                                               at::Tensor* out = nullptr);
+
+  // After a Forward that gave `st` `count` new tokens with keep_states, keeps the first `keep`
+  // of them (1 <= keep <= count): len goes back by count - keep, each recurrent layer's state
+  // to what it was after token keep - 1, the blocks past the new length are given back, and
+  // mtp_len is held below len. The steps kept for this are dropped either way.
+  [[nodiscard]] absl::Status RollBack(SeqState& st, int64_t count, int64_t keep);
 
   // The vision tower (models built with one: Qwen3-VL-MoE, Qwen3.5 with a vision_config);
   // nullptr otherwise. EncodeImages runs it over `images` (each with its request's LoRA slot).

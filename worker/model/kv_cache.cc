@@ -186,6 +186,21 @@ void KvCache::Trim(KvTable& t, int64_t computed) {
   }
 }
 
+void KvCache::Shrink(KvTable& t, int64_t tokens) {
+  const auto keep = static_cast<size_t>(BlocksFor(std::max<int64_t>(tokens, 0)));
+  while (t.blocks.size() > keep) {
+    full_.Drop(t.blocks.back());
+    t.blocks.pop_back();
+  }
+  while (t.window_blocks.size() > keep) {
+    if (t.window_blocks.back() >= 0) window_pool_.Drop(t.window_blocks.back());
+    t.window_blocks.pop_back();
+  }
+  const auto full = static_cast<size_t>(std::max<int64_t>(tokens, 0) / block_size_);
+  if (t.hashes.size() > full) t.hashes.resize(full);
+  Count();
+}
+
 void KvCache::Release(KvTable& t) {
   // Full attention in reverse: block 0 is freed last, so the stack hands it out first, and a
   // prefix's last blocks are evicted before its first. Sliding windows in position order, as

@@ -144,6 +144,9 @@ class KvCache {
   void Trim(KvTable& t, int64_t computed);
   // Gives back everything `t` holds (a cached block stays cached until evicted) and clears it.
   void Release(KvTable& t);
+  // Gives back the blocks past position tokens - 1 in both tables (speculative tokens a verify
+  // rejected); prefix-cache keys of blocks no longer full are dropped.
+  void Shrink(KvTable& t, int64_t tokens);
 
   // Prefix caching. A full block is keyed by (the adapter, the key of the block before it, its
   // tokens), so a prefix is shared only under the same adapter (0: the base model).

@@ -94,6 +94,38 @@ TEST(KvCacheTest, ReserveTakesWholeBlocksAndReleaseGivesThemBack) {
   EXPECT_NE(none.status().message().find("512 bytes"), std::string::npos) << none.status();
 }
 
+// A speculative verify's rejected tokens: Shrink gives back the blocks past the kept length in
+// both tables and keeps what covers it.
+TEST(KvCacheTest, ShrinkGivesBackTheBlocksPastTheKeptLength) {
+  KvCacheOptions o;
+  o.block_size = 4;
+  o.max_num_seqs = 2;
+  o.max_num_batched_tokens = 8;
+  o.memory_bytes = 1 << 20;
+  o.max_blocks = 6;
+  auto c = KvCache::Create({{0, 1, 8, /*window=*/100}, {1, 1, 8}}, {}, 2, o, at::kFloat, at::kCPU);
+  ASSERT_OK(c);
+  KvCache& kv = **c;
+  KvTable t;
+  ASSERT_TRUE(kv.Reserve(t, 14));  // 4 blocks in each table
+  ASSERT_EQ(t.blocks.size(), 4u);
+  ASSERT_EQ(t.window_blocks.size(), 4u);
+  t.hashes = {11, 22, 33};
+  const int64_t free = kv.free_blocks(), window_free = kv.window_free_blocks();
+  kv.Shrink(t, 9);  // positions 0 .. 8: 3 blocks, the first 2 full
+  EXPECT_EQ(t.blocks.size(), 3u);
+  EXPECT_EQ(t.window_blocks.size(), 3u);
+  EXPECT_EQ(t.hashes, (std::vector<uint64_t>{11, 22}));
+  EXPECT_EQ(kv.free_blocks(), free + 1);
+  EXPECT_EQ(kv.window_free_blocks(), window_free + 1);
+  kv.Shrink(t, 12);  // nothing past 3 blocks to give back
+  EXPECT_EQ(t.blocks.size(), 3u);
+  EXPECT_EQ(kv.free_blocks(), free + 1);
+  ASSERT_TRUE(kv.Reserve(t, 14));  // grows again from there
+  EXPECT_EQ(t.blocks.size(), 4u);
+  kv.Release(t);
+}
+
 TEST(KvCacheTest, PrefixBlocksAreSharedUnderTheSameAdapterAndEvictedLeastRecentlyUsedFirst) {
   KvCacheOptions o;
   o.block_size = 2;

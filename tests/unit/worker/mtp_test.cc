@@ -1,8 +1,9 @@
 // Qwen3.5's MTP head against tools/mtp_reference.py (an independent torch forward of the head,
 // tests/data/qwen3_5_moe_mtp): the target's hidden states after the final norm, and the head's
 // draft logits over whole prompts and in pieces (its own keys and values carried in the KV
-// cache); the checkpoint with its experts stored one by one under `.base_layer.` names; a model
-// built without the head, and a checkpoint without one.
+// cache); the checkpoint with its experts stored one by one under `.base_layer.` names; greedy
+// decoding with drafts verified and rolled back equal to greedy decoding; a model built without
+// the head, and a checkpoint without one.
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
 #include "worker/model/causal_lm.h"
+#include "worker/model/speculative.h"
 
 namespace moelora {
 namespace {
@@ -121,9 +123,10 @@ void ExpectHeadMatchesTheReference(CausalLM& m) {
     const float d_pieces = MaxDiff(TargetThenHead(m, ids, tp, hp).first, want);
     std::vector<int64_t> ones(n - 1, 1);
     const float d_steps = MaxDiff(TargetThenHead(m, ids, {n}, ones).first, want);
-    std::printf("[ref] qwen3_5 MTP prompt %d (%lld tokens): whole %.3g, in pieces %.3g, token by "
-                "token %.3g\n",
-                k, static_cast<long long>(n), d_whole, d_pieces, d_steps);
+    std::printf(
+        "[ref] qwen3_5 MTP prompt %d (%lld tokens): whole %.3g, in pieces %.3g, token by "
+        "token %.3g\n",
+        k, static_cast<long long>(n), d_whole, d_pieces, d_steps);
     EXPECT_LE(d_whole, kRefTol);
     EXPECT_LE(d_pieces, kRefTol);
     EXPECT_LE(d_steps, kRefTol);
@@ -184,6 +187,79 @@ TEST(MtpTest, PerExpertBaseLayerCheckpointGivesTheSameHead) {
   ExpectHeadMatchesTheReference(*(*h)->model);
 }
 
+// Greedy decoding one token a step (no drafts).
+std::vector<int64_t> PlainGreedy(CausalLM& m, const std::vector<int64_t>& prompt, int64_t n) {
+  SeqState st = m.NewState();
+  std::vector<int64_t> out, in = prompt;
+  for (int64_t i = 0; i < n; ++i) {
+    ForwardBatch b;
+    b.tokens = in;
+    b.slots.assign(in.size(), -1);
+    b.seqs.push_back({&st, 0, static_cast<int64_t>(in.size()), false});
+    auto logits = m.Forward(b);
+    EXPECT_TRUE(logits.ok()) << logits.status();
+    if (!logits.ok()) return out;
+    out.push_back((*logits)[0].argmax().item<int64_t>());
+    in = {out.back()};
+  }
+  return out;
+}
+
+// Lossless: with 1-4 drafts a step (a verify that accepts all, some or none of them, rolled
+// back through the Gated DeltaNet states and the KV blocks), the tokens are greedy decoding's,
+// which are transformers' greedy tokens; the trained head's drafts are mostly accepted.
+TEST(MtpTest, GreedyWithDraftsEqualsGreedy) {
+  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(ref);
+  auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  constexpr int64_t kTokens = 40;
+  SpeculationStats all;
+  for (int k = 0; (*ref)->Find(absl::StrCat("prompt.", k)) != nullptr; ++k) {
+    SCOPED_TRACE(absl::StrCat("prompt ", k));
+    const std::vector<int64_t> prompt = Ids(Read(**ref, absl::StrCat("prompt.", k)));
+    const std::vector<int64_t> hf = Ids(Read(**ref, absl::StrCat("greedy.", k)));
+    const std::vector<int64_t> plain = PlainGreedy(m, prompt, kTokens);
+    ASSERT_EQ(std::vector<int64_t>(plain.begin(), plain.begin() + hf.size()), hf);
+    for (int drafts : {1, 2, 3, 4}) {
+      SpeculationStats s;
+      auto spec = GreedyWithMtp(m, prompt, kTokens, drafts, &s);
+      ASSERT_OK(spec);
+      EXPECT_EQ(*spec, plain) << drafts << " drafts a step";
+      std::printf(
+          "[mtp] prompt %d, k=%d: %lld verify steps for %lld tokens, %lld of %lld drafts "
+          "accepted\n",
+          k, drafts, static_cast<long long>(s.steps), static_cast<long long>(kTokens),
+          static_cast<long long>(s.accepted), static_cast<long long>(s.drafted));
+      EXPECT_GT(s.accepted, 0);
+      all.drafted += s.drafted;
+      all.accepted += s.accepted;
+    }
+  }
+  // The trained head: over half its drafts accepted (mtp_stats.json: 0.63-0.94 per prompt).
+  EXPECT_GT(all.accepted * 2, all.drafted);
+}
+
+// RollBack needs the states of the forward it undoes, and a count it can keep.
+TEST(MtpTest, RollBackRefusesWhatItCannotUndo) {
+  auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  SeqState st = m.NewState();
+  ForwardBatch b;
+  b.tokens = {1, 2, 3};
+  b.slots = {-1, -1, -1};
+  b.seqs.push_back({&st, 0, 3, false});
+  ASSERT_OK(m.Forward(b).status());
+  EXPECT_THAT(m.RollBack(st, 3, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("keep_states")));
+  b.seqs[0].keep_states = true;
+  ASSERT_OK(m.Forward(b).status());
+  EXPECT_THAT(m.RollBack(st, 3, 4), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(st.len, 6);
+}
+
 TEST(MtpTest, WithoutTheOptionTheHeadIsSkippedAndRefused) {
   auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/false);
   ASSERT_OK(h);
@@ -203,8 +279,8 @@ TEST(MtpTest, WithoutTheOptionTheHeadIsSkippedAndRefused) {
 
 TEST(MtpTest, ACheckpointWithoutAHeadIsRefusedByName) {
   auto h = Load(Data("qwen3_5_moe/model"), /*mtp=*/true);
-  EXPECT_THAT(h.status(), StatusIs(absl::StatusCode::kFailedPrecondition,
-                                   HasSubstr("mtp_num_hidden_layers")));
+  EXPECT_THAT(h.status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("mtp_num_hidden_layers")));
 }
 
 TEST(MtpTest, HiddenStatesOfTheWrongShapeAreRefused) {
