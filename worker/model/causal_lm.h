@@ -143,8 +143,8 @@ class CausalLM {
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
 
   // The MTP head (a model built with ModelOptions::mtp): whether it is there; the hidden
-  // states after the final norm [rows, hidden] (compute dtype, on the model's device) of the
-  // rows the last Forward returned logits for; and the head itself over `b`, where each
+  // states after the final norm [tokens, hidden] (compute dtype, on the model's device) of
+  // every new token of the last Forward; and the head itself over `b`, where each
   // sequence's tokens are the head's inputs at its next positions (token p + 1 at position p =
   // state->mtp_len + offset) and `hidden` [tokens, hidden] the target's hidden state at p for
   // each (row i with token i). Writes the head's keys and values at those positions (its own KV

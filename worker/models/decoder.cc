@@ -274,8 +274,15 @@ at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps
   }
   at::Tensor sel = x.index_select(
       0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(x.device()));
+  if (hidden != nullptr) {
+    // Every new token's row (the MTP head reads each position's), the logit rows among them.
+    *hidden = RmsNorm(x, final_norm, eps, kind);
+    sel = hidden->index_select(
+        0,
+        at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(x.device()));
+    return MatmulWt(sel, lm_head).to(at::kFloat).to(at::kCPU).contiguous();
+  }
   sel = RmsNorm(sel, final_norm, eps, kind);
-  if (hidden != nullptr) *hidden = sel;
   return MatmulWt(sel, lm_head).to(at::kFloat).to(at::kCPU).contiguous();
 }
 

@@ -58,7 +58,7 @@ struct LmEnds {
   static LmEnds From(const std::map<std::string, at::Tensor>& params, bool has_lm_head);
   // The step's end: every sequence's state advanced by its new tokens; the rows whose logits
   // are asked for through the final norm and the LM head, f32 on the host (*hidden, when given,
-  // gets those rows after the final norm).
+  // gets every new token's row after the final norm).
   at::Tensor Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind,
                     at::Tensor* hidden = nullptr) const;
 };

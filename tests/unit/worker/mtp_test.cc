@@ -18,6 +18,7 @@
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lora/adapter.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
@@ -52,6 +53,8 @@ absl::StatusOr<std::unique_ptr<Holder>> Load(const std::string& dir, bool mtp) {
   auto h = std::make_unique<Holder>();
   ModelOptions o;
   o.mtp = mtp;
+  o.mixed_moe_lora_format = true;  // 2D and 3D adapters side by side
+  o.max_lora_rank = 8;
   MOELORA_ASSIGN_OR_RETURN(h->model, LoadCausalLM(dir, o, h->comm.get()));
   return h;
 }
@@ -187,14 +190,15 @@ TEST(MtpTest, PerExpertBaseLayerCheckpointGivesTheSameHead) {
   ExpectHeadMatchesTheReference(*(*h)->model);
 }
 
-// Greedy decoding one token a step (no drafts).
-std::vector<int64_t> PlainGreedy(CausalLM& m, const std::vector<int64_t>& prompt, int64_t n) {
+// Greedy decoding one token a step (no drafts) on `slot`.
+std::vector<int64_t> PlainGreedy(CausalLM& m, const std::vector<int64_t>& prompt, int64_t n,
+                                 int32_t slot = -1) {
   SeqState st = m.NewState();
   std::vector<int64_t> out, in = prompt;
   for (int64_t i = 0; i < n; ++i) {
     ForwardBatch b;
     b.tokens = in;
-    b.slots.assign(in.size(), -1);
+    b.slots.assign(in.size(), slot);
     b.seqs.push_back({&st, 0, static_cast<int64_t>(in.size()), false});
     auto logits = m.Forward(b);
     EXPECT_TRUE(logits.ok()) << logits.status();
@@ -239,6 +243,78 @@ TEST(MtpTest, GreedyWithDraftsEqualsGreedy) {
   }
   // The trained head: over half its drafts accepted (mtp_stats.json: 0.63-0.94 per prompt).
   EXPECT_GT(all.accepted * 2, all.drafted);
+}
+
+// A batch of three sequences on the base model, a 3D and a 2D adapter (the target adapted, the
+// head not), each accepting a different number of drafts a step: every sequence's tokens equal
+// its greedy decoding alone, in either order of the batch.
+TEST(MtpTest, MixedAdapterBatchWithDraftsEqualsEachAlone) {
+  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(ref);
+  auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  AdapterReadOptions ro;
+  ro.model = m.config().info;
+  ro.convert_to_2d = true;
+  for (auto [slot, dir] : {std::pair<int, const char*>{1, "adapter_3d"}, {2, "adapter_2d"}}) {
+    auto a = ReadAdapter(Data(std::string("qwen3_5_moe/") + dir), ro);
+    ASSERT_OK(a);
+    ASSERT_OK(m.SetSlot(slot, *a));
+  }
+  constexpr int64_t kTokens = 24;
+  constexpr int kDrafts = 3;
+  std::vector<std::vector<int64_t>> prompts;
+  for (int k = 0; k < 3; ++k) prompts.push_back(Ids(Read(**ref, absl::StrCat("prompt.", k))));
+  const std::vector<int32_t> slots = {-1, 1, 2};
+  std::vector<std::vector<int64_t>> alone;
+  for (int i = 0; i < 3; ++i) alone.push_back(PlainGreedy(m, prompts[i], kTokens, slots[i]));
+  EXPECT_NE(alone[1], PlainGreedy(m, prompts[1], kTokens));  // the adapters change the tokens
+  for (bool swapped : {false, true}) {
+    SCOPED_TRACE(swapped ? "swapped" : "in order");
+    std::vector<int> order = {0, 1, 2};
+    if (swapped) order = {2, 1, 0};
+    std::vector<SeqState> states;
+    for (int i = 0; i < 3; ++i) states.push_back(m.NewState());
+    ForwardBatch pre;
+    for (int i : order) {
+      const auto begin = static_cast<int64_t>(pre.tokens.size());
+      const auto n = static_cast<int64_t>(prompts[i].size());
+      pre.tokens.insert(pre.tokens.end(), prompts[i].begin(), prompts[i].end());
+      pre.slots.insert(pre.slots.end(), n, slots[i]);
+      pre.seqs.push_back({&states[i], begin, n, false});
+    }
+    auto logits = m.Forward(pre);
+    ASSERT_OK(logits);
+    std::vector<DraftingSeq> seqs;
+    std::vector<std::vector<int64_t>> got(3);
+    for (size_t r = 0; r < order.size(); ++r) {
+      DraftingSeq d;
+      d.state = &states[order[r]];
+      d.slot = slots[order[r]];
+      d.next = (*logits)[static_cast<int64_t>(r)].argmax().item<int64_t>();
+      got[order[r]].push_back(d.next);
+      seqs.push_back(std::move(d));
+    }
+    ASSERT_OK(StartDrafting(m, pre, seqs));
+    SpeculationStats stats;
+    while (true) {
+      bool done = true;
+      for (int i = 0; i < 3; ++i) done &= static_cast<int64_t>(got[i].size()) >= kTokens;
+      if (done) break;
+      ASSERT_OK(SpeculativeGreedyStep(m, seqs, kDrafts, &stats));
+      for (size_t r = 0; r < order.size(); ++r) {
+        auto& g = got[order[r]];
+        g.insert(g.end(), seqs[r].emitted.begin(), seqs[r].emitted.end());
+      }
+    }
+    for (int i = 0; i < 3; ++i) {
+      got[i].resize(kTokens);
+      EXPECT_EQ(got[i], alone[i]) << "sequence " << i << " (slot " << slots[i] << ")";
+    }
+    std::printf("[mtp] mixed batch%s: %lld of %lld drafts accepted\n", swapped ? " (swapped)" : "",
+                static_cast<long long>(stats.accepted), static_cast<long long>(stats.drafted));
+  }
 }
 
 // RollBack needs the states of the forward it undoes, and a count it can keep.
