@@ -4,7 +4,7 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|a3b|peer] [--device
+//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|a3b|peer] [--device
 //               cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
@@ -19,6 +19,8 @@
 // gives tokens/s and (c)/(a), the goal being <= 1.2 at batch 64. qwen3_5: a medium Qwen3.5-like
 // model (3 Gated DeltaNet : 1 attention layers) with rank-16 adapters on every module, and a
 // 512-token (--prefill) prefill in the chunked form against token by token (goal >= 5x).
+// mtp (only when asked for): that model with an untrained MTP head: what a speculative step of
+// k drafts costs against a decode step at batch 1 after --prefill tokens (MtpCosts).
 // --ab-row-streams 1: case (a)'s decode steps alternate between the skinny kernel's row streams
 // at 1-2 x rows and its tiles (SetSkinnyRowStreams), and the line after it gives both medians
 // and the median ratio of neighbouring steps: the VM's speed moves by up to 2x within seconds,
@@ -37,6 +39,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -160,7 +163,9 @@ struct Q35Dims {
   bool linear(int64_t l) const { return (l + 1) % 4 != 0; }
 };
 
-void WriteQwen35Model(const std::string& dir, const Q35Dims& d) {
+// With `mtp`: an MTP head too (`mtp.*`, random, untrained: its drafts are rarely accepted, what
+// it is for is the cost of drafting and verifying).
+void WriteQwen35Model(const std::string& dir, const Q35Dims& d, bool mtp = false) {
   std::filesystem::create_directories(dir);
   std::string types;
   for (int64_t l = 0; l < d.layers; ++l) {
@@ -179,7 +184,8 @@ void WriteQwen35Model(const std::string& dir, const Q35Dims& d) {
       ", \"vocab_size\": ", d.vocab,
       ", \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_parameters\": "
       "{\"rope_type\": \"default\", \"rope_theta\": 10000000.0, \"partial_rotary_factor\": "
-      "0.25}, \"tie_word_embeddings\": false}");
+      "0.25}, \"tie_word_embeddings\": false",
+      mtp ? ", \"mtp_num_hidden_layers\": 1, \"mtp_use_dedicated_embeddings\": false}" : "}");
   at::manual_seed(0);
   std::vector<std::pair<std::string, at::Tensor>> ts;
   auto add = [&](const std::string& n, std::vector<int64_t> shape, double std = 0.02) {
@@ -212,6 +218,28 @@ void WriteQwen35Model(const std::string& dir, const Q35Dims& d) {
       add(p + "self_attn.q_norm.weight", {d.head_dim}, 0);
       add(p + "self_attn.k_norm.weight", {d.head_dim}, 0);
     }
+    add(p + "mlp.gate.weight", {d.E, d.H});
+    add(p + "mlp.experts.gate_up_proj", {d.E, 2 * d.I, d.H});
+    add(p + "mlp.experts.down_proj", {d.E, d.H, d.I});
+    add(p + "mlp.shared_expert.gate_proj.weight", {d.Is, d.H});
+    add(p + "mlp.shared_expert.up_proj.weight", {d.Is, d.H});
+    add(p + "mlp.shared_expert.down_proj.weight", {d.H, d.Is});
+    add(p + "mlp.shared_expert_gate.weight", {1, d.H});
+  }
+  if (mtp) {
+    const std::string p = "mtp.layers.0.";
+    add("mtp.fc.weight", {d.H, 2 * d.H});
+    for (const char* n :
+         {"mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+          "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight"}) {
+      add(n, {d.H}, 0);
+    }
+    add(p + "self_attn.q_proj.weight", {2 * d.heads * d.head_dim, d.H});
+    add(p + "self_attn.k_proj.weight", {d.kv_heads * d.head_dim, d.H});
+    add(p + "self_attn.v_proj.weight", {d.kv_heads * d.head_dim, d.H});
+    add(p + "self_attn.o_proj.weight", {d.H, d.heads * d.head_dim});
+    add(p + "self_attn.q_norm.weight", {d.head_dim}, 0);
+    add(p + "self_attn.k_norm.weight", {d.head_dim}, 0);
     add(p + "mlp.gate.weight", {d.E, d.H});
     add(p + "mlp.experts.gate_up_proj", {d.E, 2 * d.I, d.H});
     add(p + "mlp.experts.down_proj", {d.E, d.H, d.I});
@@ -294,6 +322,77 @@ void PrefillChunkedVsTokenByToken(const std::string& model, int len) {
       "qwen3.5 prefill %d tokens: chunked %.3f s (%.0f tok/s)  token by token %.3f s (%.0f tok/s)"
       "  ratio %.2f  [goal >= 5]\n",
       len, chunked, len / chunked, by_token, len / by_token, by_token / chunked);
+}
+
+// What speculative decoding with the MTP head costs on the medium Qwen3.5 model at batch 1,
+// after a prompt of `len` tokens: a decode step (1 token), a verify forward of k + 1 tokens with
+// the recurrent states kept (then rolled back to 1 token, so the length grows as decoding's), and
+// a head forward of one token. A step of k drafts costs verify(k) + k · head (k − 1 drafts and
+// the catch-up); with each draft accepted with probability a, it yields (1 − a^(k+1)) / (1 − a)
+// tokens. Prints each k's cost against a decode step, its speed-up at a = 0.6 and 0.75 (what
+// llama.cpp reports for Qwen3.6's head), and the acceptance a step needs for 1.6x.
+void MtpCosts(const std::string& model, int len) {
+  auto comm = MakeLocalCommunicator();
+  ModelOptions o;
+  o.mtp = true;
+  auto m = LoadCausalLM(model, o, comm.get());
+  Check(m.status(), "load");
+  CausalLM& lm = **m;
+  SeqState st = lm.NewState();
+  std::vector<int64_t> toks(len);
+  for (int i = 0; i < len; ++i) toks[i] = (i * 31 + 7) % 4096;
+  auto forward = [&](std::vector<int64_t> t, bool keep) {
+    ForwardBatch b;
+    const auto n = static_cast<int64_t>(t.size());
+    b.tokens = std::move(t);
+    b.slots.assign(n, -1);
+    b.seqs.push_back({&st, 0, n, keep, keep});
+    const double t0 = Now();
+    Check(lm.Forward(b).status(), "forward");
+    return Now() - t0;
+  };
+  forward(toks, false);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  constexpr int kReps = 9;
+  std::vector<double> decode, head;
+  for (int r = 0; r < kReps; ++r) decode.push_back(forward({int64_t{r % 4096}}, false));
+  for (int r = 0; r < kReps; ++r) {
+    st.mtp_len = st.len - 1;
+    ForwardBatch b;
+    b.tokens = {r};
+    b.slots = {-1};
+    b.seqs.push_back({&st, 0, 1, false});
+    const double t0 = Now();
+    Check(lm.ForwardMtp(b, lm.last_hidden().narrow(0, 0, 1)).status(), "head");
+    head.push_back(Now() - t0);
+  }
+  const double dec = median(decode), hd = median(head);
+  std::printf("qwen3.5 MTP costs after %d tokens, batch 1: decode step %.2f ms, head %.2f ms\n",
+              len, dec * 1e3, hd * 1e3);
+  for (int k = 1; k <= 4; ++k) {
+    std::vector<double> v;
+    for (int r = 0; r < kReps; ++r) {
+      std::vector<int64_t> t(k + 1);
+      for (int i = 0; i <= k; ++i) t[i] = (r * 7 + i) % 4096;
+      v.push_back(forward(t, true));
+      Check(lm.RollBack(st, k + 1, 1), "rollback");
+    }
+    const double step = median(v) + k * hd, cost = step / dec;
+    auto yield = [&](double a) { return (1 - std::pow(a, k + 1)) / (1 - a); };
+    double need = 1.0;  // the acceptance for 1.6x (bisection on the yield)
+    for (double lo = 0, hi = 0.9999, i = 0; i < 40; ++i) {
+      need = (lo + hi) / 2;
+      (yield(need) >= 1.6 * cost ? hi : lo) = need;
+    }
+    std::printf(
+        "  k=%d: verify %.2f ms, step %.2f ms = %.2f decode steps; speed-up at a=0.6 "
+        "%.2f, a=0.75 %.2f; 1.6x needs a >= %s\n",
+        k, median(v) * 1e3, step * 1e3, cost, yield(0.6) / cost, yield(0.75) / cost,
+        yield(0.9999) >= 1.6 * cost ? absl::StrFormat("%.2f", need).c_str() : "(never)");
+  }
 }
 
 // Expert memory per rank at TP=2, plain TP against expert parallelism, on the medium model:
@@ -626,7 +725,7 @@ int main(int argc, char** argv) {
   std::string only;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|a3b|peer] "
+      "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|a3b|peer] "
       "[--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
@@ -748,6 +847,12 @@ int main(int argc, char** argv) {
     }
     moelora::Run("qwen3.5", dir + "/model", a2, a3, f, 16);
     if (f.device == "cpu") moelora::PrefillChunkedVsTokenByToken(dir + "/model", f.prefill_len);
+  }
+  if (only == "mtp") {
+    const std::string dir = tmp + "/moelora_bench_decode_q35_mtp";
+    if (!std::filesystem::exists(dir + "/model/model.safetensors"))
+      moelora::WriteQwen35Model(dir + "/model", moelora::Q35Dims(), /*mtp=*/true);
+    moelora::MtpCosts(dir + "/model", f.prefill_len);
   }
   // bench/peer's model and adapters (top-4 of 32 experts), where a bench/peer run wrote them.
   if (only == "peer") {
