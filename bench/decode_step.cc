@@ -192,6 +192,24 @@ void WriteQwen35Model(const std::string& dir, const Q35Dims& d, bool mtp = false
     ts.push_back({n, std == 0 ? at::zeros(shape) : at::randn(shape) * std});
   };
   const int64_t kd = d.nk * d.dk, vd = d.nv * d.dv;
+  // A gated full-attention mixer, and the MoE block with its shared expert, at layer prefix p.
+  auto attention = [&](const std::string& p) {
+    add(p + "self_attn.q_proj.weight", {2 * d.heads * d.head_dim, d.H});
+    add(p + "self_attn.k_proj.weight", {d.kv_heads * d.head_dim, d.H});
+    add(p + "self_attn.v_proj.weight", {d.kv_heads * d.head_dim, d.H});
+    add(p + "self_attn.o_proj.weight", {d.H, d.heads * d.head_dim});
+    add(p + "self_attn.q_norm.weight", {d.head_dim}, 0);
+    add(p + "self_attn.k_norm.weight", {d.head_dim}, 0);
+  };
+  auto moe = [&](const std::string& p) {
+    add(p + "mlp.gate.weight", {d.E, d.H});
+    add(p + "mlp.experts.gate_up_proj", {d.E, 2 * d.I, d.H});
+    add(p + "mlp.experts.down_proj", {d.E, d.H, d.I});
+    add(p + "mlp.shared_expert.gate_proj.weight", {d.Is, d.H});
+    add(p + "mlp.shared_expert.up_proj.weight", {d.Is, d.H});
+    add(p + "mlp.shared_expert.down_proj.weight", {d.H, d.Is});
+    add(p + "mlp.shared_expert_gate.weight", {1, d.H});
+  };
   add("model.embed_tokens.weight", {d.vocab, d.H});
   add("lm_head.weight", {d.vocab, d.H});
   add("model.norm.weight", {d.H}, 0);
@@ -211,20 +229,9 @@ void WriteQwen35Model(const std::string& dir, const Q35Dims& d, bool mtp = false
       add(a + "norm.weight", {d.dv}, 0);
       add(a + "out_proj.weight", {d.H, vd});
     } else {
-      add(p + "self_attn.q_proj.weight", {2 * d.heads * d.head_dim, d.H});
-      add(p + "self_attn.k_proj.weight", {d.kv_heads * d.head_dim, d.H});
-      add(p + "self_attn.v_proj.weight", {d.kv_heads * d.head_dim, d.H});
-      add(p + "self_attn.o_proj.weight", {d.H, d.heads * d.head_dim});
-      add(p + "self_attn.q_norm.weight", {d.head_dim}, 0);
-      add(p + "self_attn.k_norm.weight", {d.head_dim}, 0);
+      attention(p);
     }
-    add(p + "mlp.gate.weight", {d.E, d.H});
-    add(p + "mlp.experts.gate_up_proj", {d.E, 2 * d.I, d.H});
-    add(p + "mlp.experts.down_proj", {d.E, d.H, d.I});
-    add(p + "mlp.shared_expert.gate_proj.weight", {d.Is, d.H});
-    add(p + "mlp.shared_expert.up_proj.weight", {d.Is, d.H});
-    add(p + "mlp.shared_expert.down_proj.weight", {d.H, d.Is});
-    add(p + "mlp.shared_expert_gate.weight", {1, d.H});
+    moe(p);
   }
   if (mtp) {
     const std::string p = "mtp.layers.0.";
@@ -234,19 +241,8 @@ void WriteQwen35Model(const std::string& dir, const Q35Dims& d, bool mtp = false
           "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight"}) {
       add(n, {d.H}, 0);
     }
-    add(p + "self_attn.q_proj.weight", {2 * d.heads * d.head_dim, d.H});
-    add(p + "self_attn.k_proj.weight", {d.kv_heads * d.head_dim, d.H});
-    add(p + "self_attn.v_proj.weight", {d.kv_heads * d.head_dim, d.H});
-    add(p + "self_attn.o_proj.weight", {d.H, d.heads * d.head_dim});
-    add(p + "self_attn.q_norm.weight", {d.head_dim}, 0);
-    add(p + "self_attn.k_norm.weight", {d.head_dim}, 0);
-    add(p + "mlp.gate.weight", {d.E, d.H});
-    add(p + "mlp.experts.gate_up_proj", {d.E, 2 * d.I, d.H});
-    add(p + "mlp.experts.down_proj", {d.E, d.H, d.I});
-    add(p + "mlp.shared_expert.gate_proj.weight", {d.Is, d.H});
-    add(p + "mlp.shared_expert.up_proj.weight", {d.Is, d.H});
-    add(p + "mlp.shared_expert.down_proj.weight", {d.H, d.Is});
-    add(p + "mlp.shared_expert_gate.weight", {1, d.H});
+    attention(p);
+    moe(p);
   }
   for (auto& [n, t] : ts) {
     if (absl::EndsWith(n, "norm.weight") && absl::StrContains(n, "linear_attn")) t.fill_(1.0);

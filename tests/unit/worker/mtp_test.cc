@@ -63,6 +63,16 @@ absl::StatusOr<std::unique_ptr<Holder>> Load(const std::string& dir, bool mtp) {
   return h;
 }
 
+// One sequence's tokens as a batch, on `slot`.
+ForwardBatch OneSeq(SeqState* st, std::vector<int64_t> tokens, bool all_logits, int32_t slot = -1) {
+  ForwardBatch b;
+  const auto n = static_cast<int64_t>(tokens.size());
+  b.tokens = std::move(tokens);
+  b.slots.assign(n, slot);
+  b.seqs.push_back({st, 0, n, all_logits});
+  return b;
+}
+
 std::vector<int64_t> Ids(const at::Tensor& t) {
   return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
 }
@@ -77,11 +87,7 @@ std::pair<at::Tensor, at::Tensor> TargetThenHead(CausalLM& m, const std::vector<
   std::vector<at::Tensor> hidden;
   int64_t pos = 0;
   for (int64_t n : target_pieces) {
-    ForwardBatch b;
-    b.tokens.assign(ids.begin() + pos, ids.begin() + pos + n);
-    b.slots.assign(n, -1);
-    b.seqs.push_back({&st, 0, n, /*all_logits=*/true});
-    auto logits = m.Forward(b);
+    auto logits = m.Forward(OneSeq(&st, {ids.begin() + pos, ids.begin() + pos + n}, true));
     EXPECT_TRUE(logits.ok()) << logits.status();
     if (!logits.ok()) return {};
     hidden.push_back(m.last_hidden().clone());
@@ -91,11 +97,8 @@ std::pair<at::Tensor, at::Tensor> TargetThenHead(CausalLM& m, const std::vector<
   std::vector<at::Tensor> drafts;
   pos = 0;
   for (int64_t n : head_pieces) {
-    ForwardBatch b;
-    b.tokens.assign(ids.begin() + pos + 1, ids.begin() + pos + 1 + n);
-    b.slots.assign(n, -1);
-    b.seqs.push_back({&st, 0, n, /*all_logits=*/true});
-    auto logits = m.ForwardMtp(b, h.narrow(0, pos, n));
+    auto logits = m.ForwardMtp(
+        OneSeq(&st, {ids.begin() + pos + 1, ids.begin() + pos + 1 + n}, true), h.narrow(0, pos, n));
     EXPECT_TRUE(logits.ok()) << logits.status();
     if (!logits.ok()) return {};
     drafts.push_back(*logits);
@@ -255,11 +258,7 @@ std::vector<int64_t> PlainGreedy(CausalLM& m, const std::vector<int64_t>& prompt
   SeqState st = m.NewState();
   std::vector<int64_t> out, in = prompt;
   for (int64_t i = 0; i < n; ++i) {
-    ForwardBatch b;
-    b.tokens = in;
-    b.slots.assign(in.size(), slot);
-    b.seqs.push_back({&st, 0, static_cast<int64_t>(in.size()), false});
-    auto logits = m.Forward(b);
+    auto logits = m.Forward(OneSeq(&st, in, false, slot));
     EXPECT_TRUE(logits.ok()) << logits.status();
     if (!logits.ok()) return out;
     out.push_back((*logits)[0].argmax().item<int64_t>());
@@ -382,10 +381,7 @@ TEST(MtpTest, RollBackRefusesWhatItCannotUndo) {
   ASSERT_OK(h);
   CausalLM& m = *(*h)->model;
   SeqState st = m.NewState();
-  ForwardBatch b;
-  b.tokens = {1, 2, 3};
-  b.slots = {-1, -1, -1};
-  b.seqs.push_back({&st, 0, 3, false});
+  ForwardBatch b = OneSeq(&st, {1, 2, 3}, false);
   ASSERT_OK(m.Forward(b).status());
   EXPECT_THAT(m.RollBack(st, 3, 1),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("keep_states")));
@@ -404,11 +400,7 @@ TEST(MtpTest, WithoutTheOptionTheHeadIsSkippedAndRefused) {
   for (const std::string& s : m.skipped_tensors()) listed |= s.rfind("mtp.fc.weight", 0) == 0;
   EXPECT_TRUE(listed);
   SeqState st = m.NewState();
-  ForwardBatch b;
-  b.tokens = {1, 2};
-  b.slots = {-1, -1};
-  b.seqs.push_back({&st, 0, 2, true});
-  EXPECT_THAT(m.ForwardMtp(b, at::zeros({2, m.config().info.hidden_size})),
+  EXPECT_THAT(m.ForwardMtp(OneSeq(&st, {1, 2}, true), at::zeros({2, m.config().info.hidden_size})),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("without an MTP head")));
 }
 
@@ -423,12 +415,9 @@ TEST(MtpTest, HiddenStatesOfTheWrongShapeAreRefused) {
   ASSERT_OK(h);
   CausalLM& m = *(*h)->model;
   SeqState st = m.NewState();
-  ForwardBatch b;
-  b.tokens = {1, 2, 3};
-  b.slots = {-1, -1, -1};
-  b.seqs.push_back({&st, 0, 3, true});
-  EXPECT_THAT(m.ForwardMtp(b, at::zeros({2, m.config().info.hidden_size})),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one hidden state")));
+  EXPECT_THAT(
+      m.ForwardMtp(OneSeq(&st, {1, 2, 3}, true), at::zeros({2, m.config().info.hidden_size})),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one hidden state")));
   EXPECT_EQ(st.mtp_len, 0);
 }
 
