@@ -145,6 +145,8 @@ absl::StatusOr<at::Tensor> GatedDeltaNet::Forward(const at::Tensor& h, const For
       for (int64_t x : ssm.sizes()) shape.push_back(x);
       steps = at::empty(shape, ssm.options());
       seq.state->steps[layer] = {steps, xcat};
+    } else {
+      seq.state->steps.erase(layer);  // states kept by an earlier forward are stale now
     }
     at::Tensor o = chunked ? Chunked(q, k, v, g, beta, S)
                            : Recurrent(q, k, v, g, beta, S, seq.keep_states ? &steps : nullptr);

@@ -87,11 +87,13 @@ absl::Status CausalLM::RollBack(SeqState& st, int64_t count, int64_t keep) {
     return absl::FailedPreconditionError(
         "the last forward kept no per-token recurrent states (ForwardBatch::Seq::keep_states)");
   }
-  for (auto& [layer, s] : steps) {
+  for (const auto& [layer, s] : steps) {  // every check before anything changes
     if (s.first.size(0) != count) {
       return absl::InvalidArgumentError(
           absl::StrCat("layer ", layer, " kept ", s.first.size(0), " states, not ", count));
     }
+  }
+  for (auto& [layer, s] : steps) {
     st.kv->ssm(layer, st.table.state).copy_(s.first[keep - 1]);
     at::Tensor conv = st.kv->conv(layer, st.table.state);
     conv.copy_(s.second.narrow(0, keep, conv.size(0)));

@@ -389,6 +389,13 @@ TEST(MtpTest, RollBackRefusesWhatItCannotUndo) {
   ASSERT_OK(m.Forward(b).status());
   EXPECT_THAT(m.RollBack(st, 3, 4), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(st.len, 6);
+  // States kept by one forward are stale after the next one without: refused again.
+  ASSERT_OK(m.Forward(b).status());
+  b.seqs[0].keep_states = false;
+  ASSERT_OK(m.Forward(b).status());
+  EXPECT_THAT(m.RollBack(st, 3, 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("keep_states")));
+  EXPECT_EQ(st.len, 12);
 }
 
 TEST(MtpTest, WithoutTheOptionTheHeadIsSkippedAndRefused) {
