@@ -103,7 +103,8 @@ OUT="$(http user-secret POST /v1/load_lora_adapter '{"lora_name": "b2d", "lora_p
 [[ "$OUT" == *" 403" && "$OUT" == *permission_error* ]] || fail "HTTP inference load: $OUT"
 OUT="$(http admin-secret POST /v1/load_lora_adapter '{"lora_name": "b2d", "lora_path": "qwen3_moe/adapter_2d"}')"
 [[ "$OUT" == *"added successfully"*" 200" ]] || fail "HTTP admin load: $OUT"
-OUT="$(http user-secret POST /v1/completions '{"model": "b2d", "prompt": [1, 17, 42], "max_tokens": 3}')"
+# Greedy: OpenAI's default temperature (1) samples, and a sampled EOS would end it early.
+OUT="$(http user-secret POST /v1/completions '{"model": "b2d", "prompt": [1, 17, 42], "max_tokens": 3, "temperature": 0}')"
 [[ "$OUT" == *'"finish_reason":"length"'*" 200" ]] || fail "HTTP inference completion: $OUT"
 M="$(curl -s "http://127.0.0.1:$MPORT/metrics")"
 grep -q 'moelora_auth_failures_total{code="unauthenticated"} 4' <<<"$M" || fail "HTTP refusals counted: $(grep auth <<<"$M")"
