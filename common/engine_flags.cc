@@ -8,6 +8,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, max_loras, 0,
           "LoRA slots: adapters resident in the workers at once (0: 16 on the CPU, where a slot "
@@ -53,8 +55,39 @@ ABSL_FLAG(int, prefill_tokens_beside_decodes, 16,
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "Reuse the KV blocks of a prompt prefix computed before under the same adapter (models "
           "with recurrent layers, Qwen3.5's Gated DeltaNet, never do)");
+ABSL_FLAG(
+    std::string, speculative_config, "",
+    "Speculative decoding, vLLM's JSON: '{\"method\": \"mtp\", \"num_speculative_tokens\": "
+    "k}' drafts k tokens per decode step with the checkpoint's MTP head (Qwen3.5/3.6-MoE) and "
+    "verifies them in the step's forward; the output is what decoding without it gives "
+    "(greedy: the same tokens; sampled: the same distribution). Empty: off");
 
 namespace moelora {
+
+absl::Status ParseSpeculativeConfig(const std::string& text, int* k) {
+  *k = 0;
+  if (text.empty()) return absl::OkStatus();
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("--speculative-config ", text, ": ", parts...));
+  };
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
+  for (const auto& [key, value] : j.items()) {
+    if (key != "method" && key != "num_speculative_tokens") {
+      return bad("\"", key, "\" is not taken (method, num_speculative_tokens)");
+    }
+  }
+  if (!j.contains("method") || !j["method"].is_string() || j["method"] != "mtp") {
+    return bad("\"method\" must be \"mtp\" (the checkpoint's multi-token-prediction head)");
+  }
+  if (!j.contains("num_speculative_tokens") || !j["num_speculative_tokens"].is_number_integer() ||
+      j["num_speculative_tokens"].get<int64_t>() < 1 ||
+      j["num_speculative_tokens"].get<int64_t>() > 16) {
+    return bad("\"num_speculative_tokens\" must be an integer in 1..16");
+  }
+  *k = j["num_speculative_tokens"].get<int>();
+  return absl::OkStatus();
+}
 
 absl::Status ParseByteCount(const std::string& text, int64_t* bytes) {
   static const std::pair<const char*, int64_t> kSuffixes[] = {{"Ki", int64_t{1} << 10},
@@ -107,6 +140,8 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
       ParseByteCount(absl::GetFlag(FLAGS_kv_cache_memory_bytes), &f.kv_cache_memory_bytes);
   if (!s.ok())
     return absl::InvalidArgumentError(absl::StrCat("--kv-cache-memory-bytes: ", s.message()));
+  MOELORA_RETURN_IF_ERROR(
+      ParseSpeculativeConfig(absl::GetFlag(FLAGS_speculative_config), &f.num_speculative_tokens));
   if (absl::GetFlag(FLAGS_mm_encoder_cache_bytes) != "0") {
     const absl::Status e =
         ParseByteCount(absl::GetFlag(FLAGS_mm_encoder_cache_bytes), &f.mm_encoder_cache_bytes);
@@ -167,6 +202,11 @@ std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
   if (f.expert_parallel) a.push_back("--enable-expert-parallel");
   if (f.fully_sharded_loras) a.push_back("--fully-sharded-loras");
   if (f.tower_connector_lora) a.push_back("--enable-tower-connector-lora");
+  if (f.num_speculative_tokens > 0) {
+    a.push_back("--speculative-config");
+    a.push_back(absl::StrCat(R"({"method": "mtp", "num_speculative_tokens": )",
+                             f.num_speculative_tokens, "}"));
+  }
   return a;
 }
 

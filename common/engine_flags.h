@@ -30,6 +30,7 @@ ABSL_DECLARE_FLAG(std::string, mm_encoder_cache_bytes);
 ABSL_DECLARE_FLAG(int, max_num_batched_tokens);
 ABSL_DECLARE_FLAG(bool, enable_prefix_caching);
 ABSL_DECLARE_FLAG(int, prefill_tokens_beside_decodes);
+ABSL_DECLARE_FLAG(std::string, speculative_config);
 
 namespace moelora {
 
@@ -52,7 +53,14 @@ struct EngineFlags {
   int max_num_batched_tokens = 512;                     // tokens of one step at most
   int prefill_tokens_beside_decodes = 16;               // while sequences decode
   bool prefix_caching = true;  // where the model allows it (no recurrent layers)
+  // --speculative-config, parsed: drafts per decode step of the model's MTP head (0: off).
+  int num_speculative_tokens = 0;
 };
+
+// vLLM's --speculative-config JSON as this server takes it: {"method": "mtp",
+// "num_speculative_tokens": k} with 1 <= k <= 16 (empty text: off, 0). INVALID_ARGUMENT naming
+// what is wrong (another method, a key it does not take, k out of range).
+[[nodiscard]] absl::Status ParseSpeculativeConfig(const std::string& json, int* k);
 
 // A byte count: an integer, or one with a K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of
 // 1024) suffix, as vLLM's --kv-cache-memory-bytes takes it. INVALID_ARGUMENT otherwise.

@@ -1,5 +1,8 @@
 #include "controller/metrics.h"
 
+#include <map>
+#include <string>
+
 namespace moelora {
 namespace {
 prometheus::Histogram::BucketBoundaries Seconds() {
@@ -173,7 +176,45 @@ ControllerMetrics::ControllerMetrics()
                             .Name("moelora_prefix_cache_hits_total")
                             .Help("Prompt tokens found in the prefix cache (not computed again)")
                             .Register(*registry_)
-                            .Add({})) {}
+                            .Add({})),
+      spec_verify_steps(prometheus::BuildCounter()
+                            .Name("moelora_spec_decode_verify_steps_total")
+                            .Help("Speculative decoding: decode steps that verified MTP drafts, "
+                                  "by adapter")
+                            .Register(*registry_)),
+      spec_draft_tokens(prometheus::BuildCounter()
+                            .Name("moelora_spec_decode_draft_tokens_total")
+                            .Help("Speculative decoding: draft tokens proposed, by adapter")
+                            .Register(*registry_)),
+      spec_accepted_tokens(prometheus::BuildCounter()
+                               .Name("moelora_spec_decode_accepted_tokens_total")
+                               .Help("Speculative decoding: draft tokens the target kept, by "
+                                     "adapter")
+                               .Register(*registry_)),
+      spec_acceptance_rate(prometheus::BuildGauge()
+                               .Name("moelora_spec_decode_acceptance_rate")
+                               .Help("Speculative decoding: drafts kept / drafts proposed since "
+                                     "the start, by adapter")
+                               .Register(*registry_)),
+      spec_mean_accepted_length(prometheus::BuildGauge()
+                                    .Name("moelora_spec_decode_mean_accepted_length")
+                                    .Help("Speculative decoding: tokens per verify step (1 + "
+                                          "drafts kept / verify steps) since the start, by "
+                                          "adapter")
+                                    .Register(*registry_)) {}
+
+void ControllerMetrics::ObserveSpeculation(const std::string& adapter, int drafted, int accepted) {
+  const std::map<std::string, std::string> label = {
+      {"adapter", adapter.empty() ? "base" : adapter}};
+  prometheus::Counter& steps = spec_verify_steps.Add(label);
+  prometheus::Counter& draft = spec_draft_tokens.Add(label);
+  prometheus::Counter& kept = spec_accepted_tokens.Add(label);
+  steps.Increment();
+  draft.Increment(drafted);
+  kept.Increment(accepted);
+  spec_acceptance_rate.Add(label).Set(kept.Value() / draft.Value());
+  spec_mean_accepted_length.Add(label).Set(1 + kept.Value() / steps.Value());
+}
 
 void ControllerMetrics::ObserveLoad(const std::string& format, bool converted,
                                     const std::string& phase, double s) {

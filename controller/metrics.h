@@ -51,8 +51,19 @@ class ControllerMetrics {
   prometheus::Counter& preemptions;
   prometheus::Counter& prefix_cache_queries;  // prompt tokens looked up
   prometheus::Counter& prefix_cache_hits;     // of those, found cached
+  // Speculative decoding (--speculative-config), by adapter ("base" for none): verify steps
+  // with drafts, drafts, drafts kept; and from them, since the start, the acceptance rate
+  // (kept / drafted) and the mean accepted length (tokens a verify step yields: 1 + kept / steps).
+  prometheus::Family<prometheus::Counter>& spec_verify_steps;
+  prometheus::Family<prometheus::Counter>& spec_draft_tokens;
+  prometheus::Family<prometheus::Counter>& spec_accepted_tokens;
+  prometheus::Family<prometheus::Gauge>& spec_acceptance_rate;
+  prometheus::Family<prometheus::Gauge>& spec_mean_accepted_length;
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
+  // One verify step of a sequence on `adapter` ("" = base) that drafted `drafted` tokens and
+  // kept `accepted`.
+  void ObserveSpeculation(const std::string& adapter, int drafted, int accepted);
 };
 
 }  // namespace moelora

@@ -434,9 +434,11 @@ void Scheduler::Loop() {
       continue;
     }
     {
-      // Per step: a step's tokens run until a sequence comes again.
+      // Per step: a step's tokens run until a sequence comes again (not counting a sequence's
+      // several tokens of one step, with speculative decoding: those come one after the other).
       std::set<int64_t> seen;
       for (const v1::SequenceToken& t : resp->tokens()) {
+        if (t.same_step()) continue;
         if (!seen.insert(t.sequence_id()).second) {
           metrics_->batch_size.Observe(static_cast<double>(seen.size()));
           seen = {t.sequence_id()};
@@ -474,17 +476,19 @@ void Scheduler::Loop() {
       std::vector<int32_t> tokens;
       std::vector<float> logprobs;
       const v1::SequenceToken* finished = nullptr;
+      std::vector<std::pair<int, int>> speculation;  // per verify step: drafted, kept
     };
     std::vector<SequenceTokens> by_sequence;
     {
       std::unordered_map<int64_t, size_t> index;
       for (const v1::SequenceToken& t : resp->tokens()) {
         const auto [it, fresh] = index.emplace(t.sequence_id(), by_sequence.size());
-        if (fresh) by_sequence.push_back({t.sequence_id(), {}, {}, nullptr});
+        if (fresh) by_sequence.push_back({t.sequence_id(), {}, {}, nullptr, {}});
         SequenceTokens& q = by_sequence[it->second];
         if (q.finished != nullptr) continue;  // nothing comes after a sequence's last token
         q.tokens.push_back(t.token_id());
         q.logprobs.push_back(t.logprob());
+        if (t.drafted() > 0) q.speculation.push_back({t.drafted(), t.accepted()});
         if (t.finished()) q.finished = &t;
       }
     }
@@ -508,6 +512,9 @@ void Scheduler::Loop() {
           (timing.first ? metrics_->ttft : metrics_->inter_token).Observe(timing.seconds);
         }
         metrics_->generated_tokens.Increment(static_cast<double>(q.tokens.size()));
+        for (const auto& [drafted, kept] : q.speculation) {
+          metrics_->ObserveSpeculation(r->adapter, drafted, kept);
+        }
         if (q.finished != nullptr) {
           finished.push_back({r, q.finished->finish_reason()});
           running_.erase(it);

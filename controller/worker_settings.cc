@@ -75,6 +75,10 @@ WorkerSettings WorkerSettingsFromFlags(const EngineFlags& flags, const std::stri
       return differ("--prefill-tokens-beside-decodes", f.prefill_tokens_beside_decodes,
                     w.prefill_tokens_beside_decodes());
     }
+    if (w.num_speculative_tokens() != f.num_speculative_tokens) {
+      return differ("--speculative-config num_speculative_tokens", f.num_speculative_tokens,
+                    w.num_speculative_tokens());
+    }
     if (w.prefix_caching() != ranks[0].prefix_caching()) {
       return absl::FailedPreconditionError(absl::StrCat("worker rank ", r, " has prefix caching ",
                                                         flag_value(w.prefix_caching()), ", rank 0 ",

@@ -191,6 +191,11 @@ struct Engine::Impl {
     bool recompute = false;
     std::vector<int32_t> history;      // the token at each position: the prompt, then sampled
     std::vector<float> prompt_logits;  // return_prompt_logits: collected over the chunks
+    // Speculative decoding: the MTP head's draft of the token after `pending`, and the head's
+    // output there (the hidden input of a further draft); -1 / undefined until the head has run
+    // over the whole feed (again after a preemption). Sequences with images decode without.
+    int64_t draft = -1;
+    at::Tensor head_out;
     bool Prefilling() const { return fed < feed.size(); }
     // Images of the prompt: their tokens, patch grid, and the tower's output while the prompt
     // is being read (computed when a chunk first reaches the image, dropped once the prompt is
@@ -216,6 +221,7 @@ struct Engine::Impl {
   };
   KvCache* kv = nullptr;  // the model's
   bool prefix_caching = false;
+  int spec_k = 0;  // drafts per decode step (--speculative-config), 0: none
   // Models with a vision tower: preprocessor_config.json (how pixels become pixel_values).
   std::optional<vision::ImageProcessorConfig> image_processor;
   // Tower outputs kept for reuse (--mm-encoder-cache-bytes), most recently used first; the
@@ -457,6 +463,99 @@ struct Engine::Impl {
     return absl::OkStatus();
   }
 
+  // Speculation, before the forward: drafts 2 .. d of the batch's decodes with d drafts (their
+  // tokens after `pending` and d1 hold placeholders): each sequence's last draft through the
+  // head, from the head's own last output, the sequences batched, while any needs more.
+  absl::Status DraftMore(ForwardBatch& b, const std::vector<size_t>& in_batch,
+                         const std::vector<int64_t>& ndraft, const std::vector<int64_t>& head_len) {
+    std::vector<size_t> who;  // b.seqs entries still drafting
+    std::vector<at::Tensor> rows;
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      if (ndraft[in_batch[k]] < 2) continue;
+      if (b.seqs[k].state->mtp_len != head_len[k]) return absl::InternalError("head out of step");
+      who.push_back(k);
+      rows.push_back(running[in_batch[k]].head_out);
+    }
+    if (who.empty()) return absl::OkStatus();
+    at::Tensor z = at::stack(rows, 0);
+    for (int64_t j = 1; !who.empty(); ++j) {
+      ForwardBatch h;
+      for (size_t k : who) {
+        h.seqs.push_back({b.seqs[k].state, static_cast<int64_t>(h.tokens.size()), 1, false, false});
+        h.tokens.push_back(b.tokens[b.seqs[k].begin + j]);
+        h.slots.push_back(-1);
+      }
+      at::Tensor z2;
+      MOELORA_ASSIGN_OR_RETURN(at::Tensor logits, model->ForwardMtp(h, z, &z2));
+      std::vector<size_t> more;
+      std::vector<int64_t> keep;
+      for (size_t i = 0; i < who.size(); ++i) {
+        const size_t k = who[i];
+        b.tokens[b.seqs[k].begin + j + 1] =
+            logits[static_cast<int64_t>(i)].argmax().item<int64_t>();
+        if (ndraft[in_batch[k]] > j + 1) {
+          more.push_back(k);
+          keep.push_back(static_cast<int64_t>(i));
+        }
+      }
+      if (!more.empty()) z = z2.index_select(0, at::tensor(keep, at::kLong).to(z2.device()));
+      who = std::move(more);
+    }
+    return absl::OkStatus();
+  }
+
+  // Speculation, after the step's tokens: every running sequence of the batch that drafts (no
+  // images) gives back the positions of its rejected drafts (recurrent states included), and
+  // the head runs over the positions the target computed and kept — a prompt chunk's, or a
+  // decode's kept drafts and the target's own token — with the target's hidden states there,
+  // its inputs the tokens one position on (the next chunk's first, or the sampled token).
+  // A sequence past its feed gets its next draft and head output.
+  absl::Status AfterVerify(const ForwardBatch& b, const std::vector<size_t>& in_batch,
+                           const std::vector<int64_t>& nd, const std::vector<char>& was_prefilling,
+                           const std::vector<std::vector<int32_t>>& tokens,
+                           const std::vector<int64_t>& head_len,
+                           const std::set<int64_t>& finished) {
+    const at::Tensor hidden = model->last_hidden();
+    if (!hidden.defined() || hidden.size(0) != static_cast<int64_t>(b.tokens.size())) {
+      return absl::InternalError("the forward kept no hidden states for the MTP head");
+    }
+    ForwardBatch h;
+    std::vector<at::Tensor> rows;
+    std::vector<Sequence*> seqs;
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      Sequence& s = running[in_batch[k]];
+      if (!s.images.empty() || finished.count(s.spec.id)) continue;
+      const ForwardBatch::Seq& f = b.seqs[k];
+      std::vector<int64_t> in;
+      int64_t count = f.count;
+      if (was_prefilling[k]) {
+        in.assign(b.tokens.begin() + f.begin + 1, b.tokens.begin() + f.begin + f.count);
+        in.push_back(s.Prefilling() ? s.feed[s.fed] : tokens[k].front());
+      } else {
+        count = static_cast<int64_t>(tokens[k].size());
+        if (nd[k] > 0) MOELORA_RETURN_IF_ERROR(model->RollBack(s.state, nd[k] + 1, count));
+        in.assign(tokens[k].begin(), tokens[k].end());
+      }
+      s.state.mtp_len = head_len[k];
+      if (head_len[k] != s.state.len - count) return absl::InternalError("head out of step");
+      h.seqs.push_back({&s.state, static_cast<int64_t>(h.tokens.size()), count, false, false});
+      h.tokens.insert(h.tokens.end(), in.begin(), in.end());
+      h.slots.insert(h.slots.end(), count, -1);
+      rows.push_back(hidden.narrow(0, f.begin, count));
+      seqs.push_back(&s);
+    }
+    if (seqs.empty()) return absl::OkStatus();
+    at::Tensor z;
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor logits, model->ForwardMtp(h, at::cat(rows, 0), &z));
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Sequence& s = *seqs[i];
+      if (s.Prefilling()) continue;
+      s.draft = logits[static_cast<int64_t>(i)].argmax().item<int64_t>();
+      s.head_out = z[static_cast<int64_t>(i)];
+    }
+    return absl::OkStatus();
+  }
+
   // Under adapters_mu.
   HostCacheStats CacheStats() const {
     HostCacheStats st;
@@ -517,8 +616,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   mo.fully_sharded_loras = o.fully_sharded_loras;
   mo.dummy_weights = o.dummy_weights;
   mo.tower_connector_lora = o.enable_tower_connector_lora;
+  if (o.num_speculative_tokens < 0) {
+    return absl::InvalidArgumentError("num_speculative_tokens must be >= 0");
+  }
+  mo.mtp = o.num_speculative_tokens > 0;
   MOELORA_ASSIGN_OR_RETURN(impl->model,
                            impl->compute->Run([&] { return LoadCausalLM(o.model_dir, mo, comm); }));
+  if (mo.mtp && !impl->model->has_mtp()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--speculative-config method mtp: ", impl->model->config().info.architecture,
+                     " from ", o.model_dir,
+                     " has no MTP head this server can build (Qwen3.5/3.6-MoE checkpoints with "
+                     "mtp_num_hidden_layers and mtp.* weights)"));
+  }
+  impl->spec_k = o.num_speculative_tokens;
   const int cfg_len = impl->model->config().max_position_embeddings;
   impl->max_model_len = o.max_model_len > 0 ? o.max_model_len : cfg_len;
   MOELORA_ASSIGN_OR_RETURN(impl->config_fingerprint, ConfigFingerprint(o.model_dir));
@@ -543,7 +654,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   CausalLM* model = impl->model.get();
   MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
   impl->kv = model->kv_cache();
-  impl->prefix_caching = o.enable_prefix_caching && !model->has_recurrent_layers();
+  // (Speculation: cached blocks would lack the MTP head's keys and values.)
+  impl->prefix_caching =
+      o.enable_prefix_caching && !model->has_recurrent_layers() && impl->spec_k == 0;
   if (const VisionConfig* v = model->vision()) {
     MOELORA_ASSIGN_OR_RETURN(impl->image_processor,
                              vision::ImageProcessorConfig::Load(o.model_dir));
@@ -918,6 +1031,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   // The step's plan: how many tokens each sequence computes (0: none this step).
   const size_t nrun = m.running.size();
   std::vector<int64_t> take(nrun, 0);
+  std::vector<int64_t> ndraft(nrun, 0);  // drafts each decode verifies (speculation)
   auto preempt = [&](size_t j) {
     Impl::Sequence& v = m.running[j];
     // Recomputed from the start: the prompt and every token sampled, the last of which (the
@@ -926,7 +1040,10 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     v.fed = 0;
     v.recompute = true;
     v.state = m.model->NewState();  // frees its blocks
+    v.draft = -1;                   // the head runs over the recomputed feed again
+    v.head_out = at::Tensor();
     take[j] = 0;
+    ndraft[j] = 0;
     ++out.preempted;
   };
   // The latest admitted sequence holding blocks, after `after` (or `after` itself).
@@ -939,10 +1056,36 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   int64_t budget = m.options.max_num_batched_tokens;
   for (;;) {
     // Decodes first, in admission order; a decode that finds no free block preempts the latest
-    // admitted sequence (itself if it is the latest).
+    // admitted sequence (itself if it is the latest). With speculation, a decode also verifies
+    // its drafts, out of what the budget holds beyond one token per decode and the prompt tokens
+    // waiting (up to what a step reads beside decodes: drafts may be rejected, prompt tokens
+    // are progress), in admission order, where free blocks allow (drafts never preempt), and no
+    // more than its max_tokens and max_model_len leave room for.
+    int64_t spare = budget, waiting = 0;
+    for (size_t i = 0; i < nrun; ++i) {
+      const Impl::Sequence& s = m.running[i];
+      if (take[i] > 0) continue;
+      if (s.Prefilling()) {
+        waiting += static_cast<int64_t>(s.feed.size() - s.fed);
+      } else {
+        --spare;
+      }
+    }
+    if (m.options.prefill_tokens_beside_decodes > 0) {
+      waiting = std::min<int64_t>(waiting, m.options.prefill_tokens_beside_decodes);
+    }
+    spare -= waiting;
     for (size_t i = 0; i < nrun && budget > 0; ++i) {
       Impl::Sequence& s = m.running[i];
       if (s.Prefilling() || take[i] > 0) continue;
+      int64_t d = 0;
+      if (s.draft >= 0) {
+        d = std::min<int64_t>(
+            {m.spec_k, spare, m.max_model_len - 2 - s.state.len,
+             s.spec.max_tokens > 0 ? s.spec.max_tokens - s.generated - 1 : int64_t{m.spec_k}});
+        if (d > 0 && !m.kv->Reserve(s.state.table, s.state.len + 1 + d)) d = 0;
+        d = std::max<int64_t>(d, 0);
+      }
       bool self = false;
       while (!m.kv->Reserve(s.state.table, s.state.len + 1)) {
         const size_t j = victim(i);
@@ -953,8 +1096,10 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
         }
       }
       if (self) continue;
-      take[i] = 1;
-      --budget;
+      take[i] = 1 + d;
+      ndraft[i] = d;
+      spare -= d;
+      budget -= 1 + d;
     }
     // While sequences decode, a step reads at most --prefill-tokens-beside-decodes prompt
     // tokens, so a long prompt cannot stretch their inter-token time to its chunk's.
@@ -1017,6 +1162,13 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       fs.all_logits = s.spec.return_prompt_logits && !s.recompute;
     } else {
       b.tokens.push_back(s.pending);
+      if (ndraft[i] > 0) {
+        // The head's first draft; the others (placeholders here) are drafted before the forward.
+        b.tokens.push_back(s.draft);
+        b.tokens.insert(b.tokens.end(), ndraft[i] - 1, -1);
+        fs.all_logits = true;
+        fs.keep_states = true;  // rolled back past the first rejected draft
+      }
     }
     fs.count = take[i];
     b.slots.insert(b.slots.end(), fs.count, s.slot);
@@ -1037,6 +1189,10 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       }
     }
   }
+  // Speculation: where the head's positions were before the step's drafts (they are drafted
+  // again from the target's hidden states once the verify has spoken).
+  std::vector<int64_t> head_len(b.seqs.size());
+  for (size_t k = 0; k < b.seqs.size(); ++k) head_len[k] = b.seqs[k].state->mtp_len;
   absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&]() -> absl::StatusOr<at::Tensor> {
     if (const int f = m.options.debug_fail_prompt_chunk_tokens; f > 0) {
       for (const ForwardBatch::Seq& fs : b.seqs) {
@@ -1044,10 +1200,11 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       }
     }
     MOELORA_RETURN_IF_ERROR(m.PrepareImages(b, in_batch));
+    if (m.spec_k > 0) MOELORA_RETURN_IF_ERROR(m.DraftMore(b, in_batch, ndraft, head_len));
     return m.model->Forward(b);
   });
   if (!logits.ok() && logits.status().code() == absl::StatusCode::kResourceExhausted &&
-      m.comm->world_size() == 1 && !m.model->has_recurrent_layers()) {
+      m.comm->world_size() == 1 && !m.model->has_recurrent_layers() && m.spec_k == 0) {
     // Out of memory on the only rank, in a model without recurrent state: nothing this step did
     // stays (a state's length grows only at the forward's end, and its K/V rows are written
     // again), so the sequence with the largest prompt chunk fails alone and the others step on
@@ -1088,18 +1245,19 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
         absl::StatusCodeToString(logits.status().code()), ": ", logits.status().message()));
   }
   const float* L = logits->data_ptr<float>();
-  // Each sequence's row of logits (its last; all_logits sequences have one per new token before
-  // it). Sequences that finish reading their feed (or decode) sample a token: in parallel (each
-  // has its own sampler), a task at least 32768 logits, so a small vocabulary stays on this
-  // thread.
+  // Each sequence's rows of logits (its last; all_logits sequences have one per new token before
+  // it; a decode with d drafts has d + 1, one per position it verifies). Sequences that finish
+  // reading their feed (or decode) sample: in parallel (each has its own sampler), a task at
+  // least 32768 logits, so a small vocabulary stays on this thread.
   const int64_t n = static_cast<int64_t>(b.seqs.size());
-  std::vector<int64_t> last_row(n);
-  std::vector<char> samples(n, 0);
+  std::vector<int64_t> last_row(n), nd(n, 0);
+  std::vector<char> samples(n, 0), was_prefilling(n, 0);
   for (int64_t k = 0, row = 0; k < n; ++k) {
     Impl::Sequence& s = m.running[in_batch[k]];
     row += b.seqs[k].all_logits ? b.seqs[k].count : 1;
     last_row[k] = row - 1;
     if (s.Prefilling()) {
+      was_prefilling[k] = 1;
       if (b.seqs[k].all_logits) {
         const float* r = L + last_row[k] * vocab;
         s.prompt_logits.insert(s.prompt_logits.end(), r - (b.seqs[k].count - 1) * vocab, r + vocab);
@@ -1111,44 +1269,84 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       }
     } else {
       samples[k] = 1;
+      nd[k] = ndraft[in_batch[k]];
     }
   }
-  std::vector<int32_t> tokens(n);
-  std::vector<float> logprobs(n, 0.0f);
+  // Per sequence: its tokens (the drafts kept, in order, then the target's own) and their
+  // logprobs; the first from row last_row - nd.
+  std::vector<std::vector<int32_t>> tokens(n);
+  std::vector<std::vector<float>> logprobs(n);
   at::parallel_for(
       0, n, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, vocab)), [&](int64_t i0, int64_t i1) {
         for (int64_t k = i0; k < i1; ++k) {
           if (!samples[k]) continue;
           Impl::Sequence& s = m.running[in_batch[k]];
-          tokens[k] = s.sampler->Sample(L + last_row[k] * vocab, vocab,
-                                        s.spec.return_logprobs ? &logprobs[k] : nullptr);
+          for (int64_t j = 0; j <= nd[k]; ++j) {
+            const float* r = L + (last_row[k] - nd[k] + j) * vocab;
+            float lp = 0;
+            float* want = s.spec.return_logprobs ? &lp : nullptr;
+            bool kept = false;
+            tokens[k].push_back(
+                j < nd[k] ? s.sampler->Verify(
+                                r, vocab, static_cast<int32_t>(b.tokens[b.seqs[k].begin + 1 + j]),
+                                &kept, want)
+                          : s.sampler->Sample(r, vocab, want));
+            logprobs[k].push_back(lp);
+            if (j < nd[k] && !kept) break;
+          }
         }
       });
   std::set<int64_t> finished;
   for (int64_t k = 0; k < n; ++k) {
     if (!samples[k]) continue;
     Impl::Sequence& s = m.running[in_batch[k]];
-    TokenOut t;
-    t.sequence_id = s.spec.id;
-    const float* r = L + last_row[k] * vocab;
-    if (!s.prompt_logits.empty()) t.prompt_logits = std::move(s.prompt_logits);
-    s.prompt_logits.clear();
-    s.recompute = false;
-    t.token = tokens[k];
-    if (s.spec.return_logprobs) t.logprob = logprobs[k];
-    if (s.spec.return_logits) t.logits.assign(r, r + vocab);
-    s.pending = t.token;
-    s.history.push_back(t.token);
-    ++s.generated;
-    const auto& stop = s.spec.stop_token_ids;
-    if (std::find(stop.begin(), stop.end(), t.token) != stop.end()) {
-      t.finished = true, t.finish_reason = "stop";
-    } else if ((s.spec.max_tokens > 0 && s.generated >= s.spec.max_tokens) ||
-               s.state.len + 1 >= m.max_model_len) {
-      t.finished = true, t.finish_reason = "length";
+    ++out.sequences;
+    for (size_t j = 0; j < tokens[k].size(); ++j) {
+      TokenOut t;
+      t.sequence_id = s.spec.id;
+      const float* r = L + (last_row[k] - nd[k] + static_cast<int64_t>(j)) * vocab;
+      if (j == 0) {
+        if (!s.prompt_logits.empty()) t.prompt_logits = std::move(s.prompt_logits);
+        s.prompt_logits.clear();
+        s.recompute = false;
+        t.drafted = static_cast<int32_t>(nd[k]);
+        t.accepted = static_cast<int32_t>(tokens[k].size() - 1);
+      }
+      t.same_step = j > 0;
+      t.token = tokens[k][j];
+      if (s.spec.return_logprobs) t.logprob = logprobs[k][j];
+      if (s.spec.return_logits) t.logits.assign(r, r + vocab);
+      s.pending = t.token;
+      s.history.push_back(t.token);
+      ++s.generated;
+      // The length once this token's position is computed (the state holds every verified one).
+      const int64_t len = s.state.len - (nd[k] + 1) + static_cast<int64_t>(j) + 1;
+      const auto& stop = s.spec.stop_token_ids;
+      if (std::find(stop.begin(), stop.end(), t.token) != stop.end()) {
+        t.finished = true, t.finish_reason = "stop";
+      } else if ((s.spec.max_tokens > 0 && s.generated >= s.spec.max_tokens) ||
+                 len + 1 >= m.max_model_len) {
+        t.finished = true, t.finish_reason = "length";
+      }
+      out.tokens.push_back(std::move(t));
+      if (out.tokens.back().finished) {
+        finished.insert(s.spec.id);
+        break;  // the rest of its kept drafts are not emitted
+      }
     }
-    if (t.finished) finished.insert(s.spec.id);
-    out.tokens.push_back(std::move(t));
+  }
+  if (m.spec_k > 0) {
+    absl::Status st = GuardTorch("speculation", [&]() -> absl::Status {
+      return m.AfterVerify(b, in_batch, nd, was_prefilling, tokens, head_len, finished);
+    });
+    if (!st.ok()) {
+      // As for a failed forward: the ranks' states may differ now.
+      const size_t dropped = m.running.size();
+      m.running.clear();
+      return absl::AbortedError(absl::StrCat(
+          "the step failed and its ", dropped,
+          " sequences were dropped: ", absl::StatusCodeToString(st.code()), ": ", st.message()));
+    }
   }
   out.batch_tokens = static_cast<int>(b.tokens.size());
   out.distinct_adapters = static_cast<int>(distinct.size());
@@ -1206,6 +1404,7 @@ EngineInfo Engine::Info() const {
   i.max_num_batched_tokens = m.options.max_num_batched_tokens;
   i.prefix_caching = m.prefix_caching;
   i.prefill_tokens_beside_decodes = m.options.prefill_tokens_beside_decodes;
+  i.num_speculative_tokens = m.spec_k;
   if (const VisionConfig* v = m.model->vision()) {
     i.vision = true;
     i.image_token_id = v->image_token_id;

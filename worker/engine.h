@@ -1,6 +1,7 @@
 // The worker's engine: the model of this rank, its LoRA slots, and the running sequences.
 // Continuous batching: at every Step sequences may join (prefilled in the same forward pass as
-// the decodes) and leave; each running sequence then yields one token. No libtorch in this
+// the decodes) and leave; each running sequence then yields one token (or, with speculative
+// decoding, the drafts of the model's MTP head it verified and kept, then one). No libtorch in this
 // header (pimpl), so the gRPC service and tests that only drive the engine compile fast.
 //
 // Adapters load in two phases so a controller can make a load atomic across ranks: Stage reads,
@@ -55,8 +56,12 @@ struct EngineOptions {
   int max_num_batched_tokens = 512;
   // Prompt tokens a step reads at most while other sequences decode (0: the whole budget).
   int prefill_tokens_beside_decodes = 16;
-  // Automatic prefix caching (models without recurrent layers only).
+  // Automatic prefix caching (models without recurrent layers only; off with speculation).
   bool enable_prefix_caching = true;
+  // Speculative decoding with the checkpoint's MTP head (--speculative-config): drafts per
+  // sequence and decode step, verified in the step's one forward (0: off). FAILED_PRECONDITION at
+  // Create when the model has no head.
+  int num_speculative_tokens = 0;
   // Intra-op CPU threads (process-wide); 0: the machine's hardware threads / tensor-parallel size.
   int num_threads = 0;
   // Testing (the worker's --debug-fail-prompt-chunk-tokens): a step with a prompt chunk of at
@@ -95,12 +100,18 @@ struct TokenOut {
   std::string finish_reason;         // "stop" | "length" when finished
   std::vector<float> logits;         // [vocab] when requested
   std::vector<float> prompt_logits;  // [prompt_len * vocab] at prefill when requested
+  // Speculative decoding, on a sequence's first token of a step: drafts the step verified and
+  // how many of them it kept (the step's tokens are the kept drafts, then the target's own).
+  int32_t drafted = 0, accepted = 0;
+  bool same_step = false;  // a further token of the sequence in this step
 };
 
 struct StepOutput {
-  // One per sequence that sampled a token, in admission order (a sequence whose prompt is still
-  // being read in chunks, or recomputed after a preemption, has none).
+  // The tokens of each sequence that sampled, in admission order, a sequence's one after the
+  // other: one, or with speculative decoding up to 1 + num_speculative_tokens (a sequence whose
+  // prompt is still being read in chunks, or recomputed after a preemption, has none).
   std::vector<TokenOut> tokens;
+  int sequences = 0;  // sequences with tokens above
   int batch_tokens = 0;
   int preempted = 0;  // sequences preempted by this step (blocks freed, to recompute)
   // Prefix cache: prompt tokens looked up and found in this step.
@@ -166,7 +177,8 @@ struct EngineInfo {
   int block_size = 0;
   int64_t num_blocks = 0, free_blocks = 0, bytes_per_block = 0;
   int max_num_batched_tokens = 0;
-  bool prefix_caching = false;  // on and supported by the model
+  bool prefix_caching = false;     // on and supported by the model
+  int num_speculative_tokens = 0;  // MTP drafts per decode step (0: no speculation)
   int prefill_tokens_beside_decodes = 0;
   // The vision tower: loaded, its image pad token, adapters may adapt it.
   bool vision = false;
@@ -204,7 +216,8 @@ class Engine {
                                                              bool keep_in_host_cache = false);
 
   // Removes `remove`, adds `add` (all or nothing: an invalid joiner fails the step before any
-  // state changes), runs one forward pass and samples one token per sequence. Finished sequences
+  // state changes), runs one forward pass and samples one token per sequence (with speculation,
+  // a sequence's drafts are verified in that forward and it may yield several). Finished sequences
   // leave the batch by themselves. The work runs on the engine's one compute thread, whatever
   // thread calls (see ComputeThread in engine.cc).
   [[nodiscard]] absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,

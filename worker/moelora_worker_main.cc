@@ -235,6 +235,7 @@ int main(int argc, char** argv) {
     eo.max_num_batched_tokens = engine_flags.max_num_batched_tokens;
     eo.enable_prefix_caching = engine_flags.prefix_caching;
     eo.prefill_tokens_beside_decodes = engine_flags.prefill_tokens_beside_decodes;
+    eo.num_speculative_tokens = engine_flags.num_speculative_tokens;
     eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);
     auto engine = moelora::Engine::Create(eo, comm->get());
     if (!engine.ok()) {

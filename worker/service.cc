@@ -228,6 +228,9 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
       p->set_logprob(t.logprob);
       p->set_finished(t.finished);
       p->set_finish_reason(t.finish_reason);
+      p->set_drafted(t.drafted);
+      p->set_accepted(t.accepted);
+      p->set_same_step(t.same_step);
       p->mutable_logits()->Add(t.logits.begin(), t.logits.end());
       p->mutable_prompt_logits()->Add(t.prompt_logits.begin(), t.prompt_logits.end());
     }
@@ -236,8 +239,7 @@ grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest
     if (!o.tokens.empty()) {
       // The sequences still running after this step: the next step's tokens (or, after the
       // last, the engine's count).
-      const int running =
-          i + 1 < out->size() ? static_cast<int>((*out)[i + 1].tokens.size()) : info.running;
+      const int running = i + 1 < out->size() ? (*out)[i + 1].sequences : info.running;
       metrics_->StepDone(o.batch_tokens, o.distinct_adapters, o.seconds,
                          static_cast<int>(o.tokens.size()), running);
     }
@@ -300,6 +302,7 @@ grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoReque
   resp->set_max_num_batched_tokens(i.max_num_batched_tokens);
   resp->set_prefix_caching(i.prefix_caching);
   resp->set_prefill_tokens_beside_decodes(i.prefill_tokens_beside_decodes);
+  resp->set_num_speculative_tokens(i.num_speculative_tokens);
   resp->set_running_sequences(i.running);
   resp->set_vision(i.vision);
   resp->set_image_token_id(static_cast<int32_t>(i.image_token_id));

@@ -73,6 +73,8 @@ TEST(WorkerSettingsTest, AgreeingWorkersPassAndEachDisagreementIsNamed) {
       {[](auto& w) { w.set_prefix_caching(false); }, "--enable-prefix-caching"},
       {[](auto& w) { w.set_prefill_tokens_beside_decodes(0); },
        "--prefill-tokens-beside-decodes 0, the controller with 16"},
+      {[](auto& w) { w.set_num_speculative_tokens(3); },
+       "--speculative-config num_speculative_tokens 3, the controller with 0"},
   };
   for (const Case& c : cases) {
     auto ranks = Agreeing(2);
