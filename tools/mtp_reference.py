@@ -24,6 +24,13 @@ norm and rotary modules for the parts they share with the target:
         position), `greedy.i` (the target's 16 greedy tokens after the prompt) and the head's
         acceptance on them (in DIR/mtp_stats.json).
 
+    mtp_reference.py medium --out DIR [--layers 12] [--steps 300]
+        DIR/model: the speculative-decoding benchmark's model (bench/decode_step --only
+        mtp-speed): bench/decode_step's medium Qwen3.5 dimensions (H=1024, E=32 top-8, vocab
+        4096) with --layers layers (3 Gated DeltaNet : 1 attention), random, and an MTP head
+        trained as above on the target's greedy continuations of 64 random prompts; DIR/
+        mtp_stats.json: the loss, and the head's acceptance on held-out prompts' continuations.
+
 Test-only: the product never runs Python.
 """
 import argparse
@@ -122,23 +129,35 @@ def randomise_norms(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
-def train_head(model, head, steps, seed):
+def continuations(model, vocab, count, seed, prompt_len=6, new=26):
+    """`count` random prompts of `prompt_len` ids, each followed by the target's `new` greedy
+    tokens (generate with its cache: the medium model is too slow without)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (count, prompt_len), generator=g)
+    with torch.no_grad():
+        out = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out.tolist()
+
+
+def train_head(model, head, steps, seed, vocab=VOCAB, count=48, lr=3e-3, seqs=None):
     """Trains the head on the target's greedy continuations of random prompts: at each position
     p of a sequence the target wrote, the head sees (x[p+1], h[p]) and must predict x[p+2]."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for _ in range(48):
-        prompt = torch.randint(0, VOCAB, (6,), generator=g).tolist()
-        seqs.append(prompt + greedy(model, prompt, 26))
+    if seqs is None:
+        g = torch.Generator().manual_seed(seed)
+        seqs = []
+        for _ in range(count):
+            prompt = torch.randint(0, vocab, (6,), generator=g).tolist()
+            seqs.append(prompt + greedy(model, prompt, 26))
     ids = torch.tensor(seqs)
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
         emb = model.model.embed_tokens(ids[:, 1:])
     target = ids[:, 2:]
-    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
     for _ in range(steps):
         logits = model.lm_head(head(emb, hidden[:, :-1]))[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -201,16 +220,80 @@ def make(out, steps):
     print(json.dumps(stats))
 
 
+# bench/decode_step's medium Qwen3.5 (Q35Dims), but for the number of layers.
+MEDIUM = dict(vocab_size=4096, hidden_size=1024, moe_intermediate_size=512,
+              shared_expert_intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+              head_dim=128, num_experts=32, num_experts_per_tok=8, max_position_embeddings=4096,
+              rms_norm_eps=1e-6, linear_num_key_heads=4, linear_num_value_heads=8,
+              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                               "mrope_interleaved": True})
+
+
+def medium(out, layers, steps):
+    shutil.rmtree(out, ignore_errors=True)
+    mdir = os.path.join(out, "model")
+    types = ["full_attention" if (l + 1) % 4 == 0 else "linear_attention" for l in range(layers)]
+    cfg = Qwen3_5MoeTextConfig(**MEDIUM, num_hidden_layers=layers, layer_types=types, **EAGER)
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    torch.manual_seed(2024)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+    randomise_norms(model, 31)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(78)
+    head = MtpHead(cfg)
+    randomise_norms(head, 79)
+    train = continuations(model, MEDIUM["vocab_size"], 64, 12)
+    held_out = continuations(model, MEDIUM["vocab_size"], 16, 13)
+    loss = train_head(model, head, steps, 0, vocab=MEDIUM["vocab_size"], lr=1e-3, seqs=train)
+    head.eval()
+    model.save_pretrained(mdir)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for k, v in head.state_dict().items():
+        if not k.startswith("rotary."):
+            sd["mtp." + k] = v.detach().contiguous()
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(mdir, "config.json")))
+    c["mtp_num_hidden_layers"] = 1
+    c["mtp_use_dedicated_embeddings"] = False
+    json.dump(c, open(os.path.join(mdir, "config.json"), "w"), indent=2)
+
+    def acceptance(seqs):
+        hit = total = 0
+        for s in seqs:
+            with torch.no_grad():
+                drafts = head_logits(model, head, s).argmax(-1)[5:]  # drafts of x[7..]
+            want = torch.tensor(s[7:])
+            hit += int((drafts[:len(want)] == want).sum())
+            total += len(want)
+        return hit / total
+
+    distinct = len({t for s in held_out for t in s[6:]})
+    stats = {"train_loss": loss, "train_acceptance": acceptance(train),
+             "held_out_acceptance": acceptance(held_out), "held_out_distinct_tokens": distinct,
+             "layers": layers, "steps": steps}
+    json.dump(stats, open(os.path.join(out, "mtp_stats.json"), "w"), indent=2)
+    print(json.dumps(stats))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("--out", required=True)
     m.add_argument("--steps", type=int, default=400)
+    md = sub.add_parser("medium")
+    md.add_argument("--out", required=True)
+    md.add_argument("--layers", type=int, default=12)
+    md.add_argument("--steps", type=int, default=300)
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.cmd == "make":
         make(args.out, args.steps)
+    elif args.cmd == "medium":
+        medium(args.out, args.layers, args.steps)
 
 
 if __name__ == "__main__":

@@ -357,6 +357,74 @@ void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixt
   }
 }
 
+// --speculative-config through real processes, on the Qwen3.5 fixture with a trained MTP head:
+// a base, a 2D and a 3D request run together give the tokens the service gives without
+// speculation, at TP=1, TP=2 and TP=2 with expert parallelism, with drafts kept (the metrics count
+// drafts and kept ones per adapter); a sampled request runs to its length.
+TEST_F(ControllerTest, SpeculativeDecodingGivesTheSameTokensAtTp1AndTp2) {
+  const std::vector<std::string> names = {"", "q2d", "q3d"};
+  auto generate_all = [&](ControllerProcess& c) {
+    std::vector<std::vector<int32_t>> out(names.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < names.size(); ++i) {
+      threads.emplace_back([&, i] {
+        v1::GenerateResponse r;
+        const grpc::Status s = c.Generate(names[i], kPrompts[i], 24, &r);
+        EXPECT_TRUE(s.ok()) << s.error_message();
+        out[i] = Tokens(r);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  };
+  std::vector<std::vector<int32_t>> plain;
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{},
+        std::vector<std::string>{"--speculative-config",
+                                 R"({"method": "mtp", "num_speculative_tokens": 3})"},
+        std::vector<std::string>{"--speculative-config",
+                                 R"({"method": "mtp", "num_speculative_tokens": 3})",
+                                 "--tensor-parallel-size", "2"},
+        std::vector<std::string>{"--speculative-config",
+                                 R"({"method": "mtp", "num_speculative_tokens": 2})",
+                                 "--tensor-parallel-size", "2", "--enable-expert-parallel"}}) {
+    SCOPED_TRACE(absl::StrJoin(extra, " "));
+    TempDir state;
+    std::vector<std::string> flags = {"--enable-mixed-moe-lora-format"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    ControllerProcess c(state.path(), adapters_.root, flags, "qwen3_5_moe_mtp/model");
+    ASSERT_TRUE(c.started()) << c.Log();
+    ASSERT_TRUE(c.WaitServing()) << c.Log();
+    ASSERT_TRUE(c.Load("q2d", "q35_adapter_2d").ok()) << c.Log();
+    ASSERT_TRUE(c.Load("q3d", "q35_adapter_3d").ok()) << c.Log();
+    const std::vector<std::vector<int32_t>> got = generate_all(c);
+    for (const auto& t : got) EXPECT_EQ(t.size(), 24u);
+    const std::string m = c.Metrics();
+    if (extra.empty()) {
+      plain = got;
+      EXPECT_EQ(m.find("moelora_spec_decode_draft_tokens_total{"), std::string::npos);
+      continue;
+    }
+    EXPECT_EQ(got, plain);
+    const double drafted = Sample(m, R"(moelora_spec_decode_draft_tokens_total{adapter="base"})");
+    const double kept = Sample(m, R"(moelora_spec_decode_accepted_tokens_total{adapter="base"})");
+    EXPECT_GT(drafted, 0) << m;
+    EXPECT_GT(kept, 0) << m;
+    EXPECT_GT(Sample(m, R"(moelora_spec_decode_draft_tokens_total{adapter="q2d"})"), 0) << m;
+    EXPECT_NEAR(Sample(m, R"(moelora_spec_decode_acceptance_rate{adapter="base"})"), kept / drafted,
+                1e-9);
+    EXPECT_GT(Sample(m, R"(moelora_spec_decode_mean_accepted_length{adapter="base"})"), 1) << m;
+    v1::GenerateRequest q;
+    q.mutable_prompt_token_ids()->Add(kPrompts[0].begin(), kPrompts[0].end());
+    q.set_max_tokens(16);
+    q.set_temperature(0.8f);
+    q.set_seed(5);
+    v1::GenerateResponse r;
+    ASSERT_TRUE(c.Generate(q, &r).ok());
+    EXPECT_EQ(r.token_ids_size(), 16);
+  }
+}
+
 // On Qwen3.5-MoE (the VL release's layout) and on Step3.5 (the hub layout).
 TEST_F(ControllerTest, Qwen35MixedAdaptersAtTp2) {
   UpstreamMixedTestAtTp2(adapters_, "qwen3_5_moe", "qwen3_5_moe/model_vl", "q35_");

@@ -1,10 +1,11 @@
 // --speculative-config as vLLM writes it, and what it refuses (naming the problem); the worker's
 // command line carries it on.
+#include "common/engine_flags.h"
+
 #include <algorithm>
 #include <string>
 #include <utility>
 
-#include "common/engine_flags.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -74,7 +74,7 @@ std::vector<std::vector<int32_t>> FixturePrompts() {
 struct Result {
   std::map<int64_t, std::vector<int32_t>> tokens;
   std::map<int64_t, std::string> finish;
-  int steps = 0, preempted = 0, multi = 0;  // multi: steps where a sequence got several tokens
+  int steps = 0, preempted = 0, multi = 0;   // multi: steps where a sequence got several tokens
   std::map<int64_t, int> steps_with_tokens;  // by sequence
   int64_t drafted = 0, accepted = 0;
 };
@@ -127,10 +127,11 @@ NewSequence Seq(int64_t id, int64_t adapter, std::vector<int32_t> prompt, int ma
 TEST(SpeculativeEngineTest, GreedyContinuousBatchEqualsDecodingWithoutDrafts) {
   const auto prompts = FixturePrompts();
   ASSERT_GE(prompts.size(), 3u);
-  std::vector<std::pair<int, NewSequence>> joins = {
-      {0, Seq(1, 0, prompts[0], 30)}, {0, Seq(2, k3D, prompts[1], 24)},
-      {2, Seq(3, k2D, prompts[2], 28)}, {3, Seq(4, k3D, prompts[0], 17)},
-      {5, Seq(5, 0, prompts[2], 1)}};
+  std::vector<std::pair<int, NewSequence>> joins = {{0, Seq(1, 0, prompts[0], 30)},
+                                                    {0, Seq(2, k3D, prompts[1], 24)},
+                                                    {2, Seq(3, k2D, prompts[2], 28)},
+                                                    {3, Seq(4, k3D, prompts[0], 17)},
+                                                    {5, Seq(5, 0, prompts[2], 1)}};
   auto plain_h = MakeSpecEngine(0, 8, 8);
   ASSERT_NE(plain_h, nullptr);
   const Result plain = RunAll(*plain_h->engine, joins);
