@@ -4,8 +4,8 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|a3b|peer] [--device
-//               cpu|cuda|cuda:N|cpu-twins]
+//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|mtp-speed|a3b|peer]
+//               [--mtp-model DIR] [--mtp-tokens N] [--device cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
 //               [--ab-row-stream-nta 1]
@@ -20,7 +20,10 @@
 // model (3 Gated DeltaNet : 1 attention layers) with rank-16 adapters on every module, and a
 // 512-token (--prefill) prefill in the chunked form against token by token (goal >= 5x).
 // mtp (only when asked for): that model with an untrained MTP head: what a speculative step of
-// k drafts costs against a decode step at batch 1 after --prefill tokens (MtpCosts).
+// k drafts costs against a decode step at batch 1 after --prefill tokens (MtpCosts). mtp-speed
+// (only when asked for): decode tokens/s with speculation against without through the engine,
+// on the model and trained head of `tools/mtp_reference.py medium` (--mtp-model, default
+// .cache/mtp-medium; --mtp-tokens: tokens per sequence, default 48) (MtpSpeed).
 // --ab-row-streams 1: case (a)'s decode steps alternate between the skinny kernel's row streams
 // at 1-2 x rows and its tiles (SetSkinnyRowStreams), and the line after it gives both medians
 // and the median ratio of neighbouring steps: the VM's speed moves by up to 2x within seconds,
@@ -46,6 +49,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +61,7 @@
 #include "absl/strings/str_split.h"
 #include "common/safetensors.h"
 #include "kernels/skinny_gemm.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/adapter_builder.h"
 #include "worker/checkpoint.h"
 #include "worker/comm/communicator.h"
@@ -713,15 +720,157 @@ void Run(const std::string& label, const std::string& model,
   }
 }
 
+// What speculative decoding gives through the engine (mtp-speed): the model and trained head
+// of `tools/mtp_reference.py medium` (`dir`), greedy decoding of `tokens` tokens for batches of
+// 1 and 8 of the prompts the head was trained on (prompts.json), with num_speculative_tokens
+// k = 1..4 against the same engine options without (k = 0), the two engines loaded side by side
+// and their runs alternated `repeat` times; decode tokens/s (after the prefill step) medians and
+// their ratio, the acceptance and tokens per verify step. Then the best k's acceptance per
+// adapter at batch 8 (base, a 2D and a 3D adapter, on held-out prompts too).
+struct SpecRun {
+  double seconds = 0;  // decode steps only
+  int64_t tokens = 0, drafted = 0, accepted = 0, verify_steps = 0;
+  std::map<int64_t, std::pair<int64_t, int64_t>> by_adapter;  // drafted, kept
+};
+
+SpecRun RunGreedy(Engine& e, const std::vector<std::vector<int32_t>>& prompts,
+                  const std::vector<int64_t>& adapters, int tokens, int64_t first_id) {
+  std::vector<NewSequence> add;
+  std::map<int64_t, int64_t> adapter_of;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    NewSequence n;
+    n.id = first_id + static_cast<int64_t>(i);
+    n.adapter_id = adapters[i % adapters.size()];
+    n.prompt = prompts[i];
+    n.max_tokens = tokens;
+    adapter_of[n.id] = n.adapter_id;
+    add.push_back(n);
+  }
+  SpecRun r;
+  auto first = e.Step(add, {});
+  Check(first.status(), "prefill");
+  const double t0 = Now();
+  while (e.Info().running > 0) {
+    auto out = e.Step({}, {});
+    Check(out.status(), "step");
+    for (const TokenOut& t : out->tokens) {
+      ++r.tokens;
+      if (t.drafted > 0) {
+        ++r.verify_steps;
+        r.drafted += t.drafted;
+        r.accepted += t.accepted;
+        auto& a = r.by_adapter[adapter_of[t.sequence_id]];
+        a.first += t.drafted;
+        a.second += t.accepted;
+      }
+    }
+  }
+  r.seconds = Now() - t0;
+  return r;
+}
+
+void MtpSpeed(const std::string& dir, int tokens, int repeat) {
+  std::ifstream pf(dir + "/prompts.json");
+  if (!pf) {
+    std::fprintf(stderr,
+                 "decode_step: no %s/prompts.json (make it: .cache/peer-venv/bin/python "
+                 "tools/mtp_reference.py medium --out %s)\n",
+                 dir.c_str(), dir.c_str());
+    std::exit(2);
+  }
+  const nlohmann::json pj = nlohmann::json::parse(pf);
+  auto prompts_of = [&](const char* set) {
+    std::vector<std::vector<int32_t>> v;
+    for (const auto& p : pj.at(set)) v.push_back(p.get<std::vector<int32_t>>());
+    return v;
+  };
+  const auto trained = prompts_of("trained"), held_out = prompts_of("held_out");
+  Q35Dims d;
+  {
+    std::ifstream cf(dir + "/model/config.json");
+    d.layers = nlohmann::json::parse(cf).at("num_hidden_layers").get<int64_t>();
+  }
+  const std::string a2d = WriteQwen35Adapter(dir + "/a2d", d, false, 30);
+  const std::string a3d = WriteQwen35Adapter(dir + "/a3d", d, true, 40);
+  auto comm0 = MakeLocalCommunicator(), comm1 = MakeLocalCommunicator();
+  auto make = [&](int k, Communicator* comm) {
+    EngineOptions o;
+    o.model_dir = dir + "/model";
+    o.num_speculative_tokens = k;
+    o.enable_mixed_moe_lora_format = true;
+    o.max_num_seqs = 8;
+    o.max_num_batched_tokens = 64;
+    o.kv_cache_memory_bytes = int64_t{256} << 20;
+    auto e = Engine::Create(o, comm);
+    Check(e.status(), "engine");
+    return std::move(*e);
+  };
+  std::unique_ptr<Engine> plain = make(0, comm0.get());
+  std::printf(
+      "mtp-speed: %s (%ld layers), greedy, %d tokens per sequence, prompts the head was "
+      "trained on; decode tokens/s medians of %d alternated runs\n",
+      dir.c_str(), static_cast<long>(d.layers), tokens, repeat);
+  int64_t id = 1;
+  std::map<int, std::pair<double, int>> best;  // batch -> (ratio, k)
+  for (int k = 1; k <= 4; ++k) {
+    std::unique_ptr<Engine> spec = make(k, comm1.get());
+    for (int batch : {1, 8}) {
+      std::vector<std::vector<int32_t>> prompts(trained.begin(), trained.begin() + batch);
+      std::vector<double> off, on;
+      SpecRun last;
+      for (int r = 0; r < repeat; ++r) {
+        const SpecRun a = RunGreedy(*plain, prompts, {0}, tokens, id);
+        id += batch;
+        last = RunGreedy(*spec, prompts, {0}, tokens, id);
+        id += batch;
+        off.push_back(static_cast<double>(a.tokens) / a.seconds);
+        on.push_back(static_cast<double>(last.tokens) / last.seconds);
+      }
+      const double ratio = Median(on) / Median(off);
+      if (ratio > best[batch].first) best[batch] = {ratio, k};
+      std::printf(
+          "  k=%d batch %d: %.1f tokens/s without, %.1f with: %.2fx; acceptance %.2f, %.2f "
+          "tokens per verify step\n",
+          k, batch, Median(off), Median(on), ratio,
+          static_cast<double>(last.accepted) / std::max<int64_t>(1, last.drafted),
+          1.0 + static_cast<double>(last.accepted) / std::max<int64_t>(1, last.verify_steps));
+    }
+  }
+  for (const auto& [batch, b] : best) {
+    std::printf("  best at batch %d: k=%d (%.2fx)\n", batch, b.second, b.first);
+  }
+  // Acceptance per adapter at batch 8, the best k of batch 8, on trained and held-out prompts.
+  std::unique_ptr<Engine> spec = make(best[8].second, comm1.get());
+  Check(spec->StageAdapter(1, a2d, std::nullopt).status(), "stage a2d");
+  Check(spec->CommitAdapter(1).status(), "commit a2d");
+  Check(spec->StageAdapter(2, a3d, std::nullopt).status(), "stage a3d");
+  Check(spec->CommitAdapter(2).status(), "commit a3d");
+  const char* names[] = {"base", "2D adapter", "3D adapter"};
+  for (const auto* set : {&trained, &held_out}) {
+    std::vector<std::vector<int32_t>> prompts(set->begin(), set->begin() + 9);
+    const SpecRun r = RunGreedy(*spec, prompts, {0, 1, 2}, tokens, id);
+    id += 9;
+    std::string line;
+    for (const auto& [a, dk] : r.by_adapter) {
+      absl::StrAppendFormat(&line, "  %s %.2f", names[a],
+                            static_cast<double>(dk.second) / std::max<int64_t>(1, dk.first));
+    }
+    std::printf("  acceptance by adapter, k=%d, %s prompts:%s\n", best[8].second,
+                set == &trained ? "trained" : "held-out", line.c_str());
+  }
+}
+
 }  // namespace
 }  // namespace moelora
 
 int main(int argc, char** argv) {
   moelora::RunFlags f;
-  std::string only;
+  std::string only, mtp_dir;
+  int mtp_tokens = 48;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
-      "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|a3b|peer] "
+      "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|mtp-speed|"
+      "a3b|peer] [--mtp-model DIR] [--mtp-tokens N] "
       "[--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
@@ -745,6 +894,10 @@ int main(int argc, char** argv) {
       f.repeat = std::atoi(v.c_str());
     } else if (flag == "--only") {
       only = v;
+    } else if (flag == "--mtp-model") {
+      mtp_dir = v;
+    } else if (flag == "--mtp-tokens") {
+      mtp_tokens = std::atoi(v.c_str());
     } else if (flag == "--device") {
       f.device = v;
     } else if (flag == "--dtype") {
@@ -843,6 +996,11 @@ int main(int argc, char** argv) {
     }
     moelora::Run("qwen3.5", dir + "/model", a2, a3, f, 16);
     if (f.device == "cpu") moelora::PrefillChunkedVsTokenByToken(dir + "/model", f.prefill_len);
+  }
+  if (only == "mtp-speed") {
+    moelora::MtpSpeed(
+        mtp_dir.empty() ? std::filesystem::current_path().string() + "/.cache/mtp-medium" : mtp_dir,
+        mtp_tokens, std::max(3, f.repeat));
   }
   if (only == "mtp") {
     const std::string dir = tmp + "/moelora_bench_decode_q35_mtp";

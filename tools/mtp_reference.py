@@ -24,12 +24,21 @@ norm and rotary modules for the parts they share with the target:
         position), `greedy.i` (the target's 16 greedy tokens after the prompt) and the head's
         acceptance on them (in DIR/mtp_stats.json).
 
+    mtp_reference.py adapter --fixture DIR
+        DIR/adapter_mtp: a 3D PEFT adapter (PEFT itself, on a module holding the target as
+        `model` and the head as `mtp`) on the attention projections, the shared expert and the
+        fused experts of every layer, the head's included (`mtp.layers.0.*`); DIR/
+        expected_mtp_adapter.safetensors: per prompt i, `hidden.i` and `mtp_logits.i` with the
+        adapter applied to both, and `greedy.i`, the adapted target's greedy tokens.
+
     mtp_reference.py medium --out DIR [--layers 12] [--steps 300]
         DIR/model: the speculative-decoding benchmark's model (bench/decode_step --only
         mtp-speed): bench/decode_step's medium Qwen3.5 dimensions (H=1024, E=32 top-8, vocab
         4096) with --layers layers (3 Gated DeltaNet : 1 attention), random, and an MTP head
         trained as above on the target's greedy continuations of 64 random prompts; DIR/
-        mtp_stats.json: the loss, and the head's acceptance on held-out prompts' continuations.
+        mtp_stats.json: the loss, and the head's acceptance on those continuations and on
+        held-out prompts' (a random target's next tokens are not learnable from so few: near 0);
+        DIR/prompts.json: both sets of prompts.
 
 Test-only: the product never runs Python.
 """
@@ -91,6 +100,15 @@ class MtpHead(torch.nn.Module):
         z = self.layers[0](z, position_embeddings=self.rotary(z, pos), attention_mask=mask,
                            position_ids=pos[0])
         return self.norm(z)
+
+
+def new_head(model, cfg):
+    """A head initialised as transformers initialises the target's layers (the head is no
+    PreTrainedModel, so nothing else would: its router and fused experts would stay as
+    torch.empty left them, a zero router making every expert tie)."""
+    head = MtpHead(cfg)
+    head.apply(model._init_weights)
+    return head
 
 
 def target_hidden(model, ids):
@@ -175,7 +193,7 @@ def make(out, steps):
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(77)
-    head = MtpHead(cfg)
+    head = new_head(model, cfg)
     randomise_norms(head, 97)
     untrained = {p: head_logits(model, head, p) for p in map(tuple, PROMPTS)}
     loss = train_head(model, head, steps, 11)
@@ -243,7 +261,7 @@ def medium(out, layers, steps):
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(78)
-    head = MtpHead(cfg)
+    head = new_head(model, cfg)
     randomise_norms(head, 79)
     train = continuations(model, MEDIUM["vocab_size"], 64, 12)
     held_out = continuations(model, MEDIUM["vocab_size"], 16, 13)
@@ -275,7 +293,56 @@ def medium(out, layers, steps):
              "held_out_acceptance": acceptance(held_out), "held_out_distinct_tokens": distinct,
              "layers": layers, "steps": steps}
     json.dump(stats, open(os.path.join(out, "mtp_stats.json"), "w"), indent=2)
+    # The prompts whose continuations the head learnt, and held-out ones, for the benchmark.
+    json.dump({"trained": [s[:6] for s in train], "held_out": [s[:6] for s in held_out]},
+              open(os.path.join(out, "prompts.json"), "w"))
     print(json.dumps(stats))
+
+
+def adapter(fixture):
+    from peft import LoraConfig, get_peft_model
+    mdir = os.path.join(fixture, "model")
+    model = Qwen3_5MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    head = MtpHead(model.config)
+    sd = {k[len("mtp."):]: v for k, v in load_file(os.path.join(mdir, "model.safetensors")).items()
+          if k.startswith("mtp.")}
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    assert not unexpected and all(k.startswith("rotary.") for k in missing), (missing, unexpected)
+    head.eval()
+
+    class Joint(torch.nn.Module):
+        """The checkpoint's module paths: the target under `model.`, the head under `mtp.`."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model.model
+            self.mtp = head
+
+    torch.manual_seed(31)
+    lc = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                    "down_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    pm = get_peft_model(Joint(), lc)
+    # PEFT's random B is of the scale of A: smaller, so the adapted head still drafts well.
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)
+    out = os.path.join(fixture, "adapter_mtp")
+    shutil.rmtree(out, ignore_errors=True)
+    pm.save_pretrained(out)
+    names = load_file(os.path.join(out, "adapter_model.safetensors")).keys()
+    assert any(".mtp.layers.0." in k for k in names) and any(".model.layers.0." in k for k in names)
+    expected = {}
+    for i, p in enumerate(PROMPTS):
+        hidden = target_hidden(model, p)  # the target's modules now carry the adapter
+        with torch.no_grad():
+            lg = head_logits(model, head, p, hidden)
+        expected[f"hidden.{i}"] = hidden[0].contiguous()
+        expected[f"mtp_logits.{i}"] = lg.contiguous()
+        expected[f"greedy.{i}"] = torch.tensor(greedy(model, p, GREEDY), dtype=torch.int64)
+    save_file(expected, os.path.join(fixture, "expected_mtp_adapter.safetensors"))
 
 
 def main():
@@ -284,6 +351,8 @@ def main():
     m = sub.add_parser("make")
     m.add_argument("--out", required=True)
     m.add_argument("--steps", type=int, default=400)
+    ad = sub.add_parser("adapter")
+    ad.add_argument("--fixture", required=True)
     md = sub.add_parser("medium")
     md.add_argument("--out", required=True)
     md.add_argument("--layers", type=int, default=12)
@@ -292,6 +361,8 @@ def main():
     torch.set_num_threads(2)
     if args.cmd == "make":
         make(args.out, args.steps)
+    elif args.cmd == "adapter":
+        adapter(args.fixture)
     elif args.cmd == "medium":
         medium(args.out, args.layers, args.steps)
 

@@ -196,6 +196,7 @@ struct Engine::Impl {
     // over the whole feed (again after a preemption). Sequences with images decode without.
     int64_t draft = -1;
     at::Tensor head_out;
+    int32_t head_slot = -1;  // the slot when the adapter adapts the head too (else -1)
     bool Prefilling() const { return fed < feed.size(); }
     // Images of the prompt: their tokens, patch grid, and the tower's output while the prompt
     // is being read (computed when a chunk first reaches the image, dropped once the prompt is
@@ -483,7 +484,7 @@ struct Engine::Impl {
       for (size_t k : who) {
         h.seqs.push_back({b.seqs[k].state, static_cast<int64_t>(h.tokens.size()), 1, false, false});
         h.tokens.push_back(b.tokens[b.seqs[k].begin + j]);
-        h.slots.push_back(-1);
+        h.slots.push_back(running[in_batch[k]].head_slot);
       }
       at::Tensor z2;
       MOELORA_ASSIGN_OR_RETURN(at::Tensor logits, model->ForwardMtp(h, z, &z2));
@@ -540,7 +541,7 @@ struct Engine::Impl {
       if (head_len[k] != s.state.len - count) return absl::InternalError("head out of step");
       h.seqs.push_back({&s.state, static_cast<int64_t>(h.tokens.size()), count, false, false});
       h.tokens.insert(h.tokens.end(), in.begin(), in.end());
-      h.slots.insert(h.slots.end(), count, -1);
+      h.slots.insert(h.slots.end(), count, s.head_slot);
       rows.push_back(hidden.narrow(0, f.begin, count));
       seqs.push_back(&s);
     }
@@ -777,6 +778,8 @@ absl::StatusOr<StageResult> Engine::StageOnComputeThread(int64_t id, const std::
   r.converted_to_2d = a->converted_to_2d;
   r.bytes = m.model->SlotBytes(*a);
   r.rank = a->max_rank;
+  for (const auto& [module, pair] : a->dense) r.adapts_draft |= absl::StartsWith(module, "mtp.");
+  for (const auto& [prefix, moe] : a->moe) r.adapts_draft |= absl::StartsWith(prefix, "mtp.");
   r.phase_seconds = {
       {"read", t.read}, {"validate", t.validate}, {"convert", t.convert}, {"copy", Since(t0)}};
   std::lock_guard<std::mutex> lock(m.adapters_mu);
@@ -966,7 +969,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   for (const auto& s : m.running) {
     if (!remove_set.count(s.spec.id)) ids.insert(s.spec.id);
   }
-  std::vector<int32_t> slots;
+  std::vector<int32_t> slots, head_slots;
   for (const NewSequence& n : add) {
     auto bad = [&](auto&&... parts) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", n.id, ": ", parts...));
@@ -983,7 +986,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
                  m.max_model_len);
     }
     if (absl::Status st = m.CheckImages(n); !st.ok()) return bad(st.message());
-    int32_t slot = -1;
+    int32_t slot = -1, head_slot = -1;
     if (n.adapter_id != 0) {
       std::lock_guard<std::mutex> lock(m.adapters_mu);
       auto it = m.adapters.find(n.adapter_id);
@@ -992,6 +995,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
             absl::StrCat("sequence ", n.id, ": adapter id ", n.adapter_id, " is not loaded"));
       }
       slot = it->second.slot;
+      head_slot = it->second.result.adapts_draft ? slot : -1;
     }
     // The rules the controller applies too (common/request_rules.h).
     for (absl::Status st :
@@ -1006,6 +1010,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       return bad(st.message());
     }
     slots.push_back(slot);
+    head_slots.push_back(head_slot);
   }
   if (static_cast<int>(ids.size()) > m.options.max_num_seqs) {
     return absl::ResourceExhaustedError(
@@ -1019,6 +1024,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     Impl::Sequence s;
     s.spec = add[i];
     s.slot = slots[i];
+    s.head_slot = head_slots[i];
     s.state = m.model->NewState();
     s.sampler = std::make_unique<Sampler>(add[i].sampling);
     s.feed = add[i].prompt;

@@ -149,6 +149,9 @@ struct StageResult {
   // read, validate, convert, copy; or swap_in alone when the slot came from the host cache
   std::map<std::string, double> phase_seconds;
   bool from_host_cache = false;
+  // The adapter has modules of the MTP head (under `mtp.`): its sequences' drafts are adapted
+  // too (otherwise the head drafts for them unadapted).
+  bool adapts_draft = false;
 };
 
 struct HostCacheStats {

@@ -150,7 +150,8 @@ class CausalLM {
   // each (row i with token i). Writes the head's keys and values at those positions (its own KV
   // layer; the blocks are the sequence's), advances mtp_len, and returns the draft logits (f32,
   // host) of the rows `b` asks for, as Forward does; *out (when given) gets those rows' output
-  // after the head's norm, the hidden input of a further draft step. The head runs without LoRA.
+  // after the head's norm, the hidden input of a further draft step. `b.slots` adapt the head's
+  // own modules (registered under `mtp.`; -1: unadapted).
   virtual bool has_mtp() const { return false; }
   virtual at::Tensor last_hidden() const { return at::Tensor(); }
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> ForwardMtp(const ForwardBatch& b,

@@ -5,7 +5,8 @@
 // equal to the target's own argmax is accepted with the target's next token, the rest rolled
 // back (CausalLM::RollBack), and the head catches up over the accepted positions with the
 // target's hidden states. Every token is the target's argmax: the output is greedy decoding's.
-// The head runs without LoRA. The engine does not call these yet (tests and benchmarks do).
+// The head runs unadapted. Tests and benchmarks call these; the engine has its own version of
+// these steps inside its step plan (worker/engine.cc: DraftMore, AfterVerify).
 #ifndef MOELORA_WORKER_MODEL_SPECULATIVE_H_
 #define MOELORA_WORKER_MODEL_SPECULATIVE_H_
 

@@ -210,10 +210,8 @@ absl::StatusOr<at::Tensor> DecoderModel::ForwardMtp(const ForwardBatch& b, const
   const Rotary& rope = rotaries_[mtp_->layer.rope];
   std::vector<Rotary::Table> tables(rotaries_.size());
   tables[mtp_->layer.rope] = rope.Compute(positions, options_.dtype);
-  // The draft runs unadapted: no sequence's LoRA slot reaches the head. (LoraBatch keeps a
-  // pointer to the slots: they live as long as it.)
-  const std::vector<int32_t> no_lora(T, -1);
-  const LoraBatch lb = LoraBatch::Make(options_, no_lora, dev);
+  // Each token's slot adapts the head's modules (b.slots; -1: the head unadapted).
+  const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const at::Tensor tokens =
       at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
   const at::Tensor e = RmsNorm(ends_.embed.index_select(0, tokens), mtp_->norm_embed, eps, norm_);

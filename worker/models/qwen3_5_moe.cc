@@ -295,6 +295,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     m->RegisterLora(L.moe->shared()->down.get());
     m->RegisterLora(L.moe->experts());
   }
+  if (m->mtp_) {
+    // The head's modules take adapters too (their module paths are under `mtp.`).
+    DecoderLayer& L = m->mtp_->layer;
+    for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
+    m->RegisterLora(L.moe->shared()->gate.get());
+    m->RegisterLora(L.moe->shared()->up.get());
+    m->RegisterLora(L.moe->shared()->down.get());
+    m->RegisterLora(L.moe->experts());
+  }
   if (vision) MOELORA_RETURN_IF_ERROR(m->BuildVision(*vision, P, ctx));
   return std::unique_ptr<CausalLM>(std::move(m));
 }

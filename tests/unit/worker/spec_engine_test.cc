@@ -3,12 +3,14 @@
 // and 2D sequences joining at different steps, with prompts read in chunks, stop tokens and
 // max_tokens inside a run of kept drafts, and preemptions, gives every sequence the tokens the
 // engine without speculation gives it; sampled sequences keep the target's distribution
-// (rejection sampling, a chi-square test against the target's own probabilities); a model
-// without a head is refused.
+// (rejection sampling, a chi-square test against the target's own probabilities); an adapter
+// with LoRA on the head drafts adapted and decodes as transformers + PEFT; a model without a head
+// is refused.
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -314,6 +316,40 @@ TEST(SpeculativeEngineTest, SampledTokensKeepTheTargetsDistribution) {
   const double a = 2.0 / (9.0 * dof);
   const double critical = dof * std::pow(1 - a + 3.719 * std::sqrt(a), 3);
   EXPECT_LT(chi2, critical) << cells << " cells";
+}
+
+// An adapter that carries LoRA for the head too (tools/mtp_reference.py adapter): the engine
+// says so at staging, drafts with the adapted head, and decodes the adapted target's greedy
+// tokens as transformers + PEFT do; a 3D adapter without head modules leaves the head unadapted.
+TEST(SpeculativeEngineTest, AnAdapterWithHeadLoraDecodesAsTransformers) {
+  const auto prompts = FixturePrompts();
+  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp_adapter.safetensors"));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto h = MakeSpecEngine(3);
+  ASSERT_NE(h, nullptr);
+  Engine& e = *h->engine;
+  auto staged = e.StageAdapter(3, Data("qwen3_5_moe_mtp/adapter_mtp"), std::nullopt);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  EXPECT_TRUE(staged->adapts_draft);
+  ASSERT_TRUE(e.CommitAdapter(3).ok());
+  auto plain3d = e.StageAdapter(4, Data("qwen3_5_moe/adapter_3d"), std::nullopt);
+  ASSERT_TRUE(plain3d.ok()) << plain3d.status();
+  EXPECT_FALSE(plain3d->adapts_draft);
+  ASSERT_TRUE(e.AbortAdapter(4).ok());
+  std::vector<std::pair<int, NewSequence>> joins;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    joins.push_back({0, Seq(static_cast<int64_t>(i) + 1, 3, prompts[i], 16)});
+  }
+  const Result r = RunAll(e, joins);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const TensorView* v = (*ref)->Find(absl::StrCat("greedy.", i));
+    ASSERT_NE(v, nullptr);
+    const auto* want = reinterpret_cast<const int64_t*>(v->data);
+    EXPECT_EQ(r.tokens.at(static_cast<int64_t>(i) + 1),
+              std::vector<int32_t>(want, want + v->numel()))
+        << "prompt " << i;
+  }
+  EXPECT_GT(r.accepted, 0);
 }
 
 TEST(SpeculativeEngineTest, AModelWithoutAnMtpHeadIsRefused) {
