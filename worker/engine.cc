@@ -778,8 +778,10 @@ absl::StatusOr<StageResult> Engine::StageOnComputeThread(int64_t id, const std::
   r.converted_to_2d = a->converted_to_2d;
   r.bytes = m.model->SlotBytes(*a);
   r.rank = a->max_rank;
-  for (const auto& [module, pair] : a->dense) r.adapts_draft |= absl::StartsWith(module, "mtp.");
-  for (const auto& [prefix, moe] : a->moe) r.adapts_draft |= absl::StartsWith(prefix, "mtp.");
+  if (m.model->has_mtp()) {
+    for (const auto& [module, pair] : a->dense) r.adapts_draft |= absl::StartsWith(module, "mtp.");
+    for (const auto& [prefix, moe] : a->moe) r.adapts_draft |= absl::StartsWith(prefix, "mtp.");
+  }
   r.phase_seconds = {
       {"read", t.read}, {"validate", t.validate}, {"convert", t.convert}, {"copy", Since(t0)}};
   std::lock_guard<std::mutex> lock(m.adapters_mu);

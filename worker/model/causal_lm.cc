@@ -229,8 +229,13 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
     return absl::InvalidArgumentError(absl::StrCat(a.safetensors_path, ": ", it->second, " and ",
                                                    name, " both name module ", m->path()));
   };
+  // LoRA for an MTP head this model was built without (no speculative decoding): not needed.
+  auto unbuilt_head = [&](const std::string& module) {
+    return !has_mtp() && absl::StartsWith(module, "mtp.");
+  };
   std::vector<std::pair<LoraModule*, const LoraPair*>> dense;
   for (const auto& [module, pair] : a.dense) {
+    if (unbuilt_head(module)) continue;
     LoraModule* m = FindLora(module);
     if (m == nullptr && vision() != nullptr && !options_.tower_connector_lora &&
         (absl::StartsWith(module, "model.visual.") || absl::StartsWith(module, "visual."))) {
@@ -251,6 +256,7 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
   }
   std::vector<std::pair<LoraModule*, const MoeLayerLora*>> experts;
   for (const auto& [prefix, ml] : a.moe) {
+    if (unbuilt_head(prefix)) continue;
     LoraModule* m = FindLora(prefix);
     if (m == nullptr || !m->takes_experts()) {
       return absl::InvalidArgumentError(

@@ -190,7 +190,8 @@ class CausalLM {
   // the slot, uploaded through pinned staging buffers). Checks first and changes nothing on
   // error: INVALID_ARGUMENT for a module the model does not have or does not wrap (naming the
   // module and the ones it does), FAILED_PRECONDITION for an expert layout the MoE wrapper does
-  // not take, RESOURCE_EXHAUSTED for a rank above max_lora_rank.
+  // not take, RESOURCE_EXHAUSTED for a rank above max_lora_rank. Modules under `mtp.` are left
+  // out when the model was built without its MTP head.
   [[nodiscard]] absl::Status SetSlot(int slot, const LoraAdapter& adapter);
   void ResetSlot(int slot);
   // A slot's contents in host memory (the worker's host cache): what SetSlot wrote, converted,

@@ -161,8 +161,8 @@ TEST(MtpTest, HeadLogitsMatchTheReference) {
 
 // An adapter with LoRA on the head's modules (`mtp.layers.0.*`: attention, shared expert, fused
 // experts converted to 2D in place) and on the target's: the adapted target's hidden states and
-// the adapted head's logits match the reference (PEFT on the joint module); in another slot the
-// head's logits without its LoRA differ from them.
+// the adapted head's logits match the reference (PEFT on the joint module); the head without its
+// LoRA gives other logits; a model built without the head takes the adapter for its target.
 TEST(MtpTest, AnAdapterOnTheHeadMatchesTheReference) {
   auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
   ASSERT_OK(h);
@@ -185,6 +185,18 @@ TEST(MtpTest, AnAdapterOnTheHeadMatchesTheReference) {
   const auto n = static_cast<int64_t>(ids.size());
   EXPECT_GT(MaxDiff(TargetThenHead(m, ids, {n}, {n - 1}, 2, -1).first, Read(**ref, "mtp_logits.2")),
             1e-2);
+  // A model built without the head (no speculation) takes the same adapter for its target
+  // alone: its logits are the adapted target's.
+  auto plain = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/false);
+  ASSERT_OK(plain);
+  CausalLM& t = *(*plain)->model;
+  ASSERT_OK(t.SetSlot(1, *a));
+  SeqState s1 = t.NewState(), s2 = m.NewState();
+  auto without_head = t.Forward(OneSeq(&s1, ids, true, 1));
+  auto with_head = m.Forward(OneSeq(&s2, ids, true, 2));
+  ASSERT_OK(without_head);
+  ASSERT_OK(with_head);
+  EXPECT_LE(MaxDiff(*without_head, *with_head), 1e-6);
 }
 
 // Tensor parallelism: two ranks (threads, gloo over loopback), the head's attention heads split
