@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -191,6 +192,14 @@ int main(int argc, char** argv) {
   if (auto s = moelora::ValidateEngineFlags(engine_flags, static_cast<int>(moelora::kSgmvMaxRank));
       !s.ok()) {
     return fail(std::string(s.message()));
+  }
+  // A model without an MTP head would make every worker exit at load, again and again.
+  if (engine_flags.num_speculative_tokens > 0 &&
+      (!absl::StartsWith(info->architecture, "Qwen3_5Moe") || info->mtp_num_hidden_layers != 1)) {
+    return fail(absl::StrCat("--speculative-config method mtp: ", info->architecture, " from ",
+                             model,
+                             " declares no MTP head this server can build (Qwen3.5/3.6-MoE "
+                             "checkpoints with mtp_num_hidden_layers 1 and mtp.* weights)"));
   }
   if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
   if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");

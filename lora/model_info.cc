@@ -122,6 +122,7 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   // Step3.5's sliding layers have their own head count (attention_other_setting).
   info.per_layer_heads = t.contains("attention_other_setting");
   get_int({"share_q_dim"}, &info.share_q_dim);
+  get_int({"mtp_num_hidden_layers"}, &info.mtp_num_hidden_layers);
   return info;
 }
 

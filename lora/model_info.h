@@ -30,6 +30,8 @@ struct ModelInfo {
   // Step3: q_proj is the shared low-rank query [share_q_dim, H], wq [heads · head_dim,
   // share_q_dim].
   int share_q_dim = 0;
+  // Qwen3.5: the layers of its multi-token-prediction head (0: none declared).
+  int mtp_num_hidden_layers = 0;
 
   // Expected [out, in] of a dense module by its path (`model.layers.3.self_attn.q_proj`, or
   // just its last components); false when the module's dims are not known here.

@@ -38,6 +38,9 @@ done <<'CASES'
 --dist-timeout-s 0|--dist-timeout-s must be >= 1
 --decode-steps 17|--decode-steps must be in 1..16
 --tensor-parallel-size 0|--tensor-parallel-size must be >= 1
+--speculative-config {"method":"eagle","num_speculative_tokens":2}|"method" must be "mtp"
+--speculative-config {"method":"mtp","num_speculative_tokens":0}|must be an integer in 1..16
+--speculative-config {"method":"mtp","num_speculative_tokens":2}|declares no MTP head
 CASES
 # The boundary values start: the port file appears, then SIGTERM stops it with status 0.
 "$CONTROLLER" --model "$MODEL" --worker-bin "$WORKER" --port 0 --metrics-port -1 \
