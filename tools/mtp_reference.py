@@ -182,6 +182,21 @@ def train_head(model, head, steps, seed, vocab=VOCAB, count=48, lr=3e-3, seqs=No
     return float(loss.detach())
 
 
+def save_with_head(model, head, mdir):
+    """The checkpoint: the target's weights as make_fixtures.py writes them (fused experts) and
+    the head under mtp.* (rotary buffers are not weights), its config declaring the head."""
+    model.save_pretrained(mdir)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for k, v in head.state_dict().items():
+        if not k.startswith("rotary."):
+            sd["mtp." + k] = v.detach().contiguous()
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(mdir, "config.json")))
+    c["mtp_num_hidden_layers"] = 1
+    c["mtp_use_dedicated_embeddings"] = False
+    json.dump(c, open(os.path.join(mdir, "config.json"), "w"), indent=2)
+
+
 def make(out, steps):
     shutil.rmtree(out, ignore_errors=True)
     mdir = os.path.join(out, "model")
@@ -198,18 +213,7 @@ def make(out, steps):
     untrained = {p: head_logits(model, head, p) for p in map(tuple, PROMPTS)}
     loss = train_head(model, head, steps, 11)
     head.eval()
-    # The checkpoint: the target's weights as make_fixtures.py writes them (fused experts) and
-    # the head under mtp.* (rotary buffers are not weights).
-    model.save_pretrained(mdir)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    for k, v in head.state_dict().items():
-        if not k.startswith("rotary."):
-            sd["mtp." + k] = v.detach().contiguous()
-    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
-    c = json.load(open(os.path.join(mdir, "config.json")))
-    c["mtp_num_hidden_layers"] = 1
-    c["mtp_use_dedicated_embeddings"] = False
-    json.dump(c, open(os.path.join(mdir, "config.json"), "w"), indent=2)
+    save_with_head(model, head, mdir)
     # transformers reads the checkpoint back (ignoring mtp.*) to the same target.
     back = Qwen3_5MoeForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
     expected, stats = {}, {"train_loss": loss, "prompts": []}
@@ -267,16 +271,7 @@ def medium(out, layers, steps):
     held_out = continuations(model, MEDIUM["vocab_size"], 16, 13)
     loss = train_head(model, head, steps, 0, vocab=MEDIUM["vocab_size"], lr=1e-3, seqs=train)
     head.eval()
-    model.save_pretrained(mdir)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    for k, v in head.state_dict().items():
-        if not k.startswith("rotary."):
-            sd["mtp." + k] = v.detach().contiguous()
-    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
-    c = json.load(open(os.path.join(mdir, "config.json")))
-    c["mtp_num_hidden_layers"] = 1
-    c["mtp_use_dedicated_embeddings"] = False
-    json.dump(c, open(os.path.join(mdir, "config.json"), "w"), indent=2)
+    save_with_head(model, head, mdir)
 
     def acceptance(seqs):
         hit = total = 0
