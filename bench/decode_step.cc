@@ -23,7 +23,8 @@
 // k drafts costs against a decode step at batch 1 after --prefill tokens (MtpCosts). mtp-speed
 // (only when asked for): decode tokens/s with speculation against without through the engine,
 // on the model and trained head of `tools/mtp_reference.py medium` (--mtp-model, default
-// .cache/mtp-medium; --mtp-tokens: tokens per sequence, default 48) (MtpSpeed).
+// .cache/mtp-medium; --mtp-tokens: tokens per sequence, default 24: the head learnt 26 tokens
+// after each prompt) (MtpSpeed).
 // --ab-row-streams 1: case (a)'s decode steps alternate between the skinny kernel's row streams
 // at 1-2 x rows and its tiles (SetSkinnyRowStreams), and the line after it gives both medians
 // and the median ratio of neighbouring steps: the VM's speed moves by up to 2x within seconds,
@@ -798,7 +799,7 @@ void MtpSpeed(const std::string& dir, int tokens, int repeat) {
     o.model_dir = dir + "/model";
     o.num_speculative_tokens = k;
     o.enable_mixed_moe_lora_format = true;
-    o.max_num_seqs = 8;
+    o.max_num_seqs = 16;
     o.max_num_batched_tokens = 64;
     o.kv_cache_memory_bytes = int64_t{256} << 20;
     auto e = Engine::Create(o, comm);
@@ -866,7 +867,7 @@ void MtpSpeed(const std::string& dir, int tokens, int repeat) {
 int main(int argc, char** argv) {
   moelora::RunFlags f;
   std::string only, mtp_dir;
-  int mtp_tokens = 48;
+  int mtp_tokens = 24;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
       "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|mtp-speed|"
