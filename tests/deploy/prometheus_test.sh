@@ -24,9 +24,11 @@ cleanup() {
   rm -rf "$TMP"
 }
 trap cleanup EXIT
-"$CONTROLLER" --model "$ROOT/tests/data/qwen3_moe/model" --adapter-root "$ROOT/tests/data" \
+# The Qwen3.5 fixture with an MTP head, drafting: the speculative-decoding panels have series.
+"$CONTROLLER" --model "$ROOT/tests/data/qwen3_5_moe_mtp/model" --adapter-root "$ROOT/tests/data" \
   --state-dir "$TMP/state" --port 0 --metrics-port 0 --port-file "$TMP/port.json" \
-  --worker-bin "$WORKER" --enable-mixed-moe-lora-format >"$TMP/controller.log" 2>&1 &
+  --worker-bin "$WORKER" --enable-mixed-moe-lora-format \
+  --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' >"$TMP/controller.log" 2>&1 &
 CTL=$!
 for _ in $(seq 1 300); do [ -f "$TMP/port.json" ] && [ -f "$TMP/state/run/group.1/port.0" ] && break; sleep 0.1; done
 json() { "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
@@ -48,12 +50,12 @@ prometheus --config.file="$TMP/prometheus.yml" --storage.tsdb.path="$TMP/tsdb" \
 PROM=$!
 CLIENT=("$PY" "$ROOT/tools/reflection_client.py" "127.0.0.1:$PORT")
 for _ in $(seq 1 100); do
-  if "${CLIENT[@]}" call moelora.v1.Controller/LoadAdapter '{"name": "a3d", "path": "qwen3_moe/adapter_3d"}' >/dev/null 2>&1; then break; fi
+  if "${CLIENT[@]}" call moelora.v1.Controller/LoadAdapter '{"name": "a3d", "path": "qwen3_5_moe/adapter_3d"}' >/dev/null 2>&1; then break; fi
   sleep 0.2
 done
 # A refused load and a request, so the failure counter and the request families have series.
-"${CLIENT[@]}" call moelora.v1.Controller/LoadAdapter '{"name": "nope", "path": "qwen3_moe/missing"}' >/dev/null 2>&1 || true
-"${CLIENT[@]}" call moelora.v1.Controller/Generate '{"adapter": "a3d", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}' >/dev/null
+"${CLIENT[@]}" call moelora.v1.Controller/LoadAdapter '{"name": "nope", "path": "qwen3_5_moe/missing"}' >/dev/null 2>&1 || true
+"${CLIENT[@]}" call moelora.v1.Controller/Generate '{"adapter": "a3d", "prompt_token_ids": [1, 2, 3], "max_tokens": 8}' >/dev/null
 "$PY" - "$ROOT" "$PPORT" <<'PYEOF'
 import json, re, sys, time, urllib.parse, urllib.request
 root, port = sys.argv[1], sys.argv[2]
