@@ -203,15 +203,16 @@ ControllerMetrics::ControllerMetrics()
                                           "adapter")
                                     .Register(*registry_)) {}
 
-void ControllerMetrics::ObserveSpeculation(const std::string& adapter, int drafted, int accepted) {
+void ControllerMetrics::ObserveSpeculation(const std::string& adapter, int64_t steps_done,
+                                           int64_t drafted, int64_t accepted) {
   const std::map<std::string, std::string> label = {
       {"adapter", adapter.empty() ? "base" : adapter}};
   prometheus::Counter& steps = spec_verify_steps.Add(label);
   prometheus::Counter& draft = spec_draft_tokens.Add(label);
   prometheus::Counter& kept = spec_accepted_tokens.Add(label);
-  steps.Increment();
-  draft.Increment(drafted);
-  kept.Increment(accepted);
+  steps.Increment(static_cast<double>(steps_done));
+  draft.Increment(static_cast<double>(drafted));
+  kept.Increment(static_cast<double>(accepted));
   spec_acceptance_rate.Add(label).Set(kept.Value() / draft.Value());
   spec_mean_accepted_length.Add(label).Set(1 + kept.Value() / steps.Value());
 }

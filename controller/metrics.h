@@ -61,9 +61,10 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>& spec_mean_accepted_length;
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
-  // One verify step of a sequence on `adapter` ("" = base) that drafted `drafted` tokens and
-  // kept `accepted`.
-  void ObserveSpeculation(const std::string& adapter, int drafted, int accepted);
+  // `steps` verify steps of sequences on `adapter` ("" = base) that drafted `drafted` tokens in
+  // all and kept `accepted`.
+  void ObserveSpeculation(const std::string& adapter, int64_t steps, int64_t drafted,
+                          int64_t accepted);
 };
 
 }  // namespace moelora

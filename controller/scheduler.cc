@@ -1,6 +1,9 @@
 #include "controller/scheduler.h"
 
+#include <array>
+#include <map>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -476,23 +479,28 @@ void Scheduler::Loop() {
       std::vector<int32_t> tokens;
       std::vector<float> logprobs;
       const v1::SequenceToken* finished = nullptr;
-      std::vector<std::pair<int, int>> speculation;  // per verify step: drafted, kept
+      int64_t verify_steps = 0, drafted = 0, kept = 0;  // speculative decoding
     };
     std::vector<SequenceTokens> by_sequence;
     {
       std::unordered_map<int64_t, size_t> index;
       for (const v1::SequenceToken& t : resp->tokens()) {
         const auto [it, fresh] = index.emplace(t.sequence_id(), by_sequence.size());
-        if (fresh) by_sequence.push_back({t.sequence_id(), {}, {}, nullptr, {}});
+        if (fresh) by_sequence.push_back({t.sequence_id(), {}, {}, nullptr, 0, 0, 0});
         SequenceTokens& q = by_sequence[it->second];
         if (q.finished != nullptr) continue;  // nothing comes after a sequence's last token
         q.tokens.push_back(t.token_id());
         q.logprobs.push_back(t.logprob());
-        if (t.drafted() > 0) q.speculation.push_back({t.drafted(), t.accepted()});
+        if (t.drafted() > 0) {
+          ++q.verify_steps;
+          q.drafted += t.drafted();
+          q.kept += t.accepted();
+        }
         if (t.finished()) q.finished = &t;
       }
     }
     std::vector<std::pair<std::shared_ptr<GenRequest>, std::string>> finished;
+    std::map<std::string, std::array<int64_t, 3>> speculation;  // verify steps, drafted, kept
     std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> failed;
     {
       MutexLock lock(&mu_);
@@ -512,8 +520,12 @@ void Scheduler::Loop() {
           (timing.first ? metrics_->ttft : metrics_->inter_token).Observe(timing.seconds);
         }
         metrics_->generated_tokens.Increment(static_cast<double>(q.tokens.size()));
-        for (const auto& [drafted, kept] : q.speculation) {
-          metrics_->ObserveSpeculation(r->adapter, drafted, kept);
+        // By adapter, once per call (the families' lookups are not free on this thread).
+        if (q.verify_steps > 0) {
+          auto& a = speculation[r->adapter];
+          a[0] += q.verify_steps;
+          a[1] += q.drafted;
+          a[2] += q.kept;
         }
         if (q.finished != nullptr) {
           finished.push_back({r, q.finished->finish_reason()});
@@ -523,6 +535,9 @@ void Scheduler::Loop() {
       metrics_->running.Set(static_cast<double>(running_.size()));
       if (!finished.empty() || !failed.empty()) UpdateLoraInfo();
       ran_on_ = !running_.empty();
+    }
+    for (const auto& [adapter, a] : speculation) {
+      metrics_->ObserveSpeculation(adapter, a[0], a[1], a[2]);
     }
     for (auto& [r, reason] : finished) Finish(r, absl::OkStatus(), reason);
     for (auto& [r, status] : failed) Finish(r, status, "");
