@@ -364,7 +364,7 @@ void MtpCosts(const std::string& model, int len) {
   std::vector<double> decode, head;
   for (int r = 0; r < kReps; ++r) decode.push_back(forward({int64_t{r % 4096}}, false));
   for (int r = 0; r < kReps; ++r) {
-    st.mtp_len = st.len - 1;
+    st.mtp_len[0] = st.len - 1;
     ForwardBatch b;
     b.tokens = {r};
     b.slots = {-1};

@@ -243,6 +243,7 @@ const std::vector<ArchFacts>& AllArchFacts() {
     f.push_back(step35);
     step35.architecture = "Step3p5MTP";  // the MTP layers themselves: none to skip
     step35.mtp_layers_follow = false;
+    step35.map = &MapStep3p5Mtp;
     step35.defaults_source.clear();
     step35.defaults_json = nullptr;
     step35.required.clear();

@@ -3,6 +3,7 @@
 #include <regex>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 
@@ -199,6 +200,15 @@ NameMapping MapQwen35MoeMain(const std::string& ckpt, bool lw) {
   return MapQwen35Moe(ckpt, lw);
 }
 
+int CheckpointLayerIndex(const std::string& name) {
+  const size_t at = name.find("layers.");
+  if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) return -1;
+  int n = -1;
+  const size_t b = at + 7, e = name.find('.', b);
+  if (e == std::string::npos || !absl::SimpleAtoi(name.substr(b, e - b), &n)) return -1;
+  return n;
+}
+
 NameMapping MapStep3(const std::string& ckpt, bool lw) {
   const std::string n = StripBaseLayer(ckpt);
   // vLLM ignores these too (with a warning): the router's selection bias is moe.router_bias.
@@ -206,6 +216,15 @@ NameMapping MapStep3(const std::string& ckpt, bool lw) {
   NameMapping m;
   if (MatchStackedStep(n, lw, &m)) return m;
   return Dense(n, lw);
+}
+
+NameMapping MapStep3p5Mtp(const std::string& ckpt, bool lw) {
+  // vLLM drops the `.transformer.` some MTP layers' block names carry, and loads an MTP layer's
+  // own embed_tokens into the shared embedding (the release stores the same matrix).
+  if (CheckpointLayerIndex(ckpt) >= 0 && absl::StrContains(ckpt, ".embed_tokens.")) {
+    return Skip("an MTP layer's copy of the embedding: the model's own is used");
+  }
+  return MapStep3(absl::StrReplaceAll(ckpt, {{".transformer.", "."}}), lw);
 }
 
 const char* ExpertShardName(ExpertShard s) {

@@ -59,7 +59,13 @@ NameMapping MapQwen3VlMoe(const std::string& ckpt_name, bool lora_wrapped);  // 
 NameMapping MapQwen35Moe(const std::string& ckpt_name, bool lora_wrapped);   // fused or per expert
 // The main model's checkpoint: as MapQwen35Moe, with the MTP head's `mtp.*` skipped.
 NameMapping MapQwen35MoeMain(const std::string& ckpt_name, bool lora_wrapped);
+// N of a `model.layers.N.` (or `model.language_model.layers.N.`) name; -1 for other names.
+int CheckpointLayerIndex(const std::string& name);
+
 NameMapping MapStep3(const std::string& ckpt_name, bool lora_wrapped);  // stacked moe.*_proj
+// Step3.5's MTP layers (model.layers.{N + i}.*): as MapStep3, `.transformer.` dropped and a
+// layer's own embed_tokens skipped.
+NameMapping MapStep3p5Mtp(const std::string& ckpt_name, bool lora_wrapped);
 // GPT-OSS bf16 checkpoints: fused, transposed experts with interleaved gate/up and biases.
 NameMapping MapGptOss(const std::string& ckpt_name, bool lora_wrapped);
 

@@ -702,23 +702,36 @@ def s35_merged_2d(model, adapter_dir):
     return model
 
 
-def step3p5(out):
-    root = os.path.join(out, "step3p5")
-    shutil.rmtree(root, ignore_errors=True)
-    mdir = os.path.join(root, "model")
-    cfg = s35_config()
-    torch.manual_seed(3535)
-    base = Step35LM(cfg).eval()
-    g = torch.Generator().manual_seed(3536)
+def s35_randomise(module, g):
+    """Zero-centred norms (1 + w), experts, head gates, routers and router biases drawn from `g`
+    (transformers initialises the norms to 0)."""
     with torch.no_grad():
-        for name, p in base.named_parameters():
+        for name, p in module.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)  # zero-centred: 1 + w
             elif "experts" in name or name.endswith("g_proj.weight") or name.endswith("gate.weight"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        for name, b in base.named_buffers():
+        for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+
+
+def s35_base():
+    """The tiny Step3.5 target of tests/data/step3p5 (also the target of tools/
+    step3p5_mtp_reference.py), its config, and the generator its weights were drawn from."""
+    cfg = s35_config()
+    torch.manual_seed(3535)
+    base = Step35LM(cfg).eval()
+    g = torch.Generator().manual_seed(3536)
+    s35_randomise(base, g)
+    return cfg, base, g
+
+
+def step3p5(out):
+    root = os.path.join(out, "step3p5")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir = os.path.join(root, "model")
+    cfg, base, g = s35_base()
     sd = {k: v for k, v in base.state_dict().items() if "inv_freq" not in k}
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in sd, sorted(sd)[:10]
     hub = s35_to_hub(sd)

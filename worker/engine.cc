@@ -197,6 +197,11 @@ struct Engine::Impl {
     int64_t draft = -1;
     at::Tensor head_out;
     int32_t head_slot = -1;  // the slot when the adapter adapts the head too (else -1)
+    // Chained heads (Step3.5): drafts 2 .. k, from heads 1 .. k - 1 at the same position as the
+    // first; and each head's output at its last position computed from known tokens, the hidden
+    // input of the next head there at the next step.
+    std::vector<int64_t> more_drafts;
+    std::vector<at::Tensor> chain_out;
     bool Prefilling() const { return fed < feed.size(); }
     // Images of the prompt: their tokens, patch grid, and the tower's output while the prompt
     // is being read (computed when a chunk first reaches the image, dropped once the prompt is
@@ -473,7 +478,9 @@ struct Engine::Impl {
     std::vector<at::Tensor> rows;
     for (size_t k = 0; k < b.seqs.size(); ++k) {
       if (ndraft[in_batch[k]] < 2) continue;
-      if (b.seqs[k].state->mtp_len != head_len[k]) return absl::InternalError("head out of step");
+      if (b.seqs[k].state->mtp_len[0] != head_len[k]) {
+        return absl::InternalError("head out of step");
+      }
       who.push_back(k);
       rows.push_back(running[in_batch[k]].head_out);
     }
@@ -516,6 +523,9 @@ struct Engine::Impl {
                            const std::vector<std::vector<int32_t>>& tokens,
                            const std::vector<int64_t>& head_len,
                            const std::set<int64_t>& finished) {
+    if (model->mtp_chained()) {
+      return AfterVerifyChained(b, in_batch, nd, was_prefilling, tokens, finished);
+    }
     const at::Tensor hidden = model->last_hidden();
     if (!hidden.defined() || hidden.size(0) != static_cast<int64_t>(b.tokens.size())) {
       return absl::InternalError("the forward kept no hidden states for the MTP head");
@@ -537,7 +547,7 @@ struct Engine::Impl {
         if (nd[k] > 0) MOELORA_RETURN_IF_ERROR(model->RollBack(s.state, nd[k] + 1, count));
         in.assign(tokens[k].begin(), tokens[k].end());
       }
-      s.state.mtp_len = head_len[k];
+      s.state.mtp_len[0] = head_len[k];
       if (head_len[k] != s.state.len - count) return absl::InternalError("head out of step");
       h.seqs.push_back({&s.state, static_cast<int64_t>(h.tokens.size()), count, false, false});
       h.tokens.insert(h.tokens.end(), in.begin(), in.end());
@@ -553,6 +563,112 @@ struct Engine::Impl {
       if (s.Prefilling()) continue;
       s.draft = logits[static_cast<int64_t>(i)].argmax().item<int64_t>();
       s.head_out = z[static_cast<int64_t>(i)];
+    }
+    return absl::OkStatus();
+  }
+
+  // AfterVerify with chained heads (Step3.5): after the rejected drafts' positions are given
+  // back, each head j in turn runs over its positions from where it stopped up to the target's
+  // last, batched over the sequences. Head j at position p reads token p + 1 + j (known, or for
+  // the last j positions of a decode the drafts of the heads before it) and head j - 1's output
+  // at p (head 0: the target's hidden state). It keeps its positions up to the last one whose
+  // token is known (the others are computed again next step) and its output there (the next
+  // step's input of head j + 1 one position back). A sequence past its feed gets drafts 1 .. k:
+  // each head's argmax at the target's last position.
+  absl::Status AfterVerifyChained(const ForwardBatch& b, const std::vector<size_t>& in_batch,
+                                  const std::vector<int64_t>& nd,
+                                  const std::vector<char>& was_prefilling,
+                                  const std::vector<std::vector<int32_t>>& tokens,
+                                  const std::set<int64_t>& finished) {
+    const at::Tensor hidden = model->last_hidden();
+    if (!hidden.defined() || hidden.size(0) != static_cast<int64_t>(b.tokens.size())) {
+      return absl::InternalError("the forward kept no hidden states for the MTP head");
+    }
+    std::vector<Sequence*> seqs;
+    // Per sequence: the previous head's outputs of this pass (the target's hidden states for
+    // head 0), over positions prev_at .. prev_at + rows - 1.
+    std::vector<at::Tensor> prev;
+    std::vector<int64_t> prev_at;
+    for (size_t k = 0; k < b.seqs.size(); ++k) {
+      Sequence& s = running[in_batch[k]];
+      if (!s.images.empty() || finished.count(s.spec.id)) continue;
+      const ForwardBatch::Seq& f = b.seqs[k];
+      int64_t count = f.count;
+      if (!was_prefilling[k]) {
+        count = static_cast<int64_t>(tokens[k].size());
+        if (nd[k] > 0) MOELORA_RETURN_IF_ERROR(model->RollBack(s.state, nd[k] + 1, count));
+      }
+      if (s.state.mtp_len[0] != s.state.len - count) {
+        return absl::InternalError("head out of step");
+      }
+      seqs.push_back(&s);
+      prev.push_back(hidden.narrow(0, f.begin, count));
+      prev_at.push_back(s.state.len - count);
+    }
+    const int heads = std::min(spec_k, model->mtp_heads());
+    std::vector<std::vector<int64_t>> drafts(seqs.size());
+    for (int j = 0; j < heads; ++j) {
+      const auto J = static_cast<size_t>(j);
+      ForwardBatch h;
+      std::vector<at::Tensor> rows;
+      std::vector<size_t> who;
+      std::vector<int64_t> from, real;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        Sequence& s = *seqs[i];
+        s.chain_out.resize(static_cast<size_t>(heads));
+        const int64_t H = s.state.len, K = static_cast<int64_t>(s.history.size());
+        const int64_t a = s.state.mtp_len[J];
+        const int64_t real_end = std::min(H, K - 1 - j);
+        const int64_t end = s.Prefilling() ? real_end : H;
+        if (end <= a) {
+          prev[i] = at::Tensor();
+          prev_at[i] = a;
+          continue;
+        }
+        if (real_end < a || a < prev_at[i] - 1 || (a < prev_at[i] && j == 0) ||
+            (a < prev_at[i] && !s.chain_out[J - 1].defined())) {
+          return absl::InternalError(absl::StrCat("MTP head ", j, " out of step"));
+        }
+        std::vector<at::Tensor> in;
+        if (a < prev_at[i]) in.push_back(s.chain_out[J - 1].unsqueeze(0));
+        if (end > prev_at[i]) in.push_back(prev[i].narrow(0, 0, end - prev_at[i]));
+        rows.push_back(in.size() == 1 ? in[0] : at::cat(in, 0));
+        h.seqs.push_back({&s.state, static_cast<int64_t>(h.tokens.size()), end - a, false, false});
+        for (int64_t p = a; p < end; ++p) {
+          const int64_t q = p + 1 + j;
+          h.tokens.push_back(q < K ? s.history[static_cast<size_t>(q)]
+                                   : drafts[i][static_cast<size_t>(q - K)]);
+        }
+        h.slots.insert(h.slots.end(), end - a, s.head_slot);
+        who.push_back(i);
+        from.push_back(a);
+        real.push_back(real_end);
+      }
+      if (who.empty()) break;
+      at::Tensor z;
+      MOELORA_ASSIGN_OR_RETURN(at::Tensor logits,
+                               model->ForwardMtp(h, at::cat(rows, 0), &z, j, /*every_row=*/true));
+      for (size_t w = 0; w < who.size(); ++w) {
+        const size_t i = who[w];
+        Sequence& s = *seqs[i];
+        const ForwardBatch::Seq& hs = h.seqs[w];
+        prev[i] = z.narrow(0, hs.begin, hs.count);
+        prev_at[i] = from[w];
+        s.state.mtp_len[J] = real[w];
+        if (real[w] - 1 >= from[w]) s.chain_out[J] = prev[i][real[w] - 1 - from[w]];
+        if (!s.Prefilling()) {
+          drafts[i].push_back(logits[static_cast<int64_t>(w)].argmax().item<int64_t>());
+        }
+      }
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Sequence& s = *seqs[i];
+      if (s.Prefilling()) continue;
+      if (static_cast<int>(drafts[i].size()) != heads) {
+        return absl::InternalError("a chained MTP head drafted nothing");
+      }
+      s.draft = drafts[i][0];
+      s.more_drafts.assign(drafts[i].begin() + 1, drafts[i].end());
     }
     return absl::OkStatus();
   }
@@ -628,7 +744,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
         absl::StrCat("--speculative-config method mtp: ", impl->model->config().info.architecture,
                      " from ", o.model_dir,
                      " has no MTP head this server can build (Qwen3.5/3.6-MoE checkpoints with "
-                     "mtp_num_hidden_layers and mtp.* weights)"));
+                     "mtp_num_hidden_layers and mtp.* weights, Step3.5 with "
+                     "num_nextn_predict_layers and its layers after num_hidden_layers)"));
+  }
+  if (mo.mtp && impl->model->mtp_chained() && o.num_speculative_tokens > impl->model->mtp_heads()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--speculative-config num_speculative_tokens ", o.num_speculative_tokens, ": ",
+        impl->model->config().info.architecture, " from ", o.model_dir, " has ",
+        impl->model->mtp_heads(),
+        " MTP layers, one per draft token (chained, each reading the one before): at most ",
+        impl->model->mtp_heads(), " drafts a step"));
   }
   impl->spec_k = o.num_speculative_tokens;
   const int cfg_len = impl->model->config().max_position_embeddings;
@@ -779,8 +904,8 @@ absl::StatusOr<StageResult> Engine::StageOnComputeThread(int64_t id, const std::
   r.bytes = m.model->SlotBytes(*a);
   r.rank = a->max_rank;
   if (m.model->has_mtp()) {
-    for (const auto& [module, pair] : a->dense) r.adapts_draft |= absl::StartsWith(module, "mtp.");
-    for (const auto& [prefix, moe] : a->moe) r.adapts_draft |= absl::StartsWith(prefix, "mtp.");
+    for (const auto& [module, pair] : a->dense) r.adapts_draft |= m.model->IsMtpModule(module);
+    for (const auto& [prefix, moe] : a->moe) r.adapts_draft |= m.model->IsMtpModule(prefix);
   }
   r.phase_seconds = {
       {"read", t.read}, {"validate", t.validate}, {"convert", t.convert}, {"copy", Since(t0)}};
@@ -1050,6 +1175,8 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     v.state = m.model->NewState();  // frees its blocks
     v.draft = -1;                   // the head runs over the recomputed feed again
     v.head_out = at::Tensor();
+    v.more_drafts.clear();
+    v.chain_out.clear();
     take[j] = 0;
     ndraft[j] = 0;
     ++out.preempted;
@@ -1091,6 +1218,9 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
         d = std::min<int64_t>(
             {m.spec_k, spare, m.max_model_len - 2 - s.state.len,
              s.spec.max_tokens > 0 ? s.spec.max_tokens - s.generated - 1 : int64_t{m.spec_k}});
+        if (m.model->mtp_chained()) {
+          d = std::min<int64_t>(d, 1 + static_cast<int64_t>(s.more_drafts.size()));
+        }
         if (d > 0 && !m.kv->Reserve(s.state.table, s.state.len + 1 + d)) d = 0;
         d = std::max<int64_t>(d, 0);
       }
@@ -1171,9 +1301,15 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     } else {
       b.tokens.push_back(s.pending);
       if (ndraft[i] > 0) {
-        // The head's first draft; the others (placeholders here) are drafted before the forward.
+        // The head's first draft; the others come from the chained heads, or (placeholders
+        // here) are drafted by the reused head before the forward.
         b.tokens.push_back(s.draft);
-        b.tokens.insert(b.tokens.end(), ndraft[i] - 1, -1);
+        if (m.model->mtp_chained()) {
+          b.tokens.insert(b.tokens.end(), s.more_drafts.begin(),
+                          s.more_drafts.begin() + (ndraft[i] - 1));
+        } else {
+          b.tokens.insert(b.tokens.end(), ndraft[i] - 1, -1);
+        }
         fs.all_logits = true;
         fs.keep_states = true;  // rolled back past the first rejected draft
       }
@@ -1200,7 +1336,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   // Speculation: where the head's positions were before the step's drafts (they are drafted
   // again from the target's hidden states once the verify has spoken).
   std::vector<int64_t> head_len(b.seqs.size());
-  for (size_t k = 0; k < b.seqs.size(); ++k) head_len[k] = b.seqs[k].state->mtp_len;
+  for (size_t k = 0; k < b.seqs.size(); ++k) head_len[k] = b.seqs[k].state->mtp_len[0];
   absl::StatusOr<at::Tensor> logits = GuardTorch("forward", [&]() -> absl::StatusOr<at::Tensor> {
     if (const int f = m.options.debug_fail_prompt_chunk_tokens; f > 0) {
       for (const ForwardBatch::Seq& fs : b.seqs) {
@@ -1208,7 +1344,9 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       }
     }
     MOELORA_RETURN_IF_ERROR(m.PrepareImages(b, in_batch));
-    if (m.spec_k > 0) MOELORA_RETURN_IF_ERROR(m.DraftMore(b, in_batch, ndraft, head_len));
+    if (m.spec_k > 0 && !m.model->mtp_chained()) {
+      MOELORA_RETURN_IF_ERROR(m.DraftMore(b, in_batch, ndraft, head_len));
+    }
     return m.model->Forward(b);
   });
   if (!logits.ok() && logits.status().code() == absl::StatusCode::kResourceExhausted &&

@@ -12,22 +12,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "lora/name_tables.h"
 #include "lora/tp_slice.h"
 
 namespace moelora {
 namespace {
 
 std::string Shape(at::IntArrayRef s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
-
-// N of a `model.layers.N.` (or `model.language_model.layers.N.`) name; -1 for other names.
-int LayerIndex(const std::string& name) {
-  const size_t at = name.find("layers.");
-  if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) return -1;
-  int n = -1;
-  const size_t b = at + 7, e = name.find('.', b);
-  if (e == std::string::npos || !absl::SimpleAtoi(name.substr(b, e - b), &n)) return -1;
-  return n;
-}
 
 bool IsW13(const std::string& p) {
   return absl::EndsWith(p, "w13_weight") || absl::EndsWith(p, "w13_bias");
@@ -203,7 +194,7 @@ namespace {
 
   std::vector<std::string> unconsumed;
   for (const auto& [name, view] : ckpt.tensors()) {
-    if (table.facts->mtp_layers_follow && LayerIndex(name) >= config.info.num_layers) {
+    if (table.facts->mtp_layers_follow && CheckpointLayerIndex(name) >= config.info.num_layers) {
       out.skipped.push_back(absl::StrCat(
           name, " (an MTP layer after num_hidden_layers: speculative decoding is not served)"));
       continue;

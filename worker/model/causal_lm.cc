@@ -17,6 +17,7 @@
 #include "kernels/moe_lora.h"
 #include "kernels/sgmv.h"
 #include "lora/config_defaults.h"
+#include "lora/name_tables.h"
 #include "worker/layers/lora_module.h"
 #include "worker/layers/lora_ops.h"
 #include "worker/model/model_context.h"
@@ -60,7 +61,7 @@ SeqState& SeqState::operator=(SeqState&& o) noexcept {
   o.table = KvTable();
   o.kv = nullptr;
   o.len = 0;
-  o.mtp_len = 0;
+  o.mtp_len = {};
   return *this;
 }
 
@@ -99,14 +100,19 @@ absl::Status CausalLM::RollBack(SeqState& st, int64_t count, int64_t keep) {
     conv.copy_(s.second.narrow(0, keep, conv.size(0)));
   }
   st.len -= count - keep;
-  st.mtp_len = std::min(st.mtp_len, std::max<int64_t>(st.len - 1, 0));
+  for (int64_t& l : st.mtp_len) l = std::min(l, std::max<int64_t>(st.len - 1, 0));
   st.kv->Shrink(st.table, st.len);
   return absl::OkStatus();
 }
 
-absl::StatusOr<at::Tensor> CausalLM::ForwardMtp(const ForwardBatch&, const at::Tensor&,
-                                                at::Tensor*) {
+absl::StatusOr<at::Tensor> CausalLM::ForwardMtp(const ForwardBatch&, const at::Tensor&, at::Tensor*,
+                                                int, bool) {
   return absl::FailedPreconditionError("this model was built without an MTP head");
+}
+
+bool CausalLM::IsMtpModule(const std::string& module) const {
+  if (absl::StartsWith(module, "mtp.")) return true;
+  return mtp_layers_follow_ && CheckpointLayerIndex(module) >= config_.info.num_layers;
 }
 
 SeqState CausalLM::NewState() {
@@ -150,6 +156,7 @@ absl::Status CausalLM::Adopt(const ModelContext& ctx, const ModelConfig& c,
   wrapper_ = options_.mixed_moe_lora_format ? AdapterFormat::k2D : native_;
   skipped_ = std::move(skipped);
   num_layers_ = c.info.num_layers;
+  mtp_layers_follow_ = ctx.arch->facts->mtp_layers_follow;
   if (kernel_path()) {
     const at::Device dev = device();
     for (auto& [name, t] : params) t = t.to(dev).contiguous();
@@ -230,9 +237,7 @@ absl::Status CausalLM::SetSlot(int slot, const LoraAdapter& a) {
                                                    name, " both name module ", m->path()));
   };
   // LoRA for an MTP head this model was built without (no speculative decoding): not needed.
-  auto unbuilt_head = [&](const std::string& module) {
-    return !has_mtp() && absl::StartsWith(module, "mtp.");
-  };
+  auto unbuilt_head = [&](const std::string& module) { return !has_mtp() && IsMtpModule(module); };
   std::vector<std::pair<LoraModule*, const LoraPair*>> dense;
   for (const auto& [module, pair] : a.dense) {
     if (unbuilt_head(module)) continue;

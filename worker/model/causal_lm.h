@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -94,9 +95,11 @@ struct SeqState {
   ~SeqState();
 
   int64_t len = 0;
-  // Positions the MTP head has computed (ForwardMtp): its keys and values at 0 .. mtp_len - 1 of
-  // the sequence's blocks. The head at position p reads token p + 1, so it runs one behind.
-  int64_t mtp_len = 0;
+  // Positions each MTP head has computed (ForwardMtp, by head): its keys and values at 0 ..
+  // mtp_len[h] - 1 of the sequence's blocks. Head h at position p reads token p + 1 + h (chained
+  // heads; a reused head reads p + 1), so it runs behind the target.
+  static constexpr int kMaxMtpHeads = 4;
+  std::array<int64_t, kMaxMtpHeads> mtp_len{};
   // With ForwardBatch::Seq::keep_states: each recurrent layer's state after every token of the
   // last forward (by layer: the SSM states [count, ...] and the conv inputs [K - 1 + count,
   // channels]), which RollBack returns to.
@@ -142,26 +145,42 @@ class CausalLM {
   // (all_logits) or the last one. Advances each sequence's state by its new tokens.
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> Forward(const ForwardBatch& batch) = 0;
 
-  // The MTP head (a model built with ModelOptions::mtp): whether it is there; the hidden
-  // states after the final norm [tokens, hidden] (compute dtype, on the model's device) of
-  // every new token of the last Forward; and the head itself over `b`, where each
-  // sequence's tokens are the head's inputs at its next positions (token p + 1 at position p =
-  // state->mtp_len + offset) and `hidden` [tokens, hidden] the target's hidden state at p for
-  // each (row i with token i). Writes the head's keys and values at those positions (its own KV
-  // layer; the blocks are the sequence's), advances mtp_len, and returns the draft logits (f32,
-  // host) of the rows `b` asks for, as Forward does; *out (when given) gets those rows' output
-  // after the head's norm, the hidden input of a further draft step. `b.slots` adapt the head's
-  // own modules (registered under `mtp.`; -1: unadapted).
-  virtual bool has_mtp() const { return false; }
+  // The MTP heads (a model built with ModelOptions::mtp): how many there are (0: none); whether
+  // they form a chain; the target's hidden states [tokens, hidden] (compute dtype, on the
+  // model's device) of every new token of the last Forward, as the heads read them; and head
+  // `head` over `b`.
+  //
+  // A reused head (Qwen3.5: one head, `chained` false) drafts d1 at the target's last position
+  // from the target's hidden state after the final norm, then d2, d3, ... at the positions after
+  // it, each from its own previous output after its norm. Chained heads (Step3.5: head j for
+  // draft j + 1) all sit at the target's last position: head j at position p reads token
+  // p + 1 + j and head j - 1's output at p before its norm (head 0: the target's hidden state
+  // before the final norm), and predicts token p + 2 + j.
+  //
+  // In `b` each sequence's tokens are the head's inputs at its next positions (position
+  // state->mtp_len[head] + offset) and `hidden` [tokens, hidden] holds the hidden input at each
+  // (row i with token i). Writes the head's keys and values at those positions (its own KV
+  // layer; the blocks are the sequence's), advances mtp_len[head], and returns the draft logits
+  // (f32, host) of the rows `b` asks for, as Forward does. *out (when given) gets the hidden
+  // input of the next draft step: those rows' output (after the head's norm for a reused head,
+  // before it for chained heads), or every token's row when `every_row`. `b.slots` adapt the
+  // head's own modules (IsMtpModule; -1: unadapted).
+  virtual int mtp_heads() const { return 0; }
+  bool has_mtp() const { return mtp_heads() > 0; }
+  virtual bool mtp_chained() const { return false; }
   virtual at::Tensor last_hidden() const { return at::Tensor(); }
   [[nodiscard]] virtual absl::StatusOr<at::Tensor> ForwardMtp(const ForwardBatch& b,
                                                               const at::Tensor& hidden,
-                                                              at::Tensor* out = nullptr);
+                                                              at::Tensor* out = nullptr,
+                                                              int head = 0, bool every_row = false);
+  // Whether an adapter's module path names a module of an MTP head: under `mtp.` (Qwen3.5), or
+  // in a layer after num_hidden_layers where the checkpoint appends its MTP layers (Step3.5).
+  bool IsMtpModule(const std::string& module) const;
 
   // After a Forward that gave `st` `count` new tokens with keep_states, keeps the first `keep`
   // of them (1 <= keep <= count): len goes back by count - keep, each recurrent layer's state
   // to what it was after token keep - 1, the blocks past the new length are given back, and
-  // mtp_len is held below len. The steps kept for this are dropped either way.
+  // every mtp_len is held below len. The steps kept for this are dropped either way.
   [[nodiscard]] absl::Status RollBack(SeqState& st, int64_t count, int64_t keep);
 
   // The vision tower (models built with one: Qwen3-VL-MoE, Qwen3.5 with a vision_config);
@@ -243,7 +262,8 @@ class CausalLM {
   AdapterFormat wrapper_ = AdapterFormat::k2D;
   AdapterFormat native_ = AdapterFormat::k2D;
   std::vector<std::string> skipped_;
-  int num_layers_ = 0;  // layer indices the KV cache holds: the decoder's (and an MTP head's)
+  int num_layers_ = 0;  // layer indices the KV cache holds: the decoder's (and the MTP heads')
+  bool mtp_layers_follow_ = false;  // the checkpoint's MTP layers follow the decoder's
   std::unique_ptr<KvCache> kv_;
 
  private:

@@ -30,6 +30,10 @@ struct Runs {
 absl::Status StartDrafting(CausalLM& m, const ForwardBatch& prefill,
                            std::vector<DraftingSeq>& seqs) {
   if (!m.has_mtp()) return absl::FailedPreconditionError("the model has no MTP head");
+  if (m.mtp_chained()) {
+    return absl::FailedPreconditionError(
+        "chained MTP heads (Step3.5) draft through the engine, not these steps");
+  }
   if (prefill.seqs.size() != seqs.size()) {
     return absl::InvalidArgumentError("one prefill sequence per drafting sequence");
   }
@@ -65,7 +69,7 @@ absl::Status SpeculativeGreedyStep(CausalLM& m, std::vector<DraftingSeq>& seqs, 
   std::vector<std::vector<int64_t>> drafts;
   std::vector<at::Tensor> outs;
   for (DraftingSeq& s : seqs) {
-    head_len.push_back(s.state->mtp_len);
+    head_len.push_back(s.state->mtp_len[0]);
     drafts.push_back({s.draft});
     outs.push_back(s.head_out);
   }
@@ -104,7 +108,7 @@ absl::Status SpeculativeGreedyStep(CausalLM& m, std::vector<DraftingSeq>& seqs, 
     MOELORA_RETURN_IF_ERROR(m.RollBack(*s.state, k + 1, a + 1));
     // The head's positions past head_len came from its own outputs: recompute them from the
     // target's hidden states of the accepted positions.
-    s.state->mtp_len = head_len[i];
+    s.state->mtp_len[0] = head_len[i];
     s.emitted.assign(drafts[i].begin(), drafts[i].begin() + a);
     s.emitted.push_back(bonus);
     s.next = bonus;

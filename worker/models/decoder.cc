@@ -151,7 +151,7 @@ absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
       x.Sum().index_add_(0, visual_rows, b.visual_deepstack[l].to(x.Sum().scalar_type()));
     }
   }
-  return ends_.Finish(b, x.Sum(), eps, norm_, mtp_ ? &last_hidden_ : nullptr);
+  return ends_.Finish(b, x.Sum(), eps, norm_, mtp_.empty() ? nullptr : &last_hidden_, mtp_chained_);
 }
 
 absl::Status DecoderModel::RunLayer(DecoderLayer& L, int index, ResidualStream& x,
@@ -174,8 +174,13 @@ absl::Status DecoderModel::RunLayer(DecoderLayer& L, int index, ResidualStream& 
 }
 
 absl::StatusOr<at::Tensor> DecoderModel::ForwardMtp(const ForwardBatch& b, const at::Tensor& hidden,
-                                                    at::Tensor* out) {
-  if (!mtp_) return CausalLM::ForwardMtp(b, hidden, out);
+                                                    at::Tensor* out, int head, bool every_row) {
+  if (mtp_.empty()) return CausalLM::ForwardMtp(b, hidden, out, head, every_row);
+  if (head < 0 || head >= mtp_heads()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MTP head ", head, " of ", mtp_heads(), " (0 .. ", mtp_heads() - 1, ")"));
+  }
+  MtpHead& mh = *mtp_[static_cast<size_t>(head)];
   const int64_t T = static_cast<int64_t>(b.tokens.size()), H = config_.info.hidden_size;
   if (T == 0 || b.slots.size() != b.tokens.size()) {
     return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
@@ -188,49 +193,62 @@ absl::StatusOr<at::Tensor> DecoderModel::ForwardMtp(const ForwardBatch& b, const
   if (options_.kernels == LoraKernels::kCuda) {
     MOELORA_RETURN_IF_ERROR(CudaSetDevice(options_.cuda_device));
   }
-  // The head's positions are its own, one behind the target's: while its layer runs, each
-  // sequence's len stands for its mtp_len (what the attention writes at and reads up to).
+  // The head's positions are its own, behind the target's: while its layer runs, each
+  // sequence's len stands for its mtp_len[head] (what the attention writes at and reads up to).
   std::vector<int64_t> positions(T), saved;
   for (const auto& s : b.seqs) {
     SeqState& st = *s.state;
-    if (st.kv == nullptr || !st.kv->Reserve(st.table, st.mtp_len + s.count)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the KV cache cannot hold the MTP head's positions up to ", st.mtp_len + s.count));
+    const int64_t at = st.mtp_len[static_cast<size_t>(head)];
+    if (st.kv == nullptr || !st.kv->Reserve(st.table, at + s.count)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the KV cache cannot hold the MTP head's positions up to ", at + s.count));
     }
-    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = st.mtp_len + i;
+    for (int64_t i = 0; i < s.count; ++i) positions[s.begin + i] = at + i;
   }
   for (const auto& s : b.seqs) {
     saved.push_back(s.state->len);
-    s.state->len = s.state->mtp_len;
+    s.state->len = s.state->mtp_len[static_cast<size_t>(head)];
   }
   auto restore = [&] {
     for (size_t i = 0; i < b.seqs.size(); ++i) b.seqs[i].state->len = saved[i];
   };
   const double eps = config_.rms_norm_eps;
-  const Rotary& rope = rotaries_[mtp_->layer.rope];
+  const Rotary& rope = rotaries_[mh.layer.rope];
   std::vector<Rotary::Table> tables(rotaries_.size());
-  tables[mtp_->layer.rope] = rope.Compute(positions, options_.dtype);
+  tables[mh.layer.rope] = rope.Compute(positions, options_.dtype);
   // Each token's slot adapts the head's modules (b.slots; -1: the head unadapted).
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const at::Tensor tokens =
       at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
-  const at::Tensor e = RmsNorm(ends_.embed.index_select(0, tokens), mtp_->norm_embed, eps, norm_);
+  const at::Tensor e = RmsNorm(ends_.embed.index_select(0, tokens), mh.norm_embed, eps, norm_);
   const at::Tensor h =
-      RmsNorm(hidden.to(dev).to(e.scalar_type()).contiguous(), mtp_->norm_hidden, eps, norm_);
-  ResidualStream x(MatmulWt(at::cat({e, h}, 1), mtp_->fc));
-  const absl::Status st = RunLayer(mtp_->layer, mtp_->kv_layer, x, b, tables, lb);
+      RmsNorm(hidden.to(dev).to(e.scalar_type()).contiguous(), mh.norm_hidden, eps, norm_);
+  ResidualStream x(MatmulWt(at::cat({e, h}, 1), mh.fc));
+  const absl::Status st = RunLayer(mh.layer, mh.kv_layer, x, b, tables, lb);
   restore();
   MOELORA_RETURN_IF_ERROR(st);
-  for (const auto& s : b.seqs) s.state->mtp_len += s.count;
+  for (const auto& s : b.seqs) s.state->mtp_len[static_cast<size_t>(head)] += s.count;
   std::vector<int64_t> rows;
   for (const auto& s : b.seqs) {
     for (int64_t i = s.all_logits ? 0 : s.count - 1; i < s.count; ++i) rows.push_back(s.begin + i);
   }
-  const at::Tensor sel = x.Sum().index_select(
+  const at::Tensor z = x.Sum();
+  const at::Tensor sel = z.index_select(
       0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(dev));
-  const at::Tensor o = RmsNorm(sel, mtp_->norm, eps, norm_);
-  if (out != nullptr) *out = o;
-  return MatmulWt(o, ends_.lm_head).to(at::kFloat).to(at::kCPU).contiguous();
+  const at::Tensor o = RmsNorm(sel, mh.norm, eps, norm_);
+  if (out != nullptr) {
+    // The next draft step's hidden input: chained heads read the output before the norm, a
+    // reused head its output after it.
+    if (every_row) {
+      *out = mtp_chained_ ? z : RmsNorm(z, mh.norm, eps, norm_);
+    } else {
+      *out = mtp_chained_ ? sel : o;
+    }
+  }
+  return MatmulWt(o, mh.lm_head.defined() ? mh.lm_head : ends_.lm_head)
+      .to(at::kFloat)
+      .to(at::kCPU)
+      .contiguous();
 }
 
 std::vector<KvLayerShape> DecoderModel::KvShapes() const {
@@ -240,9 +258,9 @@ std::vector<KvLayerShape> DecoderModel::KvShapes() const {
     const AttentionSpec& a = layers_[l].attn->spec();
     v.push_back({static_cast<int>(l), a.kv_heads, a.head_dim, a.sliding_window});
   }
-  if (mtp_) {
-    const AttentionSpec& a = mtp_->layer.attn->spec();
-    v.push_back({mtp_->kv_layer, a.kv_heads, a.head_dim, a.sliding_window});
+  for (const auto& h : mtp_) {
+    const AttentionSpec& a = h->layer.attn->spec();
+    v.push_back({h->kv_layer, a.kv_heads, a.head_dim, a.sliding_window});
   }
   return v;
 }
@@ -266,7 +284,7 @@ LmEnds LmEnds::From(const std::map<std::string, at::Tensor>& P, bool has_lm_head
 }
 
 at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind,
-                          at::Tensor* hidden) const {
+                          at::Tensor* hidden, bool hidden_pre_norm) const {
   for (const auto& s : b.seqs) s.state->len += s.count;
   std::vector<int64_t> rows;
   for (const auto& s : b.seqs) {
@@ -274,8 +292,11 @@ at::Tensor LmEnds::Finish(const ForwardBatch& b, const at::Tensor& x, double eps
   }
   at::Tensor sel = x.index_select(
       0, at::from_blob(rows.data(), {static_cast<int64_t>(rows.size())}, at::kLong).to(x.device()));
-  if (hidden != nullptr) {
-    // Every new token's row (the MTP head reads each position's), the logit rows among them.
+  if (hidden != nullptr && hidden_pre_norm) {
+    *hidden = x;  // every new token's row, as the MTP head reads them
+  } else if (hidden != nullptr) {
+    // Every new token's row after the norm (the MTP head reads each position's), the logit rows
+    // among them.
     *hidden = RmsNorm(x, final_norm, eps, kind);
     sel = hidden->index_select(
         0,

@@ -58,9 +58,9 @@ struct LmEnds {
   static LmEnds From(const std::map<std::string, at::Tensor>& params, bool has_lm_head);
   // The step's end: every sequence's state advanced by its new tokens; the rows whose logits
   // are asked for through the final norm and the LM head, f32 on the host (*hidden, when given,
-  // gets every new token's row after the final norm).
+  // gets every new token's row, after the final norm or, with `hidden_pre_norm`, before it).
   at::Tensor Finish(const ForwardBatch& b, const at::Tensor& x, double eps, NormKind kind,
-                    at::Tensor* hidden = nullptr) const;
+                    at::Tensor* hidden = nullptr, bool hidden_pre_norm = false) const;
 };
 
 // One decoder layer: exactly one mixer and one FFN.
@@ -73,13 +73,14 @@ struct DecoderLayer {
   std::unique_ptr<SwiGluMlp> mlp;      // dense layers
 };
 
-// A multi-token-prediction head (Qwen3.5's `mtp.*`, docs/models.md): the normed embedding of
-// the next token and the normed target hidden state, concatenated (embedding first) through fc,
-// one decoder layer (full attention, its keys and values in KV layer `kv_layer`), the head's
-// norm, then the model's LM head.
+// A multi-token-prediction head (Qwen3.5's `mtp.*`, one of Step3.5's layers after
+// num_hidden_layers; docs/models.md): the normed embedding of its input token and the normed
+// hidden input, concatenated (embedding first) through fc (Step3.5: eh_proj), one decoder layer
+// (its keys and values in KV layer `kv_layer`), the head's norm, then its LM head.
 struct MtpHead {
   at::Tensor fc;  // [hidden, 2 · hidden], whole on every rank
   at::Tensor norm_embed, norm_hidden, norm;
+  at::Tensor lm_head;  // its own (Step3.5's shared_head.output); undefined: the model's
   DecoderLayer layer;
   int kv_layer = 0;
 };
@@ -95,11 +96,12 @@ class DecoderModel : public CausalLM {
   const VisionConfig* vision() const final { return vision_ ? &vision_->config() : nullptr; }
   [[nodiscard]] absl::StatusOr<VisionEncoding> EncodeImages(
       const std::vector<VisionImage>& images) final;
-  bool has_mtp() const final { return mtp_ != nullptr; }
+  int mtp_heads() const final { return static_cast<int>(mtp_.size()); }
+  bool mtp_chained() const final { return mtp_chained_; }
   at::Tensor last_hidden() const final { return last_hidden_; }
   [[nodiscard]] absl::StatusOr<at::Tensor> ForwardMtp(const ForwardBatch& b,
-                                                      const at::Tensor& hidden,
-                                                      at::Tensor* out) final;
+                                                      const at::Tensor& hidden, at::Tensor* out,
+                                                      int head, bool every_row) final;
 
  protected:
   // One decoder layer over the stream (mixer, all-reduce, residual; FFN, all-reduce, residual).
@@ -116,9 +118,10 @@ class DecoderModel : public CausalLM {
   LmEnds ends_;
   std::vector<Rotary> rotaries_;  // one per distinct RoPE of the layers
   std::vector<DecoderLayer> layers_;
-  NormKind norm_ = NormKind::kPlain;  // every norm of the stack, the final one included
-  std::unique_ptr<MtpHead> mtp_;      // ModelOptions::mtp
-  at::Tensor last_hidden_;            // with mtp_: the last Forward's rows after the final norm
+  NormKind norm_ = NormKind::kPlain;           // every norm of the stack, the final one included
+  std::vector<std::unique_ptr<MtpHead>> mtp_;  // ModelOptions::mtp
+  bool mtp_chained_ = false;  // the heads form a chain (CausalLM::ForwardMtp), else one reused
+  at::Tensor last_hidden_;    // with mtp_: the last Forward's rows, as the first head reads them
 };
 
 // Specs of a layer's attention projections (`<layer>self_attn.{q,k,v,o}_proj`, q with

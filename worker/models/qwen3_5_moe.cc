@@ -279,7 +279,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     // Its keys and values: one more KV layer after the decoder's.
     head->kv_layer = c.info.num_layers;
     m->num_layers_ = c.info.num_layers + 1;
-    m->mtp_ = std::move(head);
+    m->mtp_.push_back(std::move(head));
   }
   for (DecoderLayer& L : m->layers_) {
     if (L.gdn) {
@@ -295,9 +295,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& 
     m->RegisterLora(L.moe->shared()->down.get());
     m->RegisterLora(L.moe->experts());
   }
-  if (m->mtp_) {
+  if (!m->mtp_.empty()) {
     // The head's modules take adapters too (their module paths are under `mtp.`).
-    DecoderLayer& L = m->mtp_->layer;
+    DecoderLayer& L = m->mtp_[0]->layer;
     for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
     m->RegisterLora(L.moe->shared()->gate.get());
     m->RegisterLora(L.moe->shared()->up.get());

@@ -5,7 +5,8 @@
 // a MoE block: sigmoid router (f32) whose bias only selects, renormalised top-k weights times
 // moe_router_scaling_factor, clamped SwiGLU experts where swiglu_limits is set, and the ungated
 // shared expert (clamped by swiglu_limits_shared, as the dense MLPs are). Every norm is
-// zero-centred. The hub checkpoint's MTP layers (after num_hidden_layers) are skipped.
+// zero-centred. The hub checkpoint's MTP layers (after num_hidden_layers) are skipped, or with
+// ModelOptions::mtp built as chained draft heads.
 //
 // Module paths are the hub's (`moe.experts`, `share_expert.*`, `mlp.*` for dense layers);
 // adapters trained on transformers' Step3p7 classes name the same modules `mlp.experts` and
@@ -17,31 +18,37 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
+#include "lora/architectures.h"
 #include "nlohmann/json.hpp"
 #include "worker/layers/attention.h"
 #include "worker/layers/moe.h"
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/model_context.h"
+#include "worker/model/registry.h"
 #include "worker/models/decoder.h"
 
 namespace moelora {
 
 namespace {
 
-// What config.json says per layer, beyond ModelConfig.
+// What config.json says per layer, beyond ModelConfig: of the decoder's layers, and with
+// `with_mtp` of the MTP layers after them too (their entries follow the decoder's in every
+// per-layer list).
 struct Step35Layout {
   std::vector<int64_t> heads, kv_heads;  // query and KV heads, all ranks
   std::vector<bool> moe;
+  std::vector<std::string> types;  // layer_types
   std::vector<RopeSpec> rope;
   std::vector<double> limit, limit_shared;  // 0: no clamp
   int64_t dense_inter = 0, share_inter = 0;
   int top_k = 0;
   double routed_scaling = 1.0;
   bool router_bias = true, head_gate = true;
+  int mtp = 0;  // num_nextn_predict_layers: MTP layers after the decoder's
 };
 
 [[nodiscard]] absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConfig& c,
-                                                      const std::string& file) {
+                                                      const std::string& file, bool with_mtp) {
   const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
   const int n = c.info.num_layers;
   auto bad = [&](auto&&... parts) {
@@ -54,14 +61,19 @@ struct Step35Layout {
   if (t.contains("num_nextn_predict_layers") && t["num_nextn_predict_layers"].is_number_integer()) {
     mtp = t["num_nextn_predict_layers"].get<int>();
   }
+  if (with_mtp && mtp <= 0) {
+    return refuse("no num_nextn_predict_layers: the checkpoint has no MTP layers");
+  }
+  // The layers read: the decoder's, then the MTP layers' when they are built.
+  const int total = with_mtp ? n + mtp : n;
   // A per-layer list of numbers (the hub pads it with the MTP layers' entries; null = 0), or one
   // number for every layer.
   auto per_layer = [&](const char* key, double fallback, std::vector<double>* out) -> absl::Status {
-    out->assign(n, fallback);
+    out->assign(total, fallback);
     if (!t.contains(key) || t[key].is_null()) return absl::OkStatus();
     const nlohmann::json& v = t[key];
     if (v.is_number()) {
-      out->assign(n, v.get<double>());
+      out->assign(total, v.get<double>());
       return absl::OkStatus();
     }
     if (!v.is_array() ||
@@ -69,7 +81,11 @@ struct Step35Layout {
       return bad(key, " must be a number or a list of ", n, " (or ", n + mtp,
                  " with the MTP layers) numbers");
     }
-    for (int i = 0; i < n; ++i) {
+    if (static_cast<int>(v.size()) < total) {
+      return bad(key, " lists ", v.size(), " layers: the MTP layers (", n, " .. ", total - 1,
+                 ") need theirs after the decoder's");
+    }
+    for (int i = 0; i < total; ++i) {
       if (v[i].is_null()) {
         (*out)[i] = 0;
       } else if (v[i].is_number()) {
@@ -148,14 +164,23 @@ struct Step35Layout {
       scaled_types.insert(v.get<std::string>());
     }
   }
-  for (int i = 0; i < n; ++i) {
-    const bool sliding = c.layer_types[i] == "sliding_attention";
-    if (!sliding && c.layer_types[i] != "full_attention") {
-      return refuse("layer_types[", i, "] \"", c.layer_types[i], "\" is not a Step3.5 layer");
+  L.types = c.layer_types;
+  for (int i = n; i < total; ++i) {
+    const nlohmann::json& lt = t["layer_types"];
+    if (!lt.is_array() || static_cast<int>(lt.size()) <= i || !lt[i].is_string()) {
+      return bad("layer_types lists no type for MTP layer ", i,
+                 " (the MTP layers' follow the decoder's)");
+    }
+    L.types.push_back(lt[i].get<std::string>());
+  }
+  for (int i = 0; i < total; ++i) {
+    const bool sliding = L.types[i] == "sliding_attention";
+    if (!sliding && L.types[i] != "full_attention") {
+      return refuse("layer_types[", i, "] \"", L.types[i], "\" is not a Step3.5 layer");
     }
     L.heads.push_back(sliding ? sw_heads : c.info.num_attention_heads);
     L.kv_heads.push_back(sliding ? sw_kv : c.info.num_key_value_heads);
-    RopeSpec r = scaling && scaled_types.count(c.layer_types[i]) ? c.rope : RopeSpec();
+    RopeSpec r = scaling && scaled_types.count(L.types[i]) ? c.rope : RopeSpec();
     r.head_dim = c.info.head_dim;
     r.theta = theta[i];
     r.partial_rotary_factor = partial[i];
@@ -169,7 +194,7 @@ struct Step35Layout {
   // carries the older keys use_moe, moe_layer_offset and moe_every_n_layer; they must agree with
   // it: MoE layers only with use_moe, and each one a layer the older rule allows
   // (i >= offset, (i - offset) % every == 0).
-  MOELORA_ASSIGN_OR_RETURN(L.moe, MoeLayersEnum(text, n, file, /*required=*/true));
+  MOELORA_ASSIGN_OR_RETURN(L.moe, MoeLayersEnum(text, total, file, /*required=*/true));
   const int num_moe = static_cast<int>(std::count(L.moe.begin(), L.moe.end(), true));
   if (t.contains("use_moe") && !t["use_moe"].is_boolean()) return bad("use_moe must be a boolean");
   if (!flag("use_moe", true) && num_moe > 0) {
@@ -185,7 +210,7 @@ struct Step35Layout {
     }
     *out = t[key].get<int64_t>();
   }
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < total; ++i) {
     if (L.moe[i] && (i < offset || (i - offset) % every != 0)) {
       return refuse("moe_layers_enum makes layer ", i, " MoE, but moe_layer_offset ", offset,
                     " and moe_every_n_layer ", every, " do not");
@@ -221,8 +246,9 @@ struct Step35Layout {
         "renormalise the sigmoid router's top-k weights regardless");
   }
   L.head_gate = flag("use_head_wise_attn_gate", true);
+  L.mtp = mtp;
   const bool any_moe = num_moe > 0;
-  const bool any_dense = num_moe < n;
+  const bool any_dense = num_moe < total;
   if (any_moe && (c.info.num_experts <= 0 || L.top_k <= 0 || L.top_k > c.info.num_experts ||
                   L.share_inter <= 0 || c.info.moe_intermediate_size <= 0)) {
     return bad(
@@ -233,33 +259,49 @@ struct Step35Layout {
   return L;
 }
 
-std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, bool with_lm_head) {
-  const int64_t H = c.info.hidden_size, V = c.vocab_size, E = c.info.num_experts,
-                d = c.info.head_dim;
+// Layer l's parameters (decoder or MTP layer: the same block).
+void AddLayerSpecs(std::vector<ParamSpec>& s, const ModelConfig& c, const Step35Layout& L, int l) {
+  const int64_t H = c.info.hidden_size, E = c.info.num_experts, d = c.info.head_dim;
+  const std::string p = absl::StrCat("model.layers.", l, ".");
+  const std::string a = p + "self_attn.";
+  const int64_t hq = L.heads[l], hkv = L.kv_heads[l];
+  s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
+  s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
+  s.push_back({a + "q_proj.base_layer.weight", {hq * d, H}, TpSplit::kRows});
+  s.push_back({a + "k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+  s.push_back({a + "v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
+  s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
+  s.push_back({a + "q_norm.weight", {d}, TpSplit::kReplicated});
+  s.push_back({a + "k_norm.weight", {d}, TpSplit::kReplicated});
+  if (L.head_gate) s.push_back({a + "g_proj.base_layer.weight", {hq, H}, TpSplit::kRows});
+  if (L.moe[l]) {
+    s.push_back({p + "moe.gate.weight", {E, H}, TpSplit::kReplicated});
+    if (L.router_bias) s.push_back({p + "moe.router_bias", {E}, TpSplit::kReplicated});
+    AddExpertSpecs(s, p + "moe.experts", c, /*lora_wrapped=*/true);
+    AddSwiGluSpecs(s, p + "share_expert.", H, L.share_inter);
+  } else {
+    AddSwiGluSpecs(s, p + "mlp.", H, L.dense_inter);
+  }
+}
+
+// The model's parameters; with the MTP layers, each one's fusion (enorm, hnorm, eh_proj) and
+// its own output end (shared_head.norm, shared_head.output) beside its block.
+std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, bool with_lm_head,
+                                   bool with_mtp) {
+  const int64_t H = c.info.hidden_size, V = c.vocab_size;
   std::vector<ParamSpec> s = {{"model.embed_tokens.weight", {V, H}, TpSplit::kReplicated},
                               {"model.norm.weight", {H}, TpSplit::kReplicated}};
   if (with_lm_head) s.push_back({"lm_head.weight", {V, H}, TpSplit::kReplicated});
-  for (int l = 0; l < c.info.num_layers; ++l) {
+  const int n = c.info.num_layers;
+  for (int l = 0; l < n + (with_mtp ? L.mtp : 0); ++l) {
+    AddLayerSpecs(s, c, L, l);
+    if (l < n) continue;
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    const std::string a = p + "self_attn.";
-    const int64_t hq = L.heads[l], hkv = L.kv_heads[l];
-    s.push_back({p + "input_layernorm.weight", {H}, TpSplit::kReplicated});
-    s.push_back({p + "post_attention_layernorm.weight", {H}, TpSplit::kReplicated});
-    s.push_back({a + "q_proj.base_layer.weight", {hq * d, H}, TpSplit::kRows});
-    s.push_back({a + "k_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
-    s.push_back({a + "v_proj.base_layer.weight", {hkv * d, H}, TpSplit::kRows});
-    s.push_back({a + "o_proj.base_layer.weight", {H, hq * d}, TpSplit::kCols});
-    s.push_back({a + "q_norm.weight", {d}, TpSplit::kReplicated});
-    s.push_back({a + "k_norm.weight", {d}, TpSplit::kReplicated});
-    if (L.head_gate) s.push_back({a + "g_proj.base_layer.weight", {hq, H}, TpSplit::kRows});
-    if (L.moe[l]) {
-      s.push_back({p + "moe.gate.weight", {E, H}, TpSplit::kReplicated});
-      if (L.router_bias) s.push_back({p + "moe.router_bias", {E}, TpSplit::kReplicated});
-      AddExpertSpecs(s, p + "moe.experts", c, /*lora_wrapped=*/true);
-      AddSwiGluSpecs(s, p + "share_expert.", H, L.share_inter);
-    } else {
-      AddSwiGluSpecs(s, p + "mlp.", H, L.dense_inter);
-    }
+    s.push_back({p + "enorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "hnorm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "eh_proj.weight", {H, 2 * H}, TpSplit::kReplicated});
+    s.push_back({p + "shared_head.norm.weight", {H}, TpSplit::kReplicated});
+    s.push_back({p + "shared_head.output.weight", {V, H}, TpSplit::kReplicated});
   }
   return s;
 }
@@ -279,12 +321,18 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
   const ModelOptions& o = ctx.options;
   const std::string cfg = ctx.dir + "/config.json";
   MOELORA_ASSIGN_OR_RETURN(std::string text, ReadConfigText(ctx.dir));
-  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text, c, cfg));
+  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text, c, cfg, o.mtp));
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(cfg, ": ", parts...));
   };
-  const int tp = o.tp_size;
-  for (int l = 0; l < c.info.num_layers; ++l) {
+  const int tp = o.tp_size, n = c.info.num_layers;
+  const int total = n + (o.mtp ? lay.mtp : 0);  // with the MTP layers when they are built
+  if (o.mtp && lay.mtp > SeqState::kMaxMtpHeads) {
+    return absl::FailedPreconditionError(absl::StrCat(cfg, ": num_nextn_predict_layers ", lay.mtp,
+                                                      " (at most ", SeqState::kMaxMtpHeads,
+                                                      " MTP layers are served)"));
+  }
+  for (int l = 0; l < total; ++l) {
     if (lay.heads[l] % tp != 0 || lay.kv_heads[l] % tp != 0 || lay.heads[l] % lay.kv_heads[l]) {
       return bad("layer ", l, ": ", lay.heads[l], " query heads and ", lay.kv_heads[l],
                  " KV heads must divide by --tensor-parallel-size ", tp,
@@ -296,8 +344,19 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     return bad("share_expert_dim ", lay.share_inter, " and intermediate_size ", lay.dense_inter,
                " must divide by --tensor-parallel-size ", tp);
   }
-  MOELORA_ASSIGN_OR_RETURN(
-      ModelWeights mw, LoadModelWeights(ctx, c, [&](bool lm) { return Step35Specs(c, lay, lm); }));
+  // With the MTP layers, the checkpoint's names after num_hidden_layers are read too (the main
+  // table skips them).
+  ModelContext load_ctx = ctx;
+  ArchTable with_mtp;
+  if (o.mtp) {
+    with_mtp = *ctx.arch;
+    with_mtp.facts = FindArchFacts("Step3p5MTP");
+    with_mtp.map = with_mtp.facts->map;
+    load_ctx.arch = &with_mtp;
+  }
+  MOELORA_ASSIGN_OR_RETURN(ModelWeights mw, LoadModelWeights(load_ctx, c, [&](bool lm) {
+                             return Step35Specs(c, lay, lm, o.mtp);
+                           }));
   LoadedWeights& w = mw.weights;
   const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Step3p5>(new Step3p5());
@@ -309,11 +368,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
   std::vector<RopeSpec> distinct;
   const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
   const int64_t H = c.info.hidden_size, d = c.info.head_dim;
-  for (int l = 0; l < c.info.num_layers; ++l) {
+  // Layer l's block (a decoder or an MTP layer).
+  auto build = [&](int l, DecoderLayer& L) -> absl::Status {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const std::string a = p + "self_attn.";
     const int64_t hq = lay.heads[l], hkv = lay.kv_heads[l];
-    DecoderLayer L;
     L.in_norm = P.at(p + "input_layernorm.weight");
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
     auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
@@ -330,7 +389,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     as.head_dim = d;
     as.eps = c.rms_norm_eps;
     as.qk_norm_kind = NormKind::kZeroCentred;
-    as.sliding_window = c.layer_types[l] == "sliding_attention" ? c.sliding_window : 0;
+    as.sliding_window = lay.types[l] == "sliding_attention" ? c.sliding_window : 0;
     L.attn =
         std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
                                     P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
@@ -364,10 +423,35 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
       MOELORA_ASSIGN_OR_RETURN(
           L.mlp, MakeSwiGluMlp(P, p + "mlp.", H, lay.dense_inter, shape, lay.limit_shared[l]));
     }
+    return absl::OkStatus();
+  };
+  for (int l = 0; l < n; ++l) {
+    DecoderLayer L;
+    MOELORA_RETURN_IF_ERROR(build(l, L));
     m->layers_.push_back(std::move(L));
   }
-  for (size_t l = 0; l < m->layers_.size(); ++l) {
-    DecoderLayer& L = m->layers_[l];
+  // The MTP layers: head j (layer n + j) drafts token j + 1 of a step, chained (vLLM's
+  // step3p5_mtp: embedding and the previous head's output before its norm, each head with its
+  // own KV layer n + j and vocabulary head).
+  for (int l = n; l < total; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    auto head = std::make_unique<MtpHead>();
+    head->fc = P.at(p + "eh_proj.weight");
+    head->norm_embed = P.at(p + "enorm.weight");
+    head->norm_hidden = P.at(p + "hnorm.weight");
+    head->norm = P.at(p + "shared_head.norm.weight");
+    head->lm_head = P.at(p + "shared_head.output.weight");
+    MOELORA_RETURN_IF_ERROR(build(l, head->layer));
+    head->kv_layer = l;
+    m->mtp_.push_back(std::move(head));
+  }
+  m->mtp_chained_ = !m->mtp_.empty();
+  m->num_layers_ = total;
+  std::vector<DecoderLayer*> all;
+  for (DecoderLayer& L : m->layers_) all.push_back(&L);
+  for (auto& h : m->mtp_) all.push_back(&h->layer);  // their module paths: layers n ..
+  for (size_t l = 0; l < all.size(); ++l) {
+    DecoderLayer& L = *all[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
     if (L.attn->g()) m->RegisterLora(L.attn->g());

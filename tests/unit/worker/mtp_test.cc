@@ -4,7 +4,8 @@
 // cache), at TP=1 and TP=2 (with and without expert parallelism); the checkpoint with its experts
 // stored one by one under `.base_layer.` names; greedy decoding with drafts verified and rolled
 // back equal to greedy decoding, alone and in a batch mixing 2D, 3D and base sequences; a model
-// built without the head, and a checkpoint without one.
+// built without the head, and a checkpoint without one. Step3.5's chained MTP layers against
+// tools/step3p5_mtp_reference.py (tests/data/step3p5_mtp) at TP=1 and TP=2.
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -108,7 +109,7 @@ std::pair<at::Tensor, at::Tensor> TargetThenHead(CausalLM& m, const std::vector<
     pos += n;
   }
   EXPECT_EQ(st.len, static_cast<int64_t>(ids.size()));
-  EXPECT_EQ(st.mtp_len, static_cast<int64_t>(ids.size()) - 1);
+  EXPECT_EQ(st.mtp_len[0], static_cast<int64_t>(ids.size()) - 1);
   return {at::cat(drafts, 0), h.to(at::kFloat)};
 }
 
@@ -475,7 +476,134 @@ TEST(MtpTest, HiddenStatesOfTheWrongShapeAreRefused) {
   EXPECT_THAT(
       m.ForwardMtp(OneSeq(&st, {1, 2, 3}, true), at::zeros({2, m.config().info.hidden_size})),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one hidden state")));
-  EXPECT_EQ(st.mtp_len, 0);
+  EXPECT_EQ(st.mtp_len[0], 0);
+}
+
+// Step3.5's chained MTP layers (tests/data/step3p5_mtp, tools/step3p5_mtp_reference.py): the
+// target over `ids` whole, then each head j over the positions whose input tokens are known
+// (token p + 1 + j, the previous head's output at p before its norm; head 0 the target's hidden
+// state before the final norm), in `pieces` pieces. Returns each head's logits [n - 1 - j, vocab]
+// and the target's hidden states.
+std::pair<std::vector<at::Tensor>, at::Tensor> ChainedHeads(CausalLM& m,
+                                                            const std::vector<int64_t>& ids,
+                                                            int pieces) {
+  SeqState st = m.NewState();
+  const auto n = static_cast<int64_t>(ids.size());
+  auto target = m.Forward(OneSeq(&st, ids, true));
+  EXPECT_TRUE(target.ok()) << target.status();
+  if (!target.ok()) return {};
+  const at::Tensor h = m.last_hidden().clone();
+  at::Tensor prev = h;
+  std::vector<at::Tensor> logits;
+  for (int j = 0; j < m.mtp_heads() && n - 1 - j > 0; ++j) {
+    const int64_t count = n - 1 - j;
+    std::vector<at::Tensor> lg, zs;
+    for (int64_t pos = 0, piece = 0; pos < count; ++piece) {
+      const int64_t len = piece + 1 < pieces ? std::max<int64_t>(1, count / pieces) : count - pos;
+      at::Tensor z;
+      auto l = m.ForwardMtp(
+          OneSeq(&st, {ids.begin() + pos + 1 + j, ids.begin() + pos + 1 + j + len}, true),
+          prev.narrow(0, pos, len), &z, j, /*every_row=*/true);
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (!l.ok()) return {};
+      lg.push_back(*l);
+      zs.push_back(z);
+      pos += len;
+    }
+    EXPECT_EQ(st.mtp_len[static_cast<size_t>(j)], count);
+    logits.push_back(at::cat(lg, 0));
+    prev = at::cat(zs, 0);
+  }
+  return {logits, h.to(at::kFloat)};
+}
+
+void ExpectChainedHeadsMatchTheReference(CausalLM& m) {
+  auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(ref);
+  ASSERT_EQ(m.mtp_heads(), 3);
+  ASSERT_TRUE(m.mtp_chained());
+  for (int k = 0; (*ref)->Find(absl::StrCat("prompt.", k)) != nullptr; ++k) {
+    const std::vector<int64_t> ids = Ids(Read(**ref, absl::StrCat("prompt.", k)));
+    for (int pieces : {1, 3}) {
+      SCOPED_TRACE(absl::StrCat("prompt ", k, ", ", pieces, " pieces"));
+      auto [logits, hidden] = ChainedHeads(m, ids, pieces);
+      EXPECT_LE(MaxDiff(hidden, Read(**ref, absl::StrCat("hidden.", k))), kRefTol);
+      int heads = 0;
+      for (size_t j = 0; j < logits.size(); ++j) {
+        const std::string name = absl::StrCat("mtp_logits.", k, ".", j);
+        if ((*ref)->Find(name) == nullptr) continue;
+        const float d = MaxDiff(logits[j], Read(**ref, name));
+        std::printf("[ref] step3p5 MTP head %zu prompt %d (%zu tokens, %d pieces): %.3g\n", j, k,
+                    ids.size(), pieces, d);
+        EXPECT_LE(d, kRefTol) << name;
+        ++heads;
+      }
+      EXPECT_EQ(heads, std::min<int>(3, static_cast<int>(ids.size()) - 1));
+    }
+  }
+}
+
+// Step3.5's three MTP layers (sliding / full / sliding attention; dense with a clamp, MoE,
+// dense) load from the checkpoint's layers after num_hidden_layers and match the reference:
+// the target's hidden states before the final norm, each head's logits over whole prompts and
+// in pieces (its keys and values read back from its own KV layer). Their LoRA modules are named
+// by their checkpoint layers. Without --speculative-config the layers are skipped and listed.
+TEST(MtpTest, Step35ChainedHeadsMatchTheReference) {
+  auto h = Load(Data("step3p5_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  EXPECT_THAT(m.lora_modules(), ::testing::Contains("model.layers.5.moe.experts"));
+  EXPECT_THAT(m.lora_modules(), ::testing::Contains("model.layers.4.self_attn.g_proj"));
+  EXPECT_TRUE(m.IsMtpModule("model.layers.6.mlp.down_proj"));
+  EXPECT_FALSE(m.IsMtpModule("model.layers.3.mlp.down_proj"));
+  ExpectChainedHeadsMatchTheReference(m);
+  // The heads' greedy speculation helpers are the reused head's: refused here.
+  EXPECT_THAT(GreedyWithMtp(m, {1, 2, 3}, 4, 2, nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("chained")));
+  auto plain = Load(Data("step3p5_mtp/model"), /*mtp=*/false);
+  ASSERT_OK(plain);
+  EXPECT_FALSE((*plain)->model->has_mtp());
+  EXPECT_THAT((*plain)->model->skipped_tensors(),
+              ::testing::Contains(HasSubstr("model.layers.5.eh_proj.weight")));
+}
+
+TEST(MtpTest, Step35ChainedHeadsAtTp2MatchTheReference) {
+  TempDir store;
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      RendezvousOptions ro;
+      ro.rank = r;
+      ro.world_size = 2;
+      ro.store_dir = store.path();
+      auto comm = MakeGlooCommunicator(ro);
+      if (!comm.ok()) {
+        errors[r] = std::string(comm.status().message());
+        return;
+      }
+      ModelOptions o;
+      o.mtp = true;
+      o.tp_rank = r;
+      o.tp_size = 2;
+      auto m = LoadCausalLM(Data("step3p5_mtp/model"), o, comm->get());
+      if (!m.ok()) {
+        errors[r] = std::string(m.status().message());
+        return;
+      }
+      auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+      const std::vector<int64_t> ids = Ids(Read(**ref, "prompt.0"));
+      auto [logits, hidden] = ChainedHeads(**m, ids, 2);
+      for (size_t j = 0; j < logits.size(); ++j) {
+        const float d = MaxDiff(logits[j], Read(**ref, absl::StrCat("mtp_logits.0.", j)));
+        if (!(d <= kRefTol)) errors[r] += absl::StrCat("head ", j, " differs by ", d, "; ");
+      }
+      if (logits.size() != 3) errors[r] += "not three heads";
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
 }
 
 }  // namespace

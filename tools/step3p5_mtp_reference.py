@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""An independent reference of Step3.5's MTP layers (chained draft heads), and the fixture the
+worker's Step3.5 speculative-decoding tests compare against.
+
+transformers has no Step3.5 causal LM; its Step3p7 classes implement the same layers
+(docs/models.md), and its own MTP chain feeds each head the previous one's output after the
+norm, where the hub code and vLLM (step3p5_mtp.py, read, not copied) feed it before. So this
+writes the chain from the published structure and calls transformers' Step3p7 decoder layer,
+norm and rotary modules for the blocks:
+
+    head j (checkpoint layer N + j, N = num_hidden_layers) at position p:
+        z[-1][p] = the target's last layer output at p, before model.norm
+        z[j][p] = block_{N+j}(eh_proj([enorm(embed(x[p+1+j])) ; hnorm(z[j-1][p])]))
+                  rotary position p, attention (full or sliding, by layer_types[N + j]) over the
+                  head's own keys of positions 0..p; the MLP dense or MoE by moe_layers_enum
+        logits[j][p] = shared_head.output(shared_head.norm(z[j][p]))      a draft of x[p+2+j]
+    (embed: the target's; every norm zero-centred, weight 1 + w.)
+
+    step3p5_mtp_reference.py make --out DIR [--steps 300]
+        DIR/model: tests/data/step3p5's tiny target (rebuilt from make_fixtures.py's seeds and
+        checked against its expected logits) with three MTP layers (sliding / full / sliding;
+        the middle one MoE, the first with a clamped dense MLP), trained together on the
+        target's own greedy continuations so that drafts are accepted as a released head's are;
+        DIR/expected_mtp.safetensors: per prompt i, `prompt.i`, `hidden.i` (the target's
+        hidden states before the final norm), `mtp_logits.i.j` [len - 1 - j, vocab] (head j at
+        positions 0 .. len - 2 - j, every input token known) and `greedy.i` (the target's 16
+        greedy tokens); DIR/mtp_stats.json: the loss and each head's acceptance.
+
+Test-only: the product never runs Python.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_fixtures as mf  # noqa: E402
+from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig  # noqa: E402
+from transformers.models.step3p7.modeling_step3p7 import (  # noqa: E402
+    Step3p7DecoderLayer, Step3p7RMSNorm, Step3p7RotaryEmbedding)
+
+N, MTP = mf.S35_LAYERS, 3
+TYPES = mf.S35["layer_types"][:N] + ["sliding_attention", "full_attention", "sliding_attention"]
+THETA = {"full_attention": 500000.0, "sliding_attention": 10000.0}
+PARTIAL = {"full_attention": 0.5, "sliding_attention": 1.0}
+# The hub config: the decoder's entries, then the MTP layers'.
+CONFIG = dict(mf.S35, num_nextn_predict_layers=MTP, layer_types=TYPES,
+              rope_theta=[THETA[t] for t in TYPES], partial_rotary_factors=[PARTIAL[t] for t in TYPES],
+              moe_layers_enum="1,2,3,5",
+              swiglu_limits=mf.S35["swiglu_limits"][:N] + [0.0, 0.4, 0.0],
+              swiglu_limits_shared=mf.S35["swiglu_limits_shared"][:N] + [0.7, 0.0, 0.0])
+GREEDY = 16
+
+
+def all_layers_config():
+    """A Step3p7 config whose layers are the decoder's and the MTP layers (so that transformers
+    builds layer N + j with that layer's heads, rotary type, MLP kind and clamps)."""
+    kw = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    kw.update(num_hidden_layers=N + MTP, num_nextn_predict_layers=0)
+    cfg = Step3p7TextConfig(**kw)
+    cfg._attn_implementation = "eager"
+    assert cfg.mlp_layer_types[N:] == ["dense", "sparse", "dense"], cfg.mlp_layer_types
+    return cfg
+
+
+class Head(torch.nn.Module):
+    """One MTP layer under its checkpoint names (without `model.layers.{N + j}.`); `block` holds
+    the decoder layer's own names."""
+
+    def __init__(self, cfg, layer):
+        super().__init__()
+        H, V = cfg.hidden_size, cfg.vocab_size
+        self.enorm = Step3p7RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.hnorm = Step3p7RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+        self.block = Step3p7DecoderLayer(cfg, layer)
+        self.shared_norm = Step3p7RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.shared_output = torch.nn.Linear(H, V, bias=False)
+        self.type = cfg.layer_types[layer]
+        self.window = cfg.sliding_window
+
+    def forward(self, emb, hidden, rotary):
+        """emb [B, n, H]: embed(x[p+1+j]); hidden [B, n, H]: z[j-1][p]; positions 0..n-1.
+        Returns z[j] [B, n, H] (before the head's norm)."""
+        B, n, _ = emb.shape
+        z = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], -1))
+        pos = torch.arange(n).view(1, n).expand(B, n)
+        q = torch.arange(n).view(n, 1)
+        k = torch.arange(n).view(1, n)
+        allowed = k <= q
+        if self.type == "sliding_attention":
+            allowed &= k > q - self.window
+        mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf")).view(1, 1, n, n)
+        return self.block(z, attention_mask=mask, position_embeddings=rotary(z, pos, self.type),
+                          position_ids=pos)
+
+    def logits(self, z):
+        return self.shared_output(self.shared_norm(z))
+
+
+def prenorm_hidden(base, ids):
+    """The target's last layer output before model.norm [B, n, H]."""
+    got = {}
+    hook = base.model.norm.register_forward_pre_hook(lambda mod, args: got.setdefault("h", args[0]))
+    try:
+        with torch.no_grad():
+            base.model(input_ids=ids)
+    finally:
+        hook.remove()
+    return got["h"]
+
+
+def chain(base, heads, rotary, ids, hidden=None):
+    """Each head's output over ids [B, n] (every input token known): a list of [B, n - 1 - j, H]
+    (shorter when the sequence is: n - 1 - j > 0)."""
+    if hidden is None:
+        hidden = prenorm_hidden(base, ids)
+    outs, prev = [], hidden
+    for j, head in enumerate(heads):
+        m = ids.shape[1] - 1 - j
+        if m <= 0:
+            break  # no position with every input of head j known
+        emb = base.model.embed_tokens(ids[:, 1 + j:])
+        z = head(emb, prev[:, :m], rotary)
+        outs.append(z)
+        prev = z
+    return outs
+
+
+def greedy(base, ids, n):
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(base(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def to_hub(head, layer):
+    """The head's checkpoint tensors, as the hub names an MTP layer's."""
+    p = f"model.layers.{layer}."
+    sd = {p + "enorm.weight": head.enorm.weight, p + "hnorm.weight": head.hnorm.weight,
+          p + "eh_proj.weight": head.eh_proj.weight,
+          p + "shared_head.norm.weight": head.shared_norm.weight,
+          p + "shared_head.output.weight": head.shared_output.weight}
+    sd.update(mf.s35_to_hub({p + k: v for k, v in head.block.state_dict().items()}))
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def make(out, steps):
+    shutil.rmtree(out, ignore_errors=True)
+    mdir = os.path.join(out, "model")
+    cfg, base, _ = mf.s35_base()
+    # The target is tests/data/step3p5's.
+    committed = load_file(os.path.join(os.path.dirname(__file__), "..", "tests", "data", "step3p5",
+                                       "expected_logits.safetensors"))
+    for k, p in enumerate(mf.S35_PROMPTS):
+        assert (mf.logits_of(base, p) - committed[f"logits.base.{k}"]).abs().max().item() < 1e-6
+    for p in base.parameters():
+        p.requires_grad_(False)
+    acfg = all_layers_config()
+    rotary = Step3p7RotaryEmbedding(acfg)
+    torch.manual_seed(353)
+    heads = torch.nn.ModuleList([Head(acfg, N + j) for j in range(MTP)])
+    heads.apply(base.model._init_weights)
+    mf.s35_randomise(heads, torch.Generator().manual_seed(354))
+
+    # Training: the target's greedy continuations of random prompts (32 tokens each); head j at
+    # position p sees x[p+1+j] and z[j-1][p] and must predict x[p+2+j] (the heads together).
+    g = torch.Generator().manual_seed(355)
+    seqs = []
+    for _ in range(48):
+        prompt = torch.randint(0, mf.VOCAB, (6,), generator=g).tolist()
+        seqs.append(prompt + greedy(base, prompt, 26))
+    # And the first test prompt's (its drafts are then mostly kept; the others' are held out).
+    first = mf.S35_PROMPTS[0]
+    seqs.append(first + greedy(base, first, 32 - len(first)))
+    ids = torch.tensor(seqs)
+    hidden = prenorm_hidden(base, ids)
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        zs = chain(base, heads, rotary, ids, hidden)
+        loss = 0
+        for j, z in enumerate(zs):
+            lg = heads[j].logits(z)[:, :-1]
+            loss = loss + torch.nn.functional.cross_entropy(lg.reshape(-1, mf.VOCAB),
+                                                            ids[:, 2 + j:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    heads.eval()
+
+    os.makedirs(mdir)
+    sd = mf.s35_to_hub({k: v for k, v in base.state_dict().items() if "inv_freq" not in k})
+    for j, head in enumerate(heads):
+        sd.update(to_hub(head, N + j))
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(CONFIG, f, indent=2)
+
+    expected, stats = {}, {"train_loss": float(loss.detach()), "steps": steps, "prompts": []}
+    for i, p in enumerate(mf.S35_PROMPTS):
+        ids = torch.tensor([p])
+        h = prenorm_hidden(base, ids)
+        with torch.no_grad():
+            zs = chain(base, heads, rotary, ids, h)
+        expected[f"prompt.{i}"] = torch.tensor(p, dtype=torch.int64)
+        expected[f"hidden.{i}"] = h[0].contiguous()
+        for j, z in enumerate(zs):
+            expected[f"mtp_logits.{i}.{j}"] = heads[j].logits(z)[0].detach().contiguous()
+        cont = greedy(base, p, GREEDY)
+        expected[f"greedy.{i}"] = torch.tensor(cont, dtype=torch.int64)
+        # Each head's acceptance on the target's own continuation (its inputs all known): head
+        # j's draft at position p against the token the target wrote at p + 2 + j.
+        full = torch.tensor([p + cont])
+        with torch.no_grad():
+            zs = chain(base, heads, rotary, full)
+        acc = []
+        for j, z in enumerate(zs):
+            drafts = heads[j].logits(z)[0].argmax(-1)  # drafts[q] of x[q + 2 + j]
+            hits = [int(drafts[q - 2 - j]) == int(full[0, q])
+                    for q in range(max(len(p), 2 + j), full.shape[1])]
+            acc.append(sum(hits) / len(hits))
+        stats["prompts"].append({"prompt": i, "acceptance_by_head": acc})
+    save_file(expected, os.path.join(out, "expected_mtp.safetensors"))
+    json.dump(stats, open(os.path.join(out, "mtp_stats.json"), "w"), indent=2)
+    print(json.dumps(stats))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--out", required=True)
+    m.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    if args.cmd == "make":
+        make(args.out, args.steps)
+
+
+if __name__ == "__main__":
+    main()
