@@ -1547,6 +1547,7 @@ EngineInfo Engine::Info() const {
   i.num_blocks = m.kv->num_blocks();
   i.free_blocks = m.kv->free_blocks();
   i.bytes_per_block = m.kv->bytes_per_block();
+  i.window_bytes = m.kv->window_bytes();
   i.max_num_batched_tokens = m.options.max_num_batched_tokens;
   i.prefix_caching = m.prefix_caching;
   i.prefill_tokens_beside_decodes = m.options.prefill_tokens_beside_decodes;

@@ -179,6 +179,7 @@ struct EngineInfo {
   // The KV cache: block size (tokens), blocks in all and free now; the step's token budget.
   int block_size = 0;
   int64_t num_blocks = 0, free_blocks = 0, bytes_per_block = 0;
+  int64_t window_bytes = 0;  // of the KV budget, the sliding-window layers' own blocks
   int max_num_batched_tokens = 0;
   bool prefix_caching = false;     // on and supported by the model
   int num_speculative_tokens = 0;  // MTP drafts per decode step (0: no speculation)

@@ -1,5 +1,6 @@
 // Speculative decoding through the engine (EngineOptions::num_speculative_tokens) on the Qwen3.5
-// fixture with a trained MTP head (tests/data/qwen3_5_moe_mtp): continuous batching of base, 3D
+// fixture with a trained MTP head (tests/data/qwen3_5_moe_mtp) and the Step3.5 fixture with three
+// trained chained MTP layers (tests/data/step3p5_mtp): continuous batching of base, 3D
 // and 2D sequences joining at different steps, with prompts read in chunks, stop tokens and
 // max_tokens inside a run of kept drafts, and preemptions, gives every sequence the tokens the
 // engine without speculation gives it; sampled sequences keep the target's distribution
@@ -35,12 +36,27 @@ using ::testing::HasSubstr;
 
 constexpr int64_t k3D = 1, k2D = 2;  // adapter ids
 
+// A model with MTP heads and the adapters of its target: Qwen3.5's one reused head, or Step3.5's
+// three chained heads (at most three drafts a step).
+struct SpecFixture {
+  const char* name;
+  const char* model;     // with expected_mtp.safetensors (its prompts) and model/
+  const char* adapters;  // adapter_3d, adapter_2d of the same target
+  int max_k;
+};
+const SpecFixture kQwen35 = {"Qwen35", "qwen3_5_moe_mtp", "qwen3_5_moe", 16};
+const SpecFixture kStep35 = {"Step35", "step3p5_mtp", "step3p5", 3};
+const SpecFixture* g_fixture = &kQwen35;  // SpeculativeModelsTest sets it
+
+// k drafts a step, or as many as the fixture's heads allow.
+int Drafts(int k) { return std::min(k, g_fixture->max_k); }
+
 std::unique_ptr<EngineHolder> MakeSpecEngine(int k, int max_num_seqs = 8,
                                              int max_num_batched_tokens = 64,
                                              int64_t kv_bytes = int64_t{64} << 20) {
   auto h = std::make_unique<EngineHolder>();
   EngineOptions o;
-  o.model_dir = Data("qwen3_5_moe_mtp/model");
+  o.model_dir = Data(std::string(g_fixture->model) + "/model");
   o.enable_mixed_moe_lora_format = true;
   o.max_lora_rank = 8;
   o.num_speculative_tokens = k;
@@ -53,7 +69,7 @@ std::unique_ptr<EngineHolder> MakeSpecEngine(int k, int max_num_seqs = 8,
   if (!e.ok()) return nullptr;
   h->engine = std::move(*e);
   for (auto [id, dir] : {std::pair<int64_t, const char*>{k3D, "adapter_3d"}, {k2D, "adapter_2d"}}) {
-    const absl::Status st = Load(*h->engine, id, std::string("qwen3_5_moe/") + dir);
+    const absl::Status st = Load(*h->engine, id, std::string(g_fixture->adapters) + "/" + dir);
     EXPECT_TRUE(st.ok()) << st;
   }
   return h;
@@ -61,7 +77,7 @@ std::unique_ptr<EngineHolder> MakeSpecEngine(int k, int max_num_seqs = 8,
 
 std::vector<std::vector<int32_t>> FixturePrompts() {
   std::vector<std::vector<int32_t>> prompts;
-  auto f = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp.safetensors"));
+  auto f = SafetensorsFile::Open(Data(std::string(g_fixture->model) + "/expected_mtp.safetensors"));
   EXPECT_TRUE(f.ok()) << f.status();
   if (!f.ok()) return prompts;
   for (int k = 0;; ++k) {
@@ -126,7 +142,13 @@ NewSequence Seq(int64_t id, int64_t adapter, std::vector<int32_t> prompt, int ma
 // beside the decodes: with 1, 2 and 4 drafts a step, every sequence's tokens and finish reason are
 // the engine's without speculation; drafts were kept, several tokens came in one step, and the
 // base sequence (the head was trained on the base model's outputs) got its tokens in fewer steps.
-TEST(SpeculativeEngineTest, GreedyContinuousBatchEqualsDecodingWithoutDrafts) {
+class SpeculativeModelsTest : public ::testing::TestWithParam<const SpecFixture*> {
+ protected:
+  void SetUp() override { g_fixture = GetParam(); }
+  void TearDown() override { g_fixture = &kQwen35; }
+};
+
+TEST_P(SpeculativeModelsTest, GreedyContinuousBatchEqualsDecodingWithoutDrafts) {
   const auto prompts = FixturePrompts();
   ASSERT_GE(prompts.size(), 3u);
   std::vector<std::pair<int, NewSequence>> joins = {{0, Seq(1, 0, prompts[0], 30)},
@@ -139,7 +161,7 @@ TEST(SpeculativeEngineTest, GreedyContinuousBatchEqualsDecodingWithoutDrafts) {
   const Result plain = RunAll(*plain_h->engine, joins);
   ASSERT_EQ(plain.tokens.size(), joins.size());
   EXPECT_NE(plain.tokens.at(2), plain.tokens.at(4));  // adapters change the tokens
-  for (int k : {1, 2, 4}) {
+  for (int k : {1, 2, Drafts(4)}) {
     SCOPED_TRACE(absl::StrCat(k, " drafts"));
     auto h = MakeSpecEngine(k, 8, 8);
     ASSERT_NE(h, nullptr);
@@ -157,7 +179,7 @@ TEST(SpeculativeEngineTest, GreedyContinuousBatchEqualsDecodingWithoutDrafts) {
 
 // A stop token that a kept draft produces ends the sequence there (the drafts after it are not
 // emitted), as without speculation; so does max_tokens.
-TEST(SpeculativeEngineTest, StopTokensAndMaxTokensCutARunOfKeptDrafts) {
+TEST_P(SpeculativeModelsTest, StopTokensAndMaxTokensCutARunOfKeptDrafts) {
   const auto prompts = FixturePrompts();
   ASSERT_GE(prompts.size(), 2u);
   auto plain_h = MakeSpecEngine(0);
@@ -165,7 +187,7 @@ TEST(SpeculativeEngineTest, StopTokensAndMaxTokensCutARunOfKeptDrafts) {
   const Result free_run = RunAll(*plain_h->engine, {{0, Seq(1, 0, prompts[0], 30)}});
   const std::vector<int32_t>& t = free_run.tokens.at(1);
   ASSERT_EQ(t.size(), 30u);
-  auto h = MakeSpecEngine(4);
+  auto h = MakeSpecEngine(Drafts(4));
   ASSERT_NE(h, nullptr);
   int checked = 0;
   for (size_t cut = 3; cut < t.size(); ++cut) {
@@ -193,7 +215,7 @@ TEST(SpeculativeEngineTest, StopTokensAndMaxTokensCutARunOfKeptDrafts) {
 
 // A KV cache too small for the batch: sequences are preempted (their drafts with them) and
 // recomputed, and still decode as without speculation.
-TEST(SpeculativeEngineTest, PreemptedSequencesRecomputeAndDecodeTheSame) {
+TEST_P(SpeculativeModelsTest, PreemptedSequencesRecomputeAndDecodeTheSame) {
   const auto prompts = FixturePrompts();
   ASSERT_GE(prompts.size(), 3u);
   std::vector<std::pair<int, NewSequence>> joins;
@@ -205,9 +227,10 @@ TEST(SpeculativeEngineTest, PreemptedSequencesRecomputeAndDecodeTheSame) {
   const Result plain = RunAll(*plain_h->engine, joins);
   // Blocks for about two sequences of prompt + 40 tokens (block_size 4; a block of the engine
   // with the head holds its keys and values too).
+  // Beside them, what the sliding-window layers (Step3.5) reserve of the default 64 MiB budget.
   const EngineInfo info = MakeSpecEngine(3)->engine->Info();
   const int64_t per_seq = (static_cast<int64_t>(prompts[0].size()) + 40 + 3) / 4 + 1;
-  auto h = MakeSpecEngine(3, 8, 64, (2 * per_seq + 1) * info.bytes_per_block);
+  auto h = MakeSpecEngine(3, 8, 64, (2 * per_seq + 1) * info.bytes_per_block + info.window_bytes);
   ASSERT_NE(h, nullptr);
   const Result spec = RunAll(*h->engine, joins);
   EXPECT_GT(spec.preempted, 0);
@@ -221,7 +244,7 @@ TEST(SpeculativeEngineTest, PreemptedSequencesRecomputeAndDecodeTheSame) {
 // drafts: kept with p(draft), else drawn from the rest); the joint counts of their first three
 // tokens against the target's own probabilities (its prompt logits over each prefix, the same
 // top-k and temperature), chi-square at p = 1e-4. Drafts were both kept and rejected.
-TEST(SpeculativeEngineTest, SampledTokensKeepTheTargetsDistribution) {
+TEST_P(SpeculativeModelsTest, SampledTokensKeepTheTargetsDistribution) {
   const auto prompts = FixturePrompts();
   ASSERT_FALSE(prompts.empty());
   const std::vector<int32_t>& p = prompts[0];
@@ -359,6 +382,24 @@ TEST(SpeculativeEngineTest, AModelWithoutAnMtpHeadIsRefused) {
   o.num_speculative_tokens = 2;
   EXPECT_THAT(Engine::Create(o, comm.get()).status(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--speculative-config")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, SpeculativeModelsTest, ::testing::Values(&kQwen35, &kStep35),
+                         [](const ::testing::TestParamInfo<const SpecFixture*>& i) {
+                           return std::string(i.param->name);
+                         });
+
+// Step3.5's heads are chained, one per draft: more drafts a step than MTP layers are refused by
+// name at start.
+TEST(SpeculativeEngineTest, Step35RefusesMoreDraftsThanMtpLayers) {
+  EngineHolder h;
+  EngineOptions o;
+  o.model_dir = Data("step3p5_mtp/model");
+  o.num_speculative_tokens = 4;
+  EXPECT_THAT(
+      Engine::Create(o, h.comm.get()).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               ::testing::AllOf(HasSubstr("num_speculative_tokens 4"), HasSubstr("3 MTP layers"))));
 }
 
 }  // namespace
