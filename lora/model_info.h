@@ -9,6 +9,9 @@
 
 namespace moelora {
 
+// The most MTP heads a model may bring (Step3.5's chained layers: one per draft token).
+constexpr int kMaxMtpHeads = 4;
+
 struct ModelInfo {
   std::string architecture;       // config.json architectures[0]
   int hidden_size = 0;            // H
@@ -32,6 +35,9 @@ struct ModelInfo {
   int share_q_dim = 0;
   // Qwen3.5: the layers of its multi-token-prediction head (0: none declared).
   int mtp_num_hidden_layers = 0;
+  // Step3.5: its MTP layers after num_hidden_layers (num_nextn_predict_layers), one chained draft
+  // head each.
+  int num_nextn_predict_layers = 0;
 
   // Expected [out, in] of a dense module by its path (`model.layers.3.self_attn.q_proj`, or
   // just its last components); false when the module's dims are not known here.

@@ -14,6 +14,7 @@ trap 'rm -rf "$TMP"' EXIT
 fails=0
 while IFS='|' read -r flags want; do
   [ -z "$flags" ] && continue
+  flags="${flags//@DATA@/$ROOT/tests/data}"  # a later --model replaces the one above
   # shellcheck disable=SC2086
   out="$(timeout 20 "$CONTROLLER" --model "$MODEL" --worker-bin "$WORKER" --port 0 \
     --metrics-port -1 --state-dir "$TMP/state" $flags 2>&1)"
@@ -41,6 +42,8 @@ done <<'CASES'
 --speculative-config {"method":"eagle","num_speculative_tokens":2}|"method" must be "mtp"
 --speculative-config {"method":"mtp","num_speculative_tokens":0}|must be an integer in 1..16
 --speculative-config {"method":"mtp","num_speculative_tokens":2}|declares no MTP head
+--model @DATA@/step3p5_mtp/model --speculative-config {"method":"mtp","num_speculative_tokens":4}|declares num_nextn_predict_layers 3 (one MTP layer per draft token)
+--model @DATA@/step3p5/model --speculative-config {"method":"mtp","num_speculative_tokens":2}|declares num_nextn_predict_layers 1 (one MTP layer per draft token)
 CASES
 # The boundary values start: the port file appears, then SIGTERM stops it with status 0.
 "$CONTROLLER" --model "$MODEL" --worker-bin "$WORKER" --port 0 --metrics-port -1 \

@@ -98,7 +98,6 @@ struct SeqState {
   // Positions each MTP head has computed (ForwardMtp, by head): its keys and values at 0 ..
   // mtp_len[h] - 1 of the sequence's blocks. Head h at position p reads token p + 1 + h (chained
   // heads; a reused head reads p + 1), so it runs behind the target.
-  static constexpr int kMaxMtpHeads = 4;
   std::array<int64_t, kMaxMtpHeads> mtp_len{};
   // With ForwardBatch::Seq::keep_states: each recurrent layer's state after every token of the
   // last forward (by layer: the SSM states [count, ...] and the conv inputs [K - 1 + count,

@@ -327,9 +327,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
   };
   const int tp = o.tp_size, n = c.info.num_layers;
   const int total = n + (o.mtp ? lay.mtp : 0);  // with the MTP layers when they are built
-  if (o.mtp && lay.mtp > SeqState::kMaxMtpHeads) {
+  if (o.mtp && lay.mtp > kMaxMtpHeads) {
     return absl::FailedPreconditionError(absl::StrCat(cfg, ": num_nextn_predict_layers ", lay.mtp,
-                                                      " (at most ", SeqState::kMaxMtpHeads,
+                                                      " (at most ", kMaxMtpHeads,
                                                       " MTP layers are served)"));
   }
   for (int l = 0; l < total; ++l) {

@@ -399,7 +399,7 @@ TEST(SpeculativeEngineTest, Step35RefusesMoreDraftsThanMtpLayers) {
   EXPECT_THAT(
       Engine::Create(o, h.comm.get()).status(),
       StatusIs(absl::StatusCode::kFailedPrecondition,
-               ::testing::AllOf(HasSubstr("num_speculative_tokens 4"), HasSubstr("3 MTP layers"))));
+               ::testing::AllOf(HasSubstr("num_speculative_tokens 4"), HasSubstr("num_nextn_predict_layers 3"))));
 }
 
 }  // namespace
