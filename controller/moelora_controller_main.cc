@@ -198,9 +198,8 @@ int main(int argc, char** argv) {
   const int k = engine_flags.num_speculative_tokens;
   const bool qwen_head =
       absl::StartsWith(info->architecture, "Qwen3_5Moe") && info->mtp_num_hidden_layers == 1;
-  const int step_heads = info->architecture == "Step3p5ForCausalLM"
-                             ? info->num_nextn_predict_layers
-                             : 0;
+  const int step_heads =
+      info->architecture == "Step3p5ForCausalLM" ? info->num_nextn_predict_layers : 0;
   if (k > 0 && !qwen_head && (step_heads <= 0 || step_heads > moelora::kMaxMtpHeads)) {
     return fail(absl::StrCat(
         "--speculative-config method mtp: ", info->architecture, " from ", model,
@@ -212,8 +211,7 @@ int main(int argc, char** argv) {
     return fail(absl::StrCat("--speculative-config num_speculative_tokens ", k, ": ",
                              info->architecture, " from ", model,
                              " declares num_nextn_predict_layers ", step_heads,
-                             " (one MTP layer per draft token): at most ", step_heads,
-                             " a step"));
+                             " (one MTP layer per draft token): at most ", step_heads, " a step"));
   }
   if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
   if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");

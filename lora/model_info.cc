@@ -123,7 +123,8 @@ bool ModelInfo::DenseDims(const std::string& module, int* out, int* in) const {
   info.per_layer_heads = t.contains("attention_other_setting");
   get_int({"share_q_dim"}, &info.share_q_dim);
   get_int({"mtp_num_hidden_layers"}, &info.mtp_num_hidden_layers);
-  if (facts.mtp_layers_follow) get_int({"num_nextn_predict_layers"}, &info.num_nextn_predict_layers);
+  if (facts.mtp_layers_follow)
+    get_int({"num_nextn_predict_layers"}, &info.num_nextn_predict_layers);
   return info;
 }
 

@@ -748,12 +748,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
                      "num_nextn_predict_layers and its layers after num_hidden_layers)"));
   }
   if (mo.mtp && impl->model->mtp_chained() && o.num_speculative_tokens > impl->model->mtp_heads()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--speculative-config num_speculative_tokens ", o.num_speculative_tokens, ": ",
-        impl->model->config().info.architecture, " from ", o.model_dir,
-        " declares num_nextn_predict_layers ", impl->model->mtp_heads(),
-        " (one MTP layer per draft token, each reading the one before): at most ",
-        impl->model->mtp_heads(), " a step"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("--speculative-config num_speculative_tokens ", o.num_speculative_tokens, ": ",
+                     impl->model->config().info.architecture, " from ", o.model_dir,
+                     " declares num_nextn_predict_layers ", impl->model->mtp_heads(),
+                     " (one MTP layer per draft token, each reading the one before): at most ",
+                     impl->model->mtp_heads(), " a step"));
   }
   impl->spec_k = o.num_speculative_tokens;
   const int cfg_len = impl->model->config().max_position_embeddings;

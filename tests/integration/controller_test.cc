@@ -357,11 +357,13 @@ void UpstreamMixedTestAtTp2(const AdapterRoot& adapters, const std::string& fixt
   }
 }
 
-// --speculative-config through real processes, on the Qwen3.5 fixture with a trained MTP head:
-// a base, a 2D and a 3D request run together give the tokens the service gives without
-// speculation, at TP=1, TP=2 and TP=2 with expert parallelism, with drafts kept (the metrics count
-// drafts and kept ones per adapter); a sampled request runs to its length.
-TEST_F(ControllerTest, SpeculativeDecodingGivesTheSameTokensAtTp1AndTp2) {
+// --speculative-config through real processes, on `model` (a fixture with trained MTP heads) and
+// its target's adapters (`prefix`adapter_2d, `prefix`adapter_3d): a base, a 2D and a 3D request
+// run together give the tokens the service gives without speculation, at TP=1, TP=2 and TP=2
+// with expert parallelism, with drafts kept (the metrics count drafts and kept ones per
+// adapter); a sampled request runs to its length.
+void SpeculationThroughTheService(const AdapterRoot& adapters, const std::string& model,
+                                  const std::string& prefix) {
   const std::vector<std::string> names = {"", "q2d", "q3d"};
   auto generate_all = [&](ControllerProcess& c) {
     std::vector<std::vector<int32_t>> out(names.size());
@@ -392,11 +394,11 @@ TEST_F(ControllerTest, SpeculativeDecodingGivesTheSameTokensAtTp1AndTp2) {
     TempDir state;
     std::vector<std::string> flags = {"--enable-mixed-moe-lora-format"};
     flags.insert(flags.end(), extra.begin(), extra.end());
-    ControllerProcess c(state.path(), adapters_.root, flags, "qwen3_5_moe_mtp/model");
+    ControllerProcess c(state.path(), adapters.root, flags, model);
     ASSERT_TRUE(c.started()) << c.Log();
     ASSERT_TRUE(c.WaitServing()) << c.Log();
-    ASSERT_TRUE(c.Load("q2d", "q35_adapter_2d").ok()) << c.Log();
-    ASSERT_TRUE(c.Load("q3d", "q35_adapter_3d").ok()) << c.Log();
+    ASSERT_TRUE(c.Load("q2d", prefix + "adapter_2d").ok()) << c.Log();
+    ASSERT_TRUE(c.Load("q3d", prefix + "adapter_3d").ok()) << c.Log();
     const std::vector<std::vector<int32_t>> got = generate_all(c);
     for (const auto& t : got) EXPECT_EQ(t.size(), 24u);
     const std::string m = c.Metrics();
@@ -423,6 +425,14 @@ TEST_F(ControllerTest, SpeculativeDecodingGivesTheSameTokensAtTp1AndTp2) {
     ASSERT_TRUE(c.Generate(q, &r).ok());
     EXPECT_EQ(r.token_ids_size(), 16);
   }
+}
+
+// Qwen3.5's reused head and Step3.5's three chained heads.
+TEST_F(ControllerTest, SpeculativeDecodingGivesTheSameTokensAtTp1AndTp2) {
+  SpeculationThroughTheService(adapters_, "qwen3_5_moe_mtp/model", "q35_");
+}
+TEST_F(ControllerTest, Step35SpeculativeDecodingGivesTheSameTokensAtTp1AndTp2) {
+  SpeculationThroughTheService(adapters_, "step3p5_mtp/model", "s35_");
 }
 
 // On Qwen3.5-MoE (the VL release's layout) and on Step3.5 (the hub layout).

@@ -396,10 +396,10 @@ TEST(SpeculativeEngineTest, Step35RefusesMoreDraftsThanMtpLayers) {
   EngineOptions o;
   o.model_dir = Data("step3p5_mtp/model");
   o.num_speculative_tokens = 4;
-  EXPECT_THAT(
-      Engine::Create(o, h.comm.get()).status(),
-      StatusIs(absl::StatusCode::kFailedPrecondition,
-               ::testing::AllOf(HasSubstr("num_speculative_tokens 4"), HasSubstr("num_nextn_predict_layers 3"))));
+  EXPECT_THAT(Engine::Create(o, h.comm.get()).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::AllOf(HasSubstr("num_speculative_tokens 4"),
+                                        HasSubstr("num_nextn_predict_layers 3"))));
 }
 
 }  // namespace
