@@ -356,10 +356,15 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
         groups3d[p.cls.experts_prefix].second = &p;
         break;
     }
+    // Step3.5's MTP layers follow the decoder's: their modules take adapters too.
     if (options_.model && p.cls.layer >= 0 && options_.model->num_layers > 0 &&
-        p.cls.layer >= options_.model->num_layers) {
+        p.cls.layer >= options_.model->num_layers + options_.model->num_nextn_predict_layers) {
       return Bad("tensor '", p.a->name, "': layer ", p.cls.layer, " but the model has ",
-                 options_.model->num_layers, " layers");
+                 options_.model->num_layers, " layers",
+                 options_.model->num_nextn_predict_layers > 0
+                     ? absl::StrCat(" and ", options_.model->num_nextn_predict_layers,
+                                    " MTP layers after them")
+                     : "");
     }
   }
   for (auto& [prefix, members] : groups2d) MOELORA_RETURN_IF_ERROR(Check2D(prefix, members));

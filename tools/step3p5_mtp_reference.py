@@ -26,6 +26,13 @@ norm and rotary modules for the blocks:
         positions 0 .. len - 2 - j, every input token known) and `greedy.i` (the target's 16
         greedy tokens); DIR/mtp_stats.json: the loss and each head's acceptance.
 
+    step3p5_mtp_reference.py adapter --fixture DIR
+        DIR/adapter_mtp: a 3D PEFT adapter (PEFT itself, on a module holding the decoder's
+        layers and the MTP layers' blocks at their checkpoint indices) on every attention
+        projection and head gate, the dense MLPs, the shared experts and the fused experts;
+        DIR/expected_mtp_adapter.safetensors: `hidden.i` and `mtp_logits.i.j` with the adapter
+        applied to the target and the heads, and `greedy.i`, the adapted target's greedy tokens.
+
 Test-only: the product never runs Python.
 """
 import argparse
@@ -230,16 +237,118 @@ def make(out, steps):
     print(json.dumps(stats))
 
 
+def block_from_hub(block, sd, p):
+    """The block's state dict (transformers' names) from the hub checkpoint `sd` at layer prefix
+    `p`: the inverse of make_fixtures.s35_to_hub."""
+    out = {}
+    for k in block.state_dict():
+        full = p + k
+        if k.endswith("mlp.experts.gate_up_proj"):
+            q = full[:-len(".mlp.experts.gate_up_proj")]
+            out[k] = torch.cat([sd[q + ".moe.gate_proj.weight"], sd[q + ".moe.up_proj.weight"]], 1)
+        elif k.endswith("mlp.experts.down_proj"):
+            out[k] = sd[full[:-len(".mlp.experts.down_proj")] + ".moe.down_proj.weight"]
+        elif k.endswith("mlp.gate.weight"):
+            out[k] = sd[full.replace(".mlp.gate.weight", ".moe.gate.weight")]
+        elif k.endswith("mlp.gate.e_score_correction_bias"):
+            out[k] = sd[full.replace(".mlp.gate.e_score_correction_bias", ".moe.router_bias")]
+        else:
+            out[k] = sd[full.replace(".mlp.shared_experts.", ".share_expert.")]
+    return out
+
+
+def load_fixture(fixture):
+    """The fixture's target and heads, read back from its checkpoint."""
+    _, base, _ = mf.s35_base()
+    acfg = all_layers_config()
+    heads = torch.nn.ModuleList([Head(acfg, N + j) for j in range(MTP)])
+    sd = load_file(os.path.join(fixture, "model", "model.safetensors"))
+    with torch.no_grad():
+        for j, head in enumerate(heads):
+            p = f"model.layers.{N + j}."
+            head.enorm.weight.copy_(sd[p + "enorm.weight"])
+            head.hnorm.weight.copy_(sd[p + "hnorm.weight"])
+            head.eh_proj.weight.copy_(sd[p + "eh_proj.weight"])
+            head.shared_norm.weight.copy_(sd[p + "shared_head.norm.weight"])
+            head.shared_output.weight.copy_(sd[p + "shared_head.output.weight"])
+            head.block.load_state_dict(block_from_hub(head.block, sd, p))
+            for k, v in to_hub(head, N + j).items():
+                assert (v - sd[k]).abs().max().item() == 0, k
+    heads.eval()
+    return base, heads, Step3p7RotaryEmbedding(acfg)
+
+
+def adapter(fixture):
+    """DIR/adapter_mtp: a 3D PEFT adapter (PEFT itself) on the target and the MTP layers, whose
+    blocks sit at their checkpoint indices (model.layers.N + j.*): attention with its head gate,
+    the dense MLPs, the MoE layers' shared expert and fused experts. DIR/
+    expected_mtp_adapter.safetensors: per prompt i, `hidden.i` and `mtp_logits.i.j` with the
+    adapter applied to the target and the heads, and `greedy.i`, the adapted target's greedy
+    tokens."""
+    from peft import LoraConfig, get_peft_model
+    base, heads, rotary = load_fixture(fixture)
+    ref = load_file(os.path.join(fixture, "expected_mtp.safetensors"))
+    for i, p in enumerate(mf.S35_PROMPTS):
+        zs = chain(base, heads, rotary, torch.tensor([p]))
+        for j, z in enumerate(zs):
+            got = heads[j].logits(z)[0]
+            assert (got - ref[f"mtp_logits.{i}.{j}"]).abs().max().item() < 1e-5
+
+    class Joint(torch.nn.Module):
+        """The checkpoint's module paths: the decoder's layers and the MTP layers' blocks under
+        model.layers."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(list(base.model.layers) + [h.block for h in heads])
+
+    torch.manual_seed(41)
+    lc = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=mf.S35_LINEAR,
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    pm = get_peft_model(Joint(), lc)
+    with torch.no_grad():  # smaller B: the adapted heads still draft well
+        for name, q in pm.named_parameters():
+            if "lora_B" in name:
+                q.mul_(0.3)
+    out = os.path.join(fixture, "adapter_mtp")
+    shutil.rmtree(out, ignore_errors=True)
+    pm.save_pretrained(out)
+    readme = os.path.join(out, "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+    names = load_file(os.path.join(out, "adapter_model.safetensors")).keys()
+    assert any(f".model.layers.{N + 1}.mlp.experts." in k for k in names), sorted(names)[:8]
+    assert any(f".model.layers.{N}.mlp.down_proj." in k for k in names)
+    expected = {}
+    for i, p in enumerate(mf.S35_PROMPTS):
+        ids = torch.tensor([p])
+        h = prenorm_hidden(base, ids)  # the target's modules now carry the adapter
+        with torch.no_grad():
+            zs = chain(base, heads, rotary, ids, h)
+        expected[f"hidden.{i}"] = h[0].contiguous()
+        for j, z in enumerate(zs):
+            lg = heads[j].logits(z)[0].detach()
+            assert (lg - ref[f"mtp_logits.{i}.{j}"]).abs().max().item() > 1e-3
+            expected[f"mtp_logits.{i}.{j}"] = lg.contiguous()
+        expected[f"greedy.{i}"] = torch.tensor(greedy(base, p, GREEDY), dtype=torch.int64)
+    save_file(expected, os.path.join(fixture, "expected_mtp_adapter.safetensors"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("--out", required=True)
     m.add_argument("--steps", type=int, default=300)
+    ad = sub.add_parser("adapter")
+    ad.add_argument("--fixture", required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.cmd == "make":
         make(args.out, args.steps)
+    elif args.cmd == "adapter":
+        adapter(args.fixture)
 
 
 if __name__ == "__main__":

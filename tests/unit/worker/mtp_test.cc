@@ -484,12 +484,14 @@ TEST(MtpTest, HiddenStatesOfTheWrongShapeAreRefused) {
 // (token p + 1 + j, the previous head's output at p before its norm; head 0 the target's hidden
 // state before the final norm), in `pieces` pieces. Returns each head's logits [n - 1 - j, vocab]
 // and the target's hidden states.
+// `slot` adapts the target, `head_slot` the heads (-1: none).
 std::pair<std::vector<at::Tensor>, at::Tensor> ChainedHeads(CausalLM& m,
                                                             const std::vector<int64_t>& ids,
-                                                            int pieces) {
+                                                            int pieces, int32_t slot = -1,
+                                                            int32_t head_slot = -1) {
   SeqState st = m.NewState();
   const auto n = static_cast<int64_t>(ids.size());
-  auto target = m.Forward(OneSeq(&st, ids, true));
+  auto target = m.Forward(OneSeq(&st, ids, true, slot));
   EXPECT_TRUE(target.ok()) << target.status();
   if (!target.ok()) return {};
   const at::Tensor h = m.last_hidden().clone();
@@ -501,9 +503,10 @@ std::pair<std::vector<at::Tensor>, at::Tensor> ChainedHeads(CausalLM& m,
     for (int64_t pos = 0, piece = 0; pos < count; ++piece) {
       const int64_t len = piece + 1 < pieces ? std::max<int64_t>(1, count / pieces) : count - pos;
       at::Tensor z;
-      auto l = m.ForwardMtp(
-          OneSeq(&st, {ids.begin() + pos + 1 + j, ids.begin() + pos + 1 + j + len}, true),
-          prev.narrow(0, pos, len), &z, j, /*every_row=*/true);
+      auto l =
+          m.ForwardMtp(OneSeq(&st, {ids.begin() + pos + 1 + j, ids.begin() + pos + 1 + j + len},
+                              true, head_slot),
+                       prev.narrow(0, pos, len), &z, j, /*every_row=*/true);
       EXPECT_TRUE(l.ok()) << l.status();
       if (!l.ok()) return {};
       lg.push_back(*l);
@@ -517,24 +520,30 @@ std::pair<std::vector<at::Tensor>, at::Tensor> ChainedHeads(CausalLM& m,
   return {logits, h.to(at::kFloat)};
 }
 
-void ExpectChainedHeadsMatchTheReference(CausalLM& m) {
-  auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+// `expected`: expected_mtp, or expected_mtp_adapter with the adapter in `slot` adapting both
+// the target and the heads.
+void ExpectChainedHeadsMatchTheReference(CausalLM& m,
+                                         const std::string& expected = "expected_mtp.safetensors",
+                                         int32_t slot = -1) {
+  auto prompts = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(prompts);
+  auto ref = SafetensorsFile::Open(Data("step3p5_mtp/" + expected));
   ASSERT_OK(ref);
   ASSERT_EQ(m.mtp_heads(), 3);
   ASSERT_TRUE(m.mtp_chained());
-  for (int k = 0; (*ref)->Find(absl::StrCat("prompt.", k)) != nullptr; ++k) {
-    const std::vector<int64_t> ids = Ids(Read(**ref, absl::StrCat("prompt.", k)));
+  for (int k = 0; (*prompts)->Find(absl::StrCat("prompt.", k)) != nullptr; ++k) {
+    const std::vector<int64_t> ids = Ids(Read(**prompts, absl::StrCat("prompt.", k)));
     for (int pieces : {1, 3}) {
       SCOPED_TRACE(absl::StrCat("prompt ", k, ", ", pieces, " pieces"));
-      auto [logits, hidden] = ChainedHeads(m, ids, pieces);
+      auto [logits, hidden] = ChainedHeads(m, ids, pieces, slot, slot);
       EXPECT_LE(MaxDiff(hidden, Read(**ref, absl::StrCat("hidden.", k))), kRefTol);
       int heads = 0;
       for (size_t j = 0; j < logits.size(); ++j) {
         const std::string name = absl::StrCat("mtp_logits.", k, ".", j);
         if ((*ref)->Find(name) == nullptr) continue;
         const float d = MaxDiff(logits[j], Read(**ref, name));
-        std::printf("[ref] step3p5 MTP head %zu prompt %d (%zu tokens, %d pieces): %.3g\n", j, k,
-                    ids.size(), pieces, d);
+        std::printf("[ref] step3p5 MTP head %zu%s prompt %d (%zu tokens, %d pieces): %.3g\n", j,
+                    slot >= 0 ? " with an adapter" : "", k, ids.size(), pieces, d);
         EXPECT_LE(d, kRefTol) << name;
         ++heads;
       }
@@ -565,6 +574,41 @@ TEST(MtpTest, Step35ChainedHeadsMatchTheReference) {
   EXPECT_FALSE((*plain)->model->has_mtp());
   EXPECT_THAT((*plain)->model->skipped_tensors(),
               ::testing::Contains(HasSubstr("model.layers.5.eh_proj.weight")));
+}
+
+// An adapter with LoRA on the MTP layers' modules (named by their checkpoint layers 4 .. 6) and
+// on the target's: the adapted heads match the reference (PEFT on a module holding both); the
+// heads unadapted beside the adapted target do not; a model built without the heads takes the
+// adapter for its target (the heads' modules left out).
+TEST(MtpTest, Step35AnAdapterOnTheHeadsMatchesTheReference) {
+  auto h = Load(Data("step3p5_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  AdapterReadOptions ro;
+  ro.model = m.config().info;
+  ro.convert_to_2d = true;
+  auto a = ReadAdapter(Data("step3p5_mtp/adapter_mtp"), ro);
+  ASSERT_OK(a);
+  ASSERT_OK(m.SetSlot(2, *a));
+  ExpectChainedHeadsMatchTheReference(m, "expected_mtp_adapter.safetensors", 2);
+  auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp_adapter.safetensors"));
+  auto prompts = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(ref);
+  ASSERT_OK(prompts);
+  const std::vector<int64_t> ids = Ids(Read(**prompts, "prompt.0"));
+  auto [unadapted, hidden] = ChainedHeads(m, ids, 1, 2, -1);
+  ASSERT_EQ(unadapted.size(), 3u);
+  EXPECT_GT(MaxDiff(unadapted[0], Read(**ref, "mtp_logits.0.0")), 1e-2);
+  auto plain = Load(Data("step3p5_mtp/model"), /*mtp=*/false);
+  ASSERT_OK(plain);
+  CausalLM& t = *(*plain)->model;
+  ASSERT_OK(t.SetSlot(1, *a));
+  SeqState s1 = t.NewState(), s2 = m.NewState();
+  auto without_heads = t.Forward(OneSeq(&s1, ids, true, 1));
+  auto with_heads = m.Forward(OneSeq(&s2, ids, true, 2));
+  ASSERT_OK(without_heads);
+  ASSERT_OK(with_heads);
+  EXPECT_LE(MaxDiff(*without_heads, *with_heads), 1e-6);
 }
 
 TEST(MtpTest, Step35ChainedHeadsAtTp2MatchTheReference) {

@@ -341,21 +341,24 @@ TEST_P(SpeculativeModelsTest, SampledTokensKeepTheTargetsDistribution) {
   EXPECT_LT(chi2, critical) << cells << " cells";
 }
 
-// An adapter that carries LoRA for the head too (tools/mtp_reference.py adapter): the engine
-// says so at staging, drafts with the adapted head, and decodes the adapted target's greedy
+// An adapter that carries LoRA for the heads too (tools/mtp_reference.py adapter, tools/
+// step3p5_mtp_reference.py adapter: their modules under `mtp.`, or at the MTP layers' indices): the
+// engine says so at staging, drafts with the adapted head, and decodes the adapted target's greedy
 // tokens as transformers + PEFT do; a 3D adapter without head modules leaves the head unadapted.
-TEST(SpeculativeEngineTest, AnAdapterWithHeadLoraDecodesAsTransformers) {
+TEST_P(SpeculativeModelsTest, AnAdapterWithHeadLoraDecodesAsTransformers) {
   const auto prompts = FixturePrompts();
-  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp_adapter.safetensors"));
+  const std::string fixture = g_fixture->model;
+  auto ref = SafetensorsFile::Open(Data(fixture + "/expected_mtp_adapter.safetensors"));
   ASSERT_TRUE(ref.ok()) << ref.status();
   auto h = MakeSpecEngine(3);
   ASSERT_NE(h, nullptr);
   Engine& e = *h->engine;
-  auto staged = e.StageAdapter(3, Data("qwen3_5_moe_mtp/adapter_mtp"), std::nullopt);
+  auto staged = e.StageAdapter(3, Data(fixture + "/adapter_mtp"), std::nullopt);
   ASSERT_TRUE(staged.ok()) << staged.status();
   EXPECT_TRUE(staged->adapts_draft);
   ASSERT_TRUE(e.CommitAdapter(3).ok());
-  auto plain3d = e.StageAdapter(4, Data("qwen3_5_moe/adapter_3d"), std::nullopt);
+  auto plain3d =
+      e.StageAdapter(4, Data(std::string(g_fixture->adapters) + "/adapter_3d"), std::nullopt);
   ASSERT_TRUE(plain3d.ok()) << plain3d.status();
   EXPECT_FALSE(plain3d->adapts_draft);
   ASSERT_TRUE(e.AbortAdapter(4).ok());
