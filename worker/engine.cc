@@ -469,6 +469,22 @@ struct Engine::Impl {
     return absl::OkStatus();
   }
 
+  // The MTP heads a sequence runs with speculation (0: none; images: none either), and the first
+  // position any of them computes next (else the sequence's length): their keys and values
+  // before it are final, and their queries from it reach back a sliding window.
+  int HeadsRun() const {
+    if (spec_k == 0) return 0;
+    return model->mtp_chained() ? std::min(spec_k, model->mtp_heads()) : 1;
+  }
+  int64_t HeadsFrom(const Sequence& s) const {
+    int64_t from = s.state.len;
+    if (!s.images.empty()) return from;
+    for (int h = 0; h < HeadsRun(); ++h) {
+      from = std::min(from, s.state.mtp_len[static_cast<size_t>(h)]);
+    }
+    return from;
+  }
+
   // Speculation, before the forward: drafts 2 .. d of the batch's decodes with d drafts (their
   // tokens after `pending` and d1 hold placeholders): each sequence's last draft through the
   // head, from the head's own last output, the sequences batched, while any needs more.
@@ -780,9 +796,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   CausalLM* model = impl->model.get();
   MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
   impl->kv = model->kv_cache();
-  // (Speculation: cached blocks would lack the MTP head's keys and values.)
-  impl->prefix_caching =
-      o.enable_prefix_caching && !model->has_recurrent_layers() && impl->spec_k == 0;
+  // With speculation only for chained heads (Step3.5): a reused head's cached blocks would lack
+  // its keys and values (and Qwen3.5 has recurrent layers anyway).
+  impl->prefix_caching = o.enable_prefix_caching && !model->has_recurrent_layers() &&
+                         (impl->spec_k == 0 || model->mtp_chained());
   if (const VisionConfig* v = model->vision()) {
     MOELORA_ASSIGN_OR_RETURN(impl->image_processor,
                              vision::ImageProcessorConfig::Load(o.model_dir));
@@ -1255,7 +1272,23 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       if (m.prefix_caching && s.fed == 0 && !s.state.table.Holds() && s.images.empty() &&
           !(s.spec.return_prompt_logits && !s.recompute)) {
         // Blocks of a prefix computed before under the same adapter: not computed again.
-        const int64_t hit = m.kv->Match(s.spec.adapter_id, s.feed, s.state.table);
+        int64_t hit = m.kv->Match(s.spec.adapter_id, s.feed, s.state.table);
+        if (const int heads = m.HeadsRun(); heads > 0 && hit > 0) {
+          // Head j's keys and values at position p came from token p + 1 + j: a cached block
+          // serves the heads only where the prompt matches `heads` tokens past it too.
+          const int64_t B = m.kv->block_size();
+          const int64_t usable = std::max<int64_t>(0, (hit - heads) / B * B);
+          if (usable < hit) {
+            m.kv->Release(s.state.table);
+            hit =
+                usable == 0
+                    ? 0
+                    : m.kv->Match(s.spec.adapter_id,
+                                  std::vector<int32_t>(s.feed.begin(), s.feed.begin() + usable + 1),
+                                  s.state.table);
+          }
+          for (int h = 0; h < heads; ++h) s.state.mtp_len[static_cast<size_t>(h)] = hit;
+        }
         s.state.len = hit;
         s.fed = static_cast<size_t>(hit);
         out.prefix_queries += static_cast<int64_t>(s.feed.size());
@@ -1501,10 +1534,13 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     // The full blocks this step completed become findable (before finished sequences release
     // theirs, which then stay cached until evicted), then the sliding-window blocks no later
     // query sees go back.
+    // With MTP heads, only as far as every head's keys and values are final, and the window
+    // blocks the heads' next queries still see stay.
+    const int64_t done = m.HeadsFrom(s);
     if (m.prefix_caching && s.images.empty()) {
-      m.kv->Publish(s.spec.adapter_id, s.history, s.state.len, s.state.table);
+      m.kv->Publish(s.spec.adapter_id, s.history, done, s.state.table);
     }
-    m.kv->Trim(s.state.table, s.state.len);
+    m.kv->Trim(s.state.table, done);
   }
   for (auto it = m.running.begin(); it != m.running.end();) {
     it = finished.count(it->spec.id) ? m.running.erase(it) : std::next(it);

@@ -94,7 +94,8 @@ struct Result {
   std::map<int64_t, std::string> finish;
   int steps = 0, preempted = 0, multi = 0;   // multi: steps where a sequence got several tokens
   std::map<int64_t, int> steps_with_tokens;  // by sequence
-  int64_t drafted = 0, accepted = 0;
+  int64_t drafted = 0, accepted = 0, prefix_hits = 0;
+  std::map<int64_t, int64_t> accepted_by;  // by sequence
 };
 
 // Runs `joins` (the step each sequence joins at, and the sequence) to the end.
@@ -113,12 +114,14 @@ Result RunAll(Engine& e, const std::vector<std::pair<int, NewSequence>>& joins) 
     if (!out.ok()) break;
     ++r.steps;
     r.preempted += out->preempted;
+    r.prefix_hits += out->prefix_hits;
     std::map<int64_t, int> per_seq;
     for (const TokenOut& t : out->tokens) {
       r.tokens[t.sequence_id].push_back(t.token);
       if (++per_seq[t.sequence_id] > 1 && !t.same_step) ADD_FAILURE() << "same_step unset";
       r.drafted += t.drafted;
       r.accepted += t.accepted;
+      r.accepted_by[t.sequence_id] += t.accepted;
       if (t.finished) r.finish[t.sequence_id] = t.finish_reason;
     }
     for (const auto& [id, n] : per_seq) {
@@ -391,6 +394,45 @@ INSTANTIATE_TEST_SUITE_P(Models, SpeculativeModelsTest, ::testing::Values(&kQwen
                          [](const ::testing::TestParamInfo<const SpecFixture*>& i) {
                            return std::string(i.param->name);
                          });
+
+// Step3.5 (no recurrent layers) keeps prefix caching with its chained heads: a prompt sent again
+// after the first finished, and one sharing its first blocks, start from cached blocks (a block
+// serves the heads only where the prompt matches as many tokens past it as there are heads) and
+// decode as without speculation; the prompt sent again keeps as many drafts as the first did,
+// so its heads read the same keys and values.
+TEST(SpeculativeEngineTest, Step35PrefixCachingWithChainedHeads) {
+  g_fixture = &kStep35;
+  struct Restore {
+    ~Restore() { g_fixture = &kQwen35; }
+  } restore;
+  const auto prompts = FixturePrompts();
+  ASSERT_FALSE(prompts.empty());
+  // Sharing the first two blocks (8 tokens), not the token after them that head 1 reads there.
+  std::vector<int32_t> other = prompts[0];
+  other[9] = (other[9] + 1) % 96;
+  const std::vector<std::pair<int, NewSequence>> joins = {
+      {0, Seq(1, 0, prompts[0], 20)}, {30, Seq(2, 0, prompts[0], 20)}, {30, Seq(3, 0, other, 16)}};
+  auto plain_h = MakeSpecEngine(0);
+  ASSERT_NE(plain_h, nullptr);
+  const Result plain = RunAll(*plain_h->engine, joins);
+  auto h = MakeSpecEngine(3);
+  ASSERT_NE(h, nullptr);
+  ASSERT_TRUE(h->engine->Info().prefix_caching);
+  const Result spec = RunAll(*h->engine, joins);
+  EXPECT_EQ(spec.tokens, plain.tokens);
+  EXPECT_EQ(spec.finish, plain.finish);
+  EXPECT_GT(spec.prefix_hits, 0);
+  EXPECT_EQ(spec.tokens.at(1), spec.tokens.at(2));
+  EXPECT_GT(spec.accepted_by.at(1), 0);
+  EXPECT_EQ(spec.accepted_by.at(2), spec.accepted_by.at(1));
+  // The other prompt drafts as it does on an engine of its own.
+  auto alone_h = MakeSpecEngine(3);
+  ASSERT_NE(alone_h, nullptr);
+  const Result alone = RunAll(*alone_h->engine, {{0, Seq(3, 0, other, 16)}});
+  EXPECT_EQ(alone.prefix_hits, 0);
+  EXPECT_EQ(spec.accepted_by.at(3), alone.accepted_by.at(3));
+  EXPECT_EQ(spec.tokens.at(3), alone.tokens.at(3));
+}
 
 // Step3.5's heads are chained, one per draft: more drafts a step than MTP layers are refused by
 // name at start.
