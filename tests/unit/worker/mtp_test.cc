@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/safetensors.h"
@@ -609,6 +610,51 @@ TEST(MtpTest, Step35AnAdapterOnTheHeadsMatchesTheReference) {
   ASSERT_OK(without_heads);
   ASSERT_OK(with_heads);
   EXPECT_LE(MaxDiff(*without_heads, *with_heads), 1e-6);
+}
+
+// Step3.5 checkpoints name the MTP layers in more ways: `.base_layer.` once LoRA wraps a module,
+// `.transformer.` inside a block (vLLM drops it), and a layer's own copy of the embedding (the
+// model's is used). The same heads from such a checkpoint.
+TEST(MtpTest, Step35HeadsFromOtherNamesAreTheSame) {
+  const std::string src = Data("step3p5_mtp/model");
+  TempDir dir;
+  std::filesystem::copy_file(src + "/config.json", dir.path() + "/config.json");
+  auto f = SafetensorsFile::Open(src + "/model.safetensors");
+  ASSERT_OK(f);
+  std::vector<std::string> names;
+  std::vector<at::Tensor> keep;
+  int renamed = 0;
+  for (const TensorView& v : (*f)->tensors()) {
+    std::string name = v.name;
+    if (absl::StartsWith(name, "model.layers.5.moe.") && absl::EndsWith(name, "_proj.weight")) {
+      name = absl::StrReplaceAll(name, {{"_proj.weight", "_proj.base_layer.weight"}});
+      ++renamed;
+    } else if (name == "model.layers.4.self_attn.q_proj.weight") {
+      name = "model.layers.4.self_attn.q_proj.base_layer.weight";
+      ++renamed;
+    } else if (absl::StartsWith(name, "model.layers.6.self_attn.")) {
+      name = absl::StrReplaceAll(name, {{"model.layers.6.", "model.layers.6.transformer."}});
+      ++renamed;
+    }
+    names.push_back(name);
+    keep.push_back(Read(**f, v.name).contiguous());
+    if (v.name == "model.embed_tokens.weight") {
+      names.push_back("model.layers.4.embed_tokens.weight");
+      keep.push_back(keep.back());
+    }
+  }
+  ASSERT_GE(renamed, 8);
+  std::vector<TensorToWrite> out;
+  for (size_t i = 0; i < keep.size(); ++i) {
+    out.push_back({names[i], DType::kF32, keep[i].sizes().vec(), keep[i].data_ptr(),
+                   static_cast<size_t>(keep[i].nbytes())});
+  }
+  ASSERT_OK(WriteSafetensors(dir.path() + "/model.safetensors", out, {{"format", "pt"}}));
+  auto h = Load(dir.path(), /*mtp=*/true);
+  ASSERT_OK(h);
+  ExpectChainedHeadsMatchTheReference(*(*h)->model);
+  EXPECT_THAT((*h)->model->skipped_tensors(),
+              ::testing::Contains(HasSubstr("model.layers.4.embed_tokens.weight")));
 }
 
 TEST(MtpTest, Step35ChainedHeadsAtTp2MatchTheReference) {
