@@ -793,6 +793,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& o, C
   ko.max_model_len = impl->max_model_len;
   ko.max_num_seqs = o.max_num_seqs;
   ko.max_num_batched_tokens = o.max_num_batched_tokens;
+  ko.head_lag = impl->HeadsRun();  // MTP heads query from up to this many positions back
   CausalLM* model = impl->model.get();
   MOELORA_RETURN_IF_ERROR(impl->compute->Run([&] { return model->InitKvCache(ko); }));
   impl->kv = model->kv_cache();

@@ -89,11 +89,11 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const std::vector<KvLay
     }
   }
   // The sliding-window pool never runs short: between steps a sequence holds at most
-  // (window - 2) / bs + 2 blocks (Trim), and a step adds its tokens' blocks, at most one more
-  // per sequence than they fill.
+  // (window + head_lag - 2) / bs + 2 blocks (Trim), and a step adds its tokens' blocks, at most
+  // one more per sequence than they fill.
   int64_t wblocks = 0;
   if (c->window_ > 0) {
-    wblocks = o.max_num_seqs * ((c->window_ + bs - 1) / bs + 3) +
+    wblocks = o.max_num_seqs * ((c->window_ + o.head_lag + bs - 1) / bs + 3) +
               (o.max_num_batched_tokens + bs - 1) / bs;
     if (o.max_blocks > 0) wblocks = std::min(wblocks, o.max_blocks);
   }

@@ -59,6 +59,9 @@ struct KvCacheOptions {
   // once and the tokens of one step.
   int64_t max_num_seqs = 64;
   int64_t max_num_batched_tokens = 8192;
+  // Positions behind a sequence's length its MTP heads' next queries may start (they keep that
+  // many more positions of sliding-window blocks).
+  int64_t head_lag = 0;
 };
 
 // What one sequence holds.
