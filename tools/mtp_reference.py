@@ -40,6 +40,15 @@ norm and rotary modules for the parts they share with the target:
         held-out prompts' (a random target's next tokens are not learnable from so few: near 0);
         DIR/prompts.json: both sets of prompts.
 
+    mtp_reference.py mm --out DIR [--steps 300]
+        DIR/model: tests/data/qwen3_5_moe_mm's multimodal target with a head trained on its
+        greedy continuations of random text prompts and of the fixture's image prompts;
+        DIR/expected_mtp.safetensors: per image prompt i, `prompt.i`, the target's `greedy.i`
+        (16 tokens) and over prompt + greedy tokens its rotary streams `positions.i` [3, n], the
+        tower's embeddings of the image tokens `image_embeds.i`, its hidden states `hidden.i`,
+        the head's `mtp_logits.i` [n - 1, vocab] (its input at an image token the tower's
+        embedding, its rotary streams the target's at p) and their argmax `drafts.i`.
+
 Test-only: the product never runs Python.
 """
 import argparse
@@ -90,12 +99,14 @@ class MtpHead(torch.nn.Module):
         self.norm = Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary = Qwen3_5MoeTextRotaryEmbedding(config=lcfg)
 
-    def forward(self, embeds, hidden):
-        """embeds [B, n, H]: embed(x[p+1]); hidden [B, n, H]: h[p]; positions 0..n-1. Returns the
-        head's output after mtp.norm [B, n, H]."""
+    def forward(self, embeds, hidden, pos=None):
+        """embeds [B, n, H]: embed(x[p+1]); hidden [B, n, H]: h[p]; pos [3, B, n]: the target's
+        rotary streams at p (default: 0..n-1 on each). Returns the head's output after mtp.norm
+        [B, n, H]."""
         B, n, _ = embeds.shape
         z = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        pos = torch.arange(n).view(1, 1, n).expand(3, B, n)
+        if pos is None:
+            pos = torch.arange(n).view(1, 1, n).expand(3, B, n)
         mask = torch.full((n, n), float("-inf")).triu(1).view(1, 1, n, n)
         z = self.layers[0](z, position_embeddings=self.rotary(z, pos), attention_mask=mask,
                            position_ids=pos[0])
@@ -340,6 +351,131 @@ def adapter(fixture):
     save_file(expected, os.path.join(fixture, "expected_mtp_adapter.safetensors"))
 
 
+def mm(out, steps):
+    """The multimodal target of tests/data/qwen3_5_moe_mm with a trained head, and the head's
+    drafts over image prompts: its inputs at an image token are the tower's embeddings (as the
+    target's), its rotary streams the target's multimodal positions."""
+    import make_vision_fixtures as mv
+    from transformers import Qwen3_5MoeForConditionalGeneration
+    shutil.rmtree(out, ignore_errors=True)
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "qwen3_5_moe_mm")
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(os.path.join(src, "model"), dtype=torch.float32,
+                                                               **EAGER).eval()
+    processor = mv.Qwen2VLImageProcessorPil(**{k: v for k, v in mv.PROCESSOR.items()
+                                              if k not in ("image_processor_type", "processor_class")})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cfg = model.config.text_config
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    lm, embed = model.model.language_model, model.get_input_embeddings()
+    torch.manual_seed(79)
+    head = new_head(lm, cfg)  # initialised as the language model's layers
+    randomise_norms(head, 80)
+
+    def target(ids, pix, grids):
+        """Logits, hidden states after the final norm, the embeddings the language model read,
+        and its multimodal rotary streams [3, 1, n], for one sequence."""
+        got = {}
+
+        def hook(mod, args, kwargs):
+            got["embeds"] = kwargs["inputs_embeds"]
+            got["pos"] = kwargs["position_ids"]
+
+        handle = lm.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                t = torch.tensor([ids])
+                kw = dict(input_ids=t, mm_token_type_ids=(t == mv.IMAGE_PAD).int())
+                if pix is not None:
+                    kw.update(pixel_values=pix, image_grid_thw=grids)
+                o = model.model(**kw)
+                logits = model.lm_head(o.last_hidden_state)
+        finally:
+            handle.remove()
+        pos = got["pos"]
+        if pos.shape[0] == 4:
+            pos = pos[1:]
+        return logits[0], o.last_hidden_state, got["embeds"], pos
+
+    # The image prompts followed by the target's greedy tokens.
+    images = []
+    for k, (prompt, names) in enumerate(mv.PROMPTS):
+        if not names:
+            continue
+        ids, pix, grids = mv.build_inputs(processor, os.path.join(src, "images"), prompt, names)
+        full = list(ids)
+        for _ in range(GREEDY):
+            full.append(int(target(full, pix, grids)[0][-1].argmax()))
+        images.append((k, names, ids, full, target(full, pix, grids)))
+
+    # Trained on the target's greedy text continuations of random prompts, as `make` does, and on
+    # the image prompts' continuations (so that their drafts are kept often enough to count).
+    g = torch.Generator().manual_seed(81)
+    seqs = []
+    for _ in range(48):
+        ids = torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist()
+        with torch.no_grad():
+            for _ in range(26):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        seqs.append(ids)
+    ids = torch.tensor(seqs)
+    with torch.no_grad():
+        hidden = lm(input_ids=ids).last_hidden_state
+        emb = embed(ids[:, 1:])
+    ce = torch.nn.functional.cross_entropy
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model.lm_head(head(emb, hidden[:, :-1]))[:, :-1]
+        loss = ce(logits.reshape(-1, cfg.vocab_size), ids[:, 2:].reshape(-1))
+        for _, _, _, full, (_, h, e, pos) in images:
+            lg = model.lm_head(head(e[:, 1:], h[:, :-1], pos[:, :, :-1]))[0, :-1]
+            loss = loss + ce(lg, torch.tensor(full[2:]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval()
+
+    mdir = os.path.join(out, "model")
+    model.save_pretrained(mdir)
+    sd = load_file(os.path.join(mdir, "model.safetensors"))
+    sd = {k: v.contiguous() for k, v in sd.items()}
+    for k, v in head.state_dict().items():
+        if not k.startswith("rotary."):
+            sd["mtp." + k] = v.detach().contiguous()
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(mdir, "config.json")))
+    c["text_config"]["mtp_num_hidden_layers"] = 1
+    c["text_config"]["mtp_use_dedicated_embeddings"] = False
+    json.dump(c, open(os.path.join(mdir, "config.json"), "w"), indent=2)
+    for f in os.listdir(os.path.join(src, "model")):
+        if f not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, "model", f), os.path.join(mdir, f))
+    shutil.copytree(os.path.join(src, "images"), os.path.join(out, "images"))
+
+    expected, stats = {}, {"train_loss": float(loss.detach()), "steps": steps, "prompts": []}
+    for i, (k, names, ids, full, (_, h, e, pos)) in enumerate(images):
+        with torch.no_grad():
+            lg = model.lm_head(head(e[:, 1:], h[:, :-1], pos[:, :, :-1]))[0]
+        drafts = lg.argmax(-1)
+        image = torch.tensor(full) == mv.IMAGE_PAD
+        expected[f"prompt.{i}"] = torch.tensor(ids, dtype=torch.int64)
+        expected[f"greedy.{i}"] = torch.tensor(full[len(ids):], dtype=torch.int64)
+        expected[f"drafts.{i}"] = drafts.to(torch.int64).contiguous()  # drafts[p] of x[p + 2]
+        # Over prompt + greedy tokens: the target's rotary streams, its embeddings of the image
+        # tokens (the tower's), its hidden states, and the head's logits.
+        expected[f"positions.{i}"] = pos[:, 0].to(torch.int64).contiguous()
+        expected[f"image_embeds.{i}"] = e[0][image].contiguous()
+        expected[f"hidden.{i}"] = h[0].contiguous()
+        expected[f"mtp_logits.{i}"] = lg.contiguous()
+        hits = [int(drafts[q - 2]) == full[q] for q in range(len(ids), len(full))]
+        stats["prompts"].append({"prompt": k, "images": names, "tokens": len(ids),
+                                 "acceptance": sum(hits) / len(hits)})
+    save_file(expected, os.path.join(out, "expected_mtp.safetensors"))
+    json.dump(stats, open(os.path.join(out, "mtp_stats.json"), "w"), indent=2)
+    print(json.dumps(stats))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -352,6 +488,9 @@ def main():
     md.add_argument("--out", required=True)
     md.add_argument("--layers", type=int, default=12)
     md.add_argument("--steps", type=int, default=300)
+    mmp = sub.add_parser("mm")
+    mmp.add_argument("--out", required=True)
+    mmp.add_argument("--steps", type=int, default=300)
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.cmd == "make":
@@ -360,6 +499,8 @@ def main():
         adapter(args.fixture)
     elif args.cmd == "medium":
         medium(args.out, args.layers, args.steps)
+    elif args.cmd == "mm":
+        mm(args.out, args.steps)
 
 
 if __name__ == "__main__":

@@ -413,11 +413,15 @@ struct Engine::Impl {
       return std::pair<int64_t, int64_t>(s.Prefilling() ? static_cast<int64_t>(s.fed) : -1,
                                          s.Prefilling() ? s.fed + b.seqs[k].count : -1);
     };
+    // With an MTP head, the image under the next chunk's first token too: the head reads it
+    // after this step (its input at the chunk's last position).
+    const int64_t ahead = HeadsRun() > 0 ? 1 : 0;
     for (size_t k = 0; k < b.seqs.size(); ++k) {
       Sequence& s = running[in_batch[k]];
       const auto [from, to] = chunk_of(k, s);
       for (Sequence::Image& im : s.images) {
-        if (im.encoded.embeds.defined() || im.offset >= to || im.offset + im.tokens <= from) {
+        if (im.encoded.embeds.defined() || im.offset >= to + ahead ||
+            im.offset + im.tokens <= from) {
           continue;
         }
         if (CachedEncodingFor(im.cache_key, &im.encoded)) {
@@ -469,21 +473,58 @@ struct Engine::Impl {
     return absl::OkStatus();
   }
 
-  // The MTP heads a sequence runs with speculation (0: none; images: none either), and the first
-  // position any of them computes next (else the sequence's length): their keys and values
-  // before it are final, and their queries from it reach back a sliding window.
+  // The MTP heads a sequence runs with speculation (0: none), and the first position any of them
+  // computes next (else the sequence's length): their keys and values before it are final, and
+  // their queries from it reach back a sliding window.
   int HeadsRun() const {
     if (spec_k == 0) return 0;
     return model->mtp_chained() ? std::min(spec_k, model->mtp_heads()) : 1;
   }
   int64_t HeadsFrom(const Sequence& s) const {
     int64_t from = s.state.len;
-    if (!s.images.empty()) return from;
     for (int h = 0; h < HeadsRun(); ++h) {
       from = std::min(from, s.state.mtp_len[static_cast<size_t>(h)]);
     }
     return from;
   }
+
+  // A head batch's multimodal inputs: each token's RoPE streams (those of its position in its
+  // sequence) and, where its input is an image token, the tower's embedding of that token, as
+  // the target read it.
+  struct HeadInputs {
+    std::vector<std::array<int64_t, 3>> pos;
+    bool mm = false;
+    std::vector<int64_t> rows;
+    std::vector<at::Tensor> embeds;
+    // The batch's next token: position p of `s`, its input the token at position q.
+    absl::Status Add(const Sequence& s, int64_t p, int64_t q) {
+      const auto row = static_cast<int64_t>(pos.size());
+      pos.push_back(s.Position(p));
+      mm = mm || !s.pos3.empty();
+      for (const Sequence::Image& im : s.images) {
+        if (q < im.offset || q >= im.offset + im.tokens) continue;
+        if (!im.encoded.embeds.defined()) {
+          return absl::InternalError("the MTP head reads an image the tower has not encoded");
+        }
+        rows.push_back(row);
+        embeds.push_back(im.encoded.embeds[q - im.offset]);
+      }
+      return absl::OkStatus();
+    }
+    void Into(ForwardBatch& h) const {
+      if (mm) {
+        const auto T = static_cast<int64_t>(pos.size());
+        h.positions3.resize(3 * T);
+        for (int64_t i = 0; i < T; ++i) {
+          for (int r = 0; r < 3; ++r) h.positions3[r * T + i] = pos[i][r];
+        }
+      }
+      if (!rows.empty()) {
+        h.visual_rows = rows;
+        h.visual_embeds = at::stack(embeds, 0);
+      }
+    }
+  };
 
   // Speculation, before the forward: drafts 2 .. d of the batch's decodes with d drafts (their
   // tokens after `pending` and d1 hold placeholders): each sequence's last draft through the
@@ -504,11 +545,15 @@ struct Engine::Impl {
     at::Tensor z = at::stack(rows, 0);
     for (int64_t j = 1; !who.empty(); ++j) {
       ForwardBatch h;
+      HeadInputs mm;
       for (size_t k : who) {
         h.seqs.push_back({b.seqs[k].state, static_cast<int64_t>(h.tokens.size()), 1, false, false});
         h.tokens.push_back(b.tokens[b.seqs[k].begin + j]);
         h.slots.push_back(running[in_batch[k]].head_slot);
+        const int64_t p = b.seqs[k].state->mtp_len[0];  // a draft (text) after the prompt
+        MOELORA_RETURN_IF_ERROR(mm.Add(running[in_batch[k]], p, p + 1));
       }
+      mm.Into(h);
       at::Tensor z2;
       MOELORA_ASSIGN_OR_RETURN(at::Tensor logits, model->ForwardMtp(h, z, &z2));
       std::vector<size_t> more;
@@ -547,11 +592,12 @@ struct Engine::Impl {
       return absl::InternalError("the forward kept no hidden states for the MTP head");
     }
     ForwardBatch h;
+    HeadInputs mm;
     std::vector<at::Tensor> rows;
     std::vector<Sequence*> seqs;
     for (size_t k = 0; k < b.seqs.size(); ++k) {
       Sequence& s = running[in_batch[k]];
-      if (!s.images.empty() || finished.count(s.spec.id)) continue;
+      if (finished.count(s.spec.id)) continue;
       const ForwardBatch::Seq& f = b.seqs[k];
       std::vector<int64_t> in;
       int64_t count = f.count;
@@ -568,10 +614,14 @@ struct Engine::Impl {
       h.seqs.push_back({&s.state, static_cast<int64_t>(h.tokens.size()), count, false, false});
       h.tokens.insert(h.tokens.end(), in.begin(), in.end());
       h.slots.insert(h.slots.end(), count, s.head_slot);
+      for (int64_t i = 0; i < count; ++i) {
+        MOELORA_RETURN_IF_ERROR(mm.Add(s, head_len[k] + i, head_len[k] + i + 1));
+      }
       rows.push_back(hidden.narrow(0, f.begin, count));
       seqs.push_back(&s);
     }
     if (seqs.empty()) return absl::OkStatus();
+    mm.Into(h);
     at::Tensor z;
     MOELORA_ASSIGN_OR_RETURN(at::Tensor logits, model->ForwardMtp(h, at::cat(rows, 0), &z));
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -1444,8 +1494,12 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
       }
       s.fed += b.seqs[k].count;
       samples[k] = !s.Prefilling();
+      // An image's tower output goes once the prompt is past it; with an MTP head, once the
+      // head is too (it reads the tokens up to the chunk's end + 1 after this step).
+      const int64_t past =
+          static_cast<int64_t>(s.fed) - (m.HeadsRun() > 0 ? b.seqs[k].count - 1 : 0);
       for (Impl::Sequence::Image& im : s.images) {
-        if (im.offset + im.tokens <= static_cast<int64_t>(s.fed)) im.encoded = VisionEncoding();
+        if (im.offset + im.tokens <= past) im.encoded = VisionEncoding();
       }
     } else {
       samples[k] = 1;

@@ -215,12 +215,32 @@ absl::StatusOr<at::Tensor> DecoderModel::ForwardMtp(const ForwardBatch& b, const
   const double eps = config_.rms_norm_eps;
   const Rotary& rope = rotaries_[mh.layer.rope];
   std::vector<Rotary::Table> tables(rotaries_.size());
-  tables[mh.layer.rope] = rope.Compute(positions, options_.dtype);
+  if (!b.positions3.empty() && static_cast<int64_t>(b.positions3.size()) != 3 * T) {
+    restore();
+    return absl::InvalidArgumentError("positions3 must hold three rows of the batch's tokens");
+  }
+  // Multimodal RoPE: the streams of each head position are the target's at that position.
+  tables[mh.layer.rope] = !b.positions3.empty() && rope.mrope()
+                              ? rope.ComputeMrope(b.positions3, options_.dtype)
+                              : rope.Compute(positions, options_.dtype);
   // Each token's slot adapts the head's modules (b.slots; -1: the head unadapted).
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const at::Tensor tokens =
       at::from_blob(const_cast<int64_t*>(b.tokens.data()), {T}, at::kLong).to(dev);
-  const at::Tensor e = RmsNorm(ends_.embed.index_select(0, tokens), mh.norm_embed, eps, norm_);
+  at::Tensor embedded = ends_.embed.index_select(0, tokens);
+  if (!b.visual_rows.empty()) {
+    // Image tokens among the inputs: the tower's embeddings, as the target read them.
+    const int64_t n = static_cast<int64_t>(b.visual_rows.size());
+    if (!b.visual_embeds.defined() || b.visual_embeds.size(0) != n ||
+        b.visual_embeds.size(1) != embedded.size(1)) {
+      restore();
+      return absl::InvalidArgumentError("visual_embeds do not match visual_rows");
+    }
+    embedded.index_copy_(
+        0, at::from_blob(const_cast<int64_t*>(b.visual_rows.data()), {n}, at::kLong).to(dev),
+        b.visual_embeds.to(embedded.scalar_type()));
+  }
+  const at::Tensor e = RmsNorm(embedded, mh.norm_embed, eps, norm_);
   const at::Tensor h =
       RmsNorm(hidden.to(dev).to(e.scalar_type()).contiguous(), mh.norm_hidden, eps, norm_);
   ResidualStream x(MatmulWt(at::cat({e, h}, 1), mh.fc));

@@ -30,6 +30,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/model/causal_lm.h"
 #include "worker/model/speculative.h"
+#include "worker/models/vision_tower.h"
 
 namespace moelora {
 namespace {
@@ -478,6 +479,92 @@ TEST(MtpTest, HiddenStatesOfTheWrongShapeAreRefused) {
       m.ForwardMtp(OneSeq(&st, {1, 2, 3}, true), at::zeros({2, m.config().info.hidden_size})),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one hidden state")));
   EXPECT_EQ(st.mtp_len[0], 0);
+}
+
+// Image prompts (tools/mtp_reference.py mm, tests/data/qwen3_5_moe_mm_mtp): the head reads the
+// tower's embedding where its input is an image token, and the target's multimodal rotary
+// streams at its position. The target over prompt + greedy tokens with the reference's streams
+// and image embeddings, then the head over the same positions, whole and in pieces: its logits
+// match the reference's; with the image tokens' own embeddings, or text positions, they do not.
+TEST(MtpTest, ImagePromptsReachTheHeadAsTheTargetReadThem) {
+  auto h = Load(Data("qwen3_5_moe_mm_mtp/model"), /*mtp=*/true);
+  ASSERT_OK(h);
+  CausalLM& m = *(*h)->model;
+  ASSERT_NE(m.vision(), nullptr);
+  const int64_t image_token = m.vision()->image_token_id;
+  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mm_mtp/expected_mtp.safetensors"));
+  ASSERT_OK(ref);
+  for (int k = 0; (*ref)->Find(absl::StrCat("prompt.", k)) != nullptr; ++k) {
+    SCOPED_TRACE(absl::StrCat("prompt ", k));
+    std::vector<int64_t> ids = Ids(Read(**ref, absl::StrCat("prompt.", k)));
+    const std::vector<int64_t> more = Ids(Read(**ref, absl::StrCat("greedy.", k)));
+    ids.insert(ids.end(), more.begin(), more.end());
+    const auto n = static_cast<int64_t>(ids.size());
+    const at::Tensor pos = Read(**ref, absl::StrCat("positions.", k));  // [3, n]
+    const at::Tensor embeds = Read(**ref, absl::StrCat("image_embeds.", k));
+    ASSERT_EQ(pos.size(1), n);
+    // Image rows of a run of positions [from, from + count) whose inputs are the tokens at
+    // positions + shift; their embeddings in the order the images hold them.
+    auto visual = [&](ForwardBatch& b, int64_t from, int64_t count, int64_t shift) {
+      int64_t before = 0;
+      for (int64_t q = 0; q < from + shift; ++q) before += ids[q] == image_token;
+      std::vector<at::Tensor> rows;
+      for (int64_t i = 0; i < count; ++i) {
+        if (ids[from + i + shift] != image_token) continue;
+        b.visual_rows.push_back(i);
+        rows.push_back(embeds[before++]);
+      }
+      if (!rows.empty()) b.visual_embeds = at::stack(rows, 0);
+      b.positions3.resize(3 * count);
+      for (int r = 0; r < 3; ++r) {
+        for (int64_t i = 0; i < count; ++i)
+          b.positions3[r * count + i] = pos[r][from + i].item<int64_t>();
+      }
+    };
+    SeqState st = m.NewState();
+    ForwardBatch t = OneSeq(&st, ids, true);
+    visual(t, 0, n, 0);
+    ASSERT_FALSE(t.visual_rows.empty());
+    auto target = m.Forward(t);
+    ASSERT_OK(target);
+    const at::Tensor hidden = m.last_hidden().clone();
+    EXPECT_LE(MaxDiff(hidden.to(at::kFloat), Read(**ref, absl::StrCat("hidden.", k))), kRefTol);
+    const at::Tensor want = Read(**ref, absl::StrCat("mtp_logits.", k));
+    // The head over positions 0 .. n - 2 in two pieces (its keys read back from the cache).
+    std::vector<at::Tensor> got;
+    for (auto [from, count] : {std::pair<int64_t, int64_t>{0, n / 2}, {n / 2, n - 1 - n / 2}}) {
+      ForwardBatch hb = OneSeq(&st, {ids.begin() + from + 1, ids.begin() + from + 1 + count}, true);
+      visual(hb, from, count, 1);
+      auto l = m.ForwardMtp(hb, hidden.narrow(0, from, count));
+      ASSERT_OK(l);
+      got.push_back(*l);
+    }
+    const float d = MaxDiff(at::cat(got, 0), want);
+    std::printf("[ref] qwen3_5 MTP image prompt %d (%lld tokens): %.3g\n", k,
+                static_cast<long long>(n), d);
+    EXPECT_LE(d, kRefTol);
+    // Without the tower's embeddings (the image token's own), or with text positions: not the
+    // reference's head.
+    SeqState s2 = m.NewState(), s3 = m.NewState();
+    ForwardBatch t2 = OneSeq(&s2, ids, false), t3 = OneSeq(&s3, ids, false);
+    visual(t2, 0, n, 0);
+    visual(t3, 0, n, 0);
+    ASSERT_OK(m.Forward(t2));
+    ASSERT_OK(m.Forward(t3));
+    ForwardBatch plain = OneSeq(&s2, {ids.begin() + 1, ids.end()}, true);
+    visual(plain, 0, n - 1, 1);
+    plain.visual_rows.clear();
+    plain.visual_embeds = at::Tensor();
+    auto l2 = m.ForwardMtp(plain, hidden.narrow(0, 0, n - 1));
+    ASSERT_OK(l2);
+    EXPECT_GT(MaxDiff(*l2, want), 1e-3);
+    ForwardBatch text = OneSeq(&s3, {ids.begin() + 1, ids.end()}, true);
+    visual(text, 0, n - 1, 1);
+    text.positions3.clear();
+    auto l3 = m.ForwardMtp(text, hidden.narrow(0, 0, n - 1));
+    ASSERT_OK(l3);
+    EXPECT_GT(MaxDiff(*l3, want), 1e-3);
+  }
 }
 
 // Step3.5's chained MTP layers (tests/data/step3p5_mtp, tools/step3p5_mtp_reference.py): the
