@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "tests/unit/worker/mm_fixture.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
 
@@ -432,6 +433,75 @@ TEST(SpeculativeEngineTest, Step35PrefixCachingWithChainedHeads) {
   EXPECT_EQ(alone.prefix_hits, 0);
   EXPECT_EQ(spec.accepted_by.at(3), alone.accepted_by.at(3));
   EXPECT_EQ(spec.tokens.at(3), alone.tokens.at(3));
+}
+
+// Image requests draft too (tests/data/qwen3_5_moe_mm_mtp: Qwen3.5's head reads the tower's
+// embeddings and the target's multimodal positions). With 1 and 3 drafts a step, prompts read
+// whole or in chunks of 16 tokens (images split across steps, the head reading one token into
+// the next chunk), they decode transformers' greedy tokens, as without drafts; with one draft a
+// step and whole prompts, each keeps exactly the drafts the reference head's argmax at the
+// positions the steps put them predicts.
+TEST(SpeculativeEngineTest, ImageRequestsDraftAsTheReferenceHead) {
+  const auto mm = testing::ReadMm("qwen3_5_moe_mm");
+  auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mm_mtp/expected_mtp.safetensors"));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto ints = [&](const std::string& name) {
+    const TensorView* v = (*ref)->Find(name);
+    EXPECT_NE(v, nullptr) << name;
+    if (v == nullptr) return std::vector<int64_t>();
+    const auto* p = reinterpret_cast<const int64_t*>(v->data);
+    return std::vector<int64_t>(p, p + v->numel());
+  };
+  std::vector<std::pair<int, NewSequence>> joins;
+  std::map<int64_t, std::vector<int64_t>> full, drafts;
+  for (const testing::MmPrompt& p : mm) {
+    if (p.images.empty()) continue;
+    const auto i = static_cast<int64_t>(joins.size());
+    ASSERT_EQ(ints(absl::StrCat("prompt.", i)), std::vector<int64_t>(p.ids.begin(), p.ids.end()));
+    NewSequence n = Seq(i + 1, 0, p.ids, 16);
+    n.images = testing::Images("qwen3_5_moe_mm", p);
+    joins.push_back({0, n});
+    full[i + 1] = ints(absl::StrCat("prompt.", i));
+    for (int64_t t : ints(absl::StrCat("greedy.", i))) full[i + 1].push_back(t);
+    drafts[i + 1] = ints(absl::StrCat("drafts.", i));
+  }
+  ASSERT_EQ(joins.size(), 3u);
+  for (int chunk : {512, 16}) {
+    for (int k : {0, 1, 3}) {
+      SCOPED_TRACE(absl::StrCat(k, " drafts, chunks of ", chunk));
+      auto h = std::make_unique<EngineHolder>();
+      EngineOptions o;
+      o.model_dir = Data("qwen3_5_moe_mm_mtp/model");
+      o.num_speculative_tokens = k;
+      o.max_num_seqs = 8;
+      o.max_num_batched_tokens = chunk;
+      o.kv_cache_memory_bytes = int64_t{64} << 20;
+      auto e = Engine::Create(o, h->comm.get());
+      ASSERT_TRUE(e.ok()) << e.status();
+      const Result r = RunAll(**e, joins);
+      for (const auto& [id, f] : full) {
+        const std::vector<int32_t> want(f.end() - 16, f.end());
+        EXPECT_EQ(r.tokens.at(id), want) << "sequence " << id;
+      }
+      if (k == 0) continue;
+      EXPECT_GT(r.accepted, 0);
+      if (k != 1 || chunk != 512) continue;
+      for (const auto& [id, f] : full) {
+        // After the prompt (len positions computed, the first token sampled) each step verifies
+        // the head's draft at len - 1 against the token at len + 1, but the last one.
+        int64_t len = static_cast<int64_t>(f.size()) - 16, gen = 1, kept = 0;
+        while (gen < 16) {
+          const bool draft = 16 - gen - 1 >= 1;
+          const bool hit = draft && drafts.at(id)[static_cast<size_t>(len - 1)] ==
+                                        f[static_cast<size_t>(len + 1)];
+          kept += hit;
+          gen += hit ? 2 : 1;
+          len += hit ? 2 : 1;
+        }
+        EXPECT_EQ(r.accepted_by.at(id), kept) << "sequence " << id;
+      }
+    }
+  }
 }
 
 // Step3.5's heads are chained, one per draft: more drafts a step than MTP layers are refused by
