@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures as mf  # noqa: E402
+from mtp_reference import greedy  # noqa: E402
 from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig  # noqa: E402
 from transformers.models.step3p7.modeling_step3p7 import (  # noqa: E402
     Step3p7DecoderLayer, Step3p7RMSNorm, Step3p7RotaryEmbedding)
@@ -136,14 +137,6 @@ def chain(base, heads, rotary, ids, hidden=None):
         outs.append(z)
         prev = z
     return outs
-
-
-def greedy(base, ids, n):
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(base(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
 
 
 def to_hub(head, layer):

@@ -156,6 +156,23 @@ void ExpectHeadMatchesTheReference(CausalLM& m,
   }
 }
 
+// A model built from `dir` without its heads (no speculation) takes adapter `a` for its target
+// alone (the heads' modules left out): its logits over `ids` are those of `m` (built with the
+// heads, `a` in slot 2).
+void ExpectAModelWithoutHeadsTakesTheAdapter(const std::string& dir, const LoraAdapter& a,
+                                             CausalLM& m, const std::vector<int64_t>& ids) {
+  auto plain = Load(dir, /*mtp=*/false);
+  ASSERT_OK(plain);
+  CausalLM& t = *(*plain)->model;
+  ASSERT_OK(t.SetSlot(1, a));
+  SeqState s1 = t.NewState(), s2 = m.NewState();
+  auto without_heads = t.Forward(OneSeq(&s1, ids, true, 1));
+  auto with_heads = m.Forward(OneSeq(&s2, ids, true, 2));
+  ASSERT_OK(without_heads);
+  ASSERT_OK(with_heads);
+  EXPECT_LE(MaxDiff(*without_heads, *with_heads), 1e-6);
+}
+
 TEST(MtpTest, HeadLogitsMatchTheReference) {
   auto h = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/true);
   ASSERT_OK(h);
@@ -188,18 +205,7 @@ TEST(MtpTest, AnAdapterOnTheHeadMatchesTheReference) {
   const auto n = static_cast<int64_t>(ids.size());
   EXPECT_GT(MaxDiff(TargetThenHead(m, ids, {n}, {n - 1}, 2, -1).first, Read(**ref, "mtp_logits.2")),
             1e-2);
-  // A model built without the head (no speculation) takes the same adapter for its target
-  // alone: its logits are the adapted target's.
-  auto plain = Load(Data("qwen3_5_moe_mtp/model"), /*mtp=*/false);
-  ASSERT_OK(plain);
-  CausalLM& t = *(*plain)->model;
-  ASSERT_OK(t.SetSlot(1, *a));
-  SeqState s1 = t.NewState(), s2 = m.NewState();
-  auto without_head = t.Forward(OneSeq(&s1, ids, true, 1));
-  auto with_head = m.Forward(OneSeq(&s2, ids, true, 2));
-  ASSERT_OK(without_head);
-  ASSERT_OK(with_head);
-  EXPECT_LE(MaxDiff(*without_head, *with_head), 1e-6);
+  ExpectAModelWithoutHeadsTakesTheAdapter(Data("qwen3_5_moe_mtp/model"), *a, m, ids);
 }
 
 // Tensor parallelism: two ranks (threads, gloo over loopback), the head's attention heads split
@@ -687,16 +693,7 @@ TEST(MtpTest, Step35AnAdapterOnTheHeadsMatchesTheReference) {
   auto [unadapted, hidden] = ChainedHeads(m, ids, 1, 2, -1);
   ASSERT_EQ(unadapted.size(), 3u);
   EXPECT_GT(MaxDiff(unadapted[0], Read(**ref, "mtp_logits.0.0")), 1e-2);
-  auto plain = Load(Data("step3p5_mtp/model"), /*mtp=*/false);
-  ASSERT_OK(plain);
-  CausalLM& t = *(*plain)->model;
-  ASSERT_OK(t.SetSlot(1, *a));
-  SeqState s1 = t.NewState(), s2 = m.NewState();
-  auto without_heads = t.Forward(OneSeq(&s1, ids, true, 1));
-  auto with_heads = m.Forward(OneSeq(&s2, ids, true, 2));
-  ASSERT_OK(without_heads);
-  ASSERT_OK(with_heads);
-  EXPECT_LE(MaxDiff(*without_heads, *with_heads), 1e-6);
+  ExpectAModelWithoutHeadsTakesTheAdapter(Data("step3p5_mtp/model"), *a, m, ids);
 }
 
 // Step3.5 checkpoints name the MTP layers in more ways: `.base_layer.` once LoRA wraps a module,
