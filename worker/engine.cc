@@ -1504,6 +1504,8 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
     } else {
       samples[k] = 1;
       nd[k] = ndraft[in_batch[k]];
+      // Past its prompt: the head read every image token at the step that finished it.
+      for (Impl::Sequence::Image& im : s.images) im.encoded = VisionEncoding();
     }
   }
   // Per sequence: its tokens (the drafts kept, in order, then the target's own) and their
