@@ -18,7 +18,7 @@
 namespace moelora {
 
 [[nodiscard]] absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
-                                                   const at::Device& device) {
+                                                   const at::Device& device, int mtp_heads) {
   const int64_t T = static_cast<int64_t>(b.tokens.size());
   if (T == 0 || b.slots.size() != b.tokens.size()) {
     return absl::InvalidArgumentError("empty batch or slots/tokens size mismatch");
@@ -29,7 +29,11 @@ namespace moelora {
     // direct callers get them here).
     KvCache* kv = s.state->kv;
     if (kv == nullptr) continue;
-    kv->Trim(s.state->table, s.state->len);
+    int64_t seen = s.state->len;  // the first position a query still to come is at
+    for (int h = 0; h < mtp_heads; ++h) {
+      seen = std::min(seen, s.state->mtp_len[static_cast<size_t>(h)]);
+    }
+    kv->Trim(s.state->table, seen);
     if (!kv->Reserve(s.state->table, s.state->len + s.count)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the KV cache has ", kv->free_blocks(), " free blocks of ", kv->block_size(), " tokens (",
@@ -117,7 +121,7 @@ absl::StatusOr<VisionEncoding> DecoderModel::EncodeImages(const std::vector<Visi
 
 absl::StatusOr<at::Tensor> DecoderModel::Forward(const ForwardBatch& b) {
   const at::Device dev = device();
-  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev));
+  MOELORA_ASSIGN_OR_RETURN(StepInputs in, BeginStep(b, options_, dev, mtp_heads()));
   const LoraBatch lb = LoraBatch::Make(options_, b.slots, dev);
   const int64_t T = static_cast<int64_t>(b.tokens.size());
   if (!b.positions3.empty() && static_cast<int64_t>(b.positions3.size()) != 3 * T) {

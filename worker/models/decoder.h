@@ -38,8 +38,10 @@ struct StepInputs {
 // a text-only one). `deepstack`: the architecture has DeepStack mergers.
 [[nodiscard]] absl::StatusOr<std::optional<VisionConfig>> ReadVisionConfig(
     const ModelContext& ctx, const ModelConfig& c, bool deepstack, int64_t image_token_default);
+// Sliding-window blocks no later query sees go back first: queries of the target at its length
+// or later, and of the first `mtp_heads` MTP heads at their own positions (SeqState::mtp_len).
 [[nodiscard]] absl::StatusOr<StepInputs> BeginStep(const ForwardBatch& b, const ModelOptions& o,
-                                                   const at::Device& device);
+                                                   const at::Device& device, int mtp_heads = 0);
 
 // A factory's checkpoint load: INVALID_ARGUMENT unless lm_head.weight is there or tied to the
 // embedding; then this rank's shard of `specs(has_lm_head)`.
