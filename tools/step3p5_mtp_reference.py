@@ -23,8 +23,10 @@ norm and rotary modules for the blocks:
         target's own greedy continuations so that drafts are accepted as a released head's are;
         DIR/expected_mtp.safetensors: per prompt i, `prompt.i`, `hidden.i` (the target's
         hidden states before the final norm), `mtp_logits.i.j` [len - 1 - j, vocab] (head j at
-        positions 0 .. len - 2 - j, every input token known) and `greedy.i` (the target's 16
-        greedy tokens); DIR/mtp_stats.json: the loss and each head's acceptance.
+        positions 0 .. len - 2 - j, every input token known), `greedy.i` (the target's 16
+        greedy tokens) and `kept3.i` (the drafts kept decoding them with 3 drafts a step, the
+        later heads reading the earlier ones' drafts); DIR/mtp_stats.json: the loss and each
+        head's acceptance.
 
     step3p5_mtp_reference.py adapter --fixture DIR
         DIR/adapter_mtp: a 3D PEFT adapter (PEFT itself, on a module holding the decoder's
@@ -139,6 +141,36 @@ def chain(base, heads, rotary, ids, hidden=None):
     return outs
 
 
+def speculate(base, heads, rotary, prompt, k, n):
+    """Greedy speculative decoding as the engine runs it, for `n` tokens after `prompt`: each step
+    drafts k tokens (fewer when the tokens left allow fewer: at most n - generated - 1), draft
+    j + 1 from head j at the target's last position, its inputs the known tokens and the drafts
+    before it; the target keeps the longest agreeing prefix and adds its own. Returns the drafts
+    kept in all."""
+    full = list(prompt) + greedy(base, prompt, n)
+    length, gen, kept = len(prompt), 1, 0
+    hidden = prenorm_hidden(base, torch.tensor([full]))
+    while gen < n:
+        d = min(k, n - gen - 1)
+        drafts = []
+        prev = hidden[:, :length]
+        for j in range(d):
+            # Head j over positions 0 .. length - 1: token p + 1 + j, known up to `length`.
+            toks = [full[p + 1 + j] if p + 1 + j <= length else drafts[p + j - length]
+                    for p in range(length)]
+            with torch.no_grad():
+                z = heads[j](base.model.embed_tokens(torch.tensor([toks])), prev, rotary)
+                drafts.append(int(heads[j].logits(z)[0, -1].argmax()))
+            prev = z
+        a = 0
+        while a < d and drafts[a] == full[length + 1 + a]:
+            a += 1
+        kept += a
+        gen += a + 1
+        length += a + 1
+    return kept
+
+
 def to_hub(head, layer):
     """The head's checkpoint tensors, as the hub names an MTP layer's."""
     p = f"model.layers.{layer}."
@@ -213,6 +245,9 @@ def make(out, steps):
             expected[f"mtp_logits.{i}.{j}"] = heads[j].logits(z)[0].detach().contiguous()
         cont = greedy(base, p, GREEDY)
         expected[f"greedy.{i}"] = torch.tensor(cont, dtype=torch.int64)
+        # Drafts kept decoding the 16 greedy tokens with 3 drafts a step.
+        expected[f"kept3.{i}"] = torch.tensor([speculate(base, heads, rotary, p, 3, GREEDY)],
+                                              dtype=torch.int64)
         # Each head's acceptance on the target's own continuation (its inputs all known): head
         # j's draft at position p against the token the target wrote at p + 2 + j.
         full = torch.tensor([p + cont])

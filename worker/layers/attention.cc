@@ -671,6 +671,25 @@ absl::StatusOr<at::Tensor> Attention::Forward(const at::Tensor& h, const Forward
   const at::Tensor& vp = kv->v(layer);
   const int64_t bs = kv->block_size();
   const bool windowed = kv->windowed(layer);
+  if (windowed) {
+    // Every sliding-window block a query of the batch sees (or writes) must still be held: the
+    // kernels read a given-back one (-1) out of the pool's bounds.
+    for (const auto& seq : b.seqs) {
+      const int64_t len = seq.state->len;
+      const std::vector<int32_t>& t = seq.state->table.window_blocks;
+      const int64_t first = std::max<int64_t>(0, len - spec_.sliding_window + 1) / bs;
+      const int64_t last = (len + seq.count - 1) / bs;
+      for (int64_t blk = first; blk <= last; ++blk) {
+        if (blk >= static_cast<int64_t>(t.size()) || t[static_cast<size_t>(blk)] < 0) {
+          return absl::InternalError(absl::StrCat("attention layer ", layer,
+                                                  ": sliding-window block ", blk,
+                                                  " of a sequence is not "
+                                                  "held, but queries at positions ",
+                                                  len, " .. ", len + seq.count - 1, " see it"));
+        }
+      }
+    }
+  }
   WriteKv(k.contiguous().to(kp.scalar_type()), v.contiguous().to(kp.scalar_type()), b, kp, vp, bs,
           windowed);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));

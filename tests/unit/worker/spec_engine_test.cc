@@ -504,6 +504,39 @@ TEST(SpeculativeEngineTest, ImageRequestsDraftAsTheReferenceHead) {
   }
 }
 
+// Step3.5's chained heads draft as the reference's: three prompts decoding 16 tokens together
+// with 3 drafts a step keep exactly the drafts tools/step3p5_mtp_reference.py's simulation of
+// those steps keeps (`kept3`). Heads 1 and 2 read the drafts before theirs and their own keys,
+// which lag the sequence's: a head reading sliding-window blocks already given back drafts
+// otherwise.
+TEST(SpeculativeEngineTest, Step35HeadsDraftAsTheReference) {
+  g_fixture = &kStep35;
+  struct Restore {
+    ~Restore() { g_fixture = &kQwen35; }
+  } restore;
+  const auto prompts = FixturePrompts();
+  auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::vector<std::pair<int, NewSequence>> joins;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    joins.push_back({0, Seq(static_cast<int64_t>(i) + 1, 0, prompts[i], 16)});
+  }
+  auto h = MakeSpecEngine(3);
+  ASSERT_NE(h, nullptr);
+  const Result r = RunAll(*h->engine, joins);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const TensorView* greedy = (*ref)->Find(absl::StrCat("greedy.", i));
+    const TensorView* kept = (*ref)->Find(absl::StrCat("kept3.", i));
+    ASSERT_NE(greedy, nullptr);
+    ASSERT_NE(kept, nullptr);
+    const auto* g = reinterpret_cast<const int64_t*>(greedy->data);
+    const auto id = static_cast<int64_t>(i) + 1;
+    EXPECT_EQ(r.tokens.at(id), std::vector<int32_t>(g, g + greedy->numel())) << "prompt " << i;
+    EXPECT_EQ(r.accepted_by.at(id), *reinterpret_cast<const int64_t*>(kept->data))
+        << "prompt " << i;
+  }
+}
+
 // Step3.5's heads are chained, one per draft: more drafts a step than MTP layers are refused by
 // name at start.
 TEST(SpeculativeEngineTest, Step35RefusesMoreDraftsThanMtpLayers) {
