@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -208,58 +209,70 @@ TEST(MtpTest, AnAdapterOnTheHeadMatchesTheReference) {
   ExpectAModelWithoutHeadsTakesTheAdapter(Data("qwen3_5_moe_mtp/model"), *a, m, ids);
 }
 
+// `dir` built with its MTP heads on two ranks (threads, gloo over loopback), with expert
+// parallelism when `ep`; `body` runs on each rank's model and returns what went wrong ("" for
+// nothing). Expects both ranks to say nothing.
+void OnTwoRanks(const std::string& dir, bool ep,
+                const std::function<std::string(CausalLM&, int rank)>& body) {
+  TempDir store;
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      RendezvousOptions ro;
+      ro.rank = r;
+      ro.world_size = 2;
+      ro.store_dir = store.path();
+      auto comm = MakeGlooCommunicator(ro);
+      if (!comm.ok()) {
+        errors[r] = std::string(comm.status().message());
+        return;
+      }
+      ModelOptions o;
+      o.mtp = true;
+      o.tp_rank = r;
+      o.tp_size = 2;
+      o.expert_parallel = ep;
+      auto m = LoadCausalLM(dir, o, comm->get());
+      if (!m.ok()) {
+        errors[r] = std::string(m.status().message());
+        return;
+      }
+      errors[r] = body(**m, r);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
 // Tensor parallelism: two ranks (threads, gloo over loopback), the head's attention heads split
 // and its experts split by rows or, with expert parallelism, whole on one rank each; every rank's
 // draft logits match the reference, and greedy decoding with drafts gives transformers' tokens.
 TEST(MtpTest, HeadLogitsAtTp2MatchTheReference) {
   for (bool ep : {false, true}) {
     SCOPED_TRACE(ep ? "expert parallel" : "tensor parallel");
-    TempDir store;
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> ranks;
     std::mutex mu;
-    for (int r = 0; r < 2; ++r) {
-      ranks.emplace_back([&, r] {
-        RendezvousOptions ro;
-        ro.rank = r;
-        ro.world_size = 2;
-        ro.store_dir = store.path();
-        auto comm = MakeGlooCommunicator(ro);
-        if (!comm.ok()) {
-          errors[r] = std::string(comm.status().message());
-          return;
-        }
-        ModelOptions o;
-        o.mtp = true;
-        o.tp_rank = r;
-        o.tp_size = 2;
-        o.expert_parallel = ep;
-        auto m = LoadCausalLM(Data("qwen3_5_moe_mtp/model"), o, comm->get());
-        if (!m.ok()) {
-          errors[r] = std::string(m.status().message());
-          return;
-        }
-        auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp.safetensors"));
-        const std::vector<int64_t> ids = Ids(Read(**ref, "prompt.2"));
-        const int64_t n = static_cast<int64_t>(ids.size());
-        const float d =
-            MaxDiff(TargetThenHead(**m, ids, {n}, {2, n - 3}).first, Read(**ref, "mtp_logits.2"));
-        // Greedy decoding with 3 drafts a step: transformers' greedy tokens on both ranks.
-        const std::vector<int64_t> want = Ids(Read(**ref, "greedy.2"));
-        auto spec = GreedyWithMtp(**m, ids, static_cast<int64_t>(want.size()), 3, nullptr);
-        std::lock_guard<std::mutex> l(mu);
-        std::printf("[ref] qwen3_5 MTP at TP=2%s, rank %d: %.3g\n", ep ? " EP" : "", r, d);
-        if (!(d <= kRefTol)) errors[r] = absl::StrCat("rank ", r, ": max diff ", d);
-        if (!spec.ok()) {
-          errors[r] += std::string(spec.status().message());
-        } else if (*spec != want) {
-          errors[r] += " speculative tokens differ from greedy";
-        }
-      });
-    }
-    for (auto& t : ranks) t.join();
-    EXPECT_EQ(errors[0], "");
-    EXPECT_EQ(errors[1], "");
+    OnTwoRanks(Data("qwen3_5_moe_mtp/model"), ep, [&](CausalLM& m, int r) {
+      auto ref = SafetensorsFile::Open(Data("qwen3_5_moe_mtp/expected_mtp.safetensors"));
+      const std::vector<int64_t> ids = Ids(Read(**ref, "prompt.2"));
+      const int64_t n = static_cast<int64_t>(ids.size());
+      const float d =
+          MaxDiff(TargetThenHead(m, ids, {n}, {2, n - 3}).first, Read(**ref, "mtp_logits.2"));
+      // Greedy decoding with 3 drafts a step: transformers' greedy tokens on both ranks.
+      const std::vector<int64_t> want = Ids(Read(**ref, "greedy.2"));
+      auto spec = GreedyWithMtp(m, ids, static_cast<int64_t>(want.size()), 3, nullptr);
+      std::lock_guard<std::mutex> l(mu);
+      std::printf("[ref] qwen3_5 MTP at TP=2%s, rank %d: %.3g\n", ep ? " EP" : "", r, d);
+      std::string err;
+      if (!(d <= kRefTol)) err = absl::StrCat("rank ", r, ": max diff ", d);
+      if (!spec.ok()) {
+        err += std::string(spec.status().message());
+      } else if (*spec != want) {
+        err += " speculative tokens differ from greedy";
+      }
+      return err;
+    });
   }
 }
 
@@ -742,42 +755,18 @@ TEST(MtpTest, Step35HeadsFromOtherNamesAreTheSame) {
 }
 
 TEST(MtpTest, Step35ChainedHeadsAtTp2MatchTheReference) {
-  TempDir store;
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      RendezvousOptions ro;
-      ro.rank = r;
-      ro.world_size = 2;
-      ro.store_dir = store.path();
-      auto comm = MakeGlooCommunicator(ro);
-      if (!comm.ok()) {
-        errors[r] = std::string(comm.status().message());
-        return;
-      }
-      ModelOptions o;
-      o.mtp = true;
-      o.tp_rank = r;
-      o.tp_size = 2;
-      auto m = LoadCausalLM(Data("step3p5_mtp/model"), o, comm->get());
-      if (!m.ok()) {
-        errors[r] = std::string(m.status().message());
-        return;
-      }
-      auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
-      const std::vector<int64_t> ids = Ids(Read(**ref, "prompt.0"));
-      auto [logits, hidden] = ChainedHeads(**m, ids, 2);
-      for (size_t j = 0; j < logits.size(); ++j) {
-        const float d = MaxDiff(logits[j], Read(**ref, absl::StrCat("mtp_logits.0.", j)));
-        if (!(d <= kRefTol)) errors[r] += absl::StrCat("head ", j, " differs by ", d, "; ");
-      }
-      if (logits.size() != 3) errors[r] += "not three heads";
-    });
-  }
-  for (auto& t : ranks) t.join();
-  EXPECT_EQ(errors[0], "");
-  EXPECT_EQ(errors[1], "");
+  OnTwoRanks(Data("step3p5_mtp/model"), /*ep=*/false, [](CausalLM& m, int) {
+    auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
+    const std::vector<int64_t> ids = Ids(Read(**ref, "prompt.0"));
+    auto [logits, hidden] = ChainedHeads(m, ids, 2);
+    std::string err;
+    for (size_t j = 0; j < logits.size(); ++j) {
+      const float d = MaxDiff(logits[j], Read(**ref, absl::StrCat("mtp_logits.0.", j)));
+      if (!(d <= kRefTol)) err += absl::StrCat("head ", j, " differs by ", d, "; ");
+    }
+    if (logits.size() != 3) err += "not three heads";
+    return err;
+  });
 }
 
 }  // namespace
