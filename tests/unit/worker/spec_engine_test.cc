@@ -49,6 +49,12 @@ const SpecFixture kQwen35 = {"Qwen35", "qwen3_5_moe_mtp", "qwen3_5_moe", 16};
 const SpecFixture kStep35 = {"Step35", "step3p5_mtp", "step3p5", 3};
 const SpecFixture* g_fixture = &kQwen35;  // SpeculativeModelsTest sets it
 
+// Sets the fixture for a test's scope (SpeculativeModelsTest sets it per parameter).
+struct UseFixture {
+  explicit UseFixture(const SpecFixture& f) { g_fixture = &f; }
+  ~UseFixture() { g_fixture = &kQwen35; }
+};
+
 // k drafts a step, or as many as the fixture's heads allow.
 int Drafts(int k) { return std::min(k, g_fixture->max_k); }
 
@@ -402,10 +408,7 @@ INSTANTIATE_TEST_SUITE_P(Models, SpeculativeModelsTest, ::testing::Values(&kQwen
 // decode as without speculation; the prompt sent again keeps as many drafts as the first did,
 // so its heads read the same keys and values.
 TEST(SpeculativeEngineTest, Step35PrefixCachingWithChainedHeads) {
-  g_fixture = &kStep35;
-  struct Restore {
-    ~Restore() { g_fixture = &kQwen35; }
-  } restore;
+  const UseFixture step35(kStep35);
   const auto prompts = FixturePrompts();
   ASSERT_FALSE(prompts.empty());
   // Sharing the first two blocks (8 tokens), not the token after them that head 1 reads there.
@@ -510,10 +513,7 @@ TEST(SpeculativeEngineTest, ImageRequestsDraftAsTheReferenceHead) {
 // which lag the sequence's: a head reading sliding-window blocks already given back drafts
 // otherwise.
 TEST(SpeculativeEngineTest, Step35HeadsDraftAsTheReference) {
-  g_fixture = &kStep35;
-  struct Restore {
-    ~Restore() { g_fixture = &kQwen35; }
-  } restore;
+  const UseFixture step35(kStep35);
   const auto prompts = FixturePrompts();
   auto ref = SafetensorsFile::Open(Data("step3p5_mtp/expected_mtp.safetensors"));
   ASSERT_TRUE(ref.ok()) << ref.status();
