@@ -1,10 +1,13 @@
 #include "common/work_pool.h"
 
+#include <exception>
 #include <utility>
+
+#include "common/logging.h"
 
 namespace moelora {
 
-WorkPool::WorkPool(int threads) {
+WorkPool::WorkPool(int threads, size_t max_queued) : max_queued_(max_queued) {
   threads_.reserve(threads);
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
 }
@@ -26,6 +29,21 @@ void WorkPool::Post(std::function<void()> fn) {
   cv_.Signal();
 }
 
+bool WorkPool::TryPost(std::function<void()> fn) {
+  {
+    MutexLock lock(&mu_);
+    if (queue_.size() >= max_queued_) return false;
+    queue_.push_back(std::move(fn));
+  }
+  cv_.Signal();
+  return true;
+}
+
+size_t WorkPool::queued() const {
+  MutexLock lock(&mu_);
+  return queue_.size();
+}
+
 void WorkPool::Loop() {
   while (true) {
     std::function<void()> fn;
@@ -36,7 +54,13 @@ void WorkPool::Loop() {
       fn = std::move(queue_.front());
       queue_.pop_front();
     }
-    fn();
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "work pool: a task threw (dropped): " << e.what();
+    } catch (...) {
+      LOG(ERROR) << "work pool: a task threw (dropped)";
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include "common/logging.h"
 #include "common/path_policy.h"
 #include "common/status_macros.h"
+#include "controller/http_server.h"
 #include "lora/adapter.h"
 #include "proto/adapter_format.h"
 
@@ -302,7 +303,9 @@ absl::StatusOr<v1::Adapter> AdapterManager::Load(const v1::LoadAdapterRequest& r
   ro.parallel = false;
   AdapterLoadTimings timings;
   absl::StatusOr<LoraAdapter> a = ReadAdapter(*resolved, ro, &timings);
-  if (!a.ok()) return fail(a.status());
+  // Whatever its code (a rank above --max-lora-rank is RESOURCE_EXHAUSTED), a bad adapter stays
+  // bad: HTTP answers 400, which clients do not retry.
+  if (!a.ok()) return fail(MarkFinal(a.status()));
   const v1::AdapterFormat native = group_->info().native_moe_format();
   const std::string flag = "--enable-mixed-moe-lora-format";
   if (!options_.mixed && a->format == AdapterFormat::k3D && native == v1::FORMAT_2D) {
@@ -439,6 +442,7 @@ absl::StatusOr<v1::Adapter> AdapterManager::Unload(const std::string& name) {
   // as taken until the workers have really freed it.
   if (now && resident) ReleaseSlot(id, false);
   if (now && host_cached) ForgetHostCached(id);
+  metrics_->ForgetAdapter(name);
   wake_();
   return out;
 }

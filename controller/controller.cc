@@ -1,5 +1,6 @@
 #include "controller/controller.h"
 
+#include <algorithm>
 #include <random>
 #include <utility>
 
@@ -38,9 +39,18 @@ Controller::Controller(ControllerOptions options, Registry* registry, WorkerGrou
           [this] { return serving(); }, std::chrono::milliseconds(options_.batch_window_ms),
           std::chrono::milliseconds(options_.batch_window_max_ms), options_.decode_steps,
           options_.call_ahead, options_.clock, options_.max_queued_requests,
-          std::chrono::milliseconds(options_.max_bypass_ms)) {}
+          std::chrono::milliseconds(options_.max_bypass_ms)),
+      prepare_(std::max(1, options_.prepare_threads),
+               static_cast<size_t>(std::max(1, options_.max_preparing))) {}
 
 Controller::~Controller() { Stop(); }
+
+absl::Status Controller::Prepare(std::function<void()> fn) {
+  if (prepare_.TryPost(std::move(fn))) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the server is preparing ", options_.max_preparing,
+                   " requests already (--max-preparing-requests): retry later"));
+}
 
 void Controller::Start() { scheduler_.Start(); }
 
@@ -90,6 +100,7 @@ absl::StatusOr<std::shared_ptr<GenRequest>> Controller::Submit(
   limits.kv_block_size = info.block_size();
   limits.tokenizer = options_.tokenizer.get();
   limits.eos_token_ids = options_.eos_token_ids;
+  limits.caps = options_.caps;
   if (info.vision()) {
     limits.image_token_id = info.image_token_id();
     limits.max_images = options_.limit_images_per_prompt;

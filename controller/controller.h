@@ -13,10 +13,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/work_pool.h"
 #include "controller/adapter_manager.h"
 #include "controller/gen_request.h"
 #include "controller/metrics.h"
 #include "controller/registry.h"
+#include "controller/request_validation.h"
 #include "controller/scheduler.h"
 #include "controller/worker_group_interface.h"
 #include "lora/model_info.h"
@@ -59,6 +61,12 @@ struct ControllerOptions {
   // --limit-mm-per-prompt's image count.
   std::shared_ptr<const vision::ImageProcessorConfig> image_processor;
   int limit_images_per_prompt = 999;
+  // What one request may carry (both APIs).
+  RequestCaps caps;
+  // Requests being prepared (parsed, rendered, tokenized, images decoded, adapters resolved) at
+  // once, and waiting to be: Prepare's pool, apart from the threads that write answers.
+  int prepare_threads = 2;
+  int max_preparing = 256;
   // Added to every request's stop tokens unless it sets ignore_eos.
   std::vector<int32_t> eos_token_ids;
   // The time the scheduler and the adapter manager decide by (common/clock.h); tests pass a
@@ -90,6 +98,12 @@ class Controller {
   }
   std::vector<v1::Adapter> ListAdapters() const { return adapters_.List(); }
 
+  // Runs `fn` (a request's preparation: parsing, templates, tokenizing, images, Submit, adapter
+  // loads) on the preparation threads, at most prepare_threads at once, so that no heavy request
+  // delays the threads that write other requests' tokens. RESOURCE_EXHAUSTED (and `fn` dropped)
+  // when max_preparing wait already.
+  [[nodiscard]] absl::Status Prepare(std::function<void()> fn);
+
   // Validates and queues. INVALID_ARGUMENT / NOT_FOUND / UNAVAILABLE.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<GenRequest>> Submit(
       const v1::GenerateRequest& req, std::chrono::steady_clock::time_point deadline);
@@ -100,6 +114,8 @@ class Controller {
 
   bool serving() const { return group_->serving() && ready_.load(); }
   const tok::Tokenizer* tokenizer() const { return options_.tokenizer.get(); }
+  const RequestCaps& caps() const { return options_.caps; }
+  int limit_images_per_prompt() const { return options_.limit_images_per_prompt; }
   // The workers' max_model_len (0 until the group has served once).
   int max_model_len() const { return group_->info().max_model_len(); }
   // Wakes the scheduler (a request's stop string was reached).
@@ -113,6 +129,7 @@ class Controller {
   std::atomic<bool> ready_{false};
   AdapterManager adapters_;
   Scheduler scheduler_;  // after adapters_: it uses them until it stops
+  WorkPool prepare_;     // last: its tasks use the rest until it is joined
 };
 
 }  // namespace moelora

@@ -3,6 +3,9 @@
 #include <map>
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+
 namespace moelora {
 namespace {
 prometheus::Histogram::BucketBoundaries Seconds() {
@@ -215,6 +218,24 @@ void ControllerMetrics::ObserveSpeculation(const std::string& adapter, int64_t s
   kept.Increment(static_cast<double>(accepted));
   spec_acceptance_rate.Add(label).Set(kept.Value() / draft.Value());
   spec_mean_accepted_length.Add(label).Set(1 + kept.Value() / steps.Value());
+}
+
+void ControllerMetrics::ForgetAdapter(const std::string& adapter) {
+  if (adapter.empty()) return;
+  for (int c = 0; c <= static_cast<int>(absl::StatusCode::kUnauthenticated); ++c) {
+    const prometheus::Labels l = {
+        {"adapter", adapter},
+        {"code",
+         absl::AsciiStrToLower(absl::StatusCodeToString(static_cast<absl::StatusCode>(c)))}};
+    if (requests.Has(l)) requests.Remove(&requests.Add(l));
+  }
+  const prometheus::Labels l = {{"adapter", adapter}};
+  for (auto* f : {&spec_verify_steps, &spec_draft_tokens, &spec_accepted_tokens}) {
+    if (f->Has(l)) f->Remove(&f->Add(l));
+  }
+  for (auto* f : {&spec_acceptance_rate, &spec_mean_accepted_length}) {
+    if (f->Has(l)) f->Remove(&f->Add(l));
+  }
 }
 
 void ControllerMetrics::ObserveLoad(const std::string& format, bool converted,

@@ -61,6 +61,9 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>& spec_mean_accepted_length;
 
   void ObserveLoad(const std::string& format, bool converted, const std::string& phase, double s);
+  // Drops the series labelled with this adapter (requests, speculation): an unloaded adapter's
+  // name leaves /metrics, so names that come and go do not grow it without bound.
+  void ForgetAdapter(const std::string& adapter);
   // `steps` verify steps of sequences on `adapter` ("" = base) that drafted `drafted` tokens in
   // all and kept `accepted`.
   void ObserveSpeculation(const std::string& adapter, int64_t steps, int64_t drafted,

@@ -116,6 +116,46 @@ ABSL_FLAG(std::string, chat_template, "",
 ABSL_FLAG(std::string, limit_mm_per_prompt, "{\"image\": 999}",
           "vLLM's JSON: how many images one prompt may hold, e.g. '{\"image\": 1}' (0: none); "
           "other modalities are not served");
+ABSL_FLAG(int, request_timeout_s, 3600,
+          "A request ends with DEADLINE_EXCEEDED (HTTP 504) this long after it arrived, whatever "
+          "its client's deadline (0: no bound)");
+ABSL_FLAG(int, prepare_threads, 2,
+          "Threads preparing requests (parsing, chat templates, tokenizing, images, adapter "
+          "loads), apart from those that write answers");
+ABSL_FLAG(int, max_preparing_requests, 256,
+          "Requests waiting to be prepared at most; beyond it a request gets RESOURCE_EXHAUSTED "
+          "(HTTP 429) at once");
+ABSL_FLAG(int, max_stop_strings, 16, "Stop strings per request at most");
+ABSL_FLAG(int, max_stop_bytes, 256, "Bytes per stop string at most");
+ABSL_FLAG(int, max_stop_token_ids, 1024, "stop_token_ids per request at most");
+ABSL_FLAG(int64_t, max_prompt_bytes, 8 << 20, "Bytes of a text prompt at most (before tokenizing)");
+ABSL_FLAG(int64_t, max_image_bytes, 32 << 20, "Bytes of one encoded image at most");
+ABSL_FLAG(int, max_choices, 256, "HTTP: prompts x n of one completion call at most");
+ABSL_FLAG(int, max_messages, 4096, "HTTP: messages of one chat call at most");
+ABSL_FLAG(int, max_tools, 512, "HTTP: tools of one chat call at most");
+ABSL_FLAG(int, max_json_depth, 64, "HTTP: arrays and objects in a request body nested at most");
+ABSL_FLAG(int64_t, max_json_values, 1 << 20, "HTTP: JSON values in a request body at most");
+ABSL_FLAG(int64_t, http_max_body_bytes, 32 << 20,
+          "HTTP: bytes of one request body at most (413 beyond, refused from Content-Length "
+          "before it is read)");
+ABSL_FLAG(int64_t, http_max_buffered_bytes, 512 << 20,
+          "HTTP: bytes of request bodies held at once, all clients together (503 beyond)");
+ABSL_FLAG(int64_t, http_max_client_buffered_bytes, 128 << 20,
+          "HTTP: bytes of request bodies held at once for one client address (429 beyond)");
+ABSL_FLAG(int, http_max_connections, 16384, "HTTP: open connections at most");
+ABSL_FLAG(int, http_max_client_connections, 0,
+          "HTTP: open connections from one client address at most (0: no bound but the total)");
+ABSL_FLAG(int, http_header_timeout_s, 30,
+          "HTTP: a new connection that stays quiet this long before its request's headers end "
+          "is closed");
+ABSL_FLAG(int, http_idle_timeout_s, 300,
+          "HTTP: a connection quiet this long between requests (or while sending one) is closed");
+ABSL_FLAG(std::string, http_metrics, "open",
+          "GET /metrics on --http-port: open (no token, as the inference gateway's scraper "
+          "reads it), token (any token, with --auth-tokens-file) or off (404; --metrics-port "
+          "only)");
+ABSL_FLAG(int64_t, grpc_max_message_bytes, 64 << 20,
+          "gRPC: bytes of one request message at most (a Generate request may carry images)");
 ABSL_FLAG(std::string, preload, "",
           "NAME=PATH[,NAME=PATH...]: adapters to load once serving (PATH under --adapter-root)");
 
@@ -214,6 +254,37 @@ int main(int argc, char** argv) {
                              " (one MTP layer per draft token): at most ", step_heads, " a step"));
   }
   if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
+  if (absl::GetFlag(FLAGS_request_timeout_s) < 0) return fail("--request-timeout-s must be >= 0");
+  for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
+           {"--prepare-threads", absl::GetFlag(FLAGS_prepare_threads)},
+           {"--max-preparing-requests", absl::GetFlag(FLAGS_max_preparing_requests)},
+           {"--max-stop-strings", absl::GetFlag(FLAGS_max_stop_strings)},
+           {"--max-stop-bytes", absl::GetFlag(FLAGS_max_stop_bytes)},
+           {"--max-stop-token-ids", absl::GetFlag(FLAGS_max_stop_token_ids)},
+           {"--max-prompt-bytes", absl::GetFlag(FLAGS_max_prompt_bytes)},
+           {"--max-image-bytes", absl::GetFlag(FLAGS_max_image_bytes)},
+           {"--max-choices", absl::GetFlag(FLAGS_max_choices)},
+           {"--max-messages", absl::GetFlag(FLAGS_max_messages)},
+           {"--max-tools", absl::GetFlag(FLAGS_max_tools)},
+           {"--max-json-depth", absl::GetFlag(FLAGS_max_json_depth)},
+           {"--max-json-values", absl::GetFlag(FLAGS_max_json_values)},
+           {"--http-max-body-bytes", absl::GetFlag(FLAGS_http_max_body_bytes)},
+           {"--http-max-buffered-bytes", absl::GetFlag(FLAGS_http_max_buffered_bytes)},
+           {"--http-max-client-buffered-bytes",
+            absl::GetFlag(FLAGS_http_max_client_buffered_bytes)},
+           {"--http-max-connections", absl::GetFlag(FLAGS_http_max_connections)},
+           {"--http-header-timeout-s", absl::GetFlag(FLAGS_http_header_timeout_s)},
+           {"--http-idle-timeout-s", absl::GetFlag(FLAGS_http_idle_timeout_s)},
+           {"--grpc-max-message-bytes", absl::GetFlag(FLAGS_grpc_max_message_bytes)}}) {
+    if (v < 1 || v > INT32_MAX) return fail(absl::StrCat(name, " must be in 1..", INT32_MAX));
+  }
+  if (absl::GetFlag(FLAGS_http_max_client_connections) < 0) {
+    return fail("--http-max-client-connections must be >= 0");
+  }
+  const std::string http_metrics = absl::GetFlag(FLAGS_http_metrics);
+  if (http_metrics != "open" && http_metrics != "token" && http_metrics != "off") {
+    return fail(absl::StrCat("--http-metrics ", http_metrics, ": expected open, token or off"));
+  }
   if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");
   sigset_t sigs;
   sigemptyset(&sigs);
@@ -283,6 +354,17 @@ int main(int argc, char** argv) {
   co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
   co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
   co.call_ahead = absl::GetFlag(FLAGS_call_ahead);
+  co.request_timeout_s = absl::GetFlag(FLAGS_request_timeout_s);
+  co.prepare_threads = absl::GetFlag(FLAGS_prepare_threads);
+  co.max_preparing = absl::GetFlag(FLAGS_max_preparing_requests);
+  co.caps.max_stop_strings = absl::GetFlag(FLAGS_max_stop_strings);
+  co.caps.max_stop_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_stop_bytes));
+  co.caps.max_stop_token_ids = absl::GetFlag(FLAGS_max_stop_token_ids);
+  co.caps.max_prompt_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_prompt_bytes));
+  co.caps.max_image_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_image_bytes));
+  co.caps.max_choices = absl::GetFlag(FLAGS_max_choices);
+  co.caps.max_messages = absl::GetFlag(FLAGS_max_messages);
+  co.caps.max_tools = absl::GetFlag(FLAGS_max_tools);
   co.model = *info;
   // The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present
   // and cannot be loaded is an error, not a silent fallback.
@@ -361,7 +443,7 @@ int main(int argc, char** argv) {
                            *credentials, &port);
   builder.RegisterService(&service);
   // A Generate request may carry image files (gRPC's default is 4 MiB).
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_grpc_max_message_bytes)));
   // Generate and GenerateStream hold no thread while they wait (callback API, service.h). The
   // synchronous adapter RPCs get at most 64 threads: beyond, gRPC answers RESOURCE_EXHAUSTED.
   grpc::ResourceQuota quota("moelora-controller");
@@ -424,11 +506,26 @@ int main(int argc, char** argv) {
     if (!special.ok()) return fail(special.status().ToString());
     oo.special_tokens = *special;
     moelora::ReadSamplingDefaults(model, &oo);
+    oo.json.max_depth = absl::GetFlag(FLAGS_max_json_depth);
+    oo.json.max_values = static_cast<size_t>(absl::GetFlag(FLAGS_max_json_values));
+    oo.metrics = http_metrics == "open"    ? moelora::OpenAiOptions::Metrics::kOpen
+                 : http_metrics == "token" ? moelora::OpenAiOptions::Metrics::kToken
+                                           : moelora::OpenAiOptions::Metrics::kOff;
     openai = std::make_unique<moelora::OpenAiApi>(&controller, &metrics, auth.get(), std::move(oo));
     moelora::HttpServer::Options ho;
     ho.host = absl::GetFlag(FLAGS_host);
     ho.port = absl::GetFlag(FLAGS_http_port);
     ho.threads = std::max(1, absl::GetFlag(FLAGS_http_threads));
+    ho.max_body_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_body_bytes));
+    ho.max_buffered_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_buffered_bytes));
+    ho.max_client_buffered_bytes =
+        static_cast<size_t>(absl::GetFlag(FLAGS_http_max_client_buffered_bytes));
+    ho.max_connections = static_cast<unsigned>(absl::GetFlag(FLAGS_http_max_connections));
+    ho.max_client_connections =
+        static_cast<unsigned>(absl::GetFlag(FLAGS_http_max_client_connections));
+    ho.header_timeout_s = absl::GetFlag(FLAGS_http_header_timeout_s);
+    ho.idle_timeout_s = absl::GetFlag(FLAGS_http_idle_timeout_s);
+    ho.admit = [api = openai.get()](const moelora::HttpExchange& ex) { return api->Admit(ex); };
     const moelora::TlsFiles tls = moelora::TlsFilesFromFlags();
     if (!tls.ca.empty()) {
       return fail(

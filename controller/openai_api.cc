@@ -13,6 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "controller/token_feed.h"
 #include "prometheus/text_serializer.h"
@@ -25,8 +26,6 @@ using nlohmann::ordered_json;
 
 // OpenAI leaves seed 0 a seed like any other; the engine reads 0 as "random".
 constexpr uint64_t kSeedForZero = 0x9E3779B97F4A7C15ull;
-// Prompts × n of one call at most (each is a request in the scheduler's queue).
-constexpr int kMaxChoices = 256;
 
 std::string RandomId(const char* prefix) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -114,7 +113,7 @@ std::string StringMember(const ordered_json& o, const char* key) {
   return it != o.end() && it->is_string() ? it->get<std::string>() : "";
 }
 
-std::string Event(const json& j) { return absl::StrCat("data: ", j.dump(), "\n\n"); }
+std::string Event(const json& j) { return absl::StrCat("data: ", JsonText(j), "\n\n"); }
 
 json Usage(int64_t prompt, int64_t completion) {
   return json{{"prompt_tokens", prompt},
@@ -153,10 +152,24 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     // From here the exchange keeps this call alive until the request completes (or is cut
     // short, which cancels what still runs).
     ex_->SetOnClose([self = shared_from_this()] { self->Cancel(); });
+    absl::StatusOr<ordered_json> body;
+    {
+      const std::string text = ex_->TakeBody();
+      body = ParseClientJson(text, api_->options_.json);
+    }
+    if (!body.ok()) {
+      return Refuse(absl::InvalidArgumentError(
+                        absl::StrCat("the request body is not JSON: ", body.status().message())),
+                    "");
+    }
+    if (!body->is_object()) {
+      return Refuse(absl::InvalidArgumentError("the request body is not a JSON object"), "");
+    }
     std::vector<v1::GenerateRequest> reqs;
     std::vector<Choice> choices;
-    Params p(body_);
+    Params p(*body);
     absl::Status s = Prepare(&p, &reqs, &choices);
+    body = ordered_json();  // the requests hold what is needed from here
     if (!s.ok()) return Refuse(s, p.param());
     Controller* c = api_->controller_;
     std::vector<std::shared_ptr<GenRequest>> submitted;
@@ -207,8 +220,6 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     }
   }
 
-  ordered_json body_;  // set before Start
-
  private:
   struct Choice {
     int index = 0;
@@ -225,6 +236,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
                        std::vector<Choice>* choices) {
     Controller* c = api_->controller_;
     const OpenAiOptions& o = api_->options_;
+    const RequestCaps& caps = c->caps();
     const tok::Tokenizer* tokenizer = c->tokenizer();
     model_ = p->Str("model", o.served_model_name);
     stream_ = p->Bool("stream", false);
@@ -288,20 +300,40 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     base.set_temperature(
         static_cast<float>(p->Number("temperature", o.default_temperature.value_or(1.0))));
     base.set_top_p(static_cast<float>(p->Number("top_p", o.default_top_p.value_or(1.0))));
+    // vLLM's top_k: -1 (or 0) for no bound.
     const int64_t top_k = p->Int("top_k", o.default_top_k.value_or(0));
-    base.set_top_k(top_k < 0 ? 0 : static_cast<int32_t>(top_k));
+    if (top_k < -1 || top_k > INT32_MAX) {
+      p->Bad("top_k", absl::StrCat("must be -1 (no bound) or in 0..", INT32_MAX));
+    }
+    base.set_top_k(top_k < 0 || top_k > INT32_MAX ? 0 : static_cast<int32_t>(top_k));
     base.set_ignore_eos(p->Bool("ignore_eos", false));
     base.set_return_logprobs(logprobs_);
+    // Counts and sizes checked before anything is copied.
     if (const ordered_json* stop = p->Get("stop")) {
+      auto add = [&](const ordered_json& v) {
+        const std::string& str = v.get_ref<const std::string&>();
+        if (str.empty() || str.size() > caps.max_stop_bytes) {
+          p->Bad("stop", absl::StrCat("strings must be 1..", caps.max_stop_bytes,
+                                      " bytes (--max-stop-bytes), not ", str.size()));
+          return false;
+        }
+        base.add_stop(str);
+        return true;
+      };
       if (stop->is_string()) {
-        base.add_stop(stop->get<std::string>());
+        add(*stop);
       } else if (stop->is_array()) {
+        if (stop->size() > static_cast<size_t>(caps.max_stop_strings)) {
+          p->Bad("stop", absl::StrCat("at most ", caps.max_stop_strings,
+                                      " strings (--max-stop-strings), not ", stop->size()));
+        }
         for (const auto& s : *stop) {
+          if (!p->status().ok()) break;
           if (!s.is_string()) {
             p->Bad("stop", "must be a string or a list of strings");
             break;
           }
-          base.add_stop(s.get<std::string>());
+          if (!add(s)) break;
         }
       } else {
         p->Bad("stop", "must be a string or a list of strings");
@@ -309,7 +341,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     }
     if (const ordered_json* ids = p->Get("stop_token_ids")) {
       if (!ids->is_array()) p->Bad("stop_token_ids", "must be a list of token ids");
-      for (const auto& id : ids->is_array() ? *ids : ordered_json::array()) {
+      if (ids->is_array() && ids->size() > static_cast<size_t>(caps.max_stop_token_ids)) {
+        p->Bad("stop_token_ids", absl::StrCat("at most ", caps.max_stop_token_ids,
+                                              " ids (--max-stop-token-ids), not ", ids->size()));
+      }
+      for (const auto& id : ids->is_array() && p->status().ok() ? *ids : ordered_json::array()) {
         int32_t v = 0;
         if (!AsInt32(id, &v)) {
           p->Bad("stop_token_ids", "must be a list of token ids");
@@ -321,8 +357,16 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     const bool has_seed = p->Get("seed") != nullptr;
     const int64_t seed = p->Int("seed", 0);
     int64_t max_tokens = p->Int("max_tokens", -1);
-    if (chat_) max_tokens = p->Int("max_completion_tokens", max_tokens);
+    const char* max_tokens_name = "max_tokens";
+    if (chat_ && p->Get("max_completion_tokens") != nullptr) {
+      max_tokens = p->Int("max_completion_tokens", max_tokens);
+      max_tokens_name = "max_completion_tokens";
+    }
+    if (p->status().ok() && p->Get(max_tokens_name) != nullptr && max_tokens < 1) {
+      p->Bad(max_tokens_name, "must be at least 1");
+    }
     if (!p->status().ok()) return p->status();
+    const int max_model_len = c->max_model_len();
 
     // The prompts, as token ids.
     std::vector<std::vector<int32_t>> prompts;
@@ -339,6 +383,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       const ordered_json* prompt = p->Get("prompt");
       if (prompt == nullptr) return p->Bad("prompt", "is required"), p->status();
       auto encode = [&](const std::string& text) -> absl::Status {
+        if (text.size() > caps.max_prompt_bytes) {
+          p->Bad("prompt", absl::StrCat("is ", text.size(), " bytes; at most ",
+                                        caps.max_prompt_bytes, " (--max-prompt-bytes)"));
+          return p->status();
+        }
         if (tokenizer == nullptr) {
           return absl::InvalidArgumentError(
               "this model directory has no tokenizer.json: send the prompt as token ids");
@@ -353,7 +402,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         return absl::OkStatus();
       };
       auto token_list = [&](const ordered_json& a) -> bool {
+        if (max_model_len > 0 && a.size() >= static_cast<size_t>(max_model_len)) {
+          return false;  // longer than the model: refused before it is copied
+        }
         std::vector<int32_t> ids;
+        ids.reserve(a.size());
         for (const auto& t : a) {
           int32_t v = 0;
           if (!AsInt32(t, &v)) return false;
@@ -362,8 +415,18 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         prompts.push_back(std::move(ids));
         return true;
       };
-      const char* kShape =
-          "must be a string, a list of strings, a list of token ids or a list of those";
+      const std::string kShape = absl::StrCat(
+          "must be a string, a list of strings, a list of token ids or a list of those (each "
+          "shorter than max_model_len ",
+          max_model_len, ")");
+      // prompts × n bounded before any prompt is tokenized or copied.
+      const size_t count =
+          prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() ? prompt->size() : 1;
+      if (count * static_cast<size_t>(n) > static_cast<size_t>(caps.max_choices)) {
+        p->Bad("prompt", absl::StrCat(count, " prompts x n = ", n, " is more than ",
+                                      caps.max_choices, " choices (--max-choices)"));
+        return p->status();
+      }
       if (prompt->is_string()) {
         MOELORA_RETURN_IF_ERROR(encode(prompt->get<std::string>()));
       } else if (prompt->is_array() && !prompt->empty()) {
@@ -382,9 +445,10 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         return p->Bad("prompt", kShape), p->status();
       }
     }
-    if (prompts.size() * static_cast<size_t>(n) > static_cast<size_t>(kMaxChoices)) {
+    if (prompts.size() * static_cast<size_t>(n) > static_cast<size_t>(caps.max_choices)) {
       return absl::InvalidArgumentError(absl::StrCat(prompts.size(), " prompts x n = ", n,
-                                                     " is more than ", kMaxChoices, " choices"));
+                                                     " is more than ", caps.max_choices,
+                                                     " choices (--max-choices)"));
     }
     for (size_t k = 0; k < prompts.size(); ++k) {
       for (int64_t j = 0; j < n; ++j) {
@@ -415,7 +479,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
   // An image_url part's image: a data: URL with base64 content ({"image_url": {"url": ...}} or
   // {"image_url": "..."}). Other URLs are refused: the server fetches nothing.
   static absl::Status ImageFromUrlPart(const ordered_json& part, const std::string& at,
-                                       std::string* bytes) {
+                                       size_t max_bytes, std::string* bytes) {
     const ordered_json* u = part.contains("image_url") ? &part["image_url"] : nullptr;
     if (u != nullptr && u->is_object() && u->contains("url")) u = &(*u)["url"];
     if (u == nullptr || !u->is_string()) {
@@ -430,6 +494,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
           ".image_url.url: only data: URLs with base64 content are accepted (the server "
           "fetches nothing)"));
     }
+    // Base64 holds 3 bytes in 4 characters: a longer text cannot decode within the bound.
+    if ((url.size() - comma - 1) / 4 * 3 > max_bytes + 3) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".image_url.url: more than ", max_bytes,
+                                                     " bytes of image (--max-image-bytes)"));
+    }
     if (!absl::Base64Unescape(absl::string_view(url).substr(comma + 1), bytes)) {
       return absl::InvalidArgumentError(absl::StrCat(at, ".image_url.url: invalid base64"));
     }
@@ -443,9 +512,30 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
           "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
           "chat_template): use /v1/completions");
     }
+    const RequestCaps& caps = api_->controller_->caps();
     const ordered_json* messages = p->Get("messages");
     if (messages == nullptr || !messages->is_array() || messages->empty()) {
       p->Bad("messages", "must be a non-empty list");
+      return p->status();
+    }
+    if (messages->size() > static_cast<size_t>(caps.max_messages)) {
+      p->Bad("messages", absl::StrCat("at most ", caps.max_messages,
+                                      " messages (--max-messages), not ", messages->size()));
+      return p->status();
+    }
+    // Images counted before any is decoded.
+    size_t image_parts = 0;
+    for (const ordered_json& m : *messages) {
+      if (!m.is_object()) continue;
+      auto it = m.find("content");
+      if (it == m.end() || !it->is_array()) continue;
+      for (const ordered_json& part : *it) image_parts += StringMember(part, "type") == "image_url";
+    }
+    if (image_parts >
+        static_cast<size_t>(std::max(0, api_->controller_->limit_images_per_prompt()))) {
+      p->Bad("messages", absl::StrCat(image_parts, " images: at most ",
+                                      api_->controller_->limit_images_per_prompt(),
+                                      " per prompt (--limit-mm-per-prompt)"));
       return p->status();
     }
     p->Refuse("continue_final_message", !p->Bool("continue_final_message", false),
@@ -456,6 +546,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     }
     const ordered_json* tools = p->Get("tools");
     if (tools != nullptr && !tools->is_array()) p->Bad("tools", "must be a list");
+    if (tools != nullptr && tools->is_array() &&
+        tools->size() > static_cast<size_t>(caps.max_tools)) {
+      p->Bad("tools",
+             absl::StrCat("at most ", caps.max_tools, " tools (--max-tools), not ", tools->size()));
+    }
     const ordered_json* kwargs = p->Get("chat_template_kwargs");
     if (kwargs != nullptr && !kwargs->is_object())
       p->Bad("chat_template_kwargs", "must be an object");
@@ -464,6 +559,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     // Messages as vLLM hands them to the template: text parts joined into one string, tool
     // call arguments parsed from their JSON text.
     ordered_json chat = ordered_json::array();
+    size_t args_bytes = 0;  // tool-call arguments parsed, in all: within the body's value budget
     for (size_t i = 0; i < messages->size(); ++i) {
       const ordered_json& m = (*messages)[i];
       const std::string where = absl::StrCat("messages[", i, "]");
@@ -485,7 +581,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
           const std::string at = absl::StrCat(where, ".content[", j, "]");
           if (type == "image_url") {
             std::string bytes;
-            MOELORA_RETURN_IF_ERROR(ImageFromUrlPart(part, at, &bytes));
+            MOELORA_RETURN_IF_ERROR(ImageFromUrlPart(part, at, caps.max_image_bytes, &bytes));
             images->push_back(std::move(bytes));
             parts.push_back({{"type", "image"}});
             has_image = true;
@@ -512,8 +608,13 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
           }
           auto& args = call["function"]["arguments"];
           if (args.is_string()) {
-            ordered_json parsed = ordered_json::parse(args.get<std::string>(), nullptr, false);
-            if (!parsed.is_discarded()) args = std::move(parsed);
+            // A text of N bytes holds at most N values: their sum stays within the body's budget
+            // (past it, the arguments stay text).
+            const std::string& text = args.get_ref<const std::string&>();
+            args_bytes += text.size();
+            if (args_bytes > api_->options_.json.max_values) continue;
+            absl::StatusOr<ordered_json> parsed = ParseClientJson(text, api_->options_.json);
+            if (parsed.ok()) args = *std::move(parsed);
           }
         }
       }
@@ -687,7 +788,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
               {"model", model_},
               {"choices", std::move(choices)},
               {"usage", Usage(prompt_tokens_, completion_tokens_)}};
-    api_->Answer(ex_, route_, 200, "application/json", j.dump());
+    api_->Answer(ex_, route_, 200, "application/json", JsonText(j));
   }
 
   OpenAiApi* const api_;
@@ -730,19 +831,10 @@ void OpenAiApi::Answer(const std::shared_ptr<HttpExchange>& ex, const std::strin
 
 void OpenAiApi::AnswerError(const std::shared_ptr<HttpExchange>& ex, const std::string& route,
                             const absl::Status& status, const std::string& param) {
-  Answer(ex, route, HttpStatusOf(status.code()), "application/json",
-         OpenAiErrorBody(status, param));
+  Answer(ex, route, HttpStatusOf(status), "application/json", OpenAiErrorBody(status, param));
 }
 
-void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
-  const std::string& path = ex->path();
-  const std::string& method = ex->method();
-  struct Route {
-    const char* path;
-    const char* method;
-    const char* name;
-    bool admin;
-  };
+const OpenAiApi::Route* OpenAiApi::FindRoute(const std::string& path, std::string* model_id) {
   static const Route kRoutes[] = {
       {"/v1/completions", "POST", "completions", false},
       {"/v1/chat/completions", "POST", "chat", false},
@@ -752,28 +844,54 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
       {"/health", "GET", "health", false},
       {"/metrics", "GET", "metrics", false},
   };
-  const Route* route = nullptr;
   for (const Route& r : kRoutes) {
-    if (path == r.path) route = &r;
+    if (path == r.path) return &r;
   }
   // GET /v1/models/{id}: one model.
   static constexpr char kModelPrefix[] = "/v1/models/";
-  std::string model_id;
-  if (route == nullptr && path.rfind(kModelPrefix, 0) == 0 &&
-      path.size() > sizeof(kModelPrefix) - 1) {
-    model_id = path.substr(sizeof(kModelPrefix) - 1);
-    for (const Route& r : kRoutes) {
-      if (std::string_view(r.name) == "models") route = &r;
-    }
+  if (path.rfind(kModelPrefix, 0) == 0 && path.size() > sizeof(kModelPrefix) - 1) {
+    *model_id = path.substr(sizeof(kModelPrefix) - 1);
+    return &kRoutes[2];
   }
-  if (route == nullptr) {
-    return AnswerError(ex, "other", absl::NotFoundError(absl::StrCat("no route ", path)));
+  return nullptr;
+}
+
+absl::Status OpenAiApi::Admit(const HttpExchange& ex) const {
+  std::string model_id;
+  const Route* route = FindRoute(ex.path(), &model_id);
+  const std::string name = route != nullptr ? route->name : "";
+  if (name == "health") return absl::OkStatus();
+  if (name == "metrics" && options_.metrics != OpenAiOptions::Metrics::kToken) {
+    return absl::OkStatus();
+  }
+  if (auth_ == nullptr) return absl::OkStatus();
+  // Tokens as on gRPC: the Authorization header's "Bearer <token>" (an unknown route needs one
+  // too: without a token nothing but health says what the server has).
+  absl::Status s = auth_->Check(ex.authorization(), route != nullptr && route->admin);
+  if (!s.ok()) {
+    metrics_->auth_failures
+        .Add({{"code", absl::AsciiStrToLower(absl::StatusCodeToString(s.code()))}})
+        .Increment();
+  }
+  return s;
+}
+
+void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
+  const std::string& path = ex->path();
+  const std::string& method = ex->method();
+  std::string model_id;
+  const Route* route = FindRoute(path, &model_id);
+  if (route == nullptr || (std::string_view(route->name) == "metrics" &&
+                           options_.metrics == OpenAiOptions::Metrics::kOff)) {
+    return AnswerError(ex, "other",
+                       absl::NotFoundError(absl::StrCat("no route ", Printable(path))));
   }
   if (method != route->method) {
     metrics_->http_requests.Add({{"route", route->name}, {"status", "405"}}).Increment();
-    return ex->Respond(405, "application/json",
-                       OpenAiErrorBody(absl::InvalidArgumentError(
-                           absl::StrCat(path, " takes ", route->method, ", not ", method))));
+    return ex->Respond(
+        405, "application/json",
+        OpenAiErrorBody(absl::InvalidArgumentError(
+            absl::StrCat(Printable(path), " takes ", route->method, ", not ", Printable(method)))));
   }
   const std::string name = route->name;
   if (name == "health") {
@@ -786,63 +904,79 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
     return Answer(ex, name, 200, "text/plain; version=0.0.4",
                   prometheus::TextSerializer().Serialize(metrics_->registry()->Collect()));
   }
-  // Tokens as on gRPC: the Authorization header's "Bearer <token>".
-  if (auth_ != nullptr) {
-    if (absl::Status s = auth_->Check(ex->authorization(), route->admin); !s.ok()) {
-      metrics_->auth_failures
-          .Add({{"code", absl::AsciiStrToLower(absl::StatusCodeToString(s.code()))}})
-          .Increment();
-      return AnswerError(ex, name, s);
-    }
-  }
+  // The token was checked at the headers (Admit).
   if (name == "models") return Models(ex, model_id);
-  ordered_json body = ordered_json::parse(ex->body(), nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) {
-    return AnswerError(ex, name,
-                       absl::InvalidArgumentError("the request body is not a JSON object"));
-  }
+  absl::Status queued;
   if (name == "load_lora_adapter" || name == "unload_lora_adapter") {
-    // Short, but LoadAdapter reads and stages the adapter: off the server's thread.
-    return pump_.Post([this, ex, body = std::move(body), load = name == "load_lora_adapter"] {
+    // LoadAdapter reads and stages the adapter: on a preparation thread.
+    queued = controller_->Prepare([this, ex, load = name == "load_lora_adapter"] {
       const std::string route = load ? "load_lora_adapter" : "unload_lora_adapter";
-      const ordered_json* lora_name = body.contains("lora_name") ? &body["lora_name"] : nullptr;
-      if (lora_name == nullptr || !lora_name->is_string() ||
-          lora_name->get<std::string>().empty()) {
-        return AnswerError(ex, route,
-                           absl::InvalidArgumentError("lora_name must be a non-empty string"),
-                           "lora_name");
+      try {
+        AdapterCall(ex, load);
+      } catch (const std::exception& e) {  // no exception leaves a request: it is answered 500
+        LOG(ERROR) << "HTTP " << route << ": exception: " << e.what();
+        AnswerError(ex, route, absl::InternalError("internal error"));
       }
-      const std::string n = lora_name->get<std::string>();
-      if (load) {
-        if (!body.contains("lora_path") || !body["lora_path"].is_string()) {
-          return AnswerError(ex, route, absl::InvalidArgumentError("lora_path must be a string"),
-                             "lora_path");
-        }
-        // vLLM refuses a name that is loaded already (gRPC's LoadAdapter takes the same name and
-        // path again as a no-op).
-        if (controller_->GetAdapter(n).ok()) {
-          return AnswerError(ex, route,
-                             absl::InvalidArgumentError(absl::StrCat("The lora adapter '", n,
-                                                                     "' has already been loaded.")),
-                             "lora_name");
-        }
-        v1::LoadAdapterRequest req;
-        req.set_name(n);
-        req.set_path(body["lora_path"].get<std::string>());
-        absl::StatusOr<v1::Adapter> a = controller_->LoadAdapter(req);
-        if (!a.ok()) return AnswerError(ex, route, a.status());
-        return Answer(ex, route, 200, "text/plain",
-                      absl::StrCat("Success: LoRA adapter '", n, "' added successfully."));
+    });
+  } else {
+    auto g = std::make_shared<Generation>(this, ex, name == "chat");
+    queued = controller_->Prepare([g, ex, name, this] {
+      try {
+        g->Start();
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "HTTP " << name << ": exception: " << e.what();
+        AnswerError(ex, name, absl::InternalError("internal error"));
       }
-      absl::StatusOr<v1::Adapter> a = controller_->UnloadAdapter(n);
-      if (!a.ok()) return AnswerError(ex, route, a.status());
-      return Answer(ex, route, 200, "text/plain",
-                    absl::StrCat("Success: LoRA adapter '", n, "' removed successfully."));
     });
   }
-  auto g = std::make_shared<Generation>(this, ex, name == "chat");
-  g->body_ = std::move(body);
-  pump_.Post([g] { g->Start(); });
+  if (!queued.ok()) AnswerError(ex, name, queued);
+}
+
+void OpenAiApi::AdapterCall(const std::shared_ptr<HttpExchange>& ex, bool load) {
+  const std::string route = load ? "load_lora_adapter" : "unload_lora_adapter";
+  absl::StatusOr<ordered_json> parsed;
+  {
+    const std::string text = ex->TakeBody();
+    parsed = ParseClientJson(text, options_.json);
+  }
+  if (!parsed.ok() || !parsed->is_object()) {
+    return AnswerError(ex, route,
+                       absl::InvalidArgumentError(absl::StrCat(
+                           "the request body is not a JSON object",
+                           parsed.ok() ? "" : absl::StrCat(": ", parsed.status().message()))));
+  }
+  const ordered_json& body = *parsed;
+  const std::string n = StringMember(body, "lora_name");
+  if (n.empty()) {
+    return AnswerError(
+        ex, route, absl::InvalidArgumentError("lora_name must be a non-empty string"), "lora_name");
+  }
+  if (load) {
+    auto path = body.find("lora_path");
+    if (path == body.end() || !path->is_string()) {
+      return AnswerError(ex, route, absl::InvalidArgumentError("lora_path must be a string"),
+                         "lora_path");
+    }
+    // vLLM refuses a name that is loaded already (gRPC's LoadAdapter takes the same name and
+    // path again as a no-op).
+    if (controller_->GetAdapter(n).ok()) {
+      return AnswerError(ex, route,
+                         absl::InvalidArgumentError(
+                             absl::StrCat("The lora adapter '", n, "' has already been loaded.")),
+                         "lora_name");
+    }
+    v1::LoadAdapterRequest req;
+    req.set_name(n);
+    req.set_path(path->get<std::string>());
+    absl::StatusOr<v1::Adapter> a = controller_->LoadAdapter(req);
+    if (!a.ok()) return AnswerError(ex, route, a.status());
+    return Answer(ex, route, 200, "text/plain",
+                  absl::StrCat("Success: LoRA adapter '", n, "' added successfully."));
+  }
+  absl::StatusOr<v1::Adapter> a = controller_->UnloadAdapter(n);
+  if (!a.ok()) return AnswerError(ex, route, a.status());
+  return Answer(ex, route, 200, "text/plain",
+                absl::StrCat("Success: LoRA adapter '", n, "' removed successfully."));
 }
 
 void OpenAiApi::Models(const std::shared_ptr<HttpExchange>& ex, const std::string& id) {
@@ -867,10 +1001,10 @@ void OpenAiApi::Models(const std::shared_ptr<HttpExchange>& ex, const std::strin
   }
   if (id.empty()) {
     return Answer(ex, "models", 200, "application/json",
-                  json{{"object", "list"}, {"data", std::move(data)}}.dump());
+                  JsonText(json{{"object", "list"}, {"data", std::move(data)}}));
   }
   for (json& m : data) {
-    if (m["id"] == id) return Answer(ex, "models", 200, "application/json", m.dump());
+    if (m["id"] == id) return Answer(ex, "models", 200, "application/json", JsonText(m));
   }
   AnswerError(ex, "models",
               absl::NotFoundError(absl::StrCat("The model `", id, "` does not exist.")), "model");

@@ -16,8 +16,10 @@
 // alternatives in logprobs, echo, suffix, ...) is refused with 400 naming the parameter, never
 // ignored. Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 //
-// A generation runs like a gRPC Generate: its requests' listeners post to a few pump threads
-// that turn tokens into text and answer; nothing holds a thread while it waits.
+// A generation runs like a gRPC Generate: its body is parsed (within a JSON budget), rendered
+// and tokenized on the controller's preparation threads (Controller::Prepare), its requests'
+// listeners post to a few pump threads that turn tokens into text and answer; nothing holds a
+// thread while it waits. Tokens are checked at the headers (Admit), before any body is read.
 //
 // Thread-safety: Handle may be called from any thread.
 #ifndef MOELORA_CONTROLLER_OPENAI_API_H_
@@ -33,6 +35,7 @@
 #include "controller/auth.h"
 #include "controller/controller.h"
 #include "controller/http_server.h"
+#include "controller/json_input.h"
 #include "controller/metrics.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/chat_template.h"
@@ -50,7 +53,12 @@ struct OpenAiOptions {
   std::optional<double> default_temperature, default_top_p;
   std::optional<int> default_top_k;
   int pump_threads = 4;
-  int max_n = 16;  // `n` (choices per prompt) at most
+  int max_n = 16;   // `n` (choices per prompt) at most
+  JsonBudget json;  // a request body's nesting and values at most
+  // GET /metrics on this port: kOpen (as vLLM: the inference gateway's scraper reads it with no
+  // token), kToken (a token of either role, with --auth-tokens-file), kOff (404: --metrics-port
+  // only).
+  enum class Metrics { kOpen, kToken, kOff } metrics = Metrics::kOpen;
 };
 
 // Reads generation_config.json's temperature, top_p and top_k from `model_dir` into `o` (absent
@@ -64,6 +72,8 @@ class OpenAiApi {
   ~OpenAiApi();
   // HttpServer's handler.
   void Handle(std::shared_ptr<HttpExchange> ex);
+  // HttpServer's admit (the headers, before the body): the token, as the route asks for it.
+  [[nodiscard]] absl::Status Admit(const HttpExchange& ex) const;
   // What /health says (the binary sets it with gRPC's health: serving, and preloads done).
   void set_healthy(bool healthy) { healthy_ = healthy; }
 
@@ -73,6 +83,16 @@ class OpenAiApi {
               std::string content_type, std::string body);
   void AnswerError(const std::shared_ptr<HttpExchange>& ex, const std::string& route,
                    const absl::Status& status, const std::string& param = "");
+  struct Route {
+    const char* path;
+    const char* method;
+    const char* name;
+    bool admin;
+  };
+  // The route of `path` (null: none); /v1/models/{id} sets `model_id`.
+  static const Route* FindRoute(const std::string& path, std::string* model_id);
+  // POST /v1/load_lora_adapter or /v1/unload_lora_adapter (a preparation thread).
+  void AdapterCall(const std::shared_ptr<HttpExchange>& ex, bool load);
   // The model list, or the model `id` (404 when there is none).
   void Models(const std::shared_ptr<HttpExchange>& ex, const std::string& id);
 

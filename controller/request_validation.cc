@@ -14,14 +14,7 @@ namespace {
 // tokens: a run of one pad grows to the image's token count, a run of exactly that many stays.
 absl::Status PrepareImages(v1::GenerateRequest& req, const RequestLimits& limits,
                            ValidatedRequest* out) {
-  const int n = req.images_size();
-  if (n > 0 && limits.image_processor == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("images: ", limits.no_images_reason));
-  }
-  if (n > limits.max_images) {
-    return absl::InvalidArgumentError(absl::StrCat(n, " images: at most ", limits.max_images,
-                                                   " per prompt (--limit-mm-per-prompt)"));
-  }
+  const int n = req.images_size();  // within the caps (CheckCaps)
   const int32_t pad = limits.image_token_id;
   std::vector<std::pair<int64_t, int64_t>> runs;  // [begin, end) of each run of pads
   const auto& ids = req.prompt_token_ids();
@@ -38,6 +31,23 @@ absl::Status PrepareImages(v1::GenerateRequest& req, const RequestLimits& limits
         ", <|image_pad|> in text) for ", n, " images"));
   }
   if (n == 0) return absl::OkStatus();
+  // What the images will take, from their headers: a prompt they would make too long is refused
+  // before any is decoded.
+  const vision::ImageProcessorConfig& header_cfg = *limits.image_processor;
+  int64_t prompt_len = ids.size();
+  for (int k = 0; k < n; ++k) {
+    auto tokens = vision::ImageTokensFromHeader(req.images(k), header_cfg, limits.decode_limits);
+    if (!tokens.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("images[", k, "]: ", tokens.status().message()));
+    }
+    prompt_len += *tokens - (runs[k].second - runs[k].first);
+  }
+  if (limits.max_model_len > 0 && prompt_len >= limits.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the prompt with its ", n, " images is ", prompt_len, " tokens; max_model_len ",
+        limits.max_model_len, " leaves no room to generate"));
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const vision::ImageProcessorConfig& cfg = *limits.image_processor;
   std::vector<int32_t> expanded;
@@ -75,8 +85,59 @@ absl::Status PrepareImages(v1::GenerateRequest& req, const RequestLimits& limits
 
 }  // namespace
 
+// The caps on what a request carries: checked on the client's message before it is copied.
+static absl::Status CheckCaps(const v1::GenerateRequest& req, const RequestLimits& limits) {
+  const RequestCaps& c = limits.caps;
+  if (req.prompt().size() > c.max_prompt_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt is ", req.prompt().size(),
+                                                   " bytes; at most ", c.max_prompt_bytes,
+                                                   " (--max-prompt-bytes)"));
+  }
+  if (req.stop_size() > c.max_stop_strings) {
+    return absl::InvalidArgumentError(absl::StrCat("stop: at most ", c.max_stop_strings,
+                                                   " stop strings (--max-stop-strings), not ",
+                                                   req.stop_size()));
+  }
+  for (int i = 0; i < req.stop_size(); ++i) {
+    if (req.stop(i).empty() || req.stop(i).size() > c.max_stop_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] must be 1..", c.max_stop_bytes,
+                                                     " bytes (--max-stop-bytes), not ",
+                                                     req.stop(i).size()));
+    }
+  }
+  if (req.stop_token_ids_size() > c.max_stop_token_ids) {
+    return absl::InvalidArgumentError(absl::StrCat("stop_token_ids: at most ", c.max_stop_token_ids,
+                                                   " (--max-stop-token-ids), not ",
+                                                   req.stop_token_ids_size()));
+  }
+  if (req.prompt_token_ids_size() > 0 && limits.max_model_len > 0 &&
+      req.prompt_token_ids_size() >= limits.max_model_len &&
+      (req.images_size() == 0 || limits.image_processor == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_token_ids holds ", req.prompt_token_ids_size(), " tokens; max_model_len ",
+        limits.max_model_len, " leaves no room to generate"));
+  }
+  if (req.images_size() > 0 && limits.image_processor == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("images: ", limits.no_images_reason));
+  }
+  if (req.images_size() > limits.max_images) {
+    return absl::InvalidArgumentError(absl::StrCat(req.images_size(), " images: at most ",
+                                                   limits.max_images,
+                                                   " per prompt (--limit-mm-per-prompt)"));
+  }
+  for (int i = 0; i < req.images_size(); ++i) {
+    if (req.images(i).size() > c.max_image_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("images[", i, "] is ", req.images(i).size(),
+                                                     " bytes; at most ", c.max_image_bytes,
+                                                     " (--max-image-bytes)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(const v1::GenerateRequest& request,
                                                          const RequestLimits& limits) {
+  MOELORA_RETURN_IF_ERROR(CheckCaps(request, limits));
   ValidatedRequest out;
   v1::GenerateRequest& req = out.req;
   req = request;
@@ -111,16 +172,6 @@ absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(const v1::GenerateReque
     if (limits.tokenizer == nullptr) {
       return absl::InvalidArgumentError(
           "stop strings need a tokenizer: this model directory has no tokenizer.json");
-    }
-    if (req.stop_size() > kMaxStopStrings) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("at most ", kMaxStopStrings, " stop strings, not ", req.stop_size()));
-    }
-    for (int i = 0; i < req.stop_size(); ++i) {
-      if (req.stop(i).empty() || req.stop(i).size() > kMaxStopBytes) {
-        return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] must be 1..", kMaxStopBytes,
-                                                       " bytes, not ", req.stop(i).size()));
-      }
     }
   }
   if (const int i = FirstTokenOutsideVocabulary(req.prompt_token_ids(), limits.vocab_size);

@@ -15,10 +15,22 @@
 
 namespace moelora {
 
-// Stop strings per request, and their length: the RPC thread scans each new token's text for
-// them, so the bounds keep that scan short.
-inline constexpr int kMaxStopStrings = 16;
-inline constexpr size_t kMaxStopBytes = 256;
+// What one request may carry, on both APIs (each a controller flag), checked before anything is
+// copied, tokenized or decoded. Stop strings: the pump scans each new token's text for them, so
+// their bounds keep that scan short.
+struct RequestCaps {
+  int max_stop_strings = 16;           // --max-stop-strings
+  size_t max_stop_bytes = 256;         // --max-stop-bytes (each)
+  int max_stop_token_ids = 1024;       // --max-stop-token-ids
+  size_t max_prompt_bytes = 8u << 20;  // --max-prompt-bytes: a text prompt, before tokenizing
+  size_t max_image_bytes = 32u << 20;  // --max-image-bytes: one encoded image
+  // HTTP only: prompts × n of one call, chat messages, tools.
+  int max_choices = 256;    // --max-choices
+  int max_messages = 4096;  // --max-messages
+  int max_tools = 512;      // --max-tools
+};
+inline constexpr int kMaxStopStrings = RequestCaps{}.max_stop_strings;
+inline constexpr size_t kMaxStopBytes = RequestCaps{}.max_stop_bytes;
 
 struct RequestLimits {
   int vocab_size = 0;
@@ -28,6 +40,7 @@ struct RequestLimits {
   int64_t kv_block_size = 0;
   const tok::Tokenizer* tokenizer = nullptr;  // null: text prompts and stop strings refused
   std::vector<int32_t> eos_token_ids;         // added to the stop tokens unless ignore_eos
+  RequestCaps caps;
   // Images (models with a vision tower): how to prepare them (null: images are refused, with
   // `no_images_reason`), the prompt's image pad token, and how many one prompt may hold.
   const vision::ImageProcessorConfig* image_processor = nullptr;

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "common/logging.h"
 #include "controller/token_feed.h"
 #include "proto/grpc_status.h"
 
@@ -71,7 +72,7 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
       : svc_(svc), stream_(stream), unary_(unary), unary_response_(unary_response) {}
 
   // gRPC's thread: authorization here; the submission (which may tokenize a long prompt) on a
-  // pump thread.
+  // preparation thread.
   void Start(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
     if (grpc::Status s = svc_->Authorize(ctx, /*admin=*/false); !s.ok()) {
       {
@@ -87,7 +88,24 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                      ctx->deadline() - std::chrono::system_clock::now());
     }
-    svc_->pump_.Post([self = shared_from_this(), req, deadline] { self->Submit(*req, deadline); });
+    // Tokenizing, images and adapter resolution on the preparation threads, not on the pump
+    // threads that write every stream's tokens.
+    absl::Status s = svc_->controller_->Prepare([self = shared_from_this(), req, deadline] {
+      try {
+        self->Submit(*req, deadline);
+      } catch (const std::exception& e) {  // no exception leaves a call: it ends INTERNAL
+        LOG(ERROR) << "Generate: exception: " << e.what();
+        self->Fail(grpc::Status(grpc::StatusCode::INTERNAL, "internal error"));
+      }
+    });
+    if (!s.ok()) {
+      svc_->controller_->RecordRequest(req->adapter(), /*admitted=*/false, s.code());
+      {
+        MutexLock lock(&mu_);
+        finished_ = true;
+      }
+      FinishReactor(ToGrpc(s));
+    }
   }
 
   // gRPC's thread (OnCancel): the scheduler ends the request, whose listener finishes the call.
@@ -118,20 +136,25 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
     return r_;
   }
 
+  // Ends the call with `s` before any request ran.
+  void Fail(const grpc::Status& s) {
+    Action next;
+    {
+      MutexLock lock(&mu_);
+      if (final_ready_) return;
+      final_status_ = s;
+      final_ready_ = true;
+      next = Next();
+    }
+    if (next) next();
+  }
+
   void Submit(const v1::GenerateRequest& req, std::chrono::steady_clock::time_point deadline) {
     Controller* c = svc_->controller_;
     absl::StatusOr<std::shared_ptr<GenRequest>> submitted = c->Submit(req, deadline);
     if (!submitted.ok()) {
       c->RecordRequest(req.adapter(), /*admitted=*/false, submitted.status().code());
-      Action next;
-      {
-        MutexLock lock(&mu_);
-        final_status_ = ToGrpc(submitted.status());
-        final_ready_ = true;
-        next = Next();
-      }
-      if (next) next();
-      return;
+      return Fail(ToGrpc(submitted.status()));
     }
     std::shared_ptr<GenRequest> r = *submitted;
     const tok::Tokenizer* tokenizer = c->tokenizer();

@@ -1,9 +1,12 @@
 #include "lora/adapter.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -374,12 +377,37 @@ absl::Status Validator::Run(const SafetensorsFile& st) {
   return absl::OkStatus();
 }
 
+// adapter_config.json: a regular file of at most kMaxConfigBytes (a symlink to /dev/zero, a
+// FIFO or a device is refused, never read; O_NONBLOCK so that opening a FIFO cannot block).
+constexpr int64_t kMaxConfigBytes = 1 << 20;
 [[nodiscard]] absl::StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": missing or unreadable"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return absl::InvalidArgumentError(absl::StrCat(path, ": missing or unreadable"));
+  struct Close {
+    int fd;
+    ~Close() { ::close(fd); }
+  } close_fd{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  if (st.st_size > kMaxConfigBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", st.st_size, " bytes, more than ",
+                                                   kMaxConfigBytes, " for a config"));
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (got != text.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": changed while it was read (", got, " of ", text.size(), " bytes)"));
+  }
+  return text;
 }
 
 // A host tensor for `v`, its bytes still to be copied (CopyAll).

@@ -9,6 +9,9 @@
 namespace moelora {
 namespace {
 
+constexpr size_t kMaxPatternKeys = 256;
+constexpr size_t kMaxPatternKeyBytes = 256;
+
 bool PatternMatches(const std::string& key, const std::string& name) {
   if (key == name) return true;
   try {
@@ -123,7 +126,14 @@ double AdapterConfig::ScalingFor(int rank, double alpha) const {
   for (const char* key : {"rank_pattern", "alpha_pattern"}) {
     if (!j.contains(key) || j[key].is_null()) continue;
     if (!j[key].is_object()) return bad(key, " must be an object");
+    // Each key is a regex matched against every module's name: their number and length bounded.
+    if (j[key].size() > kMaxPatternKeys) {
+      return bad(key, " has ", j[key].size(), " keys, more than ", kMaxPatternKeys);
+    }
     for (auto it = j[key].begin(); it != j[key].end(); ++it) {
+      if (it.key().size() > kMaxPatternKeyBytes) {
+        return bad(key, " key of ", it.key().size(), " bytes, more than ", kMaxPatternKeyBytes);
+      }
       try {
         std::regex check("(.*\\.)?(" + it.key() + ")");
       } catch (const std::regex_error&) {

@@ -216,6 +216,32 @@ bool JpegReadRows(jpeg_decompress_struct* cinfo, JpegError* err, uint8_t* out, s
   return true;
 }
 
+bool JpegReadDimensions(jpeg_decompress_struct* cinfo, JpegError* err, const uint8_t* data,
+                        size_t n) {
+  if (setjmp(err->jump)) return false;
+  jpeg_create_decompress(cinfo);
+  jpeg_mem_src(cinfo, data, n);
+  jpeg_read_header(cinfo, TRUE);
+  return true;
+}
+
+absl::StatusOr<std::pair<int64_t, int64_t>> JpegDimensions(std::string_view bytes) {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = JpegErrorExit;
+  err.mgr.emit_message = JpegWarning;
+  struct Destroy {
+    jpeg_decompress_struct* c;
+    ~Destroy() { jpeg_destroy_decompress(c); }
+  } destroy{&cinfo};
+  if (!JpegReadDimensions(&cinfo, &err, reinterpret_cast<const uint8_t*>(bytes.data()),
+                          bytes.size())) {
+    return Bad(absl::StrCat("JPEG: ", err.message));
+  }
+  return std::pair<int64_t, int64_t>{cinfo.image_width, cinfo.image_height};
+}
+
 absl::StatusOr<RgbImage> DecodeJpeg(std::string_view bytes, const DecodeLimits& limits) {
   jpeg_decompress_struct cinfo;
   JpegError err;
@@ -439,6 +465,41 @@ absl::StatusOr<RgbImage> DecodeImage(std::string_view bytes, const DecodeLimits&
     return DecodeWebp(bytes, limits);
   }
   return Bad(absl::StrCat("not a PNG, JPEG or WebP image (", bytes.size(), " bytes)"));
+}
+
+absl::StatusOr<std::pair<int64_t, int64_t>> ImageDimensions(std::string_view bytes,
+                                                            const DecodeLimits& limits) {
+  const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
+  auto be32 = [&](size_t at) {
+    return (int64_t{b[at]} << 24) | (int64_t{b[at + 1]} << 16) | (int64_t{b[at + 2]} << 8) |
+           int64_t{b[at + 3]};
+  };
+  absl::StatusOr<std::pair<int64_t, int64_t>> wh;
+  const char* format = "";
+  if (bytes.size() >= 8 && std::memcmp(b, "\x89PNG\r\n\x1a\n", 8) == 0) {
+    format = "PNG";
+    // The signature, then the IHDR chunk: length 13, "IHDR", width, height (big-endian).
+    if (bytes.size() < 24 || std::memcmp(b + 12, "IHDR", 4) != 0) {
+      return Bad("PNG: the first chunk is not IHDR");
+    }
+    wh = std::pair<int64_t, int64_t>{be32(16), be32(20)};
+  } else if (bytes.size() >= 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF) {
+    format = "JPEG";
+    wh = JpegDimensions(bytes);
+  } else if (bytes.size() >= 12 && std::memcmp(b, "RIFF", 4) == 0 &&
+             std::memcmp(b + 8, "WEBP", 4) == 0) {
+    format = "WebP";
+    WebPBitstreamFeatures features;
+    if (WebPGetFeatures(b, bytes.size(), &features) != VP8_STATUS_OK) {
+      return Bad("WebP: corrupt or truncated data");
+    }
+    wh = std::pair<int64_t, int64_t>{features.width, features.height};
+  } else {
+    return Bad(absl::StrCat("not a PNG, JPEG or WebP image (", bytes.size(), " bytes)"));
+  }
+  if (!wh.ok()) return wh.status();
+  if (auto s = CheckSize(wh->first, wh->second, limits, format); !s.ok()) return s;
+  return wh;
 }
 
 absl::StatusOr<RgbImage> Resize(const RgbImage& in, int height, int width, Resample filter) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,6 +37,13 @@ struct DecodeLimits {
 // data, CMYK JPEG, more pixels than `limits` allow).
 [[nodiscard]] absl::StatusOr<RgbImage> DecodeImage(std::string_view bytes,
                                                    const DecodeLimits& limits = {});
+
+// The width and height in an image's header (PNG's IHDR, JPEG's frame header, WebP's
+// bitstream features), its pixels not decoded: what a request's images will cost is known before
+// any is decoded. INVALID_ARGUMENT as DecodeImage (not one of the formats, a corrupt header, more
+// pixels than `limits` allow).
+[[nodiscard]] absl::StatusOr<std::pair<int64_t, int64_t>> ImageDimensions(
+    std::string_view bytes, const DecodeLimits& limits = {});
 
 // Resampling filters, numbered as PIL.Image.Resampling.
 enum class Resample {

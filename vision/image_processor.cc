@@ -165,6 +165,26 @@ absl::StatusOr<ProcessedImage> ProcessImage(RgbImage image, const ImageProcessor
   return out;
 }
 
+absl::StatusOr<int64_t> ImageTokensFromHeader(std::string_view bytes, const ImageProcessorConfig& c,
+                                              const DecodeLimits& limits) {
+  auto wh = ImageDimensions(bytes, limits);
+  if (!wh.ok()) return wh.status();
+  const int factor = c.patch_size * c.merge_size;
+  int64_t h = wh->second, w = wh->first;
+  if (c.do_resize) {
+    auto size =
+        SmartResize(static_cast<int>(h), static_cast<int>(w), factor, c.min_pixels, c.max_pixels);
+    if (!size.ok()) return size.status();
+    h = size->first;
+    w = size->second;
+  } else if (h % factor != 0 || w % factor != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("image of ", w, "x", h,
+                     " pixels: without do_resize both sides must be multiples of ", factor));
+  }
+  return (h / c.patch_size) * (w / c.patch_size) / (int64_t{c.merge_size} * c.merge_size);
+}
+
 absl::StatusOr<ProcessedImage> ProcessImage(std::string_view bytes, const ImageProcessorConfig& c,
                                             const DecodeLimits& limits) {
   auto image = DecodeImage(bytes, limits);

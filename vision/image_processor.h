@@ -63,6 +63,11 @@ struct ProcessedImage {
 [[nodiscard]] absl::StatusOr<ProcessedImage> ProcessImage(std::string_view bytes,
                                                           const ImageProcessorConfig& c,
                                                           const DecodeLimits& limits = {});
+// The tokens an image will take, from its header alone (ImageDimensions, then smart_resize):
+// what ProcessImage's result would say, without decoding. INVALID_ARGUMENT as ProcessImage.
+[[nodiscard]] absl::StatusOr<int64_t> ImageTokensFromHeader(std::string_view bytes,
+                                                            const ImageProcessorConfig& c,
+                                                            const DecodeLimits& limits = {});
 // The same from decoded pixels.
 [[nodiscard]] absl::StatusOr<ProcessedImage> ProcessImage(RgbImage image,
                                                           const ImageProcessorConfig& c);

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,6 +178,148 @@ TEST(HttpServerTest, StopsWhileAnswersAndStreamsWait) {
     ex->Respond(200, "text/plain", "late");
     ex->Write("late");
   }
+}
+
+// Reads the answer's status line within `timeout` ("" when none came).
+std::string StatusWithin(int fd, std::chrono::seconds timeout) {
+  timeval tv{static_cast<time_t>(timeout.count()), 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[256];
+  const ssize_t n = read(fd, buf, sizeof(buf));
+  return n >= 12 ? std::string(buf, 12) : "";
+}
+
+TEST(HttpServerTest, AdmitRefusesAtTheHeadersBeforeAnyBodyIsRead) {
+  HttpServer::Options o = Loopback();
+  o.admit = [](const HttpExchange& ex) {
+    return ex.authorization() == "Bearer ok" ? absl::OkStatus()
+                                             : absl::UnauthenticatedError("no token");
+  };
+  std::atomic<int> handled{0};
+  auto server = HttpServer::Start(o, [&](std::shared_ptr<HttpExchange> ex) {
+    ++handled;
+    ex->Respond(200, "text/plain", "");
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  // A body announced, never sent: the answer comes anyway.
+  const int fd = Connect((*server)->port());
+  Send(fd, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 30000000\r\n\r\n");
+  EXPECT_EQ(StatusWithin(fd, 5s), "HTTP/1.1 401");
+  close(fd);
+  EXPECT_EQ(handled, 0);
+  const int ok = Connect((*server)->port());
+  Send(ok, "POST /x HTTP/1.0\r\nAuthorization: Bearer ok\r\nContent-Length: 2\r\n\r\nhi");
+  EXPECT_EQ(ReadAll(ok).substr(9, 3), "200");
+  EXPECT_EQ(handled, 1);
+}
+
+TEST(HttpServerTest, AContentLengthOverTheLimitIsRefusedBeforeTheBody) {
+  HttpServer::Options o = Loopback();
+  o.max_body_bytes = 1000;
+  auto server = HttpServer::Start(
+      o, [&](std::shared_ptr<HttpExchange> ex) { ex->Respond(200, "text/plain", ""); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port());
+  Send(fd, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n");
+  EXPECT_EQ(StatusWithin(fd, 5s), "HTTP/1.1 413");
+  close(fd);
+}
+
+TEST(HttpServerTest, BodiesHeldAtOnceAreBoundedPerClient) {
+  HttpServer::Options o = Loopback();
+  o.max_client_buffered_bytes = 100;
+  std::vector<std::shared_ptr<HttpExchange>> kept;
+  std::mutex mu;
+  auto server = HttpServer::Start(o, [&](std::shared_ptr<HttpExchange> ex) {
+    std::lock_guard<std::mutex> l(mu);
+    kept.push_back(ex);  // its body stays held until taken
+    if (ex->path() == "/take") {
+      ex->TakeBody();
+      ex->Respond(200, "text/plain", "");
+    }
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int first = Connect((*server)->port());
+  Send(first, "POST /hold HTTP/1.0\r\nContent-Length: 80\r\n\r\n" + std::string(80, 'x'));
+  for (int i = 0; i < 500; ++i) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (!kept.empty()) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  // 80 + 80 > 100: the second is refused at its headers.
+  const int second = Connect((*server)->port());
+  Send(second, "POST /take HTTP/1.0\r\nContent-Length: 80\r\n\r\n");
+  EXPECT_EQ(StatusWithin(second, 5s).substr(9, 3), "429");
+  close(second);
+  {
+    std::lock_guard<std::mutex> l(mu);
+    kept[0]->TakeBody();  // released: the next one fits
+  }
+  const int third = Connect((*server)->port());
+  Send(third, "POST /take HTTP/1.0\r\nContent-Length: 80\r\n\r\n" + std::string(80, 'y'));
+  EXPECT_EQ(ReadAll(third).substr(9, 3), "200");
+  kept[0]->Respond(200, "text/plain", "");
+  ReadAll(first);
+}
+
+TEST(HttpServerTest, AHandlerThatThrowsIsAnswered500) {
+  auto server = HttpServer::Start(
+      Loopback(), [&](std::shared_ptr<HttpExchange>) { throw std::runtime_error("boom"); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string r = Request((*server)->port(), "POST", "x");
+  EXPECT_EQ(r.substr(9, 3), "500") << r;
+  EXPECT_EQ(Request((*server)->port(), "POST", "y").substr(9, 3), "500");  // still serving
+}
+
+TEST(HttpServerTest, AClientThatHangsUpWhileItsAnswerWaitsIsCutShort) {
+  std::atomic<bool> closed{false};
+  std::vector<std::shared_ptr<HttpExchange>> kept;
+  std::mutex mu;
+  auto server = HttpServer::Start(Loopback(), [&](std::shared_ptr<HttpExchange> ex) {
+    ex->SetOnClose([&] { closed = true; });
+    std::lock_guard<std::mutex> l(mu);
+    kept.push_back(ex);  // never answered: the connection waits suspended
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port());
+  Send(fd, "POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+  for (int i = 0; i < 500; ++i) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (!kept.empty()) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  close(fd);
+  for (int i = 0; i < 500 && !closed; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(closed);
+  EXPECT_EQ((*server)->open_exchanges(), 0u);
+}
+
+TEST(HttpServerTest, ARequestOnAKeptAliveConnectionWhileStoppingGets503) {
+  std::vector<std::shared_ptr<HttpExchange>> kept;
+  std::mutex mu;
+  auto server = HttpServer::Start(Loopback(), [&](std::shared_ptr<HttpExchange> ex) {
+    if (ex->path() == "/now") return ex->Respond(200, "text/plain", "ok");
+    std::lock_guard<std::mutex> l(mu);
+    kept.push_back(ex);
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port());
+  Send(fd, "GET /now HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(StatusWithin(fd, 5s), "HTTP/1.1 200");
+  (*server)->StopAccepting();
+  // The same connection, kept alive: a new request is refused, never left waiting.
+  Send(fd, "GET /wait HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(StatusWithin(fd, 5s), "HTTP/1.1 503");
+  const auto t0 = std::chrono::steady_clock::now();
+  server->reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  close(fd);
+  std::lock_guard<std::mutex> l(mu);
+  EXPECT_TRUE(kept.empty());
 }
 
 }  // namespace
