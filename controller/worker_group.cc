@@ -12,10 +12,12 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "nlohmann/json.hpp"
+#include "proto/group_secret.h"
 #include "proto/grpc_status.h"
 
 namespace moelora {
@@ -30,7 +32,9 @@ struct WorkerGroup::Rank {
   bool up = false;
 };
 
-WorkerGroup::WorkerGroup(WorkerGroupOptions options) : options_(std::move(options)) {
+WorkerGroup::WorkerGroup(WorkerGroupOptions options)
+    : options_(std::move(options)),
+      secret_(options_.addresses.empty() ? NewGroupSecret() : std::string()) {
   if (!options_.addresses.empty()) options_.tp = static_cast<int>(options_.addresses.size());
   for (int r = 0; r < options_.tp; ++r) {
     auto rank = std::make_shared<Rank>();
@@ -41,6 +45,10 @@ WorkerGroup::WorkerGroup(WorkerGroupOptions options) : options_(std::move(option
 }
 
 WorkerGroup::~WorkerGroup() { Stop(); }
+
+void WorkerGroup::AddSecret(grpc::ClientContext* ctx) const {
+  if (!secret_.empty()) ctx->AddMetadata(kGroupSecretMetadata, secret_);
+}
 
 void WorkerGroup::SetOnReady(std::function<absl::Status()> hook) {
   MutexLock lock(&mu_);
@@ -134,6 +142,17 @@ void WorkerGroup::SpawnAll() {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    // The environment, with the group's secret (built here: the child may only exec).
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::string_view(*e).rfind(std::string(kGroupSecretEnv) + "=", 0) != 0) {
+        env_strings.emplace_back(*e);
+      }
+    }
+    env_strings.push_back(absl::StrCat(kGroupSecretEnv, "=", secret_));
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
     const std::string log = dir + "/worker." + r + ".log";
     const pid_t parent = getpid();
     const pid_t pid = fork();
@@ -150,7 +169,7 @@ void WorkerGroup::SpawnAll() {
       sigset_t none;
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
-      execv(argv[0], argv.data());
+      execve(argv[0], argv.data(), envp.data());
       _exit(127);
     }
     MutexLock lock(&mu_);
@@ -295,6 +314,7 @@ void WorkerGroup::Monitor() {
       }
       if (stub) {
         grpc::ClientContext ctx;
+        AddSecret(&ctx);
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
         v1::WorkerHealthResponse resp;
         grpc::Status s = stub->Health(&ctx, {}, &resp);
@@ -333,6 +353,7 @@ void WorkerGroup::Monitor() {
         stub = ranks[r]->stub;
       }
       grpc::ClientContext ctx;
+      AddSecret(&ctx);
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
       got_all = stub && stub->Info(&ctx, {}, &infos[r]).ok();
     }
@@ -377,7 +398,8 @@ class WorkerGroup::AllRankCall {
   AllRankCall(const std::vector<std::shared_ptr<v1::Worker::Stub>>& stubs,
               std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> (v1::Worker::Stub::*prepare)(
                   grpc::ClientContext*, const Req&, grpc::CompletionQueue*),
-              const Req& req, std::chrono::milliseconds timeout, bool fail_fast)
+              const Req& req, std::chrono::milliseconds timeout, bool fail_fast,
+              const std::string& secret)
       : stubs_(stubs),
         n_(static_cast<int>(stubs.size())),
         fail_fast_(fail_fast),
@@ -389,6 +411,7 @@ class WorkerGroup::AllRankCall {
     const auto deadline = std::chrono::system_clock::now() + timeout;
     for (int r = 0; r < n_; ++r) {
       ctx_[r] = std::make_unique<grpc::ClientContext>();
+      if (!secret.empty()) ctx_[r]->AddMetadata(kGroupSecretMetadata, secret);
       ctx_[r]->set_deadline(deadline);
       readers_[r] = ((*stubs[r]).*prepare)(ctx_[r].get(), req, &cq_);
       readers_[r]->StartCall();
@@ -483,7 +506,7 @@ absl::StatusOr<std::vector<Resp>> WorkerGroup::CallAll(
   // first failure can cancel the others (fail fast) without waiting for a stuck rank.
   std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
   if (absl::Status s = Stubs(&stubs); !s.ok()) return s;
-  AllRankCall<Resp> call(stubs, prepare, req, timeout, fail_fast);
+  AllRankCall<Resp> call(stubs, prepare, req, timeout, fail_fast, secret_);
   return call.Result(not_found_ok);
 }
 
@@ -568,8 +591,9 @@ std::unique_ptr<PendingStep> WorkerGroup::StartStepAll(const v1::StepRequest& re
   std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
   if (absl::Status s = Stubs(&stubs); !s.ok()) return std::make_unique<StepInFlight>(s);
   const int steps = std::max(1, req.decode_steps()) * (req.after_step() != 0 ? 2 : 1);
-  return std::make_unique<StepInFlight>(std::make_unique<StepCall>(
-      stubs, &v1::Worker::Stub::PrepareAsyncStep, req, options_.step_timeout * steps, true));
+  return std::make_unique<StepInFlight>(
+      std::make_unique<StepCall>(stubs, &v1::Worker::Stub::PrepareAsyncStep, req,
+                                 options_.step_timeout * steps, true, secret_));
 }
 
 absl::StatusOr<v1::StepResponse> WorkerGroup::StepAll(const v1::StepRequest& req) {

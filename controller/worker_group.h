@@ -116,6 +116,10 @@ class WorkerGroup final : public WorkerGroupInterface {
       const Req& req, std::chrono::milliseconds timeout, bool fail_fast, bool not_found_ok = false);
 
   WorkerGroupOptions options_;
+  // Spawned workers' secret (proto/group_secret.h), sent with every call; empty in --workers
+  // mode (mutual TLS there).
+  const std::string secret_;
+  void AddSecret(grpc::ClientContext* ctx) const;
   mutable Mutex mu_;
   std::vector<std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
   v1::WorkerInfoResponse info_ ABSL_GUARDED_BY(mu_);

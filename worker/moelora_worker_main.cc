@@ -22,6 +22,7 @@
 #include "kernels/sgmv.h"
 #include "lora/config_defaults.h"
 #include "prometheus/exposer.h"
+#include "proto/group_secret.h"
 #include "proto/server_flags.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine.h"
@@ -154,6 +155,11 @@ int main(int argc, char** argv) {
 
   moelora::WorkerService service(&metrics, absl::GetFlag(FLAGS_device));
   service.set_adapter_root(absl::GetFlag(FLAGS_adapter_root));
+  // A spawning controller's secret (proto/group_secret.h), out of the environment at once.
+  if (const char* secret = std::getenv(moelora::kGroupSecretEnv); secret != nullptr) {
+    service.set_group_secret(secret);
+    unsetenv(moelora::kGroupSecretEnv);
+  }
   service.set_step_delay(std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)));
   grpc::EnableDefaultHealthCheckService(true);
   // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -12,6 +13,7 @@
 #include "common/logging.h"
 #include "common/path_policy.h"
 #include "proto/adapter_format.h"
+#include "proto/group_secret.h"
 #include "proto/grpc_status.h"
 
 namespace moelora {
@@ -41,8 +43,22 @@ void WorkerService::UpdateAdapterGauges() {
   metrics_->SetSlotBytes(engine()->SlotResidentBytes());
 }
 
-grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest* req,
+grpc::Status WorkerService::CheckCaller(const grpc::ServerContext* ctx) const {
+  if (group_secret_.empty()) return grpc::Status::OK;
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kGroupSecretMetadata);
+  if (it != md.end() &&
+      SameSecret(std::string_view(it->second.data(), it->second.size()), group_secret_)) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "this worker serves only the controller that spawned it");
+}
+
+grpc::Status WorkerService::StageAdapter(grpc::ServerContext* ctx,
+                                         const v1::StageAdapterRequest* req,
                                          v1::StageAdapterResponse* resp) {
+  if (grpc::Status s = CheckCaller(ctx); !s.ok()) return s;
   Engine* e = engine();
   if (!e) return NotReady();
   if (req->path().empty()) {
@@ -85,8 +101,10 @@ grpc::Status WorkerService::StageAdapter(grpc::ServerContext*, const v1::StageAd
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::CommitAdapter(grpc::ServerContext*, const v1::CommitAdapterRequest* req,
+grpc::Status WorkerService::CommitAdapter(grpc::ServerContext* ctx,
+                                          const v1::CommitAdapterRequest* req,
                                           v1::CommitAdapterResponse* resp) {
+  if (grpc::Status s = CheckCaller(ctx); !s.ok()) return s;
   Engine* e = engine();
   if (!e) return NotReady();
   auto slot = e->CommitAdapter(req->adapter_id());
@@ -96,8 +114,10 @@ grpc::Status WorkerService::CommitAdapter(grpc::ServerContext*, const v1::Commit
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::AbortAdapter(grpc::ServerContext*, const v1::AbortAdapterRequest* req,
+grpc::Status WorkerService::AbortAdapter(grpc::ServerContext* ctx,
+                                         const v1::AbortAdapterRequest* req,
                                          v1::AbortAdapterResponse*) {
+  if (grpc::Status s = CheckCaller(ctx); !s.ok()) return s;
   Engine* e = engine();
   if (!e) return NotReady();
   grpc::Status s = ToGrpc(e->AbortAdapter(req->adapter_id()));
@@ -105,9 +125,10 @@ grpc::Status WorkerService::AbortAdapter(grpc::ServerContext*, const v1::AbortAd
   return s;
 }
 
-grpc::Status WorkerService::UnloadAdapter(grpc::ServerContext*,
+grpc::Status WorkerService::UnloadAdapter(grpc::ServerContext* ctx,
                                           const v1::WorkerUnloadAdapterRequest* req,
                                           v1::WorkerUnloadAdapterResponse* resp) {
+  if (grpc::Status s = CheckCaller(ctx); !s.ok()) return s;
   Engine* e = engine();
   if (!e) return NotReady();
   absl::StatusOr<HostCacheStats> cache =
@@ -120,6 +141,7 @@ grpc::Status WorkerService::UnloadAdapter(grpc::ServerContext*,
 
 grpc::Status WorkerService::Step(grpc::ServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) {
+  if (grpc::Status s = CheckCaller(ctx); !s.ok()) return s;
   Engine* e = engine();
   if (!e) return NotReady();
   if (req->after_step() != 0) {
@@ -269,8 +291,9 @@ grpc::Status WorkerService::Health(grpc::ServerContext*, const v1::WorkerHealthR
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Info(grpc::ServerContext*, const v1::WorkerInfoRequest*,
+grpc::Status WorkerService::Info(grpc::ServerContext* ctx, const v1::WorkerInfoRequest*,
                                  v1::WorkerInfoResponse* resp) {
+  if (grpc::Status s = CheckCaller(ctx); !s.ok()) return s;
   Engine* e = engine();
   if (!e) return NotReady();
   const EngineInfo i = e->Info();

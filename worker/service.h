@@ -31,6 +31,9 @@ class WorkerService final : public moelora::v1::Worker::Service {
   // The only directory StageAdapter reads from (--adapter-root; empty: none, every stage
   // refused). Set before serving.
   void set_adapter_root(std::string root) { adapter_root_ = std::move(root); }
+  // Calls other than Health must carry this secret (proto/group_secret.h; empty: none asked).
+  // Set before serving.
+  void set_group_secret(std::string secret) { group_secret_ = std::move(secret); }
 
   grpc::Status StageAdapter(grpc::ServerContext*, const v1::StageAdapterRequest*,
                             v1::StageAdapterResponse*) override;
@@ -49,6 +52,8 @@ class WorkerService final : public moelora::v1::Worker::Service {
  private:
   Engine* engine() const { return engine_.load(std::memory_order_acquire); }
   grpc::Status NotReady() const;
+  // OK when no secret is asked or the call carries it; else UNAUTHENTICATED.
+  grpc::Status CheckCaller(const grpc::ServerContext* ctx) const;
   void UpdateAdapterGauges();
 
   WorkerMetrics* metrics_;
@@ -58,6 +63,7 @@ class WorkerService final : public moelora::v1::Worker::Service {
   std::atomic<Engine*> engine_{nullptr};
   std::chrono::milliseconds step_delay_{0};
   std::string adapter_root_;
+  std::string group_secret_;
   // The `step` of the last Step call that queued its work on the compute thread (or returned
   // without): a call sent ahead (after_step) waits for its predecessor's, then queues behind it.
   std::mutex order_mu_;

@@ -84,9 +84,8 @@ struct Service {
     ho.idle_timeout_s = 5;
     ho.header_timeout_s = 5;
     ho.admit = [a = api.get()](const HttpExchange& ex) { return a->Admit(ex); };
-    http = *HttpServer::Start(ho, [a = api.get()](std::shared_ptr<HttpExchange> ex) {
-      a->Handle(std::move(ex));
-    });
+    http = *HttpServer::Start(
+        ho, [a = api.get()](std::shared_ptr<HttpExchange> ex) { a->Handle(std::move(ex)); });
   }
 };
 
@@ -182,8 +181,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (line.empty()) break;
     const std::string name = absl::AsciiStrToLower(line.substr(0, line.find(':')));
     if (line.find(':') == std::string::npos || name == "content-length" ||
-        name == "transfer-encoding" || name == "connection" || name == "expect" ||
-        name == "host") {
+        name == "transfer-encoding" || name == "connection" || name == "expect" || name == "host") {
       continue;
     }
     headers += line + "\r\n";

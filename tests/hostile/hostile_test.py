@@ -363,7 +363,7 @@ def request_timeout_on_both_apis():
     check(status == 504 and "--request-timeout-s" in error_of(resp)["message"], f"HTTP: {status} {resp[:200]}")
     g = out["grpc"]
     check("DeadlineExceeded" in g.stderr, f"gRPC: rc {g.returncode} {g.stderr[:300]} {g.stdout[:100]}")
-    check(time.monotonic() - t0 < 15, f"ended by the 3 s bound ({time.monotonic() - t0:.1f} s)")
+    check(time.monotonic() - t0 < 40, f"ended by the bound, not run to the end ({time.monotonic() - t0:.1f} s)")
 
 
 @case
@@ -454,6 +454,18 @@ def unloaded_adapter_leaves_metrics():
     check(status == 200, f"unload: {status}")
     _, body = request("GET", "/metrics", token=None)
     check(b'adapter="tmp2d"' not in body, "its series left /metrics")
+
+
+@case
+def a_local_process_cannot_drive_the_worker():
+    # The spawned worker's plaintext port on loopback: calls without the group's secret are
+    # refused (a Step with a larger epoch would otherwise take it from its controller).
+    port = json.load(open(os.environ["WORKER_PORT_FILE"]))["port"]
+    for method, body in (("Info", {}), ("Step", {"epoch": 2 ** 62}),
+                         ("StageAdapter", {"adapter_id": 99, "path": "vl2d"})):
+        g = subprocess.run(["grpcurl", "-plaintext", "-d", json.dumps(body), f"127.0.0.1:{port}",
+                            f"moelora.v1.Worker/{method}"], capture_output=True, text=True, timeout=60)
+        check("Unauthenticated" in g.stderr, f"{method}: rc {g.returncode} {g.stderr[:300]}")
 
 
 @case

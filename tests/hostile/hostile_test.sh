@@ -36,7 +36,7 @@ for _ in $(seq 1 300); do
 done
 curl -sf "localhost:$(port http_port)/health" >/dev/null || { echo "not serving"; cat "$TMP/controller.log"; exit 1; }
 rc=0
-"$VENV/bin/python" "$ROOT/tests/hostile/hostile_test.py" "$(port http_port)" "$(port port)" "$PID" \
+WORKER_PORT_FILE="$TMP/state/run/group.1/port.0" "$VENV/bin/python" "$ROOT/tests/hostile/hostile_test.py" "$(port http_port)" "$(port port)" "$PID" \
   "$TMP/adapters" admin-token inference-token || rc=$?
 if [ "$rc" -ne 0 ]; then echo "controller log:"; tail -40 "$TMP/controller.log"; exit "$rc"; fi
 # The suite sent SIGTERM: the controller drains and exits 0 (an abort would be 134).
