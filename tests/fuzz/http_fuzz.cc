@@ -9,6 +9,7 @@
 // value", up to an empty line), and the body. Content-Length, Transfer-Encoding, Connection and
 // Expect are the harness's own, so that every request is complete and deserves an answer.
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -120,7 +122,10 @@ std::string Exchange(int port, const std::string& request) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) __builtin_trap();
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    std::fprintf(stderr, "connect: %s\n", std::strerror(errno));
+    __builtin_trap();  // the server stopped listening
+  }
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n = send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
@@ -141,6 +146,10 @@ std::string Exchange(int port, const std::string& request) {
     }
     break;
   }
+  // Reset rather than close: thousands of connections a second would otherwise leave the
+  // loopback's ports in TIME_WAIT until connect fails.
+  linger reset{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
   close(fd);
   return out;
 }
