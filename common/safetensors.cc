@@ -1,15 +1,18 @@
 #include "common/safetensors.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +22,68 @@
 
 namespace moelora {
 namespace {
+
+// The SIGBUS guard: a file truncated while it is mapped makes reads past its new end fault with
+// SIGBUS, which would end the process. The handler finds the mapping in this table, marks it
+// damaged, maps a page of zeros over the faulting page (the read then goes on) and returns;
+// CheckIntact reports the mark. Lock-free: the handler may run on any thread at any time. A
+// fault outside every mapping restores the previous disposition, and the retried access gets it.
+constexpr int kGuardSlots = 4096;
+struct GuardSlot {
+  std::atomic<uintptr_t> begin{0}, end{0};
+  std::atomic<bool> damaged{false};
+};
+GuardSlot g_guard[kGuardSlots];
+struct sigaction g_previous_sigbus;
+
+void OnSigbus(int sig, siginfo_t* info, void* ucontext) {
+  const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (GuardSlot& slot : g_guard) {
+    const uintptr_t b = slot.begin.load(std::memory_order_acquire);
+    if (b != 0 && addr >= b && addr < slot.end.load(std::memory_order_acquire)) {
+      slot.damaged.store(true, std::memory_order_release);
+      const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+      void* at = reinterpret_cast<void*>(addr / page * page);
+      if (::mmap(at, page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) !=
+          MAP_FAILED) {
+        return;
+      }
+      break;
+    }
+  }
+  // Not ours (or the page could not be replaced): as if no handler had been installed.
+  ::sigaction(SIGBUS, &g_previous_sigbus, nullptr);
+  (void)sig;
+  (void)ucontext;
+}
+
+int GuardMapping(const void* base, size_t size) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = &OnSigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGBUS, &sa, &g_previous_sigbus);
+  });
+  for (int i = 0; i < kGuardSlots; ++i) {
+    uintptr_t expected = 0;
+    const auto b = reinterpret_cast<uintptr_t>(base);
+    // Claimed by its end first (0 = free), then published by its begin.
+    if (g_guard[i].end.compare_exchange_strong(expected, b + size)) {
+      g_guard[i].damaged.store(false);
+      g_guard[i].begin.store(b, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;  // more mappings than slots: unguarded (CheckIntact still compares the file)
+}
+
+void UnguardMapping(int slot) {
+  if (slot < 0) return;
+  g_guard[slot].begin.store(0, std::memory_order_release);
+  g_guard[slot].end.store(0, std::memory_order_release);
+}
 
 struct DTypeInfo {
   DType dtype;
@@ -124,6 +189,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   }
   file->map_ = map;
   file->map_size_ = size;
+  file->opened_ = st;
+  file->guard_slot_ = GuardMapping(map, size);
   MOELORA_RETURN_IF_ERROR(file->Parse(absl::MakeConstSpan(static_cast<const uint8_t*>(map), size)));
   return file;
 }
@@ -137,7 +204,25 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBuffer(
 }
 
 SafetensorsFile::~SafetensorsFile() {
+  UnguardMapping(guard_slot_);
   if (map_ != nullptr) ::munmap(map_, map_size_);
+}
+
+absl::Status SafetensorsFile::CheckIntact() const {
+  if (map_ == nullptr) return absl::OkStatus();
+  if (guard_slot_ >= 0 && g_guard[guard_slot_].damaged.load(std::memory_order_acquire)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path_, ": the file was truncated while it was read (rewritten under the load?)"));
+  }
+  struct stat now;
+  if (::stat(path_.c_str(), &now) != 0 || now.st_size != opened_.st_size ||
+      now.st_ino != opened_.st_ino || now.st_dev != opened_.st_dev ||
+      now.st_mtim.tv_sec != opened_.st_mtim.tv_sec ||
+      now.st_mtim.tv_nsec != opened_.st_mtim.tv_nsec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": the file changed while it was read (rewritten under the load?)"));
+  }
+  return absl::OkStatus();
 }
 
 const TensorView* SafetensorsFile::Find(absl::string_view name) const {

@@ -18,6 +18,8 @@
 #ifndef MOELORA_COMMON_SAFETENSORS_H_
 #define MOELORA_COMMON_SAFETENSORS_H_
 
+#include <sys/stat.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -111,6 +113,11 @@ class SafetensorsFile {
   // read-only mapping): they leave this process's resident set and stay in the page cache. The
   // view stays valid (pages fault back in on access). No-op for buffers.
   void ReleasePages(const TensorView& view) const;
+  // OK unless the file changed since Open: a read past its new end (truncated while mapped:
+  // the kernel's SIGBUS, turned into a page of zeros and a mark here instead of a crash), or a
+  // size, modification time or inode that differ now. Call once the views have been read:
+  // anything read from a changed file must be dropped. INVALID_ARGUMENT naming the file.
+  [[nodiscard]] absl::Status CheckIntact() const;
 
  private:
   SafetensorsFile() = default;
@@ -119,6 +126,8 @@ class SafetensorsFile {
   std::string path_;
   void* map_ = nullptr;  // mmap base when opened from a file
   size_t map_size_ = 0;
+  int guard_slot_ = -1;    // its entry in the SIGBUS guard's table (-1: none)
+  struct stat opened_ {};  // the file as Open found it
   std::vector<TensorView> tensors_;
   std::map<std::string, size_t, std::less<>> index_;
   std::map<std::string, std::string> metadata_;

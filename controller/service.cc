@@ -10,6 +10,22 @@
 #include "proto/grpc_status.h"
 
 namespace moelora {
+namespace {
+
+// fn() with any exception turned into INTERNAL (and logged): none leaves a gRPC handler.
+template <typename Fn>
+grpc::Status Guarded(const char* method, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    LOG(ERROR) << method << ": exception: " << e.what();
+  } catch (...) {
+    LOG(ERROR) << method << ": unknown exception";
+  }
+  return grpc::Status(grpc::StatusCode::INTERNAL, "internal error");
+}
+
+}  // namespace
 
 grpc::Status ControllerService::Authorize(const grpc::ServerContextBase* ctx, bool admin) const {
   if (auth_ == nullptr) return grpc::Status::OK;
@@ -27,38 +43,46 @@ grpc::Status ControllerService::Authorize(const grpc::ServerContextBase* ctx, bo
 
 grpc::Status ControllerService::LoadAdapter(grpc::ServerContext* ctx,
                                             const v1::LoadAdapterRequest* req, v1::Adapter* resp) {
-  if (grpc::Status s = Authorize(ctx, /*admin=*/true); !s.ok()) return s;
-  auto a = controller_->LoadAdapter(*req);
-  if (!a.ok()) return ToGrpc(a.status());
-  *resp = *a;
-  return grpc::Status::OK;
+  return Guarded("LoadAdapter", [&]() -> grpc::Status {
+    if (grpc::Status s = Authorize(ctx, /*admin=*/true); !s.ok()) return s;
+    auto a = controller_->LoadAdapter(*req);
+    if (!a.ok()) return ToGrpc(a.status());
+    *resp = *a;
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status ControllerService::UnloadAdapter(grpc::ServerContext* ctx,
                                               const v1::UnloadAdapterRequest* req,
                                               v1::UnloadAdapterResponse* resp) {
-  if (grpc::Status s = Authorize(ctx, /*admin=*/true); !s.ok()) return s;
-  auto a = controller_->UnloadAdapter(req->name());
-  if (!a.ok()) return ToGrpc(a.status());
-  *resp->mutable_adapter() = *a;
-  return grpc::Status::OK;
+  return Guarded("UnloadAdapter", [&]() -> grpc::Status {
+    if (grpc::Status s = Authorize(ctx, /*admin=*/true); !s.ok()) return s;
+    auto a = controller_->UnloadAdapter(req->name());
+    if (!a.ok()) return ToGrpc(a.status());
+    *resp->mutable_adapter() = *a;
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status ControllerService::ListAdapters(grpc::ServerContext* ctx,
                                              const v1::ListAdaptersRequest*,
                                              v1::ListAdaptersResponse* resp) {
-  if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
-  for (auto& a : controller_->ListAdapters()) *resp->add_adapters() = a;
-  return grpc::Status::OK;
+  return Guarded("ListAdapters", [&]() -> grpc::Status {
+    if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
+    for (auto& a : controller_->ListAdapters()) *resp->add_adapters() = a;
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status ControllerService::GetAdapter(grpc::ServerContext* ctx,
                                            const v1::GetAdapterRequest* req, v1::Adapter* resp) {
-  if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
-  auto a = controller_->GetAdapter(req->name());
-  if (!a.ok()) return ToGrpc(a.status());
-  *resp = *a;
-  return grpc::Status::OK;
+  return Guarded("GetAdapter", [&]() -> grpc::Status {
+    if (grpc::Status s = Authorize(ctx, /*admin=*/false); !s.ok()) return s;
+    auto a = controller_->GetAdapter(req->name());
+    if (!a.ok()) return ToGrpc(a.status());
+    *resp = *a;
+    return grpc::Status::OK;
+  });
 }
 
 // One Generate or GenerateStream call. Shared by its reactor (gRPC's threads), its request's

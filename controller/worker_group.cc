@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -118,6 +119,17 @@ void WorkerGroup::SpawnAll() {
   const std::string dir = absl::StrCat(options_.run_dir, "/group.", epoch);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir + "/dist");
+  // The secret for tools of this account that inspect the workers (the chaos suite's checks):
+  // readable by the owner only, who could read it from the workers' environment anyway.
+  const std::string secret_file = options_.run_dir + "/secret";
+  if (const int fd = open(secret_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      fd >= 0) {
+    fchmod(fd, 0600);
+    if (write(fd, secret_.data(), secret_.size()) != static_cast<ssize_t>(secret_.size())) {
+      LOG(WARNING) << secret_file << ": could not be written";
+    }
+    close(fd);
+  }
   std::vector<std::shared_ptr<Rank>> ranks;
   {
     MutexLock lock(&mu_);

@@ -722,7 +722,10 @@ size_t LoraAdapter::num_tensors() const {
       layer.b_expert_major = fuse_b;
     }
   }
-  if (const int64_t bad = CopyAll(copies, *st, options.parallel); bad >= 0) {
+  const int64_t bad = CopyAll(copies, *st, options.parallel);
+  // What was read from a file changed under the load is dropped whatever it held.
+  MOELORA_RETURN_IF_ERROR(st->CheckIntact());
+  if (bad >= 0) {
     const TensorView& t = *copies[bad].src;
     return v.Bad("tensor '", t.name, "' ", Shape(t), " holds NaN or infinite values");
   }

@@ -1,6 +1,8 @@
 #include "lora/adapter_config.h"
 
 #include <cmath>
+#include <map>
+#include <memory>
 #include <regex>
 
 #include "absl/strings/str_cat.h"
@@ -14,11 +16,21 @@ constexpr size_t kMaxPatternKeyBytes = 256;
 
 bool PatternMatches(const std::string& key, const std::string& name) {
   if (key == name) return true;
-  try {
-    return std::regex_match(name, std::regex("(.*\\.)?(" + key + ")"));
-  } catch (const std::regex_error&) {
-    return false;  // rejected at parse time; defensive
+  // Each key compiled once per thread, not once per module (an adapter has thousands of modules
+  // and up to kMaxPatternKeys keys); the cache is dropped whole when it grows past a bound.
+  thread_local std::map<std::string, std::shared_ptr<const std::regex>> compiled;
+  auto it = compiled.find(key);
+  if (it == compiled.end()) {
+    if (compiled.size() >= 4 * kMaxPatternKeys) compiled.clear();
+    std::shared_ptr<const std::regex> re;
+    try {
+      re = std::make_shared<const std::regex>("(.*\\.)?(" + key + ")");
+    } catch (const std::regex_error&) {
+      // rejected at parse time; defensive
+    }
+    it = compiled.emplace(key, std::move(re)).first;
   }
+  return it->second != nullptr && std::regex_match(name, *it->second);
 }
 
 template <typename T>

@@ -52,6 +52,7 @@
 #include "grpcpp/grpcpp.h"
 #include "moelora/v1/controller.grpc.pb.h"
 #include "moelora/v1/worker.grpc.pb.h"
+#include "proto/group_secret.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "the controller's public address");
 ABSL_FLAG(int, streams, 100, "flood: concurrent GenerateStream calls");
@@ -70,6 +71,8 @@ ABSL_FLAG(std::string, forbid, "",
           "flood: status codes (e.g. DEADLINE_EXCEEDED) that fail the run");
 ABSL_FLAG(int, metrics_port, 0, "check: the controller's metrics port");
 ABSL_FLAG(std::string, workers, "", "check: worker addresses, comma-separated");
+ABSL_FLAG(std::string, worker_secret_file, "",
+          "check: the spawning controller's group secret (STATE/run/secret), sent to the workers");
 ABSL_FLAG(double, within_s, 30, "check: how long the service may take to settle");
 ABSL_FLAG(std::string, expect, "", "flood: the status code every call must end with (empty: any)");
 ABSL_FLAG(std::string, expect_adapters, "", "check: adapters that must be registered and READY");
@@ -382,8 +385,14 @@ int Check() {
            ResidentAdapters(FetchMetrics(absl::GetFlag(FLAGS_metrics_port))))
         if (ids.count(name)) resident.insert(ids[name]);
     }
+    std::string secret;
+    if (const std::string f = absl::GetFlag(FLAGS_worker_secret_file); !f.empty()) {
+      std::ifstream in(f);
+      std::getline(in, secret);
+    }
     for (size_t i = 0; why.empty() && i < workers.size(); ++i) {
       grpc::ClientContext ctx;
+      if (!secret.empty()) ctx.AddMetadata(moelora::kGroupSecretMetadata, secret);
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       moelora::v1::WorkerInfoResponse info;
       grpc::Status s = workers[i]->Info(&ctx, {}, &info);

@@ -104,7 +104,7 @@ check_all() {  # check_all STATE_DIR
   local w
   w="$(spawned_workers "$1")"
   "$CLIENT" check --target "127.0.0.1:$PORT" --metrics_port "$MPORT" --workers "$w" --within_s 30 \
-    --expect_adapters a2d,a3d || fail "after $SCENARIO"
+    --worker_secret_file "$1/run/secret" --expect_adapters a2d,a3d || fail "after $SCENARIO"
 }
 # Requests in flight while the fault strikes: 32 streams of 100 tokens (about 2 s at 20 ms a
 # step), of which none may end by its own deadline (the service must end them first). Health
@@ -237,7 +237,8 @@ for SCENARIO in "${SCENARIOS[@]}"; do
       start_spawned small2 "$SMALL_STATE"
       w="$(spawned_workers "$SMALL_STATE")"
       "$CLIENT" check --target "127.0.0.1:$PORT" --metrics_port "$MPORT" --workers "$w" \
-        --expect_adapters a2d,a3d,more || fail "registry after the full disk"
+        --worker_secret_file "$SMALL_STATE/run/secret" --expect_adapters a2d,a3d,more ||
+        fail "registry after the full disk"
       kill "$CP"; wait "$CP" 2>/dev/null || true
       umount "$TMP/small"; MOUNTED=""
       start_spawned main "$STATE"

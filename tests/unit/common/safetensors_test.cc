@@ -1,8 +1,11 @@
 // safetensors reader/writer: round trip and every malformed input the reader must reject.
 #include "common/safetensors.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <limits>
@@ -198,6 +201,40 @@ TEST(Safetensors, ReleasePagesKeepsViewsReadable) {
   const TensorView* w = (*f)->Find("w");
   (*f)->ReleasePages(*w);
   EXPECT_EQ(std::memcmp(w->data, data.data(), w->nbytes), 0);
+}
+
+// A file truncated while mapped: reading past its new end would end the process with SIGBUS.
+// The read goes on (zeros) and CheckIntact names the file; a file rewritten in place (same size,
+// new modification time) is reported too; an untouched one is intact.
+TEST(Safetensors, AFileTruncatedWhileMappedFailsItsLoadNotTheProcess) {
+  testing::TempDir dir;
+  std::vector<float> data(1 << 16, 1.0f);
+  const std::string path = dir.Sub("cut.safetensors");
+  ASSERT_THAT(
+      WriteSafetensors(path, {{"w", DType::kF32, {256, 256}, data.data(), data.size() * 4}}),
+      IsOk());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_THAT(f, IsOk());
+  EXPECT_THAT((*f)->CheckIntact(), IsOk());
+  ASSERT_EQ(::truncate(path.c_str(), 4096), 0);
+  const TensorView* w = (*f)->Find("w");
+  const auto* bytes = static_cast<const unsigned char*>(w->data);
+  unsigned sum = 0;
+  for (size_t i = 0; i < w->nbytes; i += 4096)
+    sum += bytes[i];  // past the end: SIGBUS without the guard
+  (void)sum;
+  EXPECT_THAT((*f)->CheckIntact(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cut.safetensors")));
+  f->reset();  // unmapped (and unguarded) cleanly
+
+  const std::string other = dir.Sub("rewritten.safetensors");
+  ASSERT_THAT(WriteSafetensors(other, {{"w", DType::kF32, {8}, data.data(), 32}}), IsOk());
+  auto g = SafetensorsFile::Open(other);
+  ASSERT_THAT(g, IsOk());
+  struct timespec later[2] = {{0, UTIME_OMIT}, {1, 0}};  // a new modification time
+  ASSERT_EQ(::utimensat(AT_FDCWD, other.c_str(), later, 0), 0);
+  EXPECT_THAT((*g)->CheckIntact(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("changed while it was read")));
 }
 
 }  // namespace
