@@ -61,7 +61,7 @@ class Builder final : public ordered_json::json_sax_t {
   // Places `v` in the open container (or as the root); null past the budget.
   ordered_json* Add(ordered_json v) {
     if (++values_ > budget_.max_values) {
-      Fail(absl::StrCat("more than ", budget_.max_values, " JSON values"));
+      Fail(absl::StrCat("more than ", budget_.max_values, " JSON values (--max-json-values)"));
       return nullptr;
     }
     if (stack_.empty()) {
@@ -87,7 +87,8 @@ class Builder final : public ordered_json::json_sax_t {
 
   bool Open(ordered_json empty) {
     if (static_cast<int>(stack_.size()) >= budget_.max_depth) {
-      return Fail(absl::StrCat("JSON nested deeper than ", budget_.max_depth, " levels"));
+      return Fail(absl::StrCat("JSON nested deeper than ", budget_.max_depth,
+                               " levels (--max-json-depth)"));
     }
     ordered_json* v = Add(std::move(empty));
     if (v == nullptr) return false;

@@ -143,8 +143,9 @@ ABSL_FLAG(int64_t, http_max_buffered_bytes, 512 << 20,
 ABSL_FLAG(int64_t, http_max_client_buffered_bytes, 128 << 20,
           "HTTP: bytes of request bodies held at once for one client address (429 beyond)");
 ABSL_FLAG(int, http_max_connections, 16384, "HTTP: open connections at most");
-ABSL_FLAG(int, http_max_client_connections, 0,
-          "HTTP: open connections from one client address at most (0: no bound but the total)");
+ABSL_FLAG(int, http_max_client_connections, 1024,
+          "HTTP: open connections from one client address at most (0: no bound but the total; "
+          "raise it behind a proxy, whose clients all share its address)");
 ABSL_FLAG(int, http_header_timeout_s, 30,
           "HTTP: a new connection that stays quiet this long before its request's headers end "
           "is closed");
