@@ -98,10 +98,10 @@ class Controller {
   }
   std::vector<v1::Adapter> ListAdapters() const { return adapters_.List(); }
 
-  // Runs `fn` (a request's preparation: parsing, templates, tokenizing, images, Submit, adapter
-  // loads) on the preparation threads, at most prepare_threads at once, so that no heavy request
-  // delays the threads that write other requests' tokens. RESOURCE_EXHAUSTED (and `fn` dropped)
-  // when max_preparing wait already.
+  // Runs `fn` (a request's preparation: parsing, templates, tokenizing, images, Submit with the
+  // resolver's adapter loads) on the preparation threads, at most prepare_threads at once, so that
+  // no heavy request delays the threads that write other requests' tokens. RESOURCE_EXHAUSTED (and
+  // `fn` dropped) when max_preparing wait already.
   [[nodiscard]] absl::Status Prepare(std::function<void()> fn);
 
   // Validates and queues. INVALID_ARGUMENT / NOT_FOUND / UNAVAILABLE.

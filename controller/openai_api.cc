@@ -819,7 +819,8 @@ OpenAiApi::OpenAiApi(Controller* controller, ControllerMetrics* metrics, const T
       metrics_(metrics),
       auth_(auth),
       options_(std::move(options)),
-      pump_(std::max(1, options_.pump_threads)) {}
+      pump_(std::max(1, options_.pump_threads)),
+      admin_(2, /*max_queued=*/64) {}
 
 OpenAiApi::~OpenAiApi() = default;
 
@@ -908,8 +909,8 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
   if (name == "models") return Models(ex, model_id);
   absl::Status queued;
   if (name == "load_lora_adapter" || name == "unload_lora_adapter") {
-    // LoadAdapter reads and stages the adapter: on a preparation thread.
-    queued = controller_->Prepare([this, ex, load = name == "load_lora_adapter"] {
+    // LoadAdapter reads and stages the adapter: on a thread of its own.
+    const bool posted = admin_.TryPost([this, ex, load = name == "load_lora_adapter"] {
       const std::string route = load ? "load_lora_adapter" : "unload_lora_adapter";
       try {
         AdapterCall(ex, load);
@@ -918,6 +919,9 @@ void OpenAiApi::Handle(std::shared_ptr<HttpExchange> ex) {
         AnswerError(ex, route, absl::InternalError("internal error"));
       }
     });
+    if (!posted) {
+      queued = absl::ResourceExhaustedError("64 adapter calls wait already: retry later");
+    }
   } else {
     auto g = std::make_shared<Generation>(this, ex, name == "chat");
     queued = controller_->Prepare([g, ex, name, this] {

@@ -102,6 +102,9 @@ class OpenAiApi {
   const OpenAiOptions options_;
   std::atomic<bool> healthy_{false};
   WorkPool pump_;
+  // vLLM's load/unload calls (an adapter load may take seconds): apart from the preparation
+  // threads, so that loads never hold up requests.
+  WorkPool admin_;
 };
 
 }  // namespace moelora
