@@ -86,6 +86,61 @@ absl::Status PrepareImages(v1::GenerateRequest& req, const RequestLimits& limits
 }  // namespace
 
 // The caps on what a request carries: checked on the client's message before it is copied.
+absl::Status CheckWireCaps(std::string_view w, const RequestCaps& caps, int max_images) {
+  // Protobuf's wire format by hand: a loop over tags, each value skipped by its wire type
+  // (protobuf's own parser has no count limits, which is why this runs first).
+  size_t i = 0;
+  auto varint = [&](uint64_t* v) {
+    uint64_t r = 0;
+    for (int shift = 0; i < w.size() && shift < 64; shift += 7) {
+      const auto b = static_cast<uint8_t>(w[i++]);
+      r |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) {
+        *v = r;
+        return true;
+      }
+    }
+    return false;
+  };
+  const auto bad = [] {
+    return absl::InvalidArgumentError("the request is not a moelora.v1.GenerateRequest");
+  };
+  int64_t stops = 0, images = 0;
+  while (i < w.size()) {
+    uint64_t tag = 0, v = 0;
+    if (!varint(&tag)) return bad();
+    const uint64_t field = tag >> 3;
+    switch (tag & 7) {
+      case 0:
+        if (!varint(&v)) return bad();
+        break;
+      case 1:
+        if (w.size() - i < 8) return bad();
+        i += 8;
+        break;
+      case 5:
+        if (w.size() - i < 4) return bad();
+        i += 4;
+        break;
+      case 2:
+        if (!varint(&v) || v > w.size() - i) return bad();
+        i += v;
+        if (field == v1::GenerateRequest::kStopFieldNumber && ++stops > caps.max_stop_strings) {
+          return absl::InvalidArgumentError(absl::StrCat("stop: at most ", caps.max_stop_strings,
+                                                         " stop strings (--max-stop-strings)"));
+        }
+        if (field == v1::GenerateRequest::kImagesFieldNumber && ++images > max_images) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("images: at most ", max_images, " per prompt (--limit-mm-per-prompt)"));
+        }
+        break;
+      default:  // groups: not in this message
+        return bad();
+    }
+  }
+  return absl::OkStatus();
+}
+
 static absl::Status CheckCaps(const v1::GenerateRequest& req, const RequestLimits& limits) {
   const RequestCaps& c = limits.caps;
   if (req.prompt().size() > c.max_prompt_bytes) {

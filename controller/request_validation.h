@@ -5,6 +5,7 @@
 #define MOELORA_CONTROLLER_REQUEST_VALIDATION_H_
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -57,6 +58,13 @@ struct ValidatedRequest {
   std::vector<v1::SequenceImage> images;  // decoded and resized, with their prompt offsets
   double image_seconds = 0;               // decoding and resizing them
 };
+
+// A serialized GenerateRequest's counts checked on the wire, before protobuf builds the message
+// (each repeated string costs 2 bytes there and some 40 in memory): stop strings at most
+// caps.max_stop_strings, images at most `max_images`. INVALID_ARGUMENT naming the field and its
+// flag, or for bytes that are not protobuf's wire format. Linear, stops at the first excess.
+[[nodiscard]] absl::Status CheckWireCaps(std::string_view wire, const RequestCaps& caps,
+                                         int max_images);
 
 // INVALID_ARGUMENT naming the field and the bound it broke (an image by its index).
 [[nodiscard]] absl::StatusOr<ValidatedRequest> ValidateGenerateRequest(

@@ -2,10 +2,13 @@
 
 #include <atomic>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "common/logging.h"
+#include "controller/request_validation.h"
 #include "controller/token_feed.h"
 #include "proto/grpc_status.h"
 
@@ -91,21 +94,24 @@ grpc::Status ControllerService::GetAdapter(grpc::ServerContext* ctx,
 // touches it; gRPC calls are made without mu_ held (a reaction may run inline).
 class ControllerService::Call : public std::enable_shared_from_this<Call> {
  public:
-  Call(ControllerService* svc, grpc::ServerWriteReactor<v1::GenerateResponse>* stream,
-       grpc::ServerUnaryReactor* unary, v1::GenerateResponse* unary_response)
+  Call(ControllerService* svc, grpc::ServerWriteReactor<grpc::ByteBuffer>* stream,
+       grpc::ServerUnaryReactor* unary, grpc::ByteBuffer* unary_response)
       : svc_(svc), stream_(stream), unary_(unary), unary_response_(unary_response) {}
 
   // gRPC's thread: authorization here; the submission (which may tokenize a long prompt) on a
   // preparation thread.
-  void Start(grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
-    if (grpc::Status s = svc_->Authorize(ctx, /*admin=*/false); !s.ok()) {
+  void Start(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
+    grpc::Status refused = svc_->Authorize(ctx, /*admin=*/false);
+    if (refused.ok()) refused = ParseRequest(raw);
+    if (!refused.ok()) {
       {
         MutexLock lock(&mu_);
         finished_ = true;
       }
-      FinishReactor(s);
+      FinishReactor(refused);
       return;
     }
+    const v1::GenerateRequest* req = &req_;
     auto deadline = std::chrono::steady_clock::time_point::max();
     if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
       deadline = std::chrono::steady_clock::now() +
@@ -130,6 +136,28 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
       }
       FinishReactor(ToGrpc(s));
     }
+  }
+
+  // The request from its bytes: counts scanned on the wire first (CheckWireCaps), then parsed.
+  grpc::Status ParseRequest(const grpc::ByteBuffer* raw) {
+    std::vector<grpc::Slice> slices;
+    if (!raw->Dump(&slices).ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "unreadable request");
+    }
+    std::string wire;
+    wire.reserve(raw->Length());
+    for (const grpc::Slice& sl : slices) {
+      wire.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+    Controller* c = svc_->controller_;
+    if (absl::Status s = CheckWireCaps(wire, c->caps(), c->limit_images_per_prompt()); !s.ok()) {
+      return ToGrpc(s);
+    }
+    if (!req_.ParseFromString(wire)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "the request is not a moelora.v1.GenerateRequest");
+    }
+    return grpc::Status::OK;
   }
 
   // gRPC's thread (OnCancel): the scheduler ends the request, whose listener finishes the call.
@@ -262,22 +290,29 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
       pending_.Clear();
       has_pending_ = false;
       writing_ = true;
-      return [this] { stream_->StartWrite(&in_flight_); };
+      Serialize(in_flight_, &in_flight_bytes_);
+      return [this] { stream_->StartWrite(&in_flight_bytes_); };
     }
     if (!final_ready_) return nullptr;
     finished_ = true;
     if (stream_ != nullptr && final_status_.ok() && !broken_) {
-      in_flight_ = std::move(final_chunk_);
+      Serialize(final_chunk_, &in_flight_bytes_);
       return [this] {
-        stream_->StartWriteAndFinish(&in_flight_, grpc::WriteOptions(), grpc::Status::OK);
+        stream_->StartWriteAndFinish(&in_flight_bytes_, grpc::WriteOptions(), grpc::Status::OK);
       };
     }
-    if (unary_ != nullptr && final_status_.ok()) *unary_response_ = std::move(final_chunk_);
+    if (unary_ != nullptr && final_status_.ok()) Serialize(final_chunk_, unary_response_);
     // A stream whose client went away ends CANCELLED whatever the request's own outcome.
     grpc::Status s = broken_ && final_status_.ok()
                          ? grpc::Status(grpc::StatusCode::CANCELLED, "client gone")
                          : final_status_;
     return [this, s = std::move(s)] { FinishReactor(s); };
+  }
+
+  static void Serialize(const v1::GenerateResponse& m, grpc::ByteBuffer* out) {
+    const std::string bytes = m.SerializeAsString();
+    grpc::Slice slice(bytes);
+    *out = grpc::ByteBuffer(&slice, 1);
   }
 
   void FinishReactor(const grpc::Status& s) {
@@ -289,9 +324,10 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
   }
 
   ControllerService* const svc_;
-  grpc::ServerWriteReactor<v1::GenerateResponse>* const stream_;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* const stream_;
   grpc::ServerUnaryReactor* const unary_;
-  v1::GenerateResponse* const unary_response_;
+  grpc::ByteBuffer* const unary_response_;
+  v1::GenerateRequest req_;  // parsed by Start, then only read
   std::atomic<bool> queued_{false};
   std::atomic<bool> cancelled_{false};
 
@@ -300,7 +336,8 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
   std::optional<TokenFeed> feed_ ABSL_GUARDED_BY(mu_);
   v1::GenerateResponse pending_ ABSL_GUARDED_BY(mu_);  // taken, not yet written
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
-  v1::GenerateResponse in_flight_;  // the write gRPC holds (set only while no write is)
+  v1::GenerateResponse in_flight_;    // the response being written (set only while no write is)
+  grpc::ByteBuffer in_flight_bytes_;  // its bytes, which gRPC holds during the write
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed: the client is gone
   bool final_ready_ ABSL_GUARDED_BY(mu_) = false;
@@ -309,11 +346,10 @@ class ControllerService::Call : public std::enable_shared_from_this<Call> {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-class ControllerService::StreamReactor final
-    : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+class ControllerService::StreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   StreamReactor(ControllerService* svc, grpc::CallbackServerContext* ctx,
-                const v1::GenerateRequest* req)
+                const grpc::ByteBuffer* req)
       : call_(std::make_shared<Call>(svc, this, nullptr, nullptr)) {
     call_->Start(ctx, req);
   }
@@ -328,7 +364,7 @@ class ControllerService::StreamReactor final
 class ControllerService::UnaryReactor final : public grpc::ServerUnaryReactor {
  public:
   UnaryReactor(ControllerService* svc, grpc::CallbackServerContext* ctx,
-               const v1::GenerateRequest* req, v1::GenerateResponse* resp)
+               const grpc::ByteBuffer* req, grpc::ByteBuffer* resp)
       : call_(std::make_shared<Call>(svc, nullptr, this, resp)) {
     call_->Start(ctx, req);
   }
@@ -340,13 +376,13 @@ class ControllerService::UnaryReactor final : public grpc::ServerUnaryReactor {
 };
 
 grpc::ServerUnaryReactor* ControllerService::Generate(grpc::CallbackServerContext* ctx,
-                                                      const v1::GenerateRequest* req,
-                                                      v1::GenerateResponse* resp) {
+                                                      const grpc::ByteBuffer* req,
+                                                      grpc::ByteBuffer* resp) {
   return new UnaryReactor(this, ctx, req, resp);
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* ControllerService::GenerateStream(
-    grpc::CallbackServerContext* ctx, const v1::GenerateRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ControllerService::GenerateStream(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req) {
   return new StreamReactor(this, ctx, req);
 }
 

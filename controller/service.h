@@ -4,6 +4,10 @@
 // holds no thread. The scheduler's progress reaches the call through its request's listener,
 // and a few pump threads (WorkPool) detokenize and write for every call; so 2,000 open streams
 // are 2,000 small objects, not 2,000 threads. The adapter RPCs stay synchronous (short, rare).
+//
+// Generate and GenerateStream take their request as bytes (gRPC's raw callback methods): the
+// wire format is scanned for counts (stop strings, images) before protobuf builds the message,
+// which would otherwise turn a 64 MiB message of empty strings into gigabytes before any check.
 #ifndef MOELORA_CONTROLLER_SERVICE_H_
 #define MOELORA_CONTROLLER_SERVICE_H_
 
@@ -18,8 +22,8 @@
 namespace moelora {
 
 class ControllerService final
-    : public v1::Controller::WithCallbackMethod_Generate<
-          v1::Controller::WithCallbackMethod_GenerateStream<v1::Controller::Service>> {
+    : public v1::Controller::WithRawCallbackMethod_Generate<
+          v1::Controller::WithRawCallbackMethod_GenerateStream<v1::Controller::Service>> {
  public:
   // `pump_threads`: the threads that turn tokens into responses for all calls.
   ControllerService(Controller* controller, ControllerMetrics* metrics, int pump_threads = 4)
@@ -35,10 +39,10 @@ class ControllerService final
                             v1::ListAdaptersResponse*) override;
   grpc::Status GetAdapter(grpc::ServerContext*, const v1::GetAdapterRequest*,
                           v1::Adapter*) override;
-  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext*, const v1::GenerateRequest*,
-                                     v1::GenerateResponse*) override;
-  grpc::ServerWriteReactor<v1::GenerateResponse>* GenerateStream(
-      grpc::CallbackServerContext*, const v1::GenerateRequest*) override;
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext*, const grpc::ByteBuffer*,
+                                     grpc::ByteBuffer*) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(grpc::CallbackServerContext*,
+                                                             const grpc::ByteBuffer*) override;
 
  private:
   class Call;

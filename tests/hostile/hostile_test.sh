@@ -27,7 +27,7 @@ printf 'admin-token admin\ninference-token inference\n' >"$TMP/tokens"
   --state-dir "$TMP/state" --tensor-parallel-size 1 --enable-mixed-moe-lora-format --enable-tower-connector-lora \
   --max-lora-rank 3 --max-num-seqs 4 --request-timeout-s 3 --auth-tokens-file "$TMP/tokens" \
   --port 0 --metrics-port 0 --http-port 0 --port-file "$TMP/ports" --worker-bin "$WORKER" \
-  --preload vl2d=vl2d >"$TMP/controller.log" 2>&1 &
+  --worker-args "--cpu-threads 1" --preload vl2d=vl2d >"$TMP/controller.log" 2>&1 &
 PID=$!
 port() { "$VENV/bin/python" -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$TMP/ports" "$1"; }
 for _ in $(seq 1 300); do

@@ -92,5 +92,32 @@ TEST(RequestValidationTest, TextPromptsAreEncodedAndEosJoinsTheStopTokens) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stop[0] must be 1..256")));
 }
 
+// Counts on the wire, before protobuf builds the message: what protobuf's own parser would read
+// passes, one more stop string or image than the caps allow does not, nor do bytes that are not
+// the wire format.
+TEST(RequestValidationTest, WireCountsAreCheckedBeforeTheMessageIsBuilt) {
+  RequestCaps caps;
+  v1::GenerateRequest r;
+  r.set_adapter("a");
+  r.add_prompt_token_ids(1);
+  r.add_prompt_token_ids(300);
+  r.set_temperature(0.5f);
+  r.set_seed(1ull << 60);
+  for (int i = 0; i < caps.max_stop_strings; ++i) r.add_stop("");
+  r.add_images("png");
+  r.add_images("jpg");
+  EXPECT_TRUE(CheckWireCaps(r.SerializeAsString(), caps, 2).ok());
+  EXPECT_THAT(CheckWireCaps(r.SerializeAsString(), caps, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--limit-mm-per-prompt")));
+  r.add_stop("");
+  EXPECT_THAT(CheckWireCaps(r.SerializeAsString(), caps, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--max-stop-strings")));
+  std::string truncated = r.SerializeAsString();
+  truncated.pop_back();
+  EXPECT_FALSE(CheckWireCaps(truncated, caps, 99).ok());
+  EXPECT_FALSE(CheckWireCaps(std::string("\x0b\x01", 2), caps, 99).ok());  // a group
+  EXPECT_TRUE(CheckWireCaps("", caps, 0).ok());
+}
+
 }  // namespace
 }  // namespace moelora
