@@ -98,4 +98,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   return ckpt;
 }
 
+absl::Status Checkpoint::CheckIntact() const {
+  for (const auto& f : files_) MOELORA_RETURN_IF_ERROR(f->CheckIntact());
+  return absl::OkStatus();
+}
+
 }  // namespace moelora

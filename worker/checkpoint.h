@@ -27,6 +27,9 @@ class Checkpoint {
   // The shard a tensor lives in (for messages).
   const std::string& FileOf(const std::string& name) const { return file_of_.at(name); }
   size_t num_files() const { return files_.size(); }
+  // OK unless a shard changed since Open (SafetensorsFile::CheckIntact): call once the weights
+  // have been copied out.
+  [[nodiscard]] absl::Status CheckIntact() const;
 
  private:
   std::string dir_;

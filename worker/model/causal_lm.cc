@@ -489,7 +489,10 @@ namespace {
   ctx.comm = comm;
   ctx.arch = arch;
   ctx.checkpoint = ckpt.get();
-  return GuardTorch(absl::StrCat("load ", dir), [&]() { return arch->factory(ctx); });
+  auto loaded = GuardTorch(absl::StrCat("load ", dir), [&]() { return arch->factory(ctx); });
+  // Weights read from a shard that changed under the load are not served.
+  if (loaded.ok() && ckpt != nullptr) MOELORA_RETURN_IF_ERROR(ckpt->CheckIntact());
+  return loaded;
 }
 
 }  // namespace moelora
