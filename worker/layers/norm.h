@@ -7,11 +7,19 @@
 #include <ATen/ATen.h>
 
 #include <utility>
+#include <vector>
+
+#include "kernels/elementwise.h"
 
 namespace moelora {
 
 // kPlainF32Weight (GPT-OSS): dtype(w · (x / rms(x))), the weight applied in f32 before the cast.
 enum class NormKind { kPlain, kZeroCentred, kPlainF32Weight };
+
+// For fused passes over the rows (NormRotaryQk): the kernels' form of `kind`, and a contiguous f32
+// or bf16 norm weight's values in f32 (an f32 weight as it is, a bf16 one widened into `buf`).
+NormForm FormOf(NormKind kind);
+const float* NormWeightF32(const at::Tensor& w, std::vector<float>& buf);
 
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps,
                    NormKind kind = NormKind::kPlain);
