@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -336,15 +337,15 @@ void HttpServer::WatchHangUps() {
     for (HttpExchange* ex : live_) {
       MutexLock l(&ex->mu_);
       if (!ex->suspended_ || ex->conn_ == nullptr || ex->client_left_) continue;
-      // While suspended, libmicrohttpd neither reads nor closes the socket: a peek that finds
-      // the end of the stream (or an error) means the client is gone. Bytes waiting (a
-      // pipelined request) are not an end.
+      // While suspended, libmicrohttpd neither reads nor closes the socket: the peer's end of
+      // the stream (POLLRDHUP, seen even with bytes still unread before it, such as TLS's
+      // close_notify) or an error means the client is gone. Bytes alone (a pipelined request)
+      // are not an end.
       const MHD_ConnectionInfo* info =
           MHD_get_connection_info(ex->conn_, MHD_CONNECTION_INFO_CONNECTION_FD);
       if (info == nullptr) continue;
-      char c;
-      const ssize_t n = recv(info->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      pollfd p{info->connect_fd, POLLRDHUP, 0};
+      if (poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
         ex->client_left_ = true;
         ex->WakeLocked();
       }

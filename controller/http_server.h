@@ -11,7 +11,7 @@
 // buffered-body budgets) before any of its body is read; bodies held at once are bounded in all
 // and per client address, connections too; a connection that goes quiet before its headers end
 // is closed after header_timeout_s. A client that hangs up while its answer is not ready is seen
-// (the suspended sockets are polled) and its exchange cut short, so that what it asked for stops.
+// (the suspended sockets are polled for the peer's end) and its exchange cut short, so that what it asked for stops.
 // No exception from a handler escapes: it is answered 500.
 //
 // Thread-safety: HttpExchange's methods may be called from any thread. The handler and the
@@ -153,7 +153,8 @@ class HttpServer {
  private:
   friend struct HttpExchange::Callbacks;
   explicit HttpServer(Handler handler) : handler_(std::move(handler)) {}
-  // Every 100 ms: a suspended exchange whose client hung up is ended (its close callback runs).
+  // Every 100 ms: a suspended exchange whose client hung up (POLLRDHUP) is ended (its close
+  // callback runs).
   void WatchHangUps() ABSL_LOCKS_EXCLUDED(mu_);
 
   Handler handler_;
