@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -56,6 +57,11 @@ struct Service {
   Service() {
     char tmpl[] = "/tmp/http_fuzz.XXXXXX";
     state_dir = mkdtemp(tmpl);
+    static std::string dir_to_remove = state_dir;
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(dir_to_remove, ec);
+    });
     registry = *Registry::Open(state_dir);
     const std::string model = std::string(MOELORA_TEST_DATA_DIR) + "/qwen3_moe/model";
     ControllerOptions o;
