@@ -11,8 +11,8 @@
 // buffered-body budgets) before any of its body is read; bodies held at once are bounded in all
 // and per client address, connections too; a connection that goes quiet before its headers end
 // is closed after header_timeout_s. A client that hangs up while its answer is not ready is seen
-// (the suspended sockets are polled for the peer's end) and its exchange cut short, so that what it asked for stops.
-// No exception from a handler escapes: it is answered 500.
+// (the suspended sockets are polled for the peer's end) and its exchange cut short, so that what it
+// asked for stops. No exception from a handler escapes: it is answered 500.
 //
 // Thread-safety: HttpExchange's methods may be called from any thread. The handler and the
 // close callbacks run on the server's threads: they must only hand work on.
