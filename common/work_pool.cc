@@ -39,11 +39,6 @@ bool WorkPool::TryPost(std::function<void()> fn) {
   return true;
 }
 
-size_t WorkPool::queued() const {
-  MutexLock lock(&mu_);
-  return queue_.size();
-}
-
 void WorkPool::Loop() {
   while (true) {
     std::function<void()> fn;

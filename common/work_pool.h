@@ -30,12 +30,11 @@ class WorkPool {
   // Post unless max_queued closures wait already (then false, and `fn` is dropped).
   [[nodiscard]] bool TryPost(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_);
   int size() const { return static_cast<int>(threads_.size()); }
-  size_t queued() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
   const size_t max_queued_;
-  mutable Mutex mu_;
+  Mutex mu_;
   CondVar cv_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

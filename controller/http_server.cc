@@ -85,11 +85,6 @@ void BodyBudget::Release(const std::string& client, size_t bytes) {
   held_ -= std::min(held_, bytes);
 }
 
-size_t BodyBudget::held() const {
-  MutexLock lock(&mu_);
-  return held_;
-}
-
 std::string HttpExchange::TakeBody() {
   std::string b = std::move(body_);
   body_.clear();

@@ -48,11 +48,10 @@ class BodyBudget {
   // OK, or RESOURCE_EXHAUSTED (this client's share) / UNAVAILABLE (the server's) saying which.
   absl::Status Reserve(const std::string& client, size_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void Release(const std::string& client, size_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  size_t held() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const size_t total_, per_client_;
-  mutable Mutex mu_;
+  Mutex mu_;
   size_t held_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<std::string, size_t> by_client_ ABSL_GUARDED_BY(mu_);
 };

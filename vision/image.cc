@@ -216,6 +216,20 @@ bool JpegReadRows(jpeg_decompress_struct* cinfo, JpegError* err, uint8_t* out, s
   return true;
 }
 
+// A decompressor with our error handlers, destroyed with its scope (both JPEG readers).
+struct JpegDecompress {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  JpegDecompress() {
+    cinfo.err = jpeg_std_error(&err.mgr);
+    err.mgr.error_exit = JpegErrorExit;
+    err.mgr.emit_message = JpegWarning;
+  }
+  ~JpegDecompress() { jpeg_destroy_decompress(&cinfo); }
+  JpegDecompress(const JpegDecompress&) = delete;
+  JpegDecompress& operator=(const JpegDecompress&) = delete;
+};
+
 bool JpegReadDimensions(jpeg_decompress_struct* cinfo, JpegError* err, const uint8_t* data,
                         size_t n) {
   if (setjmp(err->jump)) return false;
@@ -226,15 +240,9 @@ bool JpegReadDimensions(jpeg_decompress_struct* cinfo, JpegError* err, const uin
 }
 
 absl::StatusOr<std::pair<int64_t, int64_t>> JpegDimensions(std::string_view bytes) {
-  jpeg_decompress_struct cinfo;
-  JpegError err;
-  cinfo.err = jpeg_std_error(&err.mgr);
-  err.mgr.error_exit = JpegErrorExit;
-  err.mgr.emit_message = JpegWarning;
-  struct Destroy {
-    jpeg_decompress_struct* c;
-    ~Destroy() { jpeg_destroy_decompress(c); }
-  } destroy{&cinfo};
+  JpegDecompress j;
+  jpeg_decompress_struct& cinfo = j.cinfo;
+  JpegError& err = j.err;
   if (!JpegReadDimensions(&cinfo, &err, reinterpret_cast<const uint8_t*>(bytes.data()),
                           bytes.size())) {
     return Bad(absl::StrCat("JPEG: ", err.message));
@@ -243,15 +251,9 @@ absl::StatusOr<std::pair<int64_t, int64_t>> JpegDimensions(std::string_view byte
 }
 
 absl::StatusOr<RgbImage> DecodeJpeg(std::string_view bytes, const DecodeLimits& limits) {
-  jpeg_decompress_struct cinfo;
-  JpegError err;
-  cinfo.err = jpeg_std_error(&err.mgr);
-  err.mgr.error_exit = JpegErrorExit;
-  err.mgr.emit_message = JpegWarning;
-  struct Destroy {
-    jpeg_decompress_struct* c;
-    ~Destroy() { jpeg_destroy_decompress(c); }
-  } destroy{&cinfo};
+  JpegDecompress j;
+  jpeg_decompress_struct& cinfo = j.cinfo;
+  JpegError& err = j.err;
   bool cmyk = false;
   if (!JpegReadHeader(&cinfo, &err, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
                       &cmyk)) {
