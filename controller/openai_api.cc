@@ -123,6 +123,56 @@ json Usage(int64_t prompt, int64_t completion) {
               {"total_tokens", prompt + completion}};
 }
 
+// `stop` and `stop_token_ids` into `base`, their counts and sizes checked before anything is
+// copied (the first problem goes to `p`).
+void ReadStops(Params* p, const RequestCaps& caps, v1::GenerateRequest* base) {
+  if (const ordered_json* stop = p->Get("stop")) {
+    auto add = [&](const ordered_json& v) {
+      const std::string& str = v.get_ref<const std::string&>();
+      if (str.empty() || str.size() > caps.max_stop_bytes) {
+        p->Bad("stop", absl::StrCat("strings must be 1..", caps.max_stop_bytes,
+                                    " bytes (--max-stop-bytes), not ", str.size()));
+        return false;
+      }
+      base->add_stop(str);
+      return true;
+    };
+    if (stop->is_string()) {
+      add(*stop);
+    } else if (stop->is_array()) {
+      if (stop->size() > static_cast<size_t>(caps.max_stop_strings)) {
+        p->Bad("stop", absl::StrCat("at most ", caps.max_stop_strings,
+                                    " strings (--max-stop-strings), not ", stop->size()));
+      }
+      for (const auto& s : *stop) {
+        if (!p->status().ok()) break;
+        if (!s.is_string()) {
+          p->Bad("stop", "must be a string or a list of strings");
+          break;
+        }
+        if (!add(s)) break;
+      }
+    } else {
+      p->Bad("stop", "must be a string or a list of strings");
+    }
+  }
+  if (const ordered_json* ids = p->Get("stop_token_ids")) {
+    if (!ids->is_array()) p->Bad("stop_token_ids", "must be a list of token ids");
+    if (ids->is_array() && ids->size() > static_cast<size_t>(caps.max_stop_token_ids)) {
+      p->Bad("stop_token_ids", absl::StrCat("at most ", caps.max_stop_token_ids,
+                                            " ids (--max-stop-token-ids), not ", ids->size()));
+    }
+    for (const auto& id : ids->is_array() && p->status().ok() ? *ids : ordered_json::array()) {
+      int32_t v = 0;
+      if (!AsInt32(id, &v)) {
+        p->Bad("stop_token_ids", "must be a list of token ids");
+        break;
+      }
+      base->add_stop_token_ids(v);
+    }
+  }
+}
+
 }  // namespace
 
 void ReadSamplingDefaults(const std::string& model_dir, OpenAiOptions* o) {
@@ -310,52 +360,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     base.set_top_k(top_k < 0 || top_k > INT32_MAX ? 0 : static_cast<int32_t>(top_k));
     base.set_ignore_eos(p->Bool("ignore_eos", false));
     base.set_return_logprobs(logprobs_);
-    // Counts and sizes checked before anything is copied.
-    if (const ordered_json* stop = p->Get("stop")) {
-      auto add = [&](const ordered_json& v) {
-        const std::string& str = v.get_ref<const std::string&>();
-        if (str.empty() || str.size() > caps.max_stop_bytes) {
-          p->Bad("stop", absl::StrCat("strings must be 1..", caps.max_stop_bytes,
-                                      " bytes (--max-stop-bytes), not ", str.size()));
-          return false;
-        }
-        base.add_stop(str);
-        return true;
-      };
-      if (stop->is_string()) {
-        add(*stop);
-      } else if (stop->is_array()) {
-        if (stop->size() > static_cast<size_t>(caps.max_stop_strings)) {
-          p->Bad("stop", absl::StrCat("at most ", caps.max_stop_strings,
-                                      " strings (--max-stop-strings), not ", stop->size()));
-        }
-        for (const auto& s : *stop) {
-          if (!p->status().ok()) break;
-          if (!s.is_string()) {
-            p->Bad("stop", "must be a string or a list of strings");
-            break;
-          }
-          if (!add(s)) break;
-        }
-      } else {
-        p->Bad("stop", "must be a string or a list of strings");
-      }
-    }
-    if (const ordered_json* ids = p->Get("stop_token_ids")) {
-      if (!ids->is_array()) p->Bad("stop_token_ids", "must be a list of token ids");
-      if (ids->is_array() && ids->size() > static_cast<size_t>(caps.max_stop_token_ids)) {
-        p->Bad("stop_token_ids", absl::StrCat("at most ", caps.max_stop_token_ids,
-                                              " ids (--max-stop-token-ids), not ", ids->size()));
-      }
-      for (const auto& id : ids->is_array() && p->status().ok() ? *ids : ordered_json::array()) {
-        int32_t v = 0;
-        if (!AsInt32(id, &v)) {
-          p->Bad("stop_token_ids", "must be a list of token ids");
-          break;
-        }
-        base.add_stop_token_ids(v);
-      }
-    }
+    ReadStops(p, caps, &base);
     const bool has_seed = p->Get("seed") != nullptr;
     const int64_t seed = p->Int("seed", 0);
     int64_t max_tokens = p->Int("max_tokens", -1);
@@ -382,70 +387,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       if (!ids.ok()) return ids.status();
       prompts.push_back(std::move(*ids));
     } else {
-      const ordered_json* prompt = p->Get("prompt");
-      if (prompt == nullptr) return p->Bad("prompt", "is required"), p->status();
-      auto encode = [&](const std::string& text) -> absl::Status {
-        if (text.size() > caps.max_prompt_bytes) {
-          p->Bad("prompt", absl::StrCat("is ", text.size(), " bytes; at most ",
-                                        caps.max_prompt_bytes, " (--max-prompt-bytes)"));
-          return p->status();
-        }
-        if (tokenizer == nullptr) {
-          return absl::InvalidArgumentError(
-              "this model directory has no tokenizer.json: send the prompt as token ids");
-        }
-        const auto t0 = std::chrono::steady_clock::now();
-        auto ids = tokenizer->Encode(text);
-        api_->metrics_->tokenize_seconds.Observe(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        if (!ids.ok())
-          return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
-        prompts.push_back(std::move(*ids));
-        return absl::OkStatus();
-      };
-      auto token_list = [&](const ordered_json& a) -> bool {
-        if (max_model_len > 0 && a.size() >= static_cast<size_t>(max_model_len)) {
-          return false;  // longer than the model: refused before it is copied
-        }
-        std::vector<int32_t> ids;
-        ids.reserve(a.size());
-        for (const auto& t : a) {
-          int32_t v = 0;
-          if (!AsInt32(t, &v)) return false;
-          ids.push_back(v);
-        }
-        prompts.push_back(std::move(ids));
-        return true;
-      };
-      const std::string kShape = absl::StrCat(
-          "must be a string, a list of strings, a list of token ids or a list of those (each "
-          "shorter than max_model_len ",
-          max_model_len, ")");
-      // prompts × n bounded before any prompt is tokenized or copied.
-      const size_t count =
-          prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() ? prompt->size() : 1;
-      if (count * static_cast<size_t>(n) > static_cast<size_t>(caps.max_choices)) {
-        p->Bad("prompt", absl::StrCat(count, " prompts x n = ", n, " is more than ",
-                                      caps.max_choices, " choices (--max-choices)"));
-        return p->status();
-      }
-      if (prompt->is_string()) {
-        MOELORA_RETURN_IF_ERROR(encode(prompt->get<std::string>()));
-      } else if (prompt->is_array() && !prompt->empty()) {
-        if ((*prompt)[0].is_number_integer()) {
-          if (!token_list(*prompt)) return p->Bad("prompt", kShape), p->status();
-        } else {
-          for (const auto& e : *prompt) {
-            if (e.is_string()) {
-              MOELORA_RETURN_IF_ERROR(encode(e.get<std::string>()));
-            } else if (!e.is_array() || e.empty() || !token_list(e)) {
-              return p->Bad("prompt", kShape), p->status();
-            }
-          }
-        }
-      } else {
-        return p->Bad("prompt", kShape), p->status();
-      }
+      MOELORA_RETURN_IF_ERROR(ReadPrompts(p, n, max_model_len, &prompts));
     }
     if (prompts.size() * static_cast<size_t>(n) > static_cast<size_t>(caps.max_choices)) {
       return absl::InvalidArgumentError(absl::StrCat(prompts.size(), " prompts x n = ", n,
@@ -474,6 +416,80 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         choices->push_back(std::move(ch));
         reqs->push_back(std::move(req));
       }
+    }
+    return absl::OkStatus();
+  }
+
+  // /v1/completions' `prompt` as token ids: a string, token ids, or a list of either; prompts x n
+  // and each prompt's size bounded before any is tokenized or copied.
+  absl::Status ReadPrompts(Params* p, int64_t n, int max_model_len,
+                           std::vector<std::vector<int32_t>>* out) {
+    const RequestCaps& caps = api_->controller_->caps();
+    const tok::Tokenizer* tokenizer = api_->controller_->tokenizer();
+    std::vector<std::vector<int32_t>>& prompts = *out;
+    const ordered_json* prompt = p->Get("prompt");
+    if (prompt == nullptr) return p->Bad("prompt", "is required"), p->status();
+    auto encode = [&](const std::string& text) -> absl::Status {
+      if (text.size() > caps.max_prompt_bytes) {
+        p->Bad("prompt", absl::StrCat("is ", text.size(), " bytes; at most ", caps.max_prompt_bytes,
+                                      " (--max-prompt-bytes)"));
+        return p->status();
+      }
+      if (tokenizer == nullptr) {
+        return absl::InvalidArgumentError(
+            "this model directory has no tokenizer.json: send the prompt as token ids");
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      auto ids = tokenizer->Encode(text);
+      api_->metrics_->tokenize_seconds.Observe(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (!ids.ok())
+        return absl::InvalidArgumentError(absl::StrCat("prompt: ", ids.status().message()));
+      prompts.push_back(std::move(*ids));
+      return absl::OkStatus();
+    };
+    auto token_list = [&](const ordered_json& a) -> bool {
+      if (max_model_len > 0 && a.size() >= static_cast<size_t>(max_model_len)) {
+        return false;  // longer than the model: refused before it is copied
+      }
+      std::vector<int32_t> ids;
+      ids.reserve(a.size());
+      for (const auto& t : a) {
+        int32_t v = 0;
+        if (!AsInt32(t, &v)) return false;
+        ids.push_back(v);
+      }
+      prompts.push_back(std::move(ids));
+      return true;
+    };
+    const std::string kShape = absl::StrCat(
+        "must be a string, a list of strings, a list of token ids or a list of those (each "
+        "shorter than max_model_len ",
+        max_model_len, ")");
+    // prompts × n bounded before any prompt is tokenized or copied.
+    const size_t count =
+        prompt->is_array() && !prompt->empty() && !(*prompt)[0].is_number() ? prompt->size() : 1;
+    if (count * static_cast<size_t>(n) > static_cast<size_t>(caps.max_choices)) {
+      p->Bad("prompt", absl::StrCat(count, " prompts x n = ", n, " is more than ", caps.max_choices,
+                                    " choices (--max-choices)"));
+      return p->status();
+    }
+    if (prompt->is_string()) {
+      MOELORA_RETURN_IF_ERROR(encode(prompt->get<std::string>()));
+    } else if (prompt->is_array() && !prompt->empty()) {
+      if ((*prompt)[0].is_number_integer()) {
+        if (!token_list(*prompt)) return p->Bad("prompt", kShape), p->status();
+      } else {
+        for (const auto& e : *prompt) {
+          if (e.is_string()) {
+            MOELORA_RETURN_IF_ERROR(encode(e.get<std::string>()));
+          } else if (!e.is_array() || e.empty() || !token_list(e)) {
+            return p->Bad("prompt", kShape), p->status();
+          }
+        }
+      }
+    } else {
+      return p->Bad("prompt", kShape), p->status();
     }
     return absl::OkStatus();
   }
