@@ -64,12 +64,12 @@
 #include "kernels/skinny_gemm.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/adapter_builder.h"
+#include "worker/architectures/qwen3_moe.h"
 #include "worker/checkpoint.h"
 #include "worker/comm/communicator.h"
-#include "worker/engine.h"
+#include "worker/engine/engine.h"
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/causal_lm.h"
-#include "worker/models/qwen3_moe.h"
 
 namespace moelora {
 namespace {

@@ -30,10 +30,10 @@
 #include "bench/compute_peak.h"
 #include "nlohmann/json.hpp"
 #include "vision/image_processor.h"
+#include "worker/architectures/vision_tower.h"
 #include "worker/comm/communicator.h"
 #include "worker/layers/gemm.h"
 #include "worker/model/causal_lm.h"
-#include "worker/models/vision_tower.h"
 
 namespace {
 

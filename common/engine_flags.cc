@@ -122,10 +122,10 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   f.max_loras = absl::GetFlag(FLAGS_max_loras);
   f.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
   f.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
-  f.mixed = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
-  f.expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
+  f.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
+  f.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
   f.fully_sharded_loras = absl::GetFlag(FLAGS_fully_sharded_loras);
-  f.tower_connector_lora = absl::GetFlag(FLAGS_enable_tower_connector_lora);
+  f.enable_tower_connector_lora = absl::GetFlag(FLAGS_enable_tower_connector_lora);
   f.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
   f.max_model_len = absl::GetFlag(FLAGS_max_model_len);
   f.dtype = absl::GetFlag(FLAGS_dtype);
@@ -134,7 +134,7 @@ absl::Status ReadEngineFlags(EngineFlags* out) {
   f.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   f.block_size = absl::GetFlag(FLAGS_block_size);
   f.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
-  f.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
+  f.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   f.prefill_tokens_beside_decodes = absl::GetFlag(FLAGS_prefill_tokens_beside_decodes);
   const absl::Status s =
       ParseByteCount(absl::GetFlag(FLAGS_kv_cache_memory_bytes), &f.kv_cache_memory_bytes);
@@ -193,15 +193,15 @@ std::vector<std::string> EngineFlagArgs(const EngineFlags& f) {
                                 std::to_string(f.kv_cache_memory_bytes),
                                 "--max-num-batched-tokens",
                                 std::to_string(f.max_num_batched_tokens)};
-  a.push_back(f.prefix_caching ? "--enable-prefix-caching" : "--noenable-prefix-caching");
+  a.push_back(f.enable_prefix_caching ? "--enable-prefix-caching" : "--noenable-prefix-caching");
   a.push_back("--mm-encoder-cache-bytes");
   a.push_back(std::to_string(f.mm_encoder_cache_bytes));
   a.push_back("--prefill-tokens-beside-decodes");
   a.push_back(std::to_string(f.prefill_tokens_beside_decodes));
-  if (f.mixed) a.push_back("--enable-mixed-moe-lora-format");
-  if (f.expert_parallel) a.push_back("--enable-expert-parallel");
+  if (f.enable_mixed_moe_lora_format) a.push_back("--enable-mixed-moe-lora-format");
+  if (f.enable_expert_parallel) a.push_back("--enable-expert-parallel");
   if (f.fully_sharded_loras) a.push_back("--fully-sharded-loras");
-  if (f.tower_connector_lora) a.push_back("--enable-tower-connector-lora");
+  if (f.enable_tower_connector_lora) a.push_back("--enable-tower-connector-lora");
   if (f.num_speculative_tokens > 0) {
     a.push_back("--speculative-config");
     a.push_back(absl::StrCat(R"({"method": "mtp", "num_speculative_tokens": )",

@@ -34,26 +34,39 @@ ABSL_DECLARE_FLAG(std::string, speculative_config);
 
 namespace moelora {
 
+// The engine's settings as the flags give them; the worker's EngineOptions (worker/engine/engine.h)
+// extends this struct with what only a worker process knows, and the model's options are derived
+// from it in one place (the engine's ModelOptionsFor). Field names are the flags' names.
 struct EngineFlags {
   int max_loras = 4;
+  // Adapters swapped out of their slots kept in host memory (LRU), ready to be copied back
+  // without reading a file; 0: none.
   int max_cpu_loras = 8;
   int max_lora_rank = 16;
-  bool mixed = false;
-  bool expert_parallel = false;
-  bool fully_sharded_loras = false;
-  bool tower_connector_lora = false;  // LoRA on the vision tower and its mergers
+  bool enable_mixed_moe_lora_format = false;
+  bool enable_expert_parallel = false;       // whole experts per rank
+  bool fully_sharded_loras = false;          // dense LoRA A/B sharded too
+  bool enable_tower_connector_lora = false;  // LoRA on the vision tower and its mergers
   int max_num_seqs = 64;
-  int max_model_len = 0;  // 0: from config.json
-  std::string dtype = "float32";
+  int max_model_len = 0;          // 0: the model's max_position_embeddings
+  std::string dtype = "float32";  // float32 | bfloat16
+  // cpu | cuda (device tp_rank % devices) | cuda:N | cpu-twins (the GPU code path on the CPU,
+  // through the CUDA kernels' CPU twins: slow; for tests and debugging).
   std::string device = "cpu";
   int dist_timeout_s = 120;
-  int block_size = 16;                                  // tokens per KV cache block
-  int64_t kv_cache_memory_bytes = int64_t{4} << 30;     // per worker
-  int64_t mm_encoder_cache_bytes = int64_t{256} << 20;  // vision tower outputs kept, per worker
-  int max_num_batched_tokens = 512;                     // tokens of one step at most
-  int prefill_tokens_beside_decodes = 16;               // while sequences decode
-  bool prefix_caching = true;  // where the model allows it (no recurrent layers)
-  // --speculative-config, parsed: drafts per decode step of the model's MTP head (0: off).
+  int block_size = 16;                               // tokens per KV cache block
+  int64_t kv_cache_memory_bytes = int64_t{4} << 30;  // per worker
+  // Vision tower outputs kept for reuse by later requests with the same image (and the same
+  // adapter, where adapters adapt the tower), least recently used out first; 0: none.
+  int64_t mm_encoder_cache_bytes = int64_t{256} << 20;
+  // Tokens one step computes at most: the running decodes, then prompt chunks in admission order.
+  int max_num_batched_tokens = 512;
+  // Prompt tokens a step reads at most while other sequences decode (0: the whole budget).
+  int prefill_tokens_beside_decodes = 16;
+  // Automatic prefix caching (models without recurrent layers only; off with speculation).
+  bool enable_prefix_caching = true;
+  // --speculative-config, parsed: drafts per decode step of the model's MTP head, verified in
+  // the step's one forward (0: off).
   int num_speculative_tokens = 0;
 };
 

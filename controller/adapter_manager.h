@@ -33,8 +33,8 @@
 #include "controller/registry.h"
 #include "controller/slot_pool.h"
 #include "controller/worker_group_interface.h"
-#include "lora/model_info.h"
 #include "moelora/v1/controller.pb.h"
+#include "schema/model_info.h"
 
 namespace moelora {
 

@@ -21,8 +21,8 @@
 #include "controller/request_validation.h"
 #include "controller/scheduler.h"
 #include "controller/worker_group_interface.h"
-#include "lora/model_info.h"
 #include "moelora/v1/controller.pb.h"
+#include "schema/model_info.h"
 #include "tokenizer/tokenizer.h"
 #include "vision/image_processor.h"
 

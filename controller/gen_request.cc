@@ -3,10 +3,24 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace moelora {
 namespace {
 double Seconds(GenRequest::Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 }  // namespace
+
+absl::Status GenRequest::Expiry(Clock::time_point now, const char* where) const {
+  if (now > deadline) {
+    return absl::DeadlineExceededError(absl::StrCat("deadline exceeded while ", where));
+  }
+  if (now > timeout_at) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("--request-timeout-s ", request_timeout_s, " exceeded while ", where));
+  }
+  if (cancelled) return absl::CancelledError("cancelled by the client");
+  return absl::OkStatus();
+}
 
 void GenRequest::SetQueueSeconds(double s) {
   MutexLock lock(&mu_);

@@ -50,6 +50,10 @@ class GenRequest {
   std::atomic<bool> stop_string{false};
 
   // Scheduler side.
+  // Why the request must leave at `now`: its deadline passed or its client cancelled (deadline
+  // first: gRPC also marks a call cancelled when its deadline passes). OK when it may stay;
+  // `where` ("queued", "generating") goes into the message.
+  absl::Status Expiry(Clock::time_point now, const char* where) const;
   void SetQueueSeconds(double s) ABSL_LOCKS_EXCLUDED(mu_);
   // Appends the tokens a worker call sampled for this request, in order, and calls the listener
   // once for all of them (one call of --decode-steps steps brings up to that many) when it asked

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -173,6 +174,538 @@ std::string DefaultWorkerBin(const char* argv0) {
   return "moelora-worker";
 }
 
+// Errors of the setup below: the message is what moelora-controller prints before it exits 1.
+absl::Status Fail(std::string message) { return absl::InvalidArgumentError(std::move(message)); }
+
+// The controller's own flags, in range (the engine flags are checked by ValidateEngineFlags).
+absl::Status CheckControllerFlags() {
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "cuda" && device != "cpu-twins") {
+    return Fail(absl::StrCat("--device ", device, ": expected cpu, cuda or cpu-twins"));
+  }
+  if (absl::GetFlag(FLAGS_tensor_parallel_size) < 1) {
+    return Fail("--tensor-parallel-size must be >= 1");
+  }
+  if (absl::GetFlag(FLAGS_batch_window_ms) < 0 || absl::GetFlag(FLAGS_batch_window_ms) > 1000) {
+    return Fail("--batch-window-ms must be in 0..1000");
+  }
+  if (absl::GetFlag(FLAGS_batch_window_max_ms) < absl::GetFlag(FLAGS_batch_window_ms) ||
+      absl::GetFlag(FLAGS_batch_window_max_ms) > 1000) {
+    return Fail("--batch-window-max-ms must be in --batch-window-ms..1000");
+  }
+  if (absl::GetFlag(FLAGS_max_bypass_ms) < 0) return Fail("--max-bypass-ms must be >= 0");
+  if (const std::string r = absl::GetFlag(FLAGS_adapter_resolver); !r.empty() && r != "filesystem")
+    return Fail(absl::StrCat("--adapter-resolver ", r, ": expected filesystem (or empty: off)"));
+  if (absl::GetFlag(FLAGS_adapter_resolver) == "filesystem" &&
+      absl::GetFlag(FLAGS_adapter_root).empty())
+    return Fail("--adapter-resolver filesystem needs --adapter-root");
+  if (absl::GetFlag(FLAGS_max_registered_adapters) < 1)
+    return Fail("--max-registered-adapters must be >= 1");
+  if (absl::GetFlag(FLAGS_max_queued_requests) < 1)
+    return Fail("--max-queued-requests must be >= 1");
+  if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
+    return Fail("--decode-steps must be in 1..16");
+  }
+  if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return Fail("--step-timeout-s must be >= 1");
+  if (absl::GetFlag(FLAGS_request_timeout_s) < 0) return Fail("--request-timeout-s must be >= 0");
+  for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
+           {"--prepare-threads", absl::GetFlag(FLAGS_prepare_threads)},
+           {"--max-preparing-requests", absl::GetFlag(FLAGS_max_preparing_requests)},
+           {"--max-stop-strings", absl::GetFlag(FLAGS_max_stop_strings)},
+           {"--max-stop-bytes", absl::GetFlag(FLAGS_max_stop_bytes)},
+           {"--max-stop-token-ids", absl::GetFlag(FLAGS_max_stop_token_ids)},
+           {"--max-prompt-bytes", absl::GetFlag(FLAGS_max_prompt_bytes)},
+           {"--max-image-bytes", absl::GetFlag(FLAGS_max_image_bytes)},
+           {"--max-choices", absl::GetFlag(FLAGS_max_choices)},
+           {"--max-messages", absl::GetFlag(FLAGS_max_messages)},
+           {"--max-tools", absl::GetFlag(FLAGS_max_tools)},
+           {"--max-json-depth", absl::GetFlag(FLAGS_max_json_depth)},
+           {"--max-json-values", absl::GetFlag(FLAGS_max_json_values)},
+           {"--http-max-body-bytes", absl::GetFlag(FLAGS_http_max_body_bytes)},
+           {"--http-max-buffered-bytes", absl::GetFlag(FLAGS_http_max_buffered_bytes)},
+           {"--http-max-client-buffered-bytes",
+            absl::GetFlag(FLAGS_http_max_client_buffered_bytes)},
+           {"--http-max-connections", absl::GetFlag(FLAGS_http_max_connections)},
+           {"--http-header-timeout-s", absl::GetFlag(FLAGS_http_header_timeout_s)},
+           {"--http-idle-timeout-s", absl::GetFlag(FLAGS_http_idle_timeout_s)},
+           {"--grpc-max-message-bytes", absl::GetFlag(FLAGS_grpc_max_message_bytes)}}) {
+    if (v < 1 || v > INT32_MAX) return Fail(absl::StrCat(name, " must be in 1..", INT32_MAX));
+  }
+  if (absl::GetFlag(FLAGS_http_max_client_connections) < 0) {
+    return Fail("--http-max-client-connections must be >= 0");
+  }
+  const std::string http_metrics = absl::GetFlag(FLAGS_http_metrics);
+  if (http_metrics != "open" && http_metrics != "token" && http_metrics != "off") {
+    return Fail(absl::StrCat("--http-metrics ", http_metrics, ": expected open, token or off"));
+  }
+  if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return Fail("--drain-timeout-s must be >= 0");
+  return absl::OkStatus();
+}
+
+// The flags the workers take as well, checked here by the same rules as there: a worker that
+// refuses one exits, and the controller would restart the group with it forever. So would a
+// model without MTP heads the workers can build, or with fewer chained heads than drafts.
+absl::StatusOr<moelora::EngineFlags> ReadWorkerFlags(const moelora::ModelInfo& info,
+                                                     const std::string& model) {
+  moelora::EngineFlags f;
+  if (auto s = moelora::ReadEngineFlags(&f); !s.ok()) return Fail(std::string(s.message()));
+  if (auto s = moelora::ValidateEngineFlags(f, static_cast<int>(moelora::kSgmvMaxRank)); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  const int k = f.num_speculative_tokens;
+  const bool qwen_head =
+      absl::StartsWith(info.architecture, "Qwen3_5Moe") && info.mtp_num_hidden_layers == 1;
+  const int step_heads =
+      info.architecture == "Step3p5ForCausalLM" ? info.num_nextn_predict_layers : 0;
+  if (k > 0 && !qwen_head && (step_heads <= 0 || step_heads > moelora::kMaxMtpHeads)) {
+    return Fail(absl::StrCat(
+        "--speculative-config method mtp: ", info.architecture, " from ", model,
+        " declares no MTP head this server can build (Qwen3.5/3.6-MoE checkpoints with "
+        "mtp_num_hidden_layers 1 and mtp.* weights; Step3.5 with num_nextn_predict_layers 1 .. ",
+        moelora::kMaxMtpHeads, ")"));
+  }
+  if (k > step_heads && step_heads > 0) {
+    return Fail(absl::StrCat("--speculative-config num_speculative_tokens ", k, ": ",
+                             info.architecture, " from ", model,
+                             " declares num_nextn_predict_layers ", step_heads,
+                             " (one MTP layer per draft token): at most ", step_heads, " a step"));
+  }
+  return f;
+}
+
+// /metrics on --metrics-port (none when negative); *port: the port it listens on, or -1.
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> ServeMetrics(
+    moelora::ControllerMetrics* metrics, int* port) {
+  *port = -1;
+  if (absl::GetFlag(FLAGS_metrics_port) < 0) return nullptr;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    exposer = std::make_unique<prometheus::Exposer>(
+        absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_metrics_port)));
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("cannot serve /metrics on port ", absl::GetFlag(FLAGS_metrics_port),
+                             ": ", e.what()));
+  }
+  exposer->RegisterCollectable(metrics->registry());
+  *port = exposer->GetListeningPorts().at(0);
+  return exposer;
+}
+
+absl::StatusOr<moelora::WorkerGroupOptions> GroupOptions(const char* argv0,
+                                                         const std::string& model,
+                                                         const moelora::EngineFlags& engine_flags) {
+  moelora::WorkerGroupOptions go;
+  go.worker_bin = absl::GetFlag(FLAGS_worker_bin).empty() ? DefaultWorkerBin(argv0)
+                                                          : absl::GetFlag(FLAGS_worker_bin);
+  go.model = model;
+  go.tp = absl::GetFlag(FLAGS_tensor_parallel_size);
+  if (!absl::GetFlag(FLAGS_workers).empty()) {
+    go.addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
+  }
+  go.run_dir = std::filesystem::absolute(absl::GetFlag(FLAGS_state_dir) + "/run").string();
+  go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  auto c = moelora::ChannelCredentialsFrom({"--worker-", absl::GetFlag(FLAGS_worker_tls_cert_file),
+                                            absl::GetFlag(FLAGS_worker_tls_key_file),
+                                            absl::GetFlag(FLAGS_worker_tls_ca_file)});
+  if (!c.ok()) return Fail(std::string(c.status().message()));
+  go.credentials = *c;
+  go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
+  go.worker_flags = moelora::EngineFlagArgs(engine_flags);
+  go.worker_flags.insert(go.worker_flags.end(),
+                         {"--device", absl::GetFlag(FLAGS_device), "--metrics-port", "0",
+                          "--adapter-root", absl::GetFlag(FLAGS_adapter_root)});
+  go.expected = moelora::WorkerSettingsFromFlags(engine_flags, model);
+  for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
+    go.worker_flags.push_back(std::string(a));
+  }
+  return go;
+}
+
+// The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present and
+// cannot be loaded is an error, not a silent fallback.
+absl::Status LoadTokenizer(const std::string& model, const std::string& tok_dir,
+                           moelora::ControllerOptions* co) {
+  if (std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json") ||
+      !absl::GetFlag(FLAGS_tokenizer).empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto tok = moelora::tok::Tokenizer::Load(tok_dir);
+    if (!tok.ok())
+      return Fail(absl::StrCat("--tokenizer ", tok_dir, ": ", tok.status().ToString()));
+    co->tokenizer = std::move(*tok);
+    co->eos_token_ids = co->tokenizer->eos_token_ids();
+    LOG(INFO) << "tokenizer " << co->tokenizer->source() << ": " << co->tokenizer->vocab_size()
+              << " ids, EOS " << absl::StrJoin(co->eos_token_ids, ",") << ", loaded in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+              << " s";
+    return absl::OkStatus();
+  }
+  auto eos = moelora::tok::ReadGenerationEosIds(model);
+  if (!eos.ok()) return Fail(eos.status().ToString());
+  co->eos_token_ids = *eos;
+  LOG(INFO) << "no tokenizer.json in " << tok_dir << ": token-id requests only";
+  return absl::OkStatus();
+}
+
+// Images: --limit-mm-per-prompt, and the model's image processor when it has one.
+absl::Status ReadImageOptions(const std::string& model, moelora::ControllerOptions* co) {
+  const nlohmann::json j = nlohmann::json::parse(absl::GetFlag(FLAGS_limit_mm_per_prompt), nullptr,
+                                                 /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Fail("--limit-mm-per-prompt: a JSON object such as '{\"image\": 1}' expected");
+  }
+  for (const auto& [modality, n] : j.items()) {
+    if (!n.is_number_integer() || n.get<int64_t>() < 0 || n.get<int64_t>() > 100000) {
+      return Fail(absl::StrCat("--limit-mm-per-prompt: ", modality,
+                               ": a count in [0, 100000] expected, not ", n.dump()));
+    }
+    if (modality == "image") {
+      co->limit_images_per_prompt = n.get<int>();
+    } else if (n.get<int64_t>() != 0) {
+      return Fail(absl::StrCat("--limit-mm-per-prompt: ", modality,
+                               " inputs are not served (images only)"));
+    }
+  }
+  if (std::filesystem::exists(std::filesystem::path(model) / "preprocessor_config.json")) {
+    auto ip = moelora::vision::ImageProcessorConfig::Load(model);
+    if (!ip.ok()) return Fail(ip.status().ToString());
+    co->image_processor =
+        std::make_shared<const moelora::vision::ImageProcessorConfig>(*std::move(ip));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<moelora::ControllerOptions> ControllerOptionsFromFlags(
+    const moelora::ModelInfo& info, const std::string& model, const std::string& tok_dir,
+    const moelora::EngineFlags& engine_flags) {
+  moelora::ControllerOptions co;
+  co.adapter_root = absl::GetFlag(FLAGS_adapter_root);
+  co.max_loras = engine_flags.max_loras;
+  co.max_cpu_loras = engine_flags.max_cpu_loras;
+  co.max_lora_rank = engine_flags.max_lora_rank;
+  co.mixed = engine_flags.enable_mixed_moe_lora_format;
+  co.max_num_seqs = engine_flags.max_num_seqs;
+  co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
+  co.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  co.max_bypass_ms = absl::GetFlag(FLAGS_max_bypass_ms);
+  co.max_registered_adapters = absl::GetFlag(FLAGS_max_registered_adapters);
+  co.resolve_from_filesystem = absl::GetFlag(FLAGS_adapter_resolver) == "filesystem";
+  co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
+  co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
+  co.call_ahead = absl::GetFlag(FLAGS_call_ahead);
+  co.request_timeout_s = absl::GetFlag(FLAGS_request_timeout_s);
+  co.prepare_threads = absl::GetFlag(FLAGS_prepare_threads);
+  co.max_preparing = absl::GetFlag(FLAGS_max_preparing_requests);
+  co.caps.max_stop_strings = absl::GetFlag(FLAGS_max_stop_strings);
+  co.caps.max_stop_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_stop_bytes));
+  co.caps.max_stop_token_ids = absl::GetFlag(FLAGS_max_stop_token_ids);
+  co.caps.max_prompt_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_prompt_bytes));
+  co.caps.max_image_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_image_bytes));
+  co.caps.max_choices = absl::GetFlag(FLAGS_max_choices);
+  co.caps.max_messages = absl::GetFlag(FLAGS_max_messages);
+  co.caps.max_tools = absl::GetFlag(FLAGS_max_tools);
+  co.model = info;
+  if (absl::Status s = LoadTokenizer(model, tok_dir, &co); !s.ok()) return s;
+  if (absl::Status s = ReadImageOptions(model, &co); !s.ok()) return s;
+  return co;
+}
+
+// The gRPC server: the controller's service, health and reflection; *port: the port bound.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(moelora::ControllerService* service,
+                                                        int* port) {
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      moelora::ServerCredentialsFromFlags();
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
+  grpc::EnableDefaultHealthCheckService(true);
+  // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
+  // reflection can describe the built-in health service to grpcurl.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  *port = 0;
+  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
+                           *credentials, port);
+  builder.RegisterService(service);
+  // A Generate request may carry image files (gRPC's default is 4 MiB).
+  builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_grpc_max_message_bytes)));
+  // Generate and GenerateStream hold no thread while they wait (callback API, service.h). The
+  // synchronous adapter RPCs get at most 64 threads: beyond, gRPC answers RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("moelora-controller");
+  quota.SetMaxThreads(64);
+  builder.SetResourceQuota(quota);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || *port == 0) {
+    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
+                             absl::GetFlag(FLAGS_port)));
+  }
+  return server;
+}
+
+// The HTTP API's options: the served name, the chat template, the special tokens, sampling
+// defaults and limits.
+absl::StatusOr<moelora::OpenAiOptions> OpenAiOptionsFromFlags(const std::string& model,
+                                                              const std::string& tok_dir) {
+  moelora::OpenAiOptions oo;
+  oo.model_path = model;
+  oo.served_model_name = absl::GetFlag(FLAGS_served_model_name);
+  if (oo.served_model_name.empty()) {
+    oo.served_model_name = std::filesystem::path(model).lexically_normal().filename().string();
+    if (oo.served_model_name.empty()) {
+      oo.served_model_name =
+          std::filesystem::path(model).lexically_normal().parent_path().filename().string();
+    }
+  }
+  absl::StatusOr<std::string> source = moelora::tok::ReadChatTemplate(tok_dir);
+  if (const std::string file = absl::GetFlag(FLAGS_chat_template); !file.empty()) {
+    std::ifstream f(file);
+    std::stringstream ss;
+    if (!f || !(ss << f.rdbuf()))
+      return Fail(absl::StrCat("--chat-template ", file, ": cannot be read"));
+    source = ss.str();
+  }
+  if (source.ok()) {
+    auto t = moelora::tok::ChatTemplate::Parse(*source);
+    if (!t.ok())
+      return Fail(absl::StrCat("chat template of ", tok_dir, ": ", t.status().message()));
+    oo.chat_template = *t;
+  } else if (source.status().code() != absl::StatusCode::kNotFound) {
+    return Fail(source.status().ToString());
+  } else {
+    LOG(INFO) << "no chat template (" << source.status().message()
+              << "): /v1/chat/completions answers 400";
+  }
+  auto special = moelora::tok::ReadSpecialTokenVariables(tok_dir);
+  if (!special.ok()) return Fail(special.status().ToString());
+  oo.special_tokens = *special;
+  moelora::ReadSamplingDefaults(model, &oo);
+  oo.json.max_depth = absl::GetFlag(FLAGS_max_json_depth);
+  oo.json.max_values = static_cast<size_t>(absl::GetFlag(FLAGS_max_json_values));
+  const std::string http_metrics = absl::GetFlag(FLAGS_http_metrics);
+  oo.metrics = http_metrics == "open"    ? moelora::OpenAiOptions::Metrics::kOpen
+               : http_metrics == "token" ? moelora::OpenAiOptions::Metrics::kToken
+                                         : moelora::OpenAiOptions::Metrics::kOff;
+  return oo;
+}
+
+// The OpenAI-compatible HTTP API on --http-port, answered by `api`.
+absl::StatusOr<std::unique_ptr<moelora::HttpServer>> StartHttp(moelora::OpenAiApi* api) {
+  moelora::HttpServer::Options ho;
+  ho.host = absl::GetFlag(FLAGS_host);
+  ho.port = absl::GetFlag(FLAGS_http_port);
+  ho.threads = std::max(1, absl::GetFlag(FLAGS_http_threads));
+  ho.max_body_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_body_bytes));
+  ho.max_buffered_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_buffered_bytes));
+  ho.max_client_buffered_bytes =
+      static_cast<size_t>(absl::GetFlag(FLAGS_http_max_client_buffered_bytes));
+  ho.max_connections = static_cast<unsigned>(absl::GetFlag(FLAGS_http_max_connections));
+  ho.max_client_connections =
+      static_cast<unsigned>(absl::GetFlag(FLAGS_http_max_client_connections));
+  ho.header_timeout_s = absl::GetFlag(FLAGS_http_header_timeout_s);
+  ho.idle_timeout_s = absl::GetFlag(FLAGS_http_idle_timeout_s);
+  ho.admit = [api](const moelora::HttpExchange& ex) { return api->Admit(ex); };
+  const moelora::TlsFiles tls = moelora::TlsFilesFromFlags();
+  if (!tls.ca.empty()) {
+    return Fail(
+        "--http-port with --tls-ca-file: client certificates are not supported on the "
+        "HTTP port (use bearer tokens, --auth-tokens-file)");
+  }
+  if (absl::Status s = moelora::ServerPemFrom(tls, &ho.tls_cert, &ho.tls_key); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  auto h = moelora::HttpServer::Start(
+      ho, [api](std::shared_ptr<moelora::HttpExchange> ex) { api->Handle(std::move(ex)); });
+  if (!h.ok()) return Fail(std::string(h.status().message()));
+  LOG(INFO) << "HTTP (OpenAI API) on port " << (*h)->port()
+            << (ho.tls_cert.empty() ? "" : " (TLS)");
+  return h;
+}
+
+// --preload's adapters, once.
+void Preload(moelora::Controller& controller) {
+  for (const auto& item : absl::StrSplit(absl::GetFlag(FLAGS_preload), ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    moelora::v1::LoadAdapterRequest req;
+    req.set_name(kv.first);
+    req.set_path(kv.second);
+    auto a = controller.LoadAdapter(req);
+    if (a.ok()) {
+      LOG(INFO) << "preloaded " << kv.first << " ("
+                << moelora::v1::AdapterFormat_Name(a->detected_format())
+                << (a->converted_to_2d() ? ", converted to 2D" : "") << ")";
+    } else {
+      LOG(ERROR) << "preload " << kv.first << ": " << a.status();
+    }
+  }
+}
+
+// Health follows the worker group; preloads run once, the first time it serves, before health
+// says SERVING (else a preloaded adapter's first requests get NOT_FOUND while it loads). Runs
+// until `stopping`.
+void WatchGroup(moelora::Controller& controller, moelora::WorkerGroup& group,
+                moelora::ControllerMetrics& metrics, const std::function<void(bool)>& set_health,
+                const std::atomic<bool>& stopping) {
+  bool preloaded = false;
+  bool last = false;
+  int restarts = 0;
+  while (!stopping) {
+    const bool serving = controller.serving();
+    const auto up = group.RanksUp();
+    for (size_t r = 0; r < up.size(); ++r)
+      metrics.worker_up.Add({{"rank", std::to_string(r)}}).Set(up[r]);
+    if (group.restarts() != restarts) {
+      metrics.worker_restarts.Increment(group.restarts() - restarts);
+      restarts = group.restarts();
+    }
+    if (serving && !preloaded) {
+      preloaded = true;
+      Preload(controller);
+    }
+    if (serving != last) {
+      set_health(serving);
+      last = serving;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+// Waits for SIGTERM or SIGINT (returned); SIGHUP reads the tokens again (a file that no longer
+// parses keeps those in force).
+int WaitForStop(const sigset_t& sigs, moelora::TokenAuth* auth) {
+  int sig = 0;
+  for (;;) {
+    sigwait(&sigs, &sig);
+    if (sig != SIGHUP) return sig;
+    if (auth == nullptr) {
+      LOG(INFO) << "SIGHUP: no --auth-tokens-file to read";
+    } else if (absl::Status r = auth->Reload(); r.ok()) {
+      LOG(INFO) << "SIGHUP: " << auth->size() << " tokens from "
+                << absl::GetFlag(FLAGS_auth_tokens_file);
+    } else {
+      LOG(ERROR) << "SIGHUP: tokens kept: " << r;
+    }
+  }
+}
+
+// Everything the controller serves with, built from the flags; Run serves until a signal.
+struct Servers {
+  std::unique_ptr<moelora::Registry> registry;
+  moelora::ControllerMetrics metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = -1;
+  std::unique_ptr<moelora::WorkerGroup> group;
+  std::unique_ptr<moelora::Controller> controller;
+  std::unique_ptr<moelora::ControllerService> service;
+  std::unique_ptr<moelora::TokenAuth> auth;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::unique_ptr<moelora::HealthPort> health_port;
+  std::unique_ptr<moelora::OpenAiApi> openai;
+  std::unique_ptr<moelora::HttpServer> http;
+
+  absl::Status Build(const char* argv0, const std::string& model, const moelora::ModelInfo& info);
+  void SetHealth(bool serving);
+  // Serves until SIGTERM / SIGINT, then drains within --drain-timeout-s and stops.
+  void Run(const sigset_t& sigs);
+};
+
+absl::Status Servers::Build(const char* argv0, const std::string& model,
+                            const moelora::ModelInfo& info) {
+  absl::StatusOr<moelora::EngineFlags> engine_flags = ReadWorkerFlags(info, model);
+  if (!engine_flags.ok()) return engine_flags.status();
+  auto r = moelora::Registry::Open(absl::GetFlag(FLAGS_state_dir));
+  if (!r.ok()) return Fail(r.status().ToString());
+  registry = *std::move(r);
+  absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e = ServeMetrics(&metrics, &metrics_port);
+  if (!e.ok()) return e.status();
+  exposer = *std::move(e);
+  absl::StatusOr<moelora::WorkerGroupOptions> go = GroupOptions(argv0, model, *engine_flags);
+  if (!go.ok()) return go.status();
+  group = std::make_unique<moelora::WorkerGroup>(*go);
+  const std::string tok_dir =
+      absl::GetFlag(FLAGS_tokenizer).empty() ? model : absl::GetFlag(FLAGS_tokenizer);
+  absl::StatusOr<moelora::ControllerOptions> co =
+      ControllerOptionsFromFlags(info, model, tok_dir, *engine_flags);
+  if (!co.ok()) return co.status();
+  controller = std::make_unique<moelora::Controller>(*co, registry.get(), group.get(), &metrics);
+  group->SetOnReady([this] { return controller->OnGroupReady(); });
+  group->SetOnDown([this](const std::string& why) { controller->OnGroupDown(why); });
+  service = std::make_unique<moelora::ControllerService>(controller.get(), &metrics);
+  if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
+    auto a = moelora::TokenAuth::Load(absl::GetFlag(FLAGS_auth_tokens_file));
+    if (!a.ok()) return Fail(absl::StrCat("--auth-tokens-file: ", a.status().message()));
+    auth = std::move(*a);
+    service->set_auth(auth.get());
+    LOG(INFO) << "tokens: " << auth->size() << " from " << absl::GetFlag(FLAGS_auth_tokens_file);
+  }
+  absl::StatusOr<std::unique_ptr<grpc::Server>> s = StartGrpc(service.get(), &port);
+  if (!s.ok()) return s.status();
+  server = *std::move(s);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  absl::StatusOr<std::unique_ptr<moelora::HealthPort>> hp =
+      moelora::HealthPortFromFlags(absl::GetFlag(FLAGS_host));
+  if (!hp.ok()) return Fail(std::string(hp.status().message()));
+  health_port = *std::move(hp);
+  if (health_port) LOG(INFO) << "health (plaintext) on port " << health_port->port();
+  int http_port = -1;
+  if (absl::GetFlag(FLAGS_http_port) >= 0) {
+    absl::StatusOr<moelora::OpenAiOptions> oo = OpenAiOptionsFromFlags(model, tok_dir);
+    if (!oo.ok()) return oo.status();
+    openai = std::make_unique<moelora::OpenAiApi>(controller.get(), &metrics, auth.get(),
+                                                  *std::move(oo));
+    absl::StatusOr<std::unique_ptr<moelora::HttpServer>> h = StartHttp(openai.get());
+    if (!h.ok()) return h.status();
+    http = *std::move(h);
+    http_port = http->port();
+  }
+  LOG(INFO) << "moelora-controller listening on " << absl::GetFlag(FLAGS_host) << ":" << port
+            << ", metrics on " << metrics_port << ", workers: "
+            << (go->addresses.empty() ? absl::StrCat(go->tp, " local (", go->worker_bin, ")")
+                                      : absl::GetFlag(FLAGS_workers));
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    if (auto ps = moelora::WritePortFile(pf, port, metrics_port, http_port); !ps.ok()) {
+      return Fail(std::string(ps.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Servers::SetHealth(bool serving) {
+  if (openai) openai->set_healthy(serving);
+  auto* health = server->GetHealthCheckService();
+  health->SetServingStatus(serving);
+  health->SetServingStatus("moelora.v1.Controller", serving);
+  if (health_port) {
+    health_port->Set(serving);
+    health_port->Set(serving, "moelora.v1.Controller");
+  }
+}
+
+void Servers::Run(const sigset_t& sigs) {
+  controller->Start();
+  group->Start();
+  std::atomic<bool> stopping{false};
+  std::thread watcher([&] {
+    WatchGroup(
+        *controller, *group, metrics, [this](bool s) { SetHealth(s); }, stopping);
+  });
+  const int sig = WaitForStop(sigs, auth.get());
+  LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
+            << " s)";
+  SetHealth(false);
+  const auto drain_deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  if (http) http->StopAccepting();
+  server->Shutdown(drain_deadline);
+  // HTTP requests in flight finish too, within the same deadline; then the server ends the rest.
+  while (http && http->open_exchanges() > 0 && std::chrono::system_clock::now() < drain_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  http.reset();
+  stopping = true;
+  watcher.join();
+  controller->Stop();
+  group->Stop();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -199,436 +732,18 @@ int main(int argc, char** argv) {
   if (model.empty()) return fail("--model is required (see --help)");
   auto info = moelora::ReadModelInfo(model);
   if (!info.ok()) return fail(info.status().ToString());
-  const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "cpu" && device != "cuda" && device != "cpu-twins") {
-    return fail(absl::StrCat("--device ", device, ": expected cpu, cuda or cpu-twins"));
-  }
-  const int tp = absl::GetFlag(FLAGS_tensor_parallel_size);
-  if (tp < 1) return fail("--tensor-parallel-size must be >= 1");
-  if (absl::GetFlag(FLAGS_batch_window_ms) < 0 || absl::GetFlag(FLAGS_batch_window_ms) > 1000) {
-    return fail("--batch-window-ms must be in 0..1000");
-  }
-  if (absl::GetFlag(FLAGS_batch_window_max_ms) < absl::GetFlag(FLAGS_batch_window_ms) ||
-      absl::GetFlag(FLAGS_batch_window_max_ms) > 1000) {
-    return fail("--batch-window-max-ms must be in --batch-window-ms..1000");
-  }
-  if (absl::GetFlag(FLAGS_max_bypass_ms) < 0) return fail("--max-bypass-ms must be >= 0");
-  if (const std::string r = absl::GetFlag(FLAGS_adapter_resolver); !r.empty() && r != "filesystem")
-    return fail(absl::StrCat("--adapter-resolver ", r, ": expected filesystem (or empty: off)"));
-  if (absl::GetFlag(FLAGS_adapter_resolver) == "filesystem" &&
-      absl::GetFlag(FLAGS_adapter_root).empty())
-    return fail("--adapter-resolver filesystem needs --adapter-root");
-  if (absl::GetFlag(FLAGS_max_registered_adapters) < 1)
-    return fail("--max-registered-adapters must be >= 1");
-  if (absl::GetFlag(FLAGS_max_queued_requests) < 1)
-    return fail("--max-queued-requests must be >= 1");
-  if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
-    return fail("--decode-steps must be in 1..16");
-  }
-  // The flags the workers take as well, checked here by the same rules as there: a worker that
-  // refuses one exits, and the controller would restart the group with it forever.
-  moelora::EngineFlags engine_flags;
-  if (auto s = moelora::ReadEngineFlags(&engine_flags); !s.ok())
-    return fail(std::string(s.message()));
-  if (auto s = moelora::ValidateEngineFlags(engine_flags, static_cast<int>(moelora::kSgmvMaxRank));
-      !s.ok()) {
-    return fail(std::string(s.message()));
-  }
-  // A model without MTP heads the workers can build, or with fewer chained heads than drafts,
-  // would make every worker exit at load, again and again.
-  const int k = engine_flags.num_speculative_tokens;
-  const bool qwen_head =
-      absl::StartsWith(info->architecture, "Qwen3_5Moe") && info->mtp_num_hidden_layers == 1;
-  const int step_heads =
-      info->architecture == "Step3p5ForCausalLM" ? info->num_nextn_predict_layers : 0;
-  if (k > 0 && !qwen_head && (step_heads <= 0 || step_heads > moelora::kMaxMtpHeads)) {
-    return fail(absl::StrCat(
-        "--speculative-config method mtp: ", info->architecture, " from ", model,
-        " declares no MTP head this server can build (Qwen3.5/3.6-MoE checkpoints with "
-        "mtp_num_hidden_layers 1 and mtp.* weights; Step3.5 with num_nextn_predict_layers 1 .. ",
-        moelora::kMaxMtpHeads, ")"));
-  }
-  if (k > step_heads && step_heads > 0) {
-    return fail(absl::StrCat("--speculative-config num_speculative_tokens ", k, ": ",
-                             info->architecture, " from ", model,
-                             " declares num_nextn_predict_layers ", step_heads,
-                             " (one MTP layer per draft token): at most ", step_heads, " a step"));
-  }
-  if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return fail("--step-timeout-s must be >= 1");
-  if (absl::GetFlag(FLAGS_request_timeout_s) < 0) return fail("--request-timeout-s must be >= 0");
-  for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
-           {"--prepare-threads", absl::GetFlag(FLAGS_prepare_threads)},
-           {"--max-preparing-requests", absl::GetFlag(FLAGS_max_preparing_requests)},
-           {"--max-stop-strings", absl::GetFlag(FLAGS_max_stop_strings)},
-           {"--max-stop-bytes", absl::GetFlag(FLAGS_max_stop_bytes)},
-           {"--max-stop-token-ids", absl::GetFlag(FLAGS_max_stop_token_ids)},
-           {"--max-prompt-bytes", absl::GetFlag(FLAGS_max_prompt_bytes)},
-           {"--max-image-bytes", absl::GetFlag(FLAGS_max_image_bytes)},
-           {"--max-choices", absl::GetFlag(FLAGS_max_choices)},
-           {"--max-messages", absl::GetFlag(FLAGS_max_messages)},
-           {"--max-tools", absl::GetFlag(FLAGS_max_tools)},
-           {"--max-json-depth", absl::GetFlag(FLAGS_max_json_depth)},
-           {"--max-json-values", absl::GetFlag(FLAGS_max_json_values)},
-           {"--http-max-body-bytes", absl::GetFlag(FLAGS_http_max_body_bytes)},
-           {"--http-max-buffered-bytes", absl::GetFlag(FLAGS_http_max_buffered_bytes)},
-           {"--http-max-client-buffered-bytes",
-            absl::GetFlag(FLAGS_http_max_client_buffered_bytes)},
-           {"--http-max-connections", absl::GetFlag(FLAGS_http_max_connections)},
-           {"--http-header-timeout-s", absl::GetFlag(FLAGS_http_header_timeout_s)},
-           {"--http-idle-timeout-s", absl::GetFlag(FLAGS_http_idle_timeout_s)},
-           {"--grpc-max-message-bytes", absl::GetFlag(FLAGS_grpc_max_message_bytes)}}) {
-    if (v < 1 || v > INT32_MAX) return fail(absl::StrCat(name, " must be in 1..", INT32_MAX));
-  }
-  if (absl::GetFlag(FLAGS_http_max_client_connections) < 0) {
-    return fail("--http-max-client-connections must be >= 0");
-  }
-  const std::string http_metrics = absl::GetFlag(FLAGS_http_metrics);
-  if (http_metrics != "open" && http_metrics != "token" && http_metrics != "off") {
-    return fail(absl::StrCat("--http-metrics ", http_metrics, ": expected open, token or off"));
-  }
-  if (absl::GetFlag(FLAGS_drain_timeout_s) < 0) return fail("--drain-timeout-s must be >= 0");
+  if (absl::Status s = CheckControllerFlags(); !s.ok()) return fail(std::string(s.message()));
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
   sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
-
-  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
-  auto registry = moelora::Registry::Open(state_dir);
-  if (!registry.ok()) return fail(registry.status().ToString());
-  moelora::ControllerMetrics metrics;
-  std::unique_ptr<prometheus::Exposer> exposer;
-  int metrics_port = -1;
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    try {
-      exposer = std::make_unique<prometheus::Exposer>(
-          absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_metrics_port)));
-    } catch (const std::exception& e) {
-      return fail(absl::StrCat("cannot serve /metrics on port ", absl::GetFlag(FLAGS_metrics_port),
-                               ": ", e.what()));
-    }
-    exposer->RegisterCollectable(metrics.registry());
-    metrics_port = exposer->GetListeningPorts().at(0);
+  auto servers = std::make_unique<Servers>();
+  if (absl::Status s = servers->Build(argv[0], model, *info); !s.ok()) {
+    return fail(std::string(s.message()));
   }
-
-  moelora::WorkerGroupOptions go;
-  go.worker_bin = absl::GetFlag(FLAGS_worker_bin).empty() ? DefaultWorkerBin(argv[0])
-                                                          : absl::GetFlag(FLAGS_worker_bin);
-  go.model = model;
-  go.tp = tp;
-  if (!absl::GetFlag(FLAGS_workers).empty()) {
-    go.addresses = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
-  }
-  go.run_dir = std::filesystem::absolute(state_dir + "/run").string();
-  go.step_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_step_timeout_s));
-  {
-    auto c = moelora::ChannelCredentialsFrom(
-        {"--worker-", absl::GetFlag(FLAGS_worker_tls_cert_file),
-         absl::GetFlag(FLAGS_worker_tls_key_file), absl::GetFlag(FLAGS_worker_tls_ca_file)});
-    if (!c.ok()) return fail(std::string(c.status().message()));
-    go.credentials = *c;
-  }
-  go.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
-  go.worker_flags = moelora::EngineFlagArgs(engine_flags);
-  go.worker_flags.insert(go.worker_flags.end(),
-                         {"--device", device, "--metrics-port", "0", "--adapter-root",
-                          absl::GetFlag(FLAGS_adapter_root)});
-  go.expected = moelora::WorkerSettingsFromFlags(engine_flags, model);
-  for (const auto& a : absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
-    go.worker_flags.push_back(std::string(a));
-  }
-  moelora::WorkerGroup group(go);
-
-  moelora::ControllerOptions co;
-  co.adapter_root = absl::GetFlag(FLAGS_adapter_root);
-  co.max_loras = engine_flags.max_loras;
-  co.max_cpu_loras = engine_flags.max_cpu_loras;
-  co.max_lora_rank = engine_flags.max_lora_rank;
-  co.mixed = engine_flags.mixed;
-  co.max_num_seqs = engine_flags.max_num_seqs;
-  co.batch_window_ms = absl::GetFlag(FLAGS_batch_window_ms);
-  co.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
-  co.max_bypass_ms = absl::GetFlag(FLAGS_max_bypass_ms);
-  co.max_registered_adapters = absl::GetFlag(FLAGS_max_registered_adapters);
-  co.resolve_from_filesystem = absl::GetFlag(FLAGS_adapter_resolver) == "filesystem";
-  co.batch_window_max_ms = absl::GetFlag(FLAGS_batch_window_max_ms);
-  co.decode_steps = absl::GetFlag(FLAGS_decode_steps);
-  co.call_ahead = absl::GetFlag(FLAGS_call_ahead);
-  co.request_timeout_s = absl::GetFlag(FLAGS_request_timeout_s);
-  co.prepare_threads = absl::GetFlag(FLAGS_prepare_threads);
-  co.max_preparing = absl::GetFlag(FLAGS_max_preparing_requests);
-  co.caps.max_stop_strings = absl::GetFlag(FLAGS_max_stop_strings);
-  co.caps.max_stop_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_stop_bytes));
-  co.caps.max_stop_token_ids = absl::GetFlag(FLAGS_max_stop_token_ids);
-  co.caps.max_prompt_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_prompt_bytes));
-  co.caps.max_image_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_max_image_bytes));
-  co.caps.max_choices = absl::GetFlag(FLAGS_max_choices);
-  co.caps.max_messages = absl::GetFlag(FLAGS_max_messages);
-  co.caps.max_tools = absl::GetFlag(FLAGS_max_tools);
-  co.model = *info;
-  // The tokenizer: optional (token-id requests need none), but a tokenizer.json that is present
-  // and cannot be loaded is an error, not a silent fallback.
-  const std::string tok_dir =
-      absl::GetFlag(FLAGS_tokenizer).empty() ? model : absl::GetFlag(FLAGS_tokenizer);
-  if (std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json") ||
-      !absl::GetFlag(FLAGS_tokenizer).empty()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto tok = moelora::tok::Tokenizer::Load(tok_dir);
-    if (!tok.ok())
-      return fail(absl::StrCat("--tokenizer ", tok_dir, ": ", tok.status().ToString()));
-    co.tokenizer = std::move(*tok);
-    co.eos_token_ids = co.tokenizer->eos_token_ids();
-    LOG(INFO) << "tokenizer " << co.tokenizer->source() << ": " << co.tokenizer->vocab_size()
-              << " ids, EOS " << absl::StrJoin(co.eos_token_ids, ",") << ", loaded in "
-              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
-              << " s";
-  } else {
-    auto eos = moelora::tok::ReadGenerationEosIds(model);
-    if (!eos.ok()) return fail(eos.status().ToString());
-    co.eos_token_ids = *eos;
-    LOG(INFO) << "no tokenizer.json in " << tok_dir << ": token-id requests only";
-  }
-  // Images: --limit-mm-per-prompt, and the model's image processor when it has one.
-  {
-    const nlohmann::json j = nlohmann::json::parse(absl::GetFlag(FLAGS_limit_mm_per_prompt),
-                                                   nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) {
-      return fail("--limit-mm-per-prompt: a JSON object such as '{\"image\": 1}' expected");
-    }
-    for (const auto& [modality, n] : j.items()) {
-      if (!n.is_number_integer() || n.get<int64_t>() < 0 || n.get<int64_t>() > 100000) {
-        return fail(absl::StrCat("--limit-mm-per-prompt: ", modality,
-                                 ": a count in [0, 100000] expected, not ", n.dump()));
-      }
-      if (modality == "image") {
-        co.limit_images_per_prompt = n.get<int>();
-      } else if (n.get<int64_t>() != 0) {
-        return fail(absl::StrCat("--limit-mm-per-prompt: ", modality,
-                                 " inputs are not served (images only)"));
-      }
-    }
-    if (std::filesystem::exists(std::filesystem::path(model) / "preprocessor_config.json")) {
-      auto ip = moelora::vision::ImageProcessorConfig::Load(model);
-      if (!ip.ok()) return fail(ip.status().ToString());
-      co.image_processor =
-          std::make_shared<const moelora::vision::ImageProcessorConfig>(*std::move(ip));
-    }
-  }
-  moelora::Controller controller(co, registry->get(), &group, &metrics);
-  group.SetOnReady([&] { return controller.OnGroupReady(); });
-  group.SetOnDown([&](const std::string& why) { controller.OnGroupDown(why); });
-
-  moelora::ControllerService service(&controller, &metrics);
-  std::unique_ptr<moelora::OpenAiApi> openai;  // --http-port's, set up below
-  std::unique_ptr<moelora::HttpServer> http;
-  std::unique_ptr<moelora::TokenAuth> auth;
-  if (!absl::GetFlag(FLAGS_auth_tokens_file).empty()) {
-    auto a = moelora::TokenAuth::Load(absl::GetFlag(FLAGS_auth_tokens_file));
-    if (!a.ok()) return fail(absl::StrCat("--auth-tokens-file: ", a.status().message()));
-    auth = std::move(*a);
-    service.set_auth(auth.get());
-    LOG(INFO) << "tokens: " << auth->size() << " from " << absl::GetFlag(FLAGS_auth_tokens_file);
-  }
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      moelora::ServerCredentialsFromFlags();
-  if (!credentials.ok()) return fail(std::string(credentials.status().message()));
-  grpc::EnableDefaultHealthCheckService(true);
-  // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
-  // reflection can describe the built-in health service to grpcurl.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
-                           *credentials, &port);
-  builder.RegisterService(&service);
-  // A Generate request may carry image files (gRPC's default is 4 MiB).
-  builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_grpc_max_message_bytes)));
-  // Generate and GenerateStream hold no thread while they wait (callback API, service.h). The
-  // synchronous adapter RPCs get at most 64 threads: beyond, gRPC answers RESOURCE_EXHAUSTED.
-  grpc::ResourceQuota quota("moelora-controller");
-  quota.SetMaxThreads(64);
-  builder.SetResourceQuota(quota);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    return fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
-                             absl::GetFlag(FLAGS_port)));
-  }
-  auto* health = server->GetHealthCheckService();
-  health->SetServingStatus(false);
-  absl::StatusOr<std::unique_ptr<moelora::HealthPort>> hp =
-      moelora::HealthPortFromFlags(absl::GetFlag(FLAGS_host));
-  if (!hp.ok()) return fail(std::string(hp.status().message()));
-  std::unique_ptr<moelora::HealthPort> health_port = *std::move(hp);
-  if (health_port) LOG(INFO) << "health (plaintext) on port " << health_port->port();
-  auto set_health = [&](bool serving) {
-    if (openai) openai->set_healthy(serving);
-    health->SetServingStatus(serving);
-    health->SetServingStatus("moelora.v1.Controller", serving);
-    if (health_port) {
-      health_port->Set(serving);
-      health_port->Set(serving, "moelora.v1.Controller");
-    }
-  };
-  // The OpenAI-compatible HTTP API, on the same controller.
-  int http_port = -1;
-  if (absl::GetFlag(FLAGS_http_port) >= 0) {
-    moelora::OpenAiOptions oo;
-    oo.model_path = model;
-    oo.served_model_name = absl::GetFlag(FLAGS_served_model_name);
-    if (oo.served_model_name.empty()) {
-      oo.served_model_name = std::filesystem::path(model).lexically_normal().filename().string();
-      if (oo.served_model_name.empty()) {
-        oo.served_model_name =
-            std::filesystem::path(model).lexically_normal().parent_path().filename().string();
-      }
-    }
-    absl::StatusOr<std::string> source = moelora::tok::ReadChatTemplate(tok_dir);
-    if (const std::string file = absl::GetFlag(FLAGS_chat_template); !file.empty()) {
-      std::ifstream f(file);
-      std::stringstream ss;
-      if (!f || !(ss << f.rdbuf()))
-        return fail(absl::StrCat("--chat-template ", file, ": cannot be read"));
-      source = ss.str();
-    }
-    if (source.ok()) {
-      auto t = moelora::tok::ChatTemplate::Parse(*source);
-      if (!t.ok())
-        return fail(absl::StrCat("chat template of ", tok_dir, ": ", t.status().message()));
-      oo.chat_template = *t;
-    } else if (source.status().code() != absl::StatusCode::kNotFound) {
-      return fail(source.status().ToString());
-    } else {
-      LOG(INFO) << "no chat template (" << source.status().message()
-                << "): /v1/chat/completions answers 400";
-    }
-    auto special = moelora::tok::ReadSpecialTokenVariables(tok_dir);
-    if (!special.ok()) return fail(special.status().ToString());
-    oo.special_tokens = *special;
-    moelora::ReadSamplingDefaults(model, &oo);
-    oo.json.max_depth = absl::GetFlag(FLAGS_max_json_depth);
-    oo.json.max_values = static_cast<size_t>(absl::GetFlag(FLAGS_max_json_values));
-    oo.metrics = http_metrics == "open"    ? moelora::OpenAiOptions::Metrics::kOpen
-                 : http_metrics == "token" ? moelora::OpenAiOptions::Metrics::kToken
-                                           : moelora::OpenAiOptions::Metrics::kOff;
-    openai = std::make_unique<moelora::OpenAiApi>(&controller, &metrics, auth.get(), std::move(oo));
-    moelora::HttpServer::Options ho;
-    ho.host = absl::GetFlag(FLAGS_host);
-    ho.port = absl::GetFlag(FLAGS_http_port);
-    ho.threads = std::max(1, absl::GetFlag(FLAGS_http_threads));
-    ho.max_body_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_body_bytes));
-    ho.max_buffered_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_buffered_bytes));
-    ho.max_client_buffered_bytes =
-        static_cast<size_t>(absl::GetFlag(FLAGS_http_max_client_buffered_bytes));
-    ho.max_connections = static_cast<unsigned>(absl::GetFlag(FLAGS_http_max_connections));
-    ho.max_client_connections =
-        static_cast<unsigned>(absl::GetFlag(FLAGS_http_max_client_connections));
-    ho.header_timeout_s = absl::GetFlag(FLAGS_http_header_timeout_s);
-    ho.idle_timeout_s = absl::GetFlag(FLAGS_http_idle_timeout_s);
-    ho.admit = [api = openai.get()](const moelora::HttpExchange& ex) { return api->Admit(ex); };
-    const moelora::TlsFiles tls = moelora::TlsFilesFromFlags();
-    if (!tls.ca.empty()) {
-      return fail(
-          "--http-port with --tls-ca-file: client certificates are not supported on the "
-          "HTTP port (use bearer tokens, --auth-tokens-file)");
-    }
-    if (absl::Status s = moelora::ServerPemFrom(tls, &ho.tls_cert, &ho.tls_key); !s.ok()) {
-      return fail(std::string(s.message()));
-    }
-    auto h = moelora::HttpServer::Start(
-        ho, [api = openai.get()](std::shared_ptr<moelora::HttpExchange> ex) {
-          api->Handle(std::move(ex));
-        });
-    if (!h.ok()) return fail(std::string(h.status().message()));
-    http = *std::move(h);
-    http_port = http->port();
-    LOG(INFO) << "HTTP (OpenAI API) on port " << http_port << (ho.tls_cert.empty() ? "" : " (TLS)");
-  }
-  LOG(INFO) << "moelora-controller listening on " << absl::GetFlag(FLAGS_host) << ":" << port
-            << ", metrics on " << metrics_port << ", workers: "
-            << (go.addresses.empty() ? absl::StrCat(tp, " local (", go.worker_bin, ")")
-                                     : absl::GetFlag(FLAGS_workers));
-  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    if (auto s = moelora::WritePortFile(pf, port, metrics_port, http_port); !s.ok()) {
-      return fail(std::string(s.message()));
-    }
-  }
-  controller.Start();
-  group.Start();
-
-  // Health follows the worker group; preloads run once, the first time it serves, before health
-  // says SERVING (else a preloaded adapter's first requests get NOT_FOUND while it loads).
-  std::atomic<bool> stopping{false};
-  std::thread watcher([&] {
-    bool preloaded = false;
-    bool last = false;
-    while (!stopping) {
-      const bool serving = controller.serving();
-      const auto up = group.RanksUp();
-      for (size_t r = 0; r < up.size(); ++r)
-        metrics.worker_up.Add({{"rank", std::to_string(r)}}).Set(up[r]);
-      static int restarts = 0;
-      if (group.restarts() != restarts) {
-        metrics.worker_restarts.Increment(group.restarts() - restarts);
-        restarts = group.restarts();
-      }
-      if (serving && !preloaded) {
-        preloaded = true;
-        for (const auto& item :
-             absl::StrSplit(absl::GetFlag(FLAGS_preload), ',', absl::SkipEmpty())) {
-          std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
-          moelora::v1::LoadAdapterRequest req;
-          req.set_name(kv.first);
-          req.set_path(kv.second);
-          auto a = controller.LoadAdapter(req);
-          if (a.ok()) {
-            LOG(INFO) << "preloaded " << kv.first << " ("
-                      << moelora::v1::AdapterFormat_Name(a->detected_format())
-                      << (a->converted_to_2d() ? ", converted to 2D" : "") << ")";
-          } else {
-            LOG(ERROR) << "preload " << kv.first << ": " << a.status();
-          }
-        }
-      }
-      if (serving != last) {
-        set_health(serving);
-        last = serving;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  });
-
-  int sig = 0;
-  for (;;) {
-    sigwait(&sigs, &sig);
-    if (sig != SIGHUP) break;
-    // SIGHUP: the tokens again (a file that no longer parses keeps those in force).
-    if (auth == nullptr) {
-      LOG(INFO) << "SIGHUP: no --auth-tokens-file to read";
-    } else if (absl::Status r = auth->Reload(); r.ok()) {
-      LOG(INFO) << "SIGHUP: " << auth->size() << " tokens from "
-                << absl::GetFlag(FLAGS_auth_tokens_file);
-    } else {
-      LOG(ERROR) << "SIGHUP: tokens kept: " << r;
-    }
-  }
-  LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
-            << " s)";
-  set_health(false);
-  const auto drain_deadline =
-      std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
-  if (http) http->StopAccepting();
-  server->Shutdown(drain_deadline);
-  // HTTP requests in flight finish too, within the same deadline; then the server ends the rest.
-  while (http && http->open_exchanges() > 0 && std::chrono::system_clock::now() < drain_deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  http.reset();
-  stopping = true;
-  watcher.join();
-  controller.Stop();
-  group.Stop();
+  servers->Run(sigs);
   LOG(INFO) << "stopped";
   google::FlushLogFiles(google::GLOG_INFO);
   // The registry commits every change durably (SQLite, synchronous=FULL); skip the slow

@@ -78,7 +78,10 @@ class OpenAiApi {
   void set_healthy(bool healthy) { healthy_ = healthy; }
 
  private:
+  // One completion or chat completion call (openai_generation.cc).
   class Generation;
+  // Prepares and submits `ex`'s call (a preparation thread); its answer follows by itself.
+  void Generate(const std::shared_ptr<HttpExchange>& ex, bool chat);
   void Answer(const std::shared_ptr<HttpExchange>& ex, const std::string& route, int status,
               std::string content_type, std::string body);
   void AnswerError(const std::shared_ptr<HttpExchange>& ex, const std::string& route,

@@ -78,20 +78,63 @@ class Scheduler {
   }
 
  private:
+  // One pass of the loop: what the plan decided, the call that carries it, and its outcome.
+  struct Pass {
+    v1::StepRequest step;
+    std::vector<std::shared_ptr<GenRequest>> admitted;  // joiners of this step
+    std::vector<std::pair<std::shared_ptr<GenRequest>, absl::Status>> ended;  // before the step
+    std::vector<std::string> swap;  // adapters of waiting requests to swap in, oldest first
+    std::set<std::string> in_use;   // adapters of running sequences (never swapped out)
+    bool queued = false;            // requests still wait after admission
+  };
+  enum class Next { kStep, kAgain, kStop };
+
+  // The loop: plan → send → deliver, or recover from a failed call.
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Plan (scheduler_plan.cc): the next step's joiners and leavers, the swap-ins to start.
+  // kAgain: nothing to send yet (the loop looks again); kStop: stopping.
+  Next Plan(Pass* pass) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits for work, and while the engine is idle for the batch window to close.
+  Next WaitForWork() ABSL_LOCKS_EXCLUDED(mu_);
+  // Running and queued requests whose deadline passed, cancelled, or stopped by a stop string.
+  void Expire(Clock::TimePoint now, Pass* pass) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admission in arrival order while the KV cache and the adapters' slots allow.
+  void Admit(Clock::TimePoint now, Pass* pass) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The joiners' SequenceSpecs in the step; they run from now on.
+  void AddJoiners(Pass* pass) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartSwapIns(const Pass& pass) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Send (scheduler_send.cc): the step call, with --call-ahead its successor sent before it
+  // ends. `call`: a call sent ahead by the previous pass, which carries this pass's step.
+  absl::StatusOr<v1::StepResponse> Send(const v1::StepRequest& step,
+                                        std::unique_ptr<PendingStep> call);
   // Whether a decode call may go out ahead of the one in flight (of `steps` steps): serving,
   // nothing queued or woken for, no running request expired, cancelled or stopped by a stop
   // string, and one of them still to run after the call in flight.
   bool SendAheadAllowed(int steps) ABSL_LOCKS_EXCLUDED(mu_);
+  // The call sent ahead comes to nothing: cancelled while it waits on the workers.
+  void CancelAhead();
+  // StepRequest.epoch, and the running sequences as `expected` (takes mu_).
+  void SetEpochAndExpected(v1::StepRequest* step) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Deliver (scheduler_deliver.cc): the step's figures into the metrics, and its tokens to
+  // their requests; finished and failed requests end.
+  void RecordStep(const v1::StepRequest& step, const v1::StepResponse& resp, bool sent_ahead);
+  void Deliver(const v1::StepResponse& resp) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Recover (scheduler_deliver.cc): a failed call. A refused joiner fails the joiners alone;
+  // anything else fails every running request and waits for the group to be checked again.
+  void Recover(const Pass& pass, const absl::Status& error) ABSL_LOCKS_EXCLUDED(mu_);
+
   // KV cache blocks a request holds on the workers once admitted (prompt, tokens so far and the
   // next one); 0 while the block size is not known.
   int64_t BlocksHeld(const GenRequest& r) const;
-  // StepRequest.epoch, and the running sequences as `expected` (takes mu_).
-  void SetEpochAndExpected(v1::StepRequest* step) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a request and releases its adapter.
   void Finish(const std::shared_ptr<GenRequest>& r, absl::Status s, const std::string& reason)
       ABSL_LOCKS_EXCLUDED(mu_);
   void UpdateLoraInfo() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // the lora_requests_info series
+  static double Seconds(Clock::Duration d) { return std::chrono::duration<double>(d).count(); }
 
   const int max_num_seqs_;
   const std::chrono::milliseconds batch_window_;
@@ -124,10 +167,12 @@ class Scheduler {
   std::chrono::steady_clock::time_point last_return_;
   bool ran_on_ = false;
   // The loop's thread only: the decode call sent ahead and its request; the last worker step's
-  // seconds and a running mean of the calls' overhead (when to send the next one ahead).
+  // seconds and a running mean of the calls' overhead (when to send the next one ahead); when
+  // the call in flight started on the workers.
   std::unique_ptr<PendingStep> ahead_;
   v1::StepRequest ahead_req_;
   std::chrono::steady_clock::time_point ahead_start_;  // when it should start on the workers
+  std::chrono::steady_clock::time_point call_start_;
   double step_seconds_ = 0;
   double call_overhead_seconds_ = 0;
   // The part of the lead that does not scale with the measured overhead (seconds).

@@ -1,7 +1,7 @@
 #include "controller/worker_settings.h"
 
 #include "absl/strings/str_cat.h"
-#include "lora/model_info.h"
+#include "schema/model_info.h"
 
 namespace moelora {
 
@@ -43,20 +43,20 @@ WorkerSettings WorkerSettingsFromFlags(const EngineFlags& flags, const std::stri
     if (w.max_lora_rank() != f.max_lora_rank) {
       return differ("--max-lora-rank", f.max_lora_rank, w.max_lora_rank());
     }
-    if (w.mixed_moe_lora_format() != f.mixed) {
-      return differ("--enable-mixed-moe-lora-format", flag_value(f.mixed),
+    if (w.mixed_moe_lora_format() != f.enable_mixed_moe_lora_format) {
+      return differ("--enable-mixed-moe-lora-format", flag_value(f.enable_mixed_moe_lora_format),
                     flag_value(w.mixed_moe_lora_format()));
     }
-    if (w.expert_parallel() != f.expert_parallel) {
-      return differ("--enable-expert-parallel", flag_value(f.expert_parallel),
+    if (w.expert_parallel() != f.enable_expert_parallel) {
+      return differ("--enable-expert-parallel", flag_value(f.enable_expert_parallel),
                     flag_value(w.expert_parallel()));
     }
     if (w.fully_sharded_loras() != f.fully_sharded_loras) {
       return differ("--fully-sharded-loras", flag_value(f.fully_sharded_loras),
                     flag_value(w.fully_sharded_loras()));
     }
-    if (w.tower_connector_lora() != f.tower_connector_lora) {
-      return differ("--enable-tower-connector-lora", flag_value(f.tower_connector_lora),
+    if (w.tower_connector_lora() != f.enable_tower_connector_lora) {
+      return differ("--enable-tower-connector-lora", flag_value(f.enable_tower_connector_lora),
                     flag_value(w.tower_connector_lora()));
     }
     if (w.max_num_seqs() < f.max_num_seqs) {

@@ -34,16 +34,14 @@ float SumSquares(const float* x, int64_t n);
 // The first i with x[i] the largest value (NaN never counts; 0 when no value exceeds -inf), and
 // that value in *max (-inf then): what a scalar loop keeping `x[i] > best` finds. A greedy
 // decode step takes it over every row's logits; 16 lanes at a time on AVX-512, where the scalar
-// loop (a compare and branch per logit) was 0.30 % of a whole `decode_step --only peer` run at
-// bf16 batch 32 in perf, and this is 0.04 % (about 0.1 ms a step: below that bench's noise).
+// loop (a compare and branch per logit) showed in profiles.
 int64_t ArgMax(const float* x, int64_t n, float* max);
 // p[i] = exp(l[i] - max) · (1 / Σ_j exp(l[j] - max)), the softmax of n logits in f32 (ATen's
 // softmax(·, kFloat) in form), l either f32 or bf16 (bf16_logits: widened exactly). exp: the
 // AVX-512 polynomial (within 2 ulp of f32 exp) and the sum in 16 lanes, or std::exp and a plain
 // sum where the CPU has no AVX-512. The MoE router's softmax over a token's experts: by hand
 // because at::softmax, its bf16 -> f32 copy and at::topk were a pass and a dispatch each, and
-// std::exp one element at a time took most of what is left (14-16 µs a layer of a bf16 decode
-// step at batch 32 on the Zen 5, timers).
+// std::exp one element at a time took most of what is left.
 void SoftmaxRow(const void* l, bool bf16_logits, float* p, int64_t n);
 
 // One row of a flash-attention tile of n scores, in place: with m' = max(*m, max_j s[j]), s[j]
@@ -51,8 +49,9 @@ void SoftmaxRow(const void* l, bool bf16_logits, float* p, int64_t n);
 // exp(*m − m') (0 while *m was −inf), the factor for the row's output accumulated so far. Two
 // passes over a row that stays in L1 (its max; exp, store and sum), where ATen took six passes
 // over the whole tile (scale, max, subtract, exp, sum, and the factor's own ops) and its exp is
-// Sleef's 8-lane one: the vision tower's attention (worker/models/vision_tower.cc). exp as in
-// SoftmaxRow. A row whose scores and *m are all −inf is left as no contribution (s[j] = 0, c = 1).
+// Sleef's 8-lane one: the vision tower's attention (worker/architectures/vision_tower.cc). exp as
+// in SoftmaxRow. A row whose scores and *m are all −inf is left as no contribution (s[j] = 0, c =
+// 1).
 float OnlineSoftmaxRow(float* s, int64_t n, float* m, float* l);
 
 // The forms of RmsNorm the served architectures use (the worker's NormKind): with
@@ -84,11 +83,8 @@ void RotaryRow(const float* x, const float* c, const float* s, float* out, int64
 
 // Rows per parallel task for a pass over rows of `row` elements: at least 8192 elements a task,
 // so the smallest passes (a decode step of up to 8 sequences) stay on the calling thread, where
-// waking the thread pool costs more than the pass. It was 32768: on the
-// Zen 5 a bf16 step at batch 32's two RmsNorm passes a layer (32 rows of 1024) ran on one thread
-// while the other spun, 10.5-11.8 µs each; split from 8192, 7.3-8.0 (timers, decode_step --only
-// peer; a warm at::parallel_for costs about 0.55 µs there). The passes already split (rotary,
-// SwiGLU, the MoE combine) were unchanged.
+// waking the thread pool costs more than the pass; larger passes (a batch of 32 rows of 1024)
+// split across the threads.
 inline int64_t ElementwiseGrain(int64_t row) {
   const int64_t rows = 8192 / (row > 0 ? row : 1);
   return rows > 0 ? rows : 1;

@@ -16,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "lora/architectures.h"
 #include "lora/convert.h"
+#include "schema/architectures.h"
 
 namespace moelora {
 namespace {
@@ -551,18 +551,6 @@ int64_t CopyAll(const std::vector<Copy>& copies, const SafetensorsFile& st, bool
 }
 
 }  // namespace
-
-const char* AdapterFormatName(AdapterFormat f) {
-  switch (f) {
-    case AdapterFormat::kDense:
-      return "dense";
-    case AdapterFormat::k2D:
-      return "2d";
-    case AdapterFormat::k3D:
-      return "3d";
-  }
-  return "?";
-}
 
 int64_t HostTensor::numel() const {
   int64_t n = 1;

@@ -25,12 +25,10 @@
 #include "common/safetensors.h"
 #include "lora/adapter_config.h"
 #include "lora/lora_names.h"
-#include "lora/model_info.h"
+#include "schema/formats.h"
+#include "schema/model_info.h"
 
 namespace moelora {
-
-enum class AdapterFormat { kDense, k2D, k3D };
-const char* AdapterFormatName(AdapterFormat f);  // "dense" | "2d" | "3d"
 
 // Owned bytes, uninitialised on allocation (no zero-fill pass over gigabytes).
 struct HostBuffer {

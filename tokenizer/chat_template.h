@@ -1,16 +1,8 @@
-// Chat templates: the Jinja subset that models' `chat_template`s use, rendered as transformers'
-// `apply_chat_template` does (Jinja's trim_blocks and lstrip_blocks, a dropped trailing newline,
-// its `tojson` as json.dumps, `raise_exception`, `strftime_now`, `namespace`, the special tokens as
-// variables, reasoning fields aliased).
-//
-// Written here because Debian packages no C++ Jinja engine (neither Jinja2Cpp nor inja, which is
-// not Jinja): the subset covers statements if/elif/else, for (unpacking, loop.*, else, a filter
-// condition, break/continue), set (names, namespace attributes, blocks), macro; Python's
-// expression semantics (truthiness, `and`/`or` returning operands, `in`, slicing, str/dict
-// methods, str() and repr() of values) and the filters and tests real templates use. Anything
-// else is an error naming the line, never a silent difference. tests/integration/
-// chat_template_test.sh renders real templates and a corpus of conversations and template
-// snippets through transformers and this class and requires identical bytes.
+// Chat templates: a model's `chat_template` read from its files and rendered through the Jinja
+// engine (jinja/template.h) as transformers' `apply_chat_template` does, with the special tokens
+// as variables and the reasoning fields aliased. tests/integration/chat_template_test.sh renders
+// real templates and a corpus of conversations and template snippets through transformers and
+// this class and requires identical bytes.
 //
 // Thread-safety: a parsed ChatTemplate is immutable; Render may run on any thread at once.
 #ifndef MOELORA_TOKENIZER_CHAT_TEMPLATE_H_

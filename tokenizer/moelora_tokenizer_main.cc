@@ -14,10 +14,10 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/flags.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
-#include "tokenizer/utf8.h"
 
 ABSL_FLAG(
     bool, add_special_tokens, true,
@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
   while (std::getline(std::cin, line)) {
     ++n;
     size_t bad = 0;
-    if (!moelora::tok::IsValidUtf8(line, &bad)) {
+    if (!moelora::IsValidUtf8(line, &bad)) {
       return Fail(n, absl::StrCat("not valid UTF-8 (byte offset ", bad, ")"));
     }
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);

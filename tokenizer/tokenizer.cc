@@ -20,8 +20,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
-#include "tokenizer/utf8.h"
 
 namespace moelora::tok {
 namespace {

@@ -20,12 +20,12 @@
 #include "grpc/health/v1/health.pb.h"
 #include "kernels/device.h"
 #include "kernels/sgmv.h"
-#include "lora/config_defaults.h"
 #include "prometheus/exposer.h"
 #include "proto/group_secret.h"
 #include "proto/server_flags.h"
+#include "schema/config_defaults.h"
 #include "worker/comm/communicator.h"
-#include "worker/engine.h"
+#include "worker/engine/engine.h"
 #include "worker/layers/gemm.h"
 #include "worker/metrics.h"
 #include "worker/service.h"
@@ -64,6 +64,115 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 
+// The flags, checked: what this rank serves and how.
+struct WorkerFlags {
+  std::string model, device, load_format;
+  int rank = 0, world = 1;
+  int cuda_index = -1;  // --device cuda:N's N, else -1
+  bool cuda = false;
+  moelora::EngineFlags engine;
+};
+
+absl::StatusOr<WorkerFlags> ReadWorkerFlags() {
+  WorkerFlags w;
+  auto bad = [](std::string message) { return absl::InvalidArgumentError(std::move(message)); };
+  w.load_format = absl::GetFlag(FLAGS_load_format);
+  if (w.load_format != "auto" && w.load_format != "dummy") {
+    return bad(absl::StrCat("--load-format \"", w.load_format, "\": auto or dummy"));
+  }
+  w.model = absl::GetFlag(FLAGS_model);
+  if (w.model.empty()) return bad("--model is required (see --help)");
+  w.rank = absl::GetFlag(FLAGS_rank);
+  w.world = absl::GetFlag(FLAGS_tensor_parallel_size);
+  if (w.world < 1 || w.rank < 0 || w.rank >= w.world) {
+    return bad(absl::StrCat("--rank ", w.rank, " outside --tensor-parallel-size ", w.world));
+  }
+  if (w.world > 1 && absl::GetFlag(FLAGS_dist_init_dir).empty()) {
+    return bad("--dist-init-dir is required when --tensor-parallel-size > 1");
+  }
+  w.device = absl::GetFlag(FLAGS_device);
+  if (auto s = moelora::ParseDevice(w.device, &w.cuda_index); !s.ok()) return s;
+  w.cuda = absl::StartsWith(w.device, "cuda");
+  if (w.cuda && !moelora::CudaDeviceAvailable()) {
+    return bad(absl::StrCat("--device ", w.device, ": ", moelora::CudaDeviceSummary()));
+  }
+  if (auto s = moelora::ValidateDType(absl::GetFlag(FLAGS_dtype)); !s.ok()) return s;
+  if (auto s = moelora::ReadEngineFlags(&w.engine); !s.ok()) return s;
+  if (auto s = moelora::ValidateEngineFlags(w.engine, static_cast<int>(moelora::kSgmvMaxRank));
+      !s.ok()) {
+    return s;
+  }
+  return w;
+}
+
+// The gRPC server (the worker service, health, reflection); *port: the port bound.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(moelora::WorkerService* service,
+                                                        int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
+  // reflection can describe the built-in health service to grpcurl.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpcurl without proto files
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      moelora::ServerCredentialsFromFlags();
+  if (!credentials.ok()) return credentials.status();
+  grpc::ServerBuilder builder;
+  *port = 0;
+  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
+                           *credentials, port);
+  builder.SetMaxReceiveMessageSize(1 << 30);  // a step may carry images (resized RGB)
+  builder.SetMaxSendMessageSize(256 << 20);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server)
+    server->GetHealthCheckService()->SetServingStatus(false);  // until the model is loaded
+  if (!server || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
+                                               absl::GetFlag(FLAGS_port)));
+  }
+  return server;
+}
+
+// Connects the ranks and loads the model into `service` (Health says which, meanwhile).
+absl::Status ConnectAndLoad(const WorkerFlags& w, moelora::WorkerService& service) {
+  moelora::RendezvousOptions ro;
+  ro.rank = w.rank;
+  ro.world_size = w.world;
+  ro.store_dir = absl::GetFlag(FLAGS_dist_init_dir);
+  ro.hostname = absl::GetFlag(FLAGS_dist_host);
+  ro.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_dist_timeout_s));
+  service.SetLoadingDetail(absl::StrCat("connecting ", w.world, " ranks"));
+  absl::StatusOr<std::unique_ptr<moelora::Communicator>> comm;
+  if (w.cuda && w.world > 1) {
+    const int n = moelora::CudaDeviceCount();
+    comm = moelora::MakeNcclCommunicator(ro, w.cuda_index >= 0 ? w.cuda_index : w.rank % n);
+  } else {
+    comm = moelora::MakeGlooCommunicator(ro);
+  }
+  if (!comm.ok()) {
+    LOG(ERROR) << comm.status();
+    return comm.status();
+  }
+  service.SetLoadingDetail(absl::StrCat("loading ", w.model));
+  moelora::EngineOptions eo;
+  static_cast<moelora::EngineFlags&>(eo) = w.engine;
+  eo.device = w.device;
+  eo.model_dir = w.model;
+  eo.dummy_weights = w.load_format == "dummy";
+  eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);
+  eo.debug_fail_prompt_chunk_tokens = absl::GetFlag(FLAGS_debug_fail_prompt_chunk_tokens);
+  auto engine = moelora::Engine::Create(eo, comm->get());
+  if (!engine.ok()) {
+    LOG(ERROR) << "cannot load the model: " << engine.status();
+    std::fprintf(stderr, "moelora-worker: cannot load the model: %s\n",
+                 engine.status().ToString().c_str());
+    return engine.status();
+  }
+  for (const auto& s : (*engine)->Info().skipped_tensors) LOG(INFO) << "skipped " << s;
+  service.SetReady(std::move(*comm), std::move(*engine));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,39 +205,10 @@ int main(int argc, char** argv) {
     std::printf("%s\n", moelora::ConfigDefaultsJson().c_str());
     return 0;
   }
-  const std::string load_format = absl::GetFlag(FLAGS_load_format);
-  if (load_format != "auto" && load_format != "dummy") {
-    return fail(1, absl::StrCat("--load-format \"", load_format, "\": auto or dummy"));
-  }
-  const std::string model = absl::GetFlag(FLAGS_model);
-  if (model.empty()) return fail(1, "--model is required (see --help)");
-  const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_tensor_parallel_size);
-  if (world < 1 || rank < 0 || rank >= world) {
-    return fail(1, absl::StrCat("--rank ", rank, " outside --tensor-parallel-size ", world));
-  }
-  if (world > 1 && absl::GetFlag(FLAGS_dist_init_dir).empty()) {
-    return fail(1, "--dist-init-dir is required when --tensor-parallel-size > 1");
-  }
-  const std::string device = absl::GetFlag(FLAGS_device);
-  int cuda_index = -1;
-  if (auto s = moelora::ParseDevice(device, &cuda_index); !s.ok()) {
-    return fail(1, std::string(s.message()));
-  }
-  const bool cuda = absl::StartsWith(device, "cuda");
-  if (cuda && !moelora::CudaDeviceAvailable()) {
-    return fail(1, absl::StrCat("--device ", device, ": ", moelora::CudaDeviceSummary()));
-  }
-  if (auto s = moelora::ValidateDType(absl::GetFlag(FLAGS_dtype)); !s.ok()) {
-    return fail(1, std::string(s.message()));
-  }
-  moelora::EngineFlags engine_flags;
-  if (auto s = moelora::ReadEngineFlags(&engine_flags); !s.ok()) {
-    return fail(1, std::string(s.message()));
-  }
-  if (auto s = moelora::ValidateEngineFlags(engine_flags, static_cast<int>(moelora::kSgmvMaxRank));
-      !s.ok()) {
-    return fail(1, std::string(s.message()));
-  }
+  absl::StatusOr<WorkerFlags> flags = ReadWorkerFlags();
+  if (!flags.ok()) return fail(1, std::string(flags.status().message()));
+  const WorkerFlags& w = *flags;
+  const int rank = w.rank, world = w.world;
 
   // Signals are handled by one thread (sigwait) so gRPC and torch threads never see them.
   sigset_t sigs;
@@ -161,28 +241,10 @@ int main(int argc, char** argv) {
     unsetenv(moelora::kGroupSecretEnv);
   }
   service.set_step_delay(std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)));
-  grpc::EnableDefaultHealthCheckService(true);
-  // Registers grpc.health.v1's descriptor (proto/grpc/health/v1/health.proto) so that server
-  // reflection can describe the built-in health service to grpcurl.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();  // grpcurl without proto files
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      moelora::ServerCredentialsFromFlags();
-  if (!credentials.ok()) return fail(1, std::string(credentials.status().message()));
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port)),
-                           *credentials, &port);
-  builder.SetMaxReceiveMessageSize(1 << 30);  // a step may carry images (resized RGB)
-  builder.SetMaxSendMessageSize(256 << 20);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server)
-    server->GetHealthCheckService()->SetServingStatus(false);  // until the model is loaded
-  if (!server || port == 0) {
-    return fail(1, absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_host), ":",
-                                absl::GetFlag(FLAGS_port)));
-  }
+  absl::StatusOr<std::unique_ptr<grpc::Server>> started = StartGrpc(&service, &port);
+  if (!started.ok()) return fail(1, std::string(started.status().message()));
+  std::unique_ptr<grpc::Server> server = *std::move(started);
   absl::StatusOr<std::unique_ptr<moelora::HealthPort>> hp =
       moelora::HealthPortFromFlags(absl::GetFlag(FLAGS_host));
   if (!hp.ok()) return fail(1, std::string(hp.status().message()));
@@ -199,61 +261,11 @@ int main(int argc, char** argv) {
   // Load in the background: Health answers "loading" meanwhile.
   int exit_code = 0;
   std::thread loader([&] {
-    moelora::RendezvousOptions ro;
-    ro.rank = rank;
-    ro.world_size = world;
-    ro.store_dir = absl::GetFlag(FLAGS_dist_init_dir);
-    ro.hostname = absl::GetFlag(FLAGS_dist_host);
-    ro.timeout = std::chrono::seconds(absl::GetFlag(FLAGS_dist_timeout_s));
-    service.SetLoadingDetail(absl::StrCat("connecting ", world, " ranks"));
-    absl::StatusOr<std::unique_ptr<moelora::Communicator>> comm;
-    if (cuda && world > 1) {
-      const int n = moelora::CudaDeviceCount();
-      comm = moelora::MakeNcclCommunicator(ro, cuda_index >= 0 ? cuda_index : rank % n);
-    } else {
-      comm = moelora::MakeGlooCommunicator(ro);
-    }
-    if (!comm.ok()) {
-      LOG(ERROR) << comm.status();
+    if (!ConnectAndLoad(w, service).ok()) {
       exit_code = 1;
       server->Shutdown();
       return;
     }
-    service.SetLoadingDetail(absl::StrCat("loading ", model));
-    moelora::EngineOptions eo;
-    eo.model_dir = model;
-    eo.dtype = absl::GetFlag(FLAGS_dtype);
-    eo.device = device;
-    eo.max_loras = engine_flags.max_loras;
-    eo.debug_fail_prompt_chunk_tokens = absl::GetFlag(FLAGS_debug_fail_prompt_chunk_tokens);
-    eo.max_cpu_loras = absl::GetFlag(FLAGS_max_cpu_loras);
-    eo.max_lora_rank = absl::GetFlag(FLAGS_max_lora_rank);
-    eo.enable_mixed_moe_lora_format = absl::GetFlag(FLAGS_enable_mixed_moe_lora_format);
-    eo.enable_expert_parallel = absl::GetFlag(FLAGS_enable_expert_parallel);
-    eo.fully_sharded_loras = absl::GetFlag(FLAGS_fully_sharded_loras);
-    eo.enable_tower_connector_lora = absl::GetFlag(FLAGS_enable_tower_connector_lora);
-    eo.dummy_weights = load_format == "dummy";
-    eo.max_num_seqs = absl::GetFlag(FLAGS_max_num_seqs);
-    eo.max_model_len = absl::GetFlag(FLAGS_max_model_len);
-    eo.block_size = engine_flags.block_size;
-    eo.kv_cache_memory_bytes = engine_flags.kv_cache_memory_bytes;
-    eo.mm_encoder_cache_bytes = engine_flags.mm_encoder_cache_bytes;
-    eo.max_num_batched_tokens = engine_flags.max_num_batched_tokens;
-    eo.enable_prefix_caching = engine_flags.prefix_caching;
-    eo.prefill_tokens_beside_decodes = engine_flags.prefill_tokens_beside_decodes;
-    eo.num_speculative_tokens = engine_flags.num_speculative_tokens;
-    eo.num_threads = absl::GetFlag(FLAGS_cpu_threads);
-    auto engine = moelora::Engine::Create(eo, comm->get());
-    if (!engine.ok()) {
-      LOG(ERROR) << "cannot load the model: " << engine.status();
-      std::fprintf(stderr, "moelora-worker: cannot load the model: %s\n",
-                   engine.status().ToString().c_str());
-      exit_code = 1;
-      server->Shutdown();
-      return;
-    }
-    for (const auto& s : (*engine)->Info().skipped_tensors) LOG(INFO) << "skipped " << s;
-    service.SetReady(std::move(*comm), std::move(*engine));
     server->GetHealthCheckService()->SetServingStatus(true);
     if (health_port) health_port->Set(true);
     LOG(INFO) << "rank " << rank << " ready";

@@ -14,7 +14,7 @@
 
 #include "moelora/v1/worker.grpc.pb.h"
 #include "worker/comm/communicator.h"
-#include "worker/engine.h"
+#include "worker/engine/engine.h"
 #include "worker/metrics.h"
 
 namespace moelora {

@@ -48,10 +48,8 @@ struct Vec : F32XRows {
 template <typename W>
 MOELORA_AVX2 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // 4 weight rows (4 streams from memory) stay in L1 while the x rows pass 3 at a time (12 of
-  // the 16 ymm registers accumulate). For 4–6 rows this beat 2 x 6 tiles (one pass over the
-  // weight, but 2 streams): bench/skinny_gemm, 7 paired runs, 4 rows 16.8 ms against 19.6 ms on
-  // average, 6 rows 19.0 against 21.9; past 6 rows it beat 1 x 12 (x from L2). Row streams at
-  // 1-2 x rows at most: more would not fit 16 registers.
+  // the 16 ymm registers accumulate): faster than 2 x 6 and 1 x 12 tiles as measured. Row
+  // streams at 1-2 x rows at most: more would not fit 16 registers.
   if (RowStreams<2>(a, static_cast<const W*>(a.w), n0, n1, SkinnyRowStreamRows())) return;
   RunTiles<4, 3>(a, static_cast<const W*>(a.w), n0, n1);
 }
@@ -84,16 +82,9 @@ template <typename W>
 MOELORA_AVX512 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   // f32 weights at a decode's few rows per expert: how many weight rows stream at once was
   // measured, not derived (the kernel's rate is what the memory gives its streams). Up to
-  // SkinnyRowStreamRows x rows (2, or 8 on the Zen 5): one weight row at a time
-  // (RowStreams). The tiles below were measured at 1-3 x rows before
-  // that and serve the rows past it now. Rows of 4 KB
-  // or more (k = 1024: gate/up, the dense products) at 1-3 x rows: 8 rows a tile (8 x 3
-  // accumulators); rows of up to 2 KB (k = 512: the down projection) at 1-4 x rows: 2 rows a
-  // tile. bench/skinny_gemm --experts 128 (805 MB), f32, two paired runs, grouped ms at 1 / 2 /
-  // 3 rows per expert: 25.7, 26.7 / 27.0, 27.8 / 27.8, 28.1 -> 24.0, 24.2 / 25.4, 25.9 / 26.3,
-  // 26.6; the down product alone at 4 rows 9.3, 9.5 -> 8.7, 8.9 ms. Not taken: 8 rows at 4-6 x
-  // rows (two tiles of x; within noise), 2 rows at 5-6 (6-10 % slower), 1 row for the down
-  // product (between the two).
+  // SkinnyRowStreamRows x rows (2, or 8 on the Zen 5): one weight row at a time (RowStreams).
+  // Past them, tiles: rows of 4 KB or more (k = 1024: gate/up, the dense products) 8 rows a
+  // tile (8 x 3 accumulators); rows of up to 2 KB (k = 512: the down projection) 2 rows a tile.
   // One weight row at a time up to SkinnyRowStreamRows x rows for f32 weights; bf16 weights
   // widened here (x not bf16, or no vdpbf16ps) at most 2, the rows measured for them.
   const int rows =
@@ -141,10 +132,7 @@ MOELORA_AVX512_BF16 void Run(const SkinnyGemmArgs& a, int64_t n0, int64_t n1) {
   if (RowStreams<8>(a, w, n0, n1, SkinnyRowStreamRows())) return;
   // Rows of up to 1 KB (k <= 512: the MoE down projection) 8 at a time, x rows 3 at a time: a
   // 4-row tile of them is 4 KB, 16 steps of k, and its sums and the next tile's prefetch were a
-  // large share of each. bench/skinny_gemm --experts 128 --dtype bfloat16 on the Zen 4, the down
-  // product alone, medians of 10 alternating rounds, 4 x 6 -> 8 x 3, ms at 1 / 2 / 3 / 4 / 5 / 6
-  // / 8 rows per expert: 5.27 / 4.44 / 4.74 / 4.52 / 5.30 / 5.43 / 6.58 -> 4.92 / 3.60 / 4.00 /
-  // 4.22 / 4.95 / 5.06 / 6.31. The gate/up rows (2 KB) gained nothing from it.
+  // large share of each. The gate/up rows (2 KB) gained nothing from it.
   if (a.k <= 512) return RunTiles<8, 3>(a, w, n0, n1);
   RunTiles<4, 6>(a, w, n0, n1);
 }
@@ -185,15 +173,7 @@ bool FullWidthZen() {
 }
 
 // The x rows up to which a weight is read one row at a time, by CPU, as measured (the tiles
-// beyond). Zen 4 and the Xeon: 2 (the test program above RowStream in skinny_tiles.inc; there 3
-// rows lost 5-15 %). Zen 5: 8, f32 and bf16 weights. decode_step --only peer
-// --ab-row-stream-rows 2 at batch 32 (steps alternating in one run between 8 and 2 x rows), steps
-// at 8 over steps at 2, six runs each: f32 0.845-0.911 where the VM's memory was slow (steps of
-// 21-26 ms), 0.974 where it was fast (19 ms); bf16 0.858-0.869, and 1.023 in one run on a fast
-// stretch (11 ms). Batch 8: f32 0.974, bf16 0.986. A batch of 32 gives each of 32 experts 4 rows
-// on average and up to about 10. With RowStream (no prefetch, 2-4 accumulators a row) at 3-8 rows
-// instead of RunTiles<1, 8>, f32 lost 8-14 % on fast stretches from 6 rows on (kept at 3 then);
-// RowStream with a prefetch (RowStreamPrefetch below) replaced both since.
+// beyond): 2 on the Zen 4 and the Xeon, 8 on the Zen 5 (f32 and bf16 weights).
 int DefaultRowStreamRows() {
   static const int rows = FullWidthZen() ? 8 : 2;
   return rows;
@@ -233,34 +213,17 @@ class PrefetchBytes {
   std::atomic<int64_t> override_{-1};
 };
 
-// On the Zen 5, 4 KB ahead: the rows of 1-2 KB (bf16 weights, the f32 down projection) had been
-// prefetched one row ahead at 3-8 x rows and not at all at 1-2, less than the memory's latency
-// covers at a core's 30 GB/s. decode_step --only peer, steps alternating in one run between the
-// kernel before (one accumulator a row and the next row prefetched at 3-8 x rows, none at 1-2)
-// and this one, steps before over steps after: batch 32 bf16 1.080, 1.076, 1.018, 1.045, 1.038,
-// f32 0.996, 1.003, 1.014, 1.019, 1.036; batch 8 bf16 1.044, 1.043, 1.043, f32 1.016, 1.005,
-// 1.002. 8 KB against 4 KB: f32 0.98-0.99 (three of four runs), bf16 1.00; 16 KB, f32: 0.98.
-// bf16 weights were prefetched 8 KB ahead once: those runs had met slow stretches of the VM's
-// memory only. decode_step --only peer --ab-row-stream-prefetch 8192, bf16 batch 32,
-// steps at 4 KB over steps at 8 KB, alternating in one run: 1.047, 1.050, 1.052, 1.055, 1.056
-// where steps took 8.3-8.9 ms (memory at about 65 GB/s), 0.989-0.996 (five runs) at 9.9-10.2 ms;
-// batch 8 1.012. 12 / 16 / 24 / 32 KB on fast stretches: 1.038 / 1.045-1.051 / 1.042 / 1.033.
-// f32 stays at 4 KB: 8 KB 1.005 on a fast stretch, 0.990-0.994 on slow ones.
+// On the Zen 5, f32 rows 4 KB ahead and bf16 rows 8 KB ahead: rows of 1-2 KB prefetched one row
+// ahead were less than the memory's latency covers at a core's bandwidth. Elsewhere none (the
+// hardware prefetcher alone).
 PrefetchBytes& RowStreamPrefetch(SkinnyWeight w) {
   static PrefetchBytes f32(FullWidthZen() ? 4096 : 0, "MOELORA_SKINNY_PREFETCH_BYTES");
   static PrefetchBytes bf16(FullWidthZen() ? 8192 : 0, "MOELORA_SKINNY_PREFETCH_BYTES");
   return w == SkinnyWeight::kF32 ? f32 : bf16;
 }
 
-// On the Zen 5, 8 KB at 5-8 x rows: decode_step --only peer --ab-row-stream-far-prefetch 0, f32,
-// steps with it over steps without, alternating in one run: batch 32 0.945 on a stretch reading
-// about 60 GB/s (17.4 ms steps), 0.988, 1.013, 1.005 on slower ones (22-24 ms); batch 8 0.973,
-// 0.979. bench/skinny_gemm --experts 64: 0.77-0.78 at 6-8 rows on a 70 GB/s stretch, 0.98-1.00
-// at 46-64. Measured on the way (same orientation): from 3 rows, 1-2 % slower steps than from 5
-// on slow stretches (3-4 rows lost 3-6 % in skinny_gemm); from 1 row, batch 8 1.02-1.03; 16 KB
-// from 1 row 0.967 on a fast stretch where 8 KB gave 0.92-0.935; bf16 weights (whose first
-// prefetch goes into L2 already) 8 KB 1.019, 0.985, 16 KB 1.045, 1.000, and bf16 with the first
-// prefetch into L1 a row ahead and this one 4 KB ahead 1.012-1.042: f32 only.
+// On the Zen 5, f32 weights at 5-8 x rows: a second prefetch 8 KB ahead into L2 (bf16 weights
+// gained nothing from it).
 PrefetchBytes& RowStreamFarPrefetch() {
   static PrefetchBytes bytes(FullWidthZen() ? 8192 : 0);
   return bytes;
@@ -271,9 +234,7 @@ PrefetchBytes& RowStreamFarPrefetch() {
 // layer's experts are 100 MB in bf16 at bench/peer's model, the L3 32 MB); the L3 there takes
 // the lines L2 evicts, so with the L1 / L2 hints the stream displaced what the step reads again
 // (the KV cache, the activations, the wide kernel's dense weights) and paid for the victim
-// writes. decode_step --only peer --ab-row-stream-nta 1 (steps alternating in one run), steps with
-// over steps without: bf16 batch 32 / 8 / 1 0.977 / 0.965 / 0.988, f32 0.983 / 0.970 / 0.991
-// (9.97 / 6.37 / 1.41 ms bf16 steps); the experts' streams alone 0.98-0.99 (docs/performance.md).
+// writes.
 bool RowStreamNonTemporalDefault() {
   static const bool on = [] {
     const char* e = std::getenv("MOELORA_SKINNY_PREFETCH_NTA");

@@ -5,9 +5,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/chat_template.h"
-#include "tokenizer/utf8.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string source(reinterpret_cast<const char*>(data), size);
@@ -25,6 +25,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       true, nlohmann::ordered_json{{"bos_token", "<s>"}, {"eos_token", "</s>"}},
       nlohmann::ordered_json{{"enable_thinking", false}});
   auto text = (*t)->Render(kVars);
-  if (text.ok() && !moelora::tok::IsValidUtf8(*text)) std::abort();
+  if (text.ok() && !moelora::IsValidUtf8(*text)) std::abort();
   return 0;
 }

@@ -5,9 +5,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/utf8.h"
 #include "tokenizer/text_stream.h"
 #include "tokenizer/tokenizer.h"
-#include "tokenizer/utf8.h"
 
 namespace {
 const moelora::tok::Tokenizer& Tok() {
@@ -24,20 +24,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string in(reinterpret_cast<const char*>(data), size);
   const auto& t = Tok();
   auto ids = t.Encode(in);
-  if (ids.ok() != moelora::tok::IsValidUtf8(in)) std::abort();
+  if (ids.ok() != moelora::IsValidUtf8(in)) std::abort();
   // The raw bytes as ids too (every byte is an id of the tiny vocabulary's range).
   std::vector<int32_t> raw;
   for (unsigned char c : in) raw.push_back(c % t.vocab_size());
   for (const std::vector<int32_t>* v : {ids.ok() ? &*ids : nullptr, &raw}) {
     if (v == nullptr) continue;
     const std::string whole = t.Decode(*v);
-    if (!moelora::tok::IsValidUtf8(whole)) std::abort();
+    if (!moelora::IsValidUtf8(whole)) std::abort();
     moelora::tok::TextStream s(&t, {}, false);
     std::string streamed;
     for (int32_t id : *v) {
       s.Add(id);
       const std::string d = s.TakeDelta();
-      if (!moelora::tok::IsValidUtf8(d)) std::abort();
+      if (!moelora::IsValidUtf8(d)) std::abort();
       streamed += d;
     }
     streamed += s.Finish();
@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // With a stop string: the text is a prefix of the whole that does not contain it.
     if (whole.size() > 4) {
       const std::string stop = whole.substr(whole.size() / 2, 2);
-      if (moelora::tok::IsValidUtf8(stop)) {
+      if (moelora::IsValidUtf8(stop)) {
         moelora::tok::TextStream st(&t, {stop}, false);
         std::string cut;
         for (int32_t id : *v) {

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_join.h"
+#include "common/utf8.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -22,7 +23,6 @@
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
 #include "tokenizer/tokenizer.h"
-#include "tokenizer/utf8.h"
 
 namespace moelora {
 namespace {
@@ -1034,7 +1034,7 @@ v1::GenerateRequest TextRequest(const std::string& adapter, const std::string& p
 std::string Joined(const std::vector<v1::GenerateResponse>& chunks, std::vector<int32_t>* tokens) {
   std::string text;
   for (const auto& c : chunks) {
-    EXPECT_TRUE(tok::IsValidUtf8(c.text())) << "a chunk's text is not valid UTF-8";
+    EXPECT_TRUE(IsValidUtf8(c.text())) << "a chunk's text is not valid UTF-8";
     text += c.text();
     tokens->insert(tokens->end(), c.token_ids().begin(), c.token_ids().end());
   }

@@ -12,11 +12,11 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "worker/layers/forward_batch.h"
 #include "worker/layers/linear.h"
 #include "worker/layers/lora_batch.h"
 #include "worker/layers/norm.h"
 #include "worker/layers/rotary.h"
-#include "worker/model/causal_lm.h"
 
 namespace moelora {
 

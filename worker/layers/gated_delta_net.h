@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/layers/forward_batch.h"
 #include "worker/layers/linear.h"
 #include "worker/layers/lora_batch.h"
-#include "worker/model/causal_lm.h"
 
 namespace moelora {
 

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "lora/tp_slice.h"
+#include "worker/comm/communicator.h"
 #include "worker/layers/lora_batch.h"
 #include "worker/layers/lora_module.h"
 

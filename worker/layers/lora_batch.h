@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "worker/model/causal_lm.h"
+#include "worker/layers/forward_batch.h"
 
 namespace moelora {
 

@@ -1,5 +1,5 @@
 // Rotary position embedding (neox pairs) on the first rotary_dim dims of each head, with the
-// frequencies of lora/rope.h (default, linear, yarn, llama3; partial rotary).
+// frequencies of schema/rope.h (default, linear, yarn, llama3; partial rotary).
 #ifndef MOELORA_WORKER_LAYERS_ROTARY_H_
 #define MOELORA_WORKER_LAYERS_ROTARY_H_
 
@@ -10,7 +10,7 @@
 #include <mutex>
 #include <vector>
 
-#include "lora/rope.h"
+#include "schema/rope.h"
 
 namespace moelora {
 
@@ -26,7 +26,7 @@ class Rotary {
   };
   Table Compute(const std::vector<int64_t>& positions, at::ScalarType dtype) const;
   // Multimodal RoPE (spec.mrope_section): `positions` holds three rows of T positions
-  // (temporal, height, width); frequency j reads the row lora/rope.h's layout gives it. Equal
+  // (temporal, height, width); frequency j reads the row schema/rope.h's layout gives it. Equal
   // rows give Compute's table.
   Table ComputeMrope(const std::vector<int64_t>& positions, at::ScalarType dtype) const;
   bool mrope() const { return !mrope_section_.empty(); }

@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "lora/name_tables.h"
 #include "lora/tp_slice.h"
+#include "schema/name_tables.h"
 
 namespace moelora {
 namespace {

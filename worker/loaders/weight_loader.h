@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "lora/model_config.h"
-#include "lora/name_tables.h"
+#include "schema/model_config.h"
+#include "schema/name_tables.h"
 #include "worker/checkpoint.h"
 #include "worker/model/registry.h"
 

@@ -16,8 +16,8 @@
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
 #include "kernels/sgmv.h"
-#include "lora/config_defaults.h"
-#include "lora/name_tables.h"
+#include "schema/config_defaults.h"
+#include "schema/name_tables.h"
 #include "worker/layers/lora_module.h"
 #include "worker/layers/lora_ops.h"
 #include "worker/model/model_context.h"
@@ -48,25 +48,6 @@ at::Device CausalLM::device() const {
   return options_.kernels == LoraKernels::kCuda
              ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options_.cuda_device))
              : at::Device(at::kCPU);
-}
-
-SeqState& SeqState::operator=(SeqState&& o) noexcept {
-  if (this == &o) return *this;
-  if (kv != nullptr) kv->Release(table);
-  len = o.len;
-  mtp_len = o.mtp_len;
-  steps = std::move(o.steps);
-  table = std::move(o.table);
-  kv = o.kv;
-  o.table = KvTable();
-  o.kv = nullptr;
-  o.len = 0;
-  o.mtp_len = {};
-  return *this;
-}
-
-SeqState::~SeqState() {
-  if (kv != nullptr) kv->Release(table);
 }
 
 absl::Status CausalLM::InitKvCache(const KvCacheOptions& o) {

@@ -10,11 +10,11 @@ namespace moelora {
 
 namespace {
 
-// The factory bound to an entry of lora/architectures.cc (which must have it).
+// The factory bound to an entry of schema/architectures.cc (which must have it).
 ArchTable Entry(const char* arch, ModelFactory factory = nullptr) {
   ArchTable t{arch, factory, FindArchFacts(arch)};
   if (t.facts == nullptr || t.facts->map == nullptr) {
-    std::fprintf(stderr, "registry: %s has no entry in lora/architectures.cc\n", arch);
+    std::fprintf(stderr, "registry: %s has no entry in schema/architectures.cc\n", arch);
     std::abort();
   }
   t.map = t.facts->map;

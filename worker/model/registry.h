@@ -1,4 +1,4 @@
-// The architectures the worker serves: each entry of lora/architectures.cc (name rule, layouts,
+// The architectures the worker serves: each entry of schema/architectures.cc (name rule, layouts,
 // config keys, defaults) bound to the factory that builds its model (none: the weights can be
 // named and loaded, but nothing runs them). No libtorch in this header.
 #ifndef MOELORA_WORKER_MODEL_REGISTRY_H_
@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "lora/adapter.h"
-#include "lora/architectures.h"
+#include "schema/architectures.h"
 
 namespace moelora {
 
@@ -21,7 +21,7 @@ using ModelFactory = absl::StatusOr<std::unique_ptr<CausalLM>> (*)(const ModelCo
 struct ArchTable {
   std::string architecture;          // config.json architectures[0]
   ModelFactory factory = nullptr;    // nullptr: weight names only, no forward pass
-  const ArchFacts* facts = nullptr;  // everything else (lora/architectures.h)
+  const ArchFacts* facts = nullptr;  // everything else (schema/architectures.h)
   // From `facts`, for the loader and the config check.
   NameRule map = nullptr;
   const std::vector<std::string>* config_keys = nullptr;
@@ -34,7 +34,7 @@ struct ArchTable {
 std::vector<std::string> SupportedArchitectures();
 std::vector<std::string> ServedArchitectures();  // those with a forward pass
 
-// Factories (worker/models/*.cc).
+// Factories (worker/architectures/*.cc).
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen3Moe(const ModelContext& ctx);
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateQwen35Moe(const ModelContext& ctx);
 [[nodiscard]] absl::StatusOr<std::unique_ptr<CausalLM>> CreateGptOss(const ModelContext& ctx);

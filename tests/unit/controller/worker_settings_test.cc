@@ -17,7 +17,7 @@ WorkerSettings Mine() {
   s.flags.max_lora_rank = 16;
   s.flags.max_num_seqs = 64;
   s.flags.dtype = "bfloat16";
-  s.flags.mixed = true;
+  s.flags.enable_mixed_moe_lora_format = true;
   s.model = "/models/a";
   s.config_fingerprint = "fnv1a64:0000000000000001";
   return s;

@@ -11,11 +11,11 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tokenizer/text_stream.h"
-#include "tokenizer/utf8.h"
 
 namespace moelora::tok {
 namespace {

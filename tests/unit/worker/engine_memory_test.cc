@@ -10,8 +10,8 @@
 
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "worker/layers/kv_cache.h"
 #include "worker/layers/lora_ops.h"
-#include "worker/model/kv_cache.h"
 
 namespace moelora {
 namespace {

@@ -14,7 +14,7 @@
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "worker/comm/communicator.h"
-#include "worker/engine.h"
+#include "worker/engine/engine.h"
 
 namespace moelora::testing {
 

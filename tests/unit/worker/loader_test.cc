@@ -10,14 +10,14 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lora/name_tables.h"
+#include "schema/name_tables.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/architectures/qwen3_moe.h"
 #include "worker/checkpoint.h"
 #include "worker/loaders/weight_loader.h"
 #include "worker/model/causal_lm.h"
 #include "worker/model/registry.h"
-#include "worker/models/qwen3_moe.h"
 
 namespace moelora {
 namespace {
@@ -242,7 +242,7 @@ std::string Config(const std::string& arch) {
          "\"], \"hidden_size\": 6, \"moe_intermediate_size\": 4, \"num_experts\": 3, "
          "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_key_value_heads\": 2, "
          "\"head_dim\": 4, \"vocab_size\": 10, \"partial_rotary_factor\": 1.0, "
-         // The Step architectures' names for the same sizes (lora/architectures.cc).
+         // The Step architectures' names for the same sizes (schema/architectures.cc).
          "\"moe_num_experts\": 3, \"num_attention_groups\": 2}";
 }
 

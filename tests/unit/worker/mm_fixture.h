@@ -16,7 +16,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/unit/worker/engine_test_util.h"
 #include "vision/image_processor.h"
-#include "worker/engine.h"
+#include "worker/engine/engine.h"
 
 namespace moelora::testing {
 

@@ -28,10 +28,10 @@
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/worker/engine_test_util.h"
+#include "tests/unit/worker/speculative_reference.h"
+#include "worker/architectures/vision_tower.h"
 #include "worker/comm/communicator.h"
 #include "worker/model/causal_lm.h"
-#include "worker/model/speculative.h"
-#include "worker/models/vision_tower.h"
 
 namespace moelora {
 namespace {

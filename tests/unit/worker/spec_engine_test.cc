@@ -24,7 +24,7 @@
 #include "tests/unit/worker/engine_test_util.h"
 #include "tests/unit/worker/mm_fixture.h"
 #include "worker/comm/communicator.h"
-#include "worker/engine.h"
+#include "worker/engine/engine.h"
 
 namespace moelora {
 namespace {

@@ -14,7 +14,7 @@
 #include "tests/unit/worker/engine_test_util.h"
 #include "tests/unit/worker/mm_fixture.h"
 #include "vision/image_processor.h"
-#include "worker/models/vision_tower.h"
+#include "worker/architectures/vision_tower.h"
 
 namespace moelora {
 namespace {
