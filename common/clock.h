@@ -61,6 +61,11 @@ class SimulatedClock final : public Clock {
   std::atomic<int64_t> waits_{0};
 };
 
+// Seconds from `t0` to now on the steady clock (for measured phases, not for waiting: see Clock).
+inline double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace moelora
 
 #endif  // MOELORA_COMMON_CLOCK_H_

@@ -47,22 +47,37 @@ struct Step35Layout {
   int mtp = 0;  // num_nextn_predict_layers: MTP layers after the decoder's
 };
 
-[[nodiscard]] absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConfig& c,
-                                                      const std::string& file, bool with_mtp) {
-  const nlohmann::json t = nlohmann::json::parse(text, nullptr, false);
-  const int n = c.info.num_layers;
-  int mtp = 0;
-  if (t.contains("num_nextn_predict_layers") && t["num_nextn_predict_layers"].is_number_integer()) {
-    mtp = t["num_nextn_predict_layers"].get<int>();
+// Reads config.json's per-layer keys (the decoder's layers, then the MTP layers' when they are
+// built) into a Step35Layout, one part at a time.
+struct LayoutReader {
+  LayoutReader(const std::string& text, const ModelConfig& c, const std::string& file,
+               bool with_mtp)
+      : text(text),
+        t(nlohmann::json::parse(text, nullptr, false)),
+        c(c),
+        file(file),
+        n(c.info.num_layers) {
+    if (t.contains("num_nextn_predict_layers") &&
+        t["num_nextn_predict_layers"].is_number_integer()) {
+      mtp = t["num_nextn_predict_layers"].get<int>();
+    }
+    total = with_mtp ? n + std::max(mtp, 0) : n;
   }
-  if (with_mtp && mtp <= 0) {
-    return ConfigRefused(file, "no num_nextn_predict_layers: the checkpoint has no MTP layers");
+  absl::StatusOr<Step35Layout> Read(bool with_mtp) {
+    if (with_mtp && mtp <= 0) {
+      return ConfigRefused(file, "no num_nextn_predict_layers: the checkpoint has no MTP layers");
+    }
+    Step35Layout L;
+    MOELORA_RETURN_IF_ERROR(CheckFeatures());
+    MOELORA_RETURN_IF_ERROR(Attention(L));
+    MOELORA_RETURN_IF_ERROR(Mlp(L));
+    L.mtp = mtp;
+    return L;
   }
-  // The layers read: the decoder's, then the MTP layers' when they are built.
-  const int total = with_mtp ? n + mtp : n;
+
   // A per-layer list of numbers (the hub pads it with the MTP layers' entries; null = 0), or one
   // number for every layer.
-  auto per_layer = [&](const char* key, double fallback, std::vector<double>* out) -> absl::Status {
+  absl::Status PerLayer(const char* key, double fallback, std::vector<double>* out) const {
     out->assign(total, fallback);
     if (!t.contains(key) || t[key].is_null()) return absl::OkStatus();
     const nlohmann::json& v = t[key];
@@ -89,187 +104,208 @@ struct Step35Layout {
       }
     }
     return absl::OkStatus();
-  };
-  auto flag = [&](const char* key, bool fallback) {
-    return t.contains(key) && t[key].is_boolean() ? t[key].get<bool>() : fallback;
-  };
-
-  Step35Layout L;
-  if (c.hidden_act != "silu")
-    return ConfigRefused(file, "hidden_act \"", c.hidden_act, "\" (silu only)");
-  if (t.contains("att_impl_type") && t["att_impl_type"] != "GQA") {
-    return ConfigRefused(file, "att_impl_type ", t["att_impl_type"].dump(),
-                         " is not implemented (GQA only)");
   }
-  if (!flag("use_qk_norm", true))
-    return ConfigRefused(file, "use_qk_norm false is not implemented");
-  if (t.contains("use_rope_layers") && t["use_rope_layers"].is_array()) {
-    for (const auto& v : t["use_rope_layers"]) {
-      if (!v.is_boolean() || !v.get<bool>()) {
+  bool Flag(const char* key, bool fallback) const {
+    return t.contains(key) && t[key].is_boolean() ? t[key].get<bool>() : fallback;
+  }
+  // What this server implements of the release's switches.
+  absl::Status CheckFeatures() const {
+    if (c.hidden_act != "silu")
+      return ConfigRefused(file, "hidden_act \"", c.hidden_act, "\" (silu only)");
+    if (t.contains("att_impl_type") && t["att_impl_type"] != "GQA") {
+      return ConfigRefused(file, "att_impl_type ", t["att_impl_type"].dump(),
+                           " is not implemented (GQA only)");
+    }
+    if (!Flag("use_qk_norm", true))
+      return ConfigRefused(file, "use_qk_norm false is not implemented");
+    if (t.contains("use_rope_layers") && t["use_rope_layers"].is_array()) {
+      for (const auto& v : t["use_rope_layers"]) {
+        if (!v.is_boolean() || !v.get<bool>()) {
+          return ConfigRefused(
+              file,
+              "use_rope_layers with a layer without RoPE is not implemented (vLLM honours it, "
+              "transformers ignores it)");
+        }
+      }
+    }
+    // The defaults of layer_types and moe_layers_enum differ between the hub's code and
+    // transformers: both must be given.
+    if (c.layer_types.empty()) {
+      return ConfigRefused(
+          file, "layer_types is required (the hub code and transformers default it differently)");
+    }
+    return absl::OkStatus();
+  }
+  // Heads, layer types and RoPE per layer.
+  absl::Status Attention(Step35Layout& L) const {
+    int64_t sw_heads = c.info.num_attention_heads, sw_kv = c.info.num_key_value_heads;
+    if (t.contains("attention_other_setting")) {
+      const nlohmann::json& o = t["attention_other_setting"];
+      if (!o.is_object()) return ConfigInvalid(file, "attention_other_setting must be an object");
+      if (o.contains("attention_type") && o["attention_type"] != "sliding_attention") {
+        return ConfigRefused(file, "attention_other_setting.attention_type ",
+                             o["attention_type"].dump(),
+                             " is not implemented (sliding_attention only)");
+      }
+      if (o.contains("head_dim") && o["head_dim"] != c.info.head_dim) {
+        return ConfigRefused(file, "attention_other_setting.head_dim ", o["head_dim"].dump(),
+                             " differs from head_dim ", c.info.head_dim, ": not implemented");
+      }
+      if (o.contains("num_attention_heads")) {
+        if (!o["num_attention_heads"].is_number_integer()) {
+          return ConfigInvalid(file,
+                               "attention_other_setting.num_attention_heads must be an integer");
+        }
+        sw_heads = o["num_attention_heads"].get<int64_t>();
+      }
+      if (o.contains("num_attention_groups")) {
+        if (!o["num_attention_groups"].is_number_integer()) {
+          return ConfigInvalid(file,
+                               "attention_other_setting.num_attention_groups must be an integer");
+        }
+        sw_kv = o["num_attention_groups"].get<int64_t>();
+      }
+    }
+    // RoPE per layer: θ and the partial factor from the per-layer lists, llama3 (or whatever
+    // rope_scaling says) on the layer types in yarn_only_types.
+    std::vector<double> theta, partial;
+    MOELORA_RETURN_IF_ERROR(PerLayer("rope_theta", 10000.0, &theta));
+    MOELORA_RETURN_IF_ERROR(PerLayer("partial_rotary_factors", 1.0, &partial));
+    std::set<std::string> scaled_types;
+    const bool scaling = t.contains("rope_scaling") && t["rope_scaling"].is_object();
+    if (scaling) {
+      if (!t.contains("yarn_only_types") || !t["yarn_only_types"].is_array()) {
         return ConfigRefused(
             file,
-            "use_rope_layers with a layer without RoPE is not implemented (vLLM honours it, "
-            "transformers ignores it)");
+            "rope_scaling without yarn_only_types: the hub code scales every layer, transformers "
+            "only the full-attention ones; say which in yarn_only_types");
+      }
+      for (const auto& v : t["yarn_only_types"]) {
+        if (!v.is_string()) return ConfigInvalid(file, "yarn_only_types must be a list of strings");
+        scaled_types.insert(v.get<std::string>());
       }
     }
-  }
-  // The defaults of layer_types and moe_layers_enum differ between the hub's code and
-  // transformers: both must be given.
-  if (c.layer_types.empty()) {
-    return ConfigRefused(
-        file, "layer_types is required (the hub code and transformers default it differently)");
-  }
-  // Heads per layer type.
-  int64_t sw_heads = c.info.num_attention_heads, sw_kv = c.info.num_key_value_heads;
-  if (t.contains("attention_other_setting")) {
-    const nlohmann::json& o = t["attention_other_setting"];
-    if (!o.is_object()) return ConfigInvalid(file, "attention_other_setting must be an object");
-    if (o.contains("attention_type") && o["attention_type"] != "sliding_attention") {
-      return ConfigRefused(file, "attention_other_setting.attention_type ",
-                           o["attention_type"].dump(),
-                           " is not implemented (sliding_attention only)");
-    }
-    if (o.contains("head_dim") && o["head_dim"] != c.info.head_dim) {
-      return ConfigRefused(file, "attention_other_setting.head_dim ", o["head_dim"].dump(),
-                           " differs from head_dim ", c.info.head_dim, ": not implemented");
-    }
-    if (o.contains("num_attention_heads")) {
-      if (!o["num_attention_heads"].is_number_integer()) {
-        return ConfigInvalid(file,
-                             "attention_other_setting.num_attention_heads must be an integer");
+    L.types = c.layer_types;
+    for (int i = n; i < total; ++i) {
+      const nlohmann::json& lt = t["layer_types"];
+      if (!lt.is_array() || static_cast<int>(lt.size()) <= i || !lt[i].is_string()) {
+        return ConfigInvalid(file, "layer_types lists no type for MTP layer ", i,
+                             " (the MTP layers' follow the decoder's)");
       }
-      sw_heads = o["num_attention_heads"].get<int64_t>();
+      L.types.push_back(lt[i].get<std::string>());
     }
-    if (o.contains("num_attention_groups")) {
-      if (!o["num_attention_groups"].is_number_integer()) {
-        return ConfigInvalid(file,
-                             "attention_other_setting.num_attention_groups must be an integer");
+    for (int i = 0; i < total; ++i) {
+      const bool sliding = L.types[i] == "sliding_attention";
+      if (!sliding && L.types[i] != "full_attention") {
+        return ConfigRefused(file, "layer_types[", i, "] \"", L.types[i],
+                             "\" is not a Step3.5 layer");
       }
-      sw_kv = o["num_attention_groups"].get<int64_t>();
+      L.heads.push_back(sliding ? sw_heads : c.info.num_attention_heads);
+      L.kv_heads.push_back(sliding ? sw_kv : c.info.num_key_value_heads);
+      RopeSpec r = scaling && scaled_types.count(L.types[i]) ? c.rope : RopeSpec();
+      r.head_dim = c.info.head_dim;
+      r.theta = theta[i];
+      r.partial_rotary_factor = partial[i];
+      if (r.rotary_dim() <= 0 || r.rotary_dim() % 2 != 0 || r.rotary_dim() > r.head_dim) {
+        return ConfigInvalid(file, "partial_rotary_factors[", i, "] ", partial[i], " of head_dim ",
+                             r.head_dim, " gives ", r.rotary_dim(),
+                             " rotary dims (must be even, positive, <= head_dim)");
+      }
+      L.rope.push_back(r);
     }
+    return absl::OkStatus();
   }
-  // RoPE per layer: θ and the partial factor from the per-layer lists, llama3 (or whatever
-  // rope_scaling says) on the layer types in yarn_only_types.
-  std::vector<double> theta, partial;
-  MOELORA_RETURN_IF_ERROR(per_layer("rope_theta", 10000.0, &theta));
-  MOELORA_RETURN_IF_ERROR(per_layer("partial_rotary_factors", 1.0, &partial));
-  std::set<std::string> scaled_types;
-  const bool scaling = t.contains("rope_scaling") && t["rope_scaling"].is_object();
-  if (scaling) {
-    if (!t.contains("yarn_only_types") || !t["yarn_only_types"].is_array()) {
+  // MLP or MoE per layer, the clamps, the router.
+  absl::Status Mlp(Step35Layout& L) const {
+    // MLP / MoE per layer: moe_layers_enum decides (as the hub code and vLLM do). The release also
+    // carries the older keys use_moe, moe_layer_offset and moe_every_n_layer; they must agree with
+    // it: MoE layers only with use_moe, and each one a layer the older rule allows
+    // (i >= offset, (i - offset) % every == 0).
+    MOELORA_ASSIGN_OR_RETURN(L.moe, MoeLayersEnum(text, total, file, /*required=*/true));
+    const int num_moe = static_cast<int>(std::count(L.moe.begin(), L.moe.end(), true));
+    if (t.contains("use_moe") && !t["use_moe"].is_boolean())
+      return ConfigInvalid(file, "use_moe must be a boolean");
+    if (!Flag("use_moe", true) && num_moe > 0) {
+      return ConfigRefused(file, "use_moe is false but moe_layers_enum names ", num_moe,
+                           " MoE layers");
+    }
+    int64_t offset = 0, every = 1;
+    for (auto [key, out, least] :
+         {std::tuple<const char*, int64_t*, int64_t>{"moe_layer_offset", &offset, 0},
+          {"moe_every_n_layer", &every, 1}}) {
+      if (!t.contains(key)) continue;
+      if (!t[key].is_number_integer() || t[key].get<int64_t>() < least) {
+        return ConfigInvalid(file, key, " must be an integer >= ", least);
+      }
+      *out = t[key].get<int64_t>();
+    }
+    for (int i = 0; i < total; ++i) {
+      if (L.moe[i] && (i < offset || (i - offset) % every != 0)) {
+        return ConfigRefused(file, "moe_layers_enum makes layer ", i, " MoE, but moe_layer_offset ",
+                             offset, " and moe_every_n_layer ", every, " do not");
+      }
+    }
+    // Every norm here is zero-centred and attention has no sinks: the release says so.
+    if (!Flag("zero_centered", true)) {
+      return ConfigRefused(
+          file, "zero_centered false is not implemented (Step3.5's norms are zero-centred)");
+    }
+    if (Flag("sink", false))
+      return ConfigRefused(file, "sink true (attention sinks) is not implemented");
+    MOELORA_RETURN_IF_ERROR(PerLayer("swiglu_limits", 0, &L.limit));
+    MOELORA_RETURN_IF_ERROR(PerLayer("swiglu_limits_shared", 0, &L.limit_shared));
+    auto get_int = [&](const char* key, int64_t* out) {
+      if (t.contains(key) && t[key].is_number_integer()) *out = t[key].get<int64_t>();
+    };
+    get_int("intermediate_size", &L.dense_inter);
+    L.share_inter = c.info.shared_expert_intermediate_size;
+    L.top_k = c.num_experts_per_tok;  // moe_top_k
+    if (t.contains("moe_router_scaling_factor") && t["moe_router_scaling_factor"].is_number()) {
+      L.routed_scaling = t["moe_router_scaling_factor"].get<double>();
+    }
+    const std::string act =
+        t.contains("moe_router_activation") && t["moe_router_activation"].is_string()
+            ? t["moe_router_activation"].get<std::string>()
+            : "sigmoid";
+    L.router_bias = Flag("use_moe_router_bias", true);
+    if (act != "sigmoid") {
+      return ConfigRefused(file, "moe_router_activation \"", act,
+                           "\" is not implemented (sigmoid only)");
+    }
+    if (!Flag("norm_expert_weight", true)) {
       return ConfigRefused(
           file,
-          "rope_scaling without yarn_only_types: the hub code scales every layer, transformers "
-          "only the full-attention ones; say which in yarn_only_types");
+          "norm_expert_weight false is not implemented: the hub code and transformers "
+          "renormalise the sigmoid router's top-k weights regardless");
     }
-    for (const auto& v : t["yarn_only_types"]) {
-      if (!v.is_string()) return ConfigInvalid(file, "yarn_only_types must be a list of strings");
-      scaled_types.insert(v.get<std::string>());
+    L.head_gate = Flag("use_head_wise_attn_gate", true);
+    L.mtp = mtp;
+    const bool any_moe = num_moe > 0;
+    const bool any_dense = num_moe < total;
+    if (any_moe && (c.info.num_experts <= 0 || L.top_k <= 0 || L.top_k > c.info.num_experts ||
+                    L.share_inter <= 0 || c.info.moe_intermediate_size <= 0)) {
+      return ConfigInvalid(
+          file,
+          "MoE layers need moe_num_experts, moe_top_k (<= experts), moe_intermediate_size "
+          "and share_expert_dim");
     }
+    if (any_dense && L.dense_inter <= 0)
+      return ConfigInvalid(file, "dense layers need intermediate_size");
+    return absl::OkStatus();
   }
-  L.types = c.layer_types;
-  for (int i = n; i < total; ++i) {
-    const nlohmann::json& lt = t["layer_types"];
-    if (!lt.is_array() || static_cast<int>(lt.size()) <= i || !lt[i].is_string()) {
-      return ConfigInvalid(file, "layer_types lists no type for MTP layer ", i,
-                           " (the MTP layers' follow the decoder's)");
-    }
-    L.types.push_back(lt[i].get<std::string>());
-  }
-  for (int i = 0; i < total; ++i) {
-    const bool sliding = L.types[i] == "sliding_attention";
-    if (!sliding && L.types[i] != "full_attention") {
-      return ConfigRefused(file, "layer_types[", i, "] \"", L.types[i],
-                           "\" is not a Step3.5 layer");
-    }
-    L.heads.push_back(sliding ? sw_heads : c.info.num_attention_heads);
-    L.kv_heads.push_back(sliding ? sw_kv : c.info.num_key_value_heads);
-    RopeSpec r = scaling && scaled_types.count(L.types[i]) ? c.rope : RopeSpec();
-    r.head_dim = c.info.head_dim;
-    r.theta = theta[i];
-    r.partial_rotary_factor = partial[i];
-    if (r.rotary_dim() <= 0 || r.rotary_dim() % 2 != 0 || r.rotary_dim() > r.head_dim) {
-      return ConfigInvalid(file, "partial_rotary_factors[", i, "] ", partial[i], " of head_dim ",
-                           r.head_dim, " gives ", r.rotary_dim(),
-                           " rotary dims (must be even, positive, <= head_dim)");
-    }
-    L.rope.push_back(r);
-  }
-  // MLP / MoE per layer: moe_layers_enum decides (as the hub code and vLLM do). The release also
-  // carries the older keys use_moe, moe_layer_offset and moe_every_n_layer; they must agree with
-  // it: MoE layers only with use_moe, and each one a layer the older rule allows
-  // (i >= offset, (i - offset) % every == 0).
-  MOELORA_ASSIGN_OR_RETURN(L.moe, MoeLayersEnum(text, total, file, /*required=*/true));
-  const int num_moe = static_cast<int>(std::count(L.moe.begin(), L.moe.end(), true));
-  if (t.contains("use_moe") && !t["use_moe"].is_boolean())
-    return ConfigInvalid(file, "use_moe must be a boolean");
-  if (!flag("use_moe", true) && num_moe > 0) {
-    return ConfigRefused(file, "use_moe is false but moe_layers_enum names ", num_moe,
-                         " MoE layers");
-  }
-  int64_t offset = 0, every = 1;
-  for (auto [key, out, least] :
-       {std::tuple<const char*, int64_t*, int64_t>{"moe_layer_offset", &offset, 0},
-        {"moe_every_n_layer", &every, 1}}) {
-    if (!t.contains(key)) continue;
-    if (!t[key].is_number_integer() || t[key].get<int64_t>() < least) {
-      return ConfigInvalid(file, key, " must be an integer >= ", least);
-    }
-    *out = t[key].get<int64_t>();
-  }
-  for (int i = 0; i < total; ++i) {
-    if (L.moe[i] && (i < offset || (i - offset) % every != 0)) {
-      return ConfigRefused(file, "moe_layers_enum makes layer ", i, " MoE, but moe_layer_offset ",
-                           offset, " and moe_every_n_layer ", every, " do not");
-    }
-  }
-  // Every norm here is zero-centred and attention has no sinks: the release says so.
-  if (!flag("zero_centered", true)) {
-    return ConfigRefused(
-        file, "zero_centered false is not implemented (Step3.5's norms are zero-centred)");
-  }
-  if (flag("sink", false))
-    return ConfigRefused(file, "sink true (attention sinks) is not implemented");
-  MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits", 0, &L.limit));
-  MOELORA_RETURN_IF_ERROR(per_layer("swiglu_limits_shared", 0, &L.limit_shared));
-  auto get_int = [&](const char* key, int64_t* out) {
-    if (t.contains(key) && t[key].is_number_integer()) *out = t[key].get<int64_t>();
-  };
-  get_int("intermediate_size", &L.dense_inter);
-  L.share_inter = c.info.shared_expert_intermediate_size;
-  L.top_k = c.num_experts_per_tok;  // moe_top_k
-  if (t.contains("moe_router_scaling_factor") && t["moe_router_scaling_factor"].is_number()) {
-    L.routed_scaling = t["moe_router_scaling_factor"].get<double>();
-  }
-  const std::string act =
-      t.contains("moe_router_activation") && t["moe_router_activation"].is_string()
-          ? t["moe_router_activation"].get<std::string>()
-          : "sigmoid";
-  L.router_bias = flag("use_moe_router_bias", true);
-  if (act != "sigmoid") {
-    return ConfigRefused(file, "moe_router_activation \"", act,
-                         "\" is not implemented (sigmoid only)");
-  }
-  if (!flag("norm_expert_weight", true)) {
-    return ConfigRefused(
-        file,
-        "norm_expert_weight false is not implemented: the hub code and transformers "
-        "renormalise the sigmoid router's top-k weights regardless");
-  }
-  L.head_gate = flag("use_head_wise_attn_gate", true);
-  L.mtp = mtp;
-  const bool any_moe = num_moe > 0;
-  const bool any_dense = num_moe < total;
-  if (any_moe && (c.info.num_experts <= 0 || L.top_k <= 0 || L.top_k > c.info.num_experts ||
-                  L.share_inter <= 0 || c.info.moe_intermediate_size <= 0)) {
-    return ConfigInvalid(
-        file,
-        "MoE layers need moe_num_experts, moe_top_k (<= experts), moe_intermediate_size "
-        "and share_expert_dim");
-  }
-  if (any_dense && L.dense_inter <= 0)
-    return ConfigInvalid(file, "dense layers need intermediate_size");
-  return L;
+
+  const std::string& text;
+  const nlohmann::json t;
+  const ModelConfig& c;
+  const std::string& file;
+  const int n;    // the decoder's layers
+  int mtp = 0;    // num_nextn_predict_layers: MTP layers after the decoder's
+  int total = 0;  // the layers read
+};
+
+[[nodiscard]] absl::StatusOr<Step35Layout> ReadLayout(const std::string& text, const ModelConfig& c,
+                                                      const std::string& file, bool with_mtp) {
+  return LayoutReader(text, c, file, with_mtp).Read(with_mtp);
 }
 
 // Layer l's parameters (decoder or MTP layer: the same block).

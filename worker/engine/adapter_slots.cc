@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
 #include "worker/torch_guard.h"
@@ -11,10 +12,6 @@
 namespace moelora {
 
 namespace {
-
-double Since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 [[nodiscard]] absl::Status ResetSlot(CausalLM& model, int slot) {
   return GuardTorch(absl::StrCat("clear LoRA slot ", slot), [&] {
@@ -95,8 +92,10 @@ absl::StatusOr<StageResult> AdapterSlots::ReadIntoSlot(int slot, const std::stri
     for (const auto& [module, pair] : a.dense) r.adapts_draft |= model_->IsMtpModule(module);
     for (const auto& [prefix, moe] : a.moe) r.adapts_draft |= model_->IsMtpModule(prefix);
   }
-  r.phase_seconds = {
-      {"read", t.read}, {"validate", t.validate}, {"convert", t.convert}, {"copy", Since(t0)}};
+  r.phase_seconds = {{"read", t.read},
+                     {"validate", t.validate},
+                     {"convert", t.convert},
+                     {"copy", SecondsSince(t0)}};
   return r;
 }
 
@@ -113,7 +112,7 @@ std::optional<StageResult> AdapterSlots::SwapIn(int64_t id, int slot, const Cach
   }
   StageResult r = cached.result;
   r.from_host_cache = true;
-  r.phase_seconds = {{"swap_in", Since(t0)}};
+  r.phase_seconds = {{"swap_in", SecondsSince(t0)}};
   return r;
 }
 

@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/request_rules.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
@@ -33,10 +34,6 @@
 namespace moelora {
 
 namespace {
-
-double Since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // The model's options from the engine's.
 absl::StatusOr<ModelOptions> ModelOptionsFor(const EngineOptions& o, const Communicator& comm) {
@@ -386,7 +383,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   absl::StatusOr<at::Tensor> logits = m.Forward(batch);
   if (!logits.ok()) {
     absl::StatusOr<StepOutput> failed = m.ForwardFailed(batch, logits.status(), std::move(out));
-    if (failed.ok()) failed->seconds = Since(t0);
+    if (failed.ok()) failed->seconds = SecondsSince(t0);
     return failed;
   }
   const float* L = logits->data_ptr<float>();
@@ -403,7 +400,7 @@ absl::StatusOr<StepOutput> Engine::StepOnComputeThread(const std::vector<NewSequ
   out.distinct_adapters = batch.distinct_adapters;
   m.Finish(batch, st.v.finished);
   out.kv_free_blocks = m.kv->free_blocks();
-  out.seconds = Since(t0);
+  out.seconds = SecondsSince(t0);
   return out;
 }
 

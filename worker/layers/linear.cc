@@ -8,7 +8,6 @@
 #include "kernels/bgmv.h"
 #include "worker/layers/gemm.h"
 #include "worker/layers/lora_ops.h"
-#include "worker/loaders/weight_loader.h"
 
 namespace moelora {
 

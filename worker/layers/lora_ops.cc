@@ -5,9 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
-
-#include "worker/loaders/weight_loader.h"
 
 namespace moelora {
 
@@ -33,6 +32,23 @@ at::Tensor ToFloatScaled(const HostTensor& h, double scaling) {
 
 DType KernelDType(at::ScalarType t) {
   return t == at::kBFloat16 ? DType::kBF16 : t == at::kHalf ? DType::kF16 : DType::kF32;
+}
+
+at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = static_cast<size_t>(c10::multiply_integers(shape)) * c10::elementSize(dtype);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes >= kHuge) {
+    const size_t cap = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = nullptr;
+    if (posix_memalign(&p, kHuge, cap) == 0) {
+      ::madvise(p, cap, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KB
+      return at::from_blob(
+          p, shape, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
+    }
+  }
+#endif
+  return at::empty(shape, at::TensorOptions().dtype(dtype));
 }
 
 at::Tensor SlotZeros(at::IntArrayRef shape, const at::TensorOptions& options) {

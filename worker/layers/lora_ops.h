@@ -1,5 +1,6 @@
-// Small libtorch helpers the layers share: host tensors as ATen tensors, kernel dtypes, device
-// scratch, and the CPU path's SGMV accumulation. Internal to worker/layers and worker/models.
+// Small libtorch helpers the layers share: host tensors as ATen tensors, kernel dtypes, memory for
+// long-lived weights and slots, device scratch, and the CPU path's SGMV accumulation. Internal to
+// worker/ (layers, architectures, loaders).
 #ifndef MOELORA_WORKER_LAYERS_LORA_OPS_H_
 #define MOELORA_WORKER_LAYERS_LORA_OPS_H_
 
@@ -21,6 +22,12 @@ namespace moelora {
 at::Tensor ToFloat(const HostTensor& h);
 at::Tensor ToFloatScaled(const HostTensor& h, double scaling);
 DType KernelDType(at::ScalarType t);
+// An uninitialised CPU tensor for long-lived weights. From 2 MB on it is 2 MB-aligned and asks
+// Linux for transparent huge pages (madvise(MADV_HUGEPAGE); a no-op where they are off): a
+// decode step streams every weight once, and on 4 KB pages the page walks (two-level under a
+// hypervisor) cost a third of the read rate.
+at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype);
+
 // Zeroed storage for LoRA slots (long-lived; a decode step reads a slot in small pieces, one per
 // segment). On the CPU: anonymous memory (zero by construction) with transparent huge pages as
 // the model's weights have (on 4 KB pages a segment's 32–48 KB of A and B cost 8–12 page walks),

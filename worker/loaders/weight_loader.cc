@@ -68,23 +68,6 @@ int64_t PiecesOf(const std::string& param, int num_experts) {
 
 }  // namespace
 
-at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype) {
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = static_cast<size_t>(c10::multiply_integers(shape)) * c10::elementSize(dtype);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (bytes >= kHuge) {
-    const size_t cap = (bytes + kHuge - 1) / kHuge * kHuge;
-    void* p = nullptr;
-    if (posix_memalign(&p, kHuge, cap) == 0) {
-      ::madvise(p, cap, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KB
-      return at::from_blob(
-          p, shape, [](void* q) { std::free(q); }, at::TensorOptions().dtype(dtype));
-    }
-  }
-#endif
-  return at::empty(shape, at::TensorOptions().dtype(dtype));
-}
-
 namespace {
 
 // This rank's shape of `s` (its full shape split as s.split says); INVALID_ARGUMENT when a split

@@ -17,6 +17,7 @@
 #include "schema/model_config.h"
 #include "schema/name_tables.h"
 #include "worker/checkpoint.h"
+#include "worker/layers/lora_ops.h"  // EmptyWeight, what loaded weights are allocated with
 #include "worker/model/registry.h"
 
 namespace moelora {
@@ -59,12 +60,6 @@ struct LoadedWeights {
   std::map<std::string, at::Tensor> params;  // this rank's shards, in options.dtype
   std::vector<std::string> skipped;          // "name (reason)" for knowingly skipped tensors
 };
-
-// An uninitialised CPU tensor for long-lived weights. From 2 MB on it is 2 MB-aligned and asks
-// Linux for transparent huge pages (madvise(MADV_HUGEPAGE); a no-op where they are off): a
-// decode step streams every weight once, and on 4 KB pages the page walks (two-level under a
-// hypervisor) cost a third of the read rate here (a 1 GiB sum: 22 against 35 GB/s).
-at::Tensor EmptyWeight(at::IntArrayRef shape, at::ScalarType dtype);
 
 // INVALID_ARGUMENT for: a checkpoint tensor no rule consumes, a parameter piece left unset or set
 // twice, a shape that contradicts the spec, an expert index >= E, a non-float dtype, a split that
