@@ -358,6 +358,9 @@ std::vector<ParamSpec> Step35Specs(const ModelConfig& c, const Step35Layout& L, 
 class Step3p5 final : public DecoderModel {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<CausalLM>> Create(const ModelContext& ctx);
+
+ private:
+  void RegisterStep35Lora(int l, DecoderLayer& L);
 };
 
 bool SameRope(const RopeSpec& a, const RopeSpec& b) {
@@ -365,19 +368,8 @@ bool SameRope(const RopeSpec& a, const RopeSpec& b) {
          a.partial_rotary_factor == b.partial_rotary_factor;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ctx) {
-  const ModelConfig& c = ctx.config;
-  const ModelOptions& o = ctx.options;
-  const std::string cfg = ctx.dir + "/config.json";
-  MOELORA_ASSIGN_OR_RETURN(std::string text, ReadConfigText(ctx.dir));
-  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text, c, cfg, o.mtp));
-  const int tp = o.tp_size, n = c.info.num_layers;
-  const int total = n + (o.mtp ? lay.mtp : 0);  // with the MTP layers when they are built
-  if (o.mtp && lay.mtp > kMaxMtpHeads) {
-    return absl::FailedPreconditionError(absl::StrCat(cfg, ": num_nextn_predict_layers ", lay.mtp,
-                                                      " (at most ", kMaxMtpHeads,
-                                                      " MTP layers are served)"));
-  }
+// The layout against the tensor-parallel size: heads, KV heads and MLP dims divide by it.
+absl::Status CheckParallel(const Step35Layout& lay, const std::string& cfg, int tp, int total) {
   for (int l = 0; l < total; ++l) {
     if (lay.heads[l] % tp != 0 || lay.kv_heads[l] % tp != 0 || lay.heads[l] % lay.kv_heads[l]) {
       return ConfigInvalid(cfg, "layer ", l, ": ", lay.heads[l], " query heads and ",
@@ -390,6 +382,106 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     return ConfigInvalid(cfg, "share_expert_dim ", lay.share_inter, " and intermediate_size ",
                          lay.dense_inter, " must divide by --tensor-parallel-size ", tp);
   }
+  return absl::OkStatus();
+}
+
+// Builds layer l's block (a decoder or an MTP layer: the same block) from the loaded parameters;
+// its RoPE index is the caller's.
+class Step35Builder {
+ public:
+  Step35Builder(const ModelConfig& c, const ModelOptions& o, const Step35Layout& lay,
+                std::map<std::string, at::Tensor>& P, const SlotShape& shape, AdapterFormat wrapper)
+      : c_(c), o_(o), lay_(lay), P_(P), shape_(shape), wrapper_(wrapper) {}
+
+  absl::StatusOr<DecoderLayer> Layer(int l) const {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    DecoderLayer L;
+    L.in_norm = P_.at(p + "input_layernorm.weight");
+    L.post_norm = P_.at(p + "post_attention_layernorm.weight");
+    MOELORA_RETURN_IF_ERROR(Attention(l, p, L));
+    MOELORA_RETURN_IF_ERROR(Ffn(l, p, L));
+    return L;
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<LoraLinear>> Linear(const std::string& path, TpMode mode,
+                                                     int64_t in_dim, int64_t out_dim) const {
+    return LoraLinear::Create(path, P_.at(path + ".base_layer.weight"), at::Tensor(), mode, in_dim,
+                              {out_dim}, shape_);
+  }
+  // Attention with this layer's heads (full or sliding), zero-centred q/k norms and, with
+  // use_head_wise_attn_gate, a gate per head.
+  absl::Status Attention(int l, const std::string& p, DecoderLayer& L) const {
+    const std::string a = p + "self_attn.";
+    const int tp = o_.tp_size;
+    const int64_t H = c_.info.hidden_size, d = c_.info.head_dim, hq = lay_.heads[l],
+                  hkv = lay_.kv_heads[l];
+    MOELORA_ASSIGN_OR_RETURN(auto q, Linear(a + "q_proj", TpMode::kColumn, H, hq * d));
+    MOELORA_ASSIGN_OR_RETURN(auto k, Linear(a + "k_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto v, Linear(a + "v_proj", TpMode::kColumn, H, hkv * d));
+    MOELORA_ASSIGN_OR_RETURN(auto out, Linear(a + "o_proj", TpMode::kRow, hq * d, H));
+    AttentionSpec as;
+    as.heads = hq / tp;
+    as.kv_heads = hkv / tp;
+    as.head_dim = d;
+    as.eps = c_.rms_norm_eps;
+    as.qk_norm_kind = NormKind::kZeroCentred;
+    as.sliding_window = lay_.types[l] == "sliding_attention" ? c_.sliding_window : 0;
+    L.attn = std::make_unique<moelora::Attention>(as, std::move(q), std::move(k), std::move(v),
+                                                  std::move(out), P_.at(a + "q_norm.weight"),
+                                                  P_.at(a + "k_norm.weight"));
+    if (lay_.head_gate) {
+      MOELORA_ASSIGN_OR_RETURN(auto g, Linear(a + "g_proj", TpMode::kColumn, H, hq));
+      L.attn->set_head_gate(std::move(g));
+    }
+    return absl::OkStatus();
+  }
+  // The MoE block (sigmoid router with bias, shared expert, clamped SwiGLU) or the dense MLP.
+  absl::Status Ffn(int l, const std::string& p, DecoderLayer& L) const {
+    const int64_t H = c_.info.hidden_size;
+    if (!lay_.moe[l]) {
+      MOELORA_ASSIGN_OR_RETURN(
+          L.mlp, MakeSwiGluMlp(P_, p + "mlp.", H, lay_.dense_inter, shape_, lay_.limit_shared[l]));
+      return absl::OkStatus();
+    }
+    MOELORA_ASSIGN_OR_RETURN(
+        auto shared,
+        MakeSwiGluMlp(P_, p + "share_expert.", H, lay_.share_inter, shape_, lay_.limit_shared[l]));
+    auto experts = MakeExperts(p + "moe.experts", P_, c_, o_, wrapper_, shape_);
+    if (lay_.limit[l] > 0) {
+      ExpertActivation act;
+      act.kind = ExpertActivation::Kind::kSwiGluStep;
+      act.limit = lay_.limit[l];
+      experts->set_activation(act);
+    }
+    L.moe = std::make_unique<MoeBlock>(
+        P_.at(p + "moe.gate.weight"), RouterKind::kSigmoidBiasTopK, lay_.top_k,
+        /*norm_topk_prob=*/true, std::move(experts), std::move(shared),
+        lay_.router_bias ? P_.at(p + "moe.router_bias") : at::Tensor(), lay_.routed_scaling);
+    return absl::OkStatus();
+  }
+
+  const ModelConfig& c_;
+  const ModelOptions& o_;
+  const Step35Layout& lay_;
+  std::map<std::string, at::Tensor>& P_;
+  const SlotShape shape_;
+  const AdapterFormat wrapper_;
+};
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ctx) {
+  const ModelConfig& c = ctx.config;
+  const ModelOptions& o = ctx.options;
+  const std::string cfg = ctx.dir + "/config.json";
+  MOELORA_ASSIGN_OR_RETURN(std::string text, ReadConfigText(ctx.dir));
+  MOELORA_ASSIGN_OR_RETURN(Step35Layout lay, ReadLayout(text, c, cfg, o.mtp));
+  const int n = c.info.num_layers;
+  const int total = n + (o.mtp ? lay.mtp : 0);  // with the MTP layers when they are built
+  if (o.mtp && lay.mtp > kMaxMtpHeads) {
+    return ConfigRefused(cfg, "num_nextn_predict_layers ", lay.mtp, " (at most ", kMaxMtpHeads,
+                         " MTP layers are served)");
+  }
+  MOELORA_RETURN_IF_ERROR(CheckParallel(lay, cfg, o.tp_size, total));
   // With the MTP layers, the checkpoint's names after num_hidden_layers are read too (the main
   // table skips them).
   ModelContext load_ctx = ctx;
@@ -404,45 +496,17 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
                              return Step35Specs(c, lay, lm, o.mtp);
                            }));
   LoadedWeights& w = mw.weights;
-  const bool has_lm_head = mw.has_lm_head;
   auto m = std::unique_ptr<Step3p5>(new Step3p5());
   auto& P = w.params;
   MOELORA_RETURN_IF_ERROR(m->Adopt(ctx, c, w.skipped, P));
   const at::Device dev = m->device();
-  m->ends_ = LmEnds::From(P, has_lm_head);
+  m->ends_ = LmEnds::From(P, mw.has_lm_head);
   m->norm_ = NormKind::kZeroCentred;
+  const Step35Builder build(c, o, lay, P, SlotShape::For(o, dev, ctx.comm), m->wrapper_);
   std::vector<RopeSpec> distinct;
-  const SlotShape shape = SlotShape::For(o, dev, ctx.comm);
-  const int64_t H = c.info.hidden_size, d = c.info.head_dim;
-  // Layer l's block (a decoder or an MTP layer).
-  auto build = [&](int l, DecoderLayer& L) -> absl::Status {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    const std::string a = p + "self_attn.";
-    const int64_t hq = lay.heads[l], hkv = lay.kv_heads[l];
-    L.in_norm = P.at(p + "input_layernorm.weight");
-    L.post_norm = P.at(p + "post_attention_layernorm.weight");
-    auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
-      return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in_dim,
-                                {out_dim}, shape);
-    };
-    MOELORA_ASSIGN_OR_RETURN(auto q, linear(a + "q_proj", TpMode::kColumn, H, hq * d));
-    MOELORA_ASSIGN_OR_RETURN(auto k, linear(a + "k_proj", TpMode::kColumn, H, hkv * d));
-    MOELORA_ASSIGN_OR_RETURN(auto v, linear(a + "v_proj", TpMode::kColumn, H, hkv * d));
-    MOELORA_ASSIGN_OR_RETURN(auto out, linear(a + "o_proj", TpMode::kRow, hq * d, H));
-    AttentionSpec as;
-    as.heads = hq / tp;
-    as.kv_heads = hkv / tp;
-    as.head_dim = d;
-    as.eps = c.rms_norm_eps;
-    as.qk_norm_kind = NormKind::kZeroCentred;
-    as.sliding_window = lay.types[l] == "sliding_attention" ? c.sliding_window : 0;
-    L.attn =
-        std::make_unique<Attention>(as, std::move(q), std::move(k), std::move(v), std::move(out),
-                                    P.at(a + "q_norm.weight"), P.at(a + "k_norm.weight"));
-    if (lay.head_gate) {
-      MOELORA_ASSIGN_OR_RETURN(auto g, linear(a + "g_proj", TpMode::kColumn, H, hq));
-      L.attn->set_head_gate(std::move(g));
-    }
+  // Layer l's block, its RoPE one of the model's distinct ones.
+  auto layer = [&](int l) -> absl::StatusOr<DecoderLayer> {
+    MOELORA_ASSIGN_OR_RETURN(DecoderLayer L, build.Layer(l));
     size_t r = 0;
     while (r < distinct.size() && !SameRope(distinct[r], lay.rope[l])) ++r;
     if (r == distinct.size()) {
@@ -450,30 +514,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
       m->rotaries_.emplace_back(lay.rope[l], dev);
     }
     L.rope = r;
-    if (lay.moe[l]) {
-      MOELORA_ASSIGN_OR_RETURN(
-          auto shared,
-          MakeSwiGluMlp(P, p + "share_expert.", H, lay.share_inter, shape, lay.limit_shared[l]));
-      auto experts = MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape);
-      if (lay.limit[l] > 0) {
-        ExpertActivation act;
-        act.kind = ExpertActivation::Kind::kSwiGluStep;
-        act.limit = lay.limit[l];
-        experts->set_activation(act);
-      }
-      L.moe = std::make_unique<MoeBlock>(
-          P.at(p + "moe.gate.weight"), RouterKind::kSigmoidBiasTopK, lay.top_k,
-          /*norm_topk_prob=*/true, std::move(experts), std::move(shared),
-          lay.router_bias ? P.at(p + "moe.router_bias") : at::Tensor(), lay.routed_scaling);
-    } else {
-      MOELORA_ASSIGN_OR_RETURN(
-          L.mlp, MakeSwiGluMlp(P, p + "mlp.", H, lay.dense_inter, shape, lay.limit_shared[l]));
-    }
-    return absl::OkStatus();
+    return L;
   };
   for (int l = 0; l < n; ++l) {
-    DecoderLayer L;
-    MOELORA_RETURN_IF_ERROR(build(l, L));
+    MOELORA_ASSIGN_OR_RETURN(DecoderLayer L, layer(l));
     m->layers_.push_back(std::move(L));
   }
   // The MTP layers: head j (layer n + j) drafts token j + 1 of a step, chained (vLLM's
@@ -487,37 +531,33 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ct
     head->norm_hidden = P.at(p + "hnorm.weight");
     head->norm = P.at(p + "shared_head.norm.weight");
     head->lm_head = P.at(p + "shared_head.output.weight");
-    MOELORA_RETURN_IF_ERROR(build(l, head->layer));
+    MOELORA_ASSIGN_OR_RETURN(head->layer, layer(l));
     head->kv_layer = l;
     m->mtp_.push_back(std::move(head));
   }
   m->mtp_chained_ = !m->mtp_.empty();
   m->num_layers_ = total;
-  std::vector<DecoderLayer*> all;
-  for (DecoderLayer& L : m->layers_) all.push_back(&L);
-  for (auto& h : m->mtp_) all.push_back(&h->layer);  // their module paths: layers n ..
-  for (size_t l = 0; l < all.size(); ++l) {
-    DecoderLayer& L = *all[l];
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o()}) m->RegisterLora(x);
-    if (L.attn->g()) m->RegisterLora(L.attn->g());
-    if (L.mlp) {
-      for (LoraModule* x : {L.mlp->gate.get(), L.mlp->up.get(), L.mlp->down.get()}) {
-        m->RegisterLora(x);
-      }
-      continue;
-    }
-    SwiGluMlp* s = L.moe->shared();
-    for (auto [x, name] : {std::pair<LoraModule*, const char*>{s->gate.get(), "gate_proj"},
-                           {s->up.get(), "up_proj"},
-                           {s->down.get(), "down_proj"}}) {
-      // transformers' Step3p7 and vLLM's module names for the layer-level share_expert.
-      m->RegisterLora(x, {absl::StrCat(p, "mlp.shared_experts.", name),
-                          absl::StrCat(p, "moe.share_expert.", name)});
-    }
-    m->RegisterLora(L.moe->experts(), {p + "mlp.experts"});
-  }
+  for (int l = 0; l < n; ++l) m->RegisterStep35Lora(l, m->layers_[l]);
+  for (int l = n; l < total; ++l) m->RegisterStep35Lora(l, m->mtp_[l - n]->layer);
   return std::unique_ptr<CausalLM>(std::move(m));
+}
+
+// Layer l's LoRA modules: as RegisterLayerLora, with the names transformers' Step3p7 and vLLM
+// give the shared expert and the experts as aliases.
+void Step3p5::RegisterStep35Lora(int l, DecoderLayer& L) {
+  if (L.mlp) return RegisterLayerLora(L);
+  const std::string p = absl::StrCat("model.layers.", l, ".");
+  for (LoraModule* x : {L.attn->q(), L.attn->k(), L.attn->v(), L.attn->o(), L.attn->g()}) {
+    if (x != nullptr) RegisterLora(x);
+  }
+  SwiGluMlp* s = L.moe->shared();
+  for (auto [x, name] : {std::pair<LoraModule*, const char*>{s->gate.get(), "gate_proj"},
+                         {s->up.get(), "up_proj"},
+                         {s->down.get(), "down_proj"}}) {
+    RegisterLora(x, {absl::StrCat(p, "mlp.shared_experts.", name),
+                     absl::StrCat(p, "moe.share_expert.", name)});
+  }
+  RegisterLora(L.moe->experts(), {p + "mlp.experts"});
 }
 
 }  // namespace

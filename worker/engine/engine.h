@@ -8,6 +8,11 @@
 // validates, converts (mixed mode) and copies into a reserved slot; Commit makes it usable;
 // Abort releases it. A staged adapter is invisible to Step.
 //
+// The engine's parts, one job each, in this folder: step_planner (tokens per sequence, preemption,
+// prefix hits), speculation (MTP drafts and their verification), image_inputs (images, the
+// encoder cache), adapter_slots (slots and the host cache), compute_thread (where tensor work
+// runs); engine.cc joins them into a step: admit, plan, forward, sample, finish.
+//
 // Thread-safety: all methods may be called from any thread. Step calls are serialised; Stage
 // runs concurrently with Step (it writes only its reserved slot).
 #ifndef MOELORA_WORKER_ENGINE_ENGINE_H_
@@ -174,7 +179,7 @@ class Engine {
 
   // Every call below that touches tensors (Create's load, StageAdapter, AbortAdapter,
   // UnloadAdapter, Step) runs on the engine's one compute thread, whatever thread calls, one at a
-  // time (see ComputeThread in engine.cc).
+  // time (worker/engine/compute_thread.h).
   // Phase 1. Errors change nothing: NOT_FOUND / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (rank or
   // no free slot) / FAILED_PRECONDITION (layout vs wrapper, see MoeModel::SetSlot).
   // ALREADY_EXISTS when the id is staged or committed with a different path. An adapter in the
@@ -196,7 +201,7 @@ class Engine {
   // state changes), runs one forward pass and samples one token per sequence (with speculation,
   // a sequence's drafts are verified in that forward and it may yield several). Finished sequences
   // leave the batch by themselves. The work runs on the engine's one compute thread, whatever
-  // thread calls (see ComputeThread in engine.cc).
+  // thread calls (worker/engine/compute_thread.h).
   [[nodiscard]] absl::StatusOr<StepOutput> Step(const std::vector<NewSequence>& add,
                                                 const std::vector<int64_t>& remove);
   // Step(add, remove), then further decode steps of the same batch, back to back on the compute
