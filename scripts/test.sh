@@ -11,7 +11,9 @@
 #   4. the Docker image: deploy/docker/Dockerfile built with a real engine (dockerd started here
 #      when none runs; the Debian base image from debootstrap) and run single-node and multi-node
 #      (tests/deploy/docker_test.sh);
-#   5. short runs of the benchmarks (figures only, never pass/fail).
+#   5. with MOELORA_BENCH=1 only: bench/peer --quick against transformers + PEFT (a 5.6 GB venv)
+#      and short runs of the benchmarks (figures, not regression checks: the reference-logits
+#      tests compare with transformers + PEFT in step 1).
 # MOELORA_SKIP_FUZZ=1 skips step 2, MOELORA_SKIP_SANITIZERS=1 step 3, MOELORA_SKIP_DOCKER=1 step 4;
 # MOELORA_BUILD_DIR moves the build trees. Each step prints the seconds since the start.
 set -euo pipefail
@@ -83,23 +85,24 @@ if [ "${MOELORA_SKIP_DOCKER:-0}" != "1" ]; then
   if [ "$rc" -eq 77 ]; then echo "docker test skipped (no engine here)"; elif [ "$rc" -ne 0 ]; then exit "$rc"; fi
 fi
 
-if [ "${MOELORA_SKIP_PEER:-0}" != "1" ]; then
+if [ "${MOELORA_BENCH:-0}" = "1" ]; then
   # Against transformers + PEFT on a medium Qwen3-MoE: f32 greedy outputs must be identical
   # (exit 1 otherwise); the tokens/s ratios are figures. Needs torch, transformers and peft from
-  # PyPI (tools/peer_venv.sh: 5.6 GB, about 4 minutes); MOELORA_SKIP_PEER=1 skips.
+  # PyPI (tools/peer_venv.sh: 5.6 GB, about 4 minutes).
   phase "bench/peer --quick: moelora vs transformers + PEFT (venv .cache/peer-venv)"
   if PY="$(bash tools/peer_venv.sh)"; then
     "$B/bench/peer" --python "$PY" --dir "$ROOT/.cache/peer-model" --quick
   else
     echo "pip could not install torch/transformers/peft: bench/peer skipped"
   fi
+  phase "bench (figures only)"
+  "$B/bench/adapter_load" --layers 8 --repeat 2
+  "$B/bench/decode_step" --steps 5 --repeat 2 --prefill 128
+  "$B/bench/serving" --clients 8 --requests 10 --loads 6
+  "$B/bench/http_api" --requests 8 --rounds 3
+  # The tokenizer corpus exists when the tokenizer_corpus test could pip-install its generator.
+  if [ -s "$B/tokenizer_corpus/corpus.jsonl" ]; then
+    "$B/bench/tokenizer_encode" "$B/tokenizer_corpus" --repeat 5
+  fi
 fi
-
-phase "bench (figures only)"
-"$B/bench/adapter_load" --layers 8 --repeat 2
-"$B/bench/decode_step" --steps 5 --repeat 2 --prefill 128
-"$B/bench/serving" --clients 8 --requests 10 --loads 6
-"$B/bench/http_api" --requests 8 --rounds 3
-# The tokenizer corpus exists when the tokenizer_corpus test could pip-install its generator.
-if [ -s "$B/tokenizer_corpus/corpus.jsonl" ]; then "$B/bench/tokenizer_encode" "$B/tokenizer_corpus" --repeat 5; fi
 phase "done"
