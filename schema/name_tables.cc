@@ -157,7 +157,10 @@ NameMapping MapQwen3VlMoe(const std::string& ckpt, bool lw) {
   NameMapping m;
   if (MatchVisual(ckpt, &m)) return m;
   const std::string n = TextPrefix(StripBaseLayer(ckpt));
-  if (MatchFused(n, /*transposed=*/true, lw, &m)) return m;
+  if (MatchFused(n, /*transposed=*/true, lw, &m)) {
+    m.target.either_layout = true;
+    return m;
+  }
   return Dense(n, lw);
 }
 

@@ -41,6 +41,10 @@ struct WeightTarget {
   bool interleaved = false;
   // kW13 only: the source is the experts' gate_up bias [E, 2I] (param [E, 2I, 1]).
   bool bias = false;
+  // Qwen3-VL-MoE's fused experts come in two layouts: as released (gate_up_proj [E, H, 2I],
+  // down_proj [E, I, H]: `transposed`) and as transformers 5's save_pretrained writes them
+  // ([E, 2I, H], [E, H, I]). The loader decides from the shapes of the layer's two tensors.
+  bool either_layout = false;
 };
 
 // What a table says about one checkpoint name.

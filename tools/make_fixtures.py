@@ -13,6 +13,8 @@ What it writes (all float32, tiny, random weights with fixed seeds):
   qwen3_vl_moe/model/       Qwen3VLMoeForConditionalGeneration; text experts stored fused and
                             transposed ([E,H,2I] / [E,I,H]) as the released checkpoints are; the
                             script checks that transformers reloads it to the same logits
+  qwen3_vl_moe/model_hf5/   the same checkpoint re-saved by transformers 5's save_pretrained (the
+                            experts in its runtime layout [E,2I,H] / [E,H,I]); same weights
   gpt_oss/model/            GptOssForCausalLM config.json only (for the interleaved gate/up case)
   <model>/adapter_3d/       written by PEFT itself: target_parameters on experts.gate_up_proj /
                             experts.down_proj (+ q_proj, o_proj) — the PEFT >= 0.19.1 3D layout
@@ -288,6 +290,26 @@ def qwen3_vl_moe(out):
         # LoRA), so the 2D adapter's expected logits are the Qwen3-MoE ones: same weights, same adapter.
         got[f"logits.adapter_2d.{k}"] = ref[f"logits.adapter_2d.{k}"]
     save_file(got, os.path.join(root, "expected_logits.safetensors"))
+
+
+def qwen3_vl_moe_hf5(out):
+    """qwen3_vl_moe/model_hf5: the same checkpoint as transformers 5's save_pretrained writes it, the
+    text experts in its runtime layout (gate_up_proj [E,2I,H], down_proj [E,H,I]); the engine must
+    read both layouts (expected logits: the fixture's own)."""
+    root = os.path.join(out, "qwen3_vl_moe")
+    src, dst = os.path.join(root, "model"), os.path.join(root, "model_hf5")
+    shutil.rmtree(dst, ignore_errors=True)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32, **EAGER).eval()
+    model.save_pretrained(dst)
+    sd = load_file(os.path.join(dst, "model.safetensors"))
+    gu = [v for k, v in sd.items() if k.endswith("mlp.experts.gate_up_proj")]
+    assert gu and all(t.shape[1] == 2 * I and t.shape[2] == H for t in gu), "not transformers' layout"
+    reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(dst, dtype=torch.float32, **EAGER).eval()
+    a, b = model.state_dict(), reloaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ"
+    for p in PROMPTS:  # the same weights; the matmuls' memory layout may move the last bit
+        d = (logits_of(model, p) - logits_of(reloaded, p)).abs().max().item()
+        assert d < 1e-6, f"the re-saved checkpoint gives other logits: {d}"
 
 
 def gpt_oss(out):
@@ -819,7 +841,8 @@ def step3p5(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_5_moe", "gpt_oss_lm", "gpt_oss_lm_2d", "step3p5"], default="all",
+    ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_vl_moe_hf5", "qwen3_5_moe", "gpt_oss_lm",
+                                     "gpt_oss_lm_2d", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -827,12 +850,16 @@ def main():
     if args.only == "variants":
         qwen3_moe_variants(args.out)
         return
+    if args.only == "qwen3_vl_moe_hf5":  # needs the committed qwen3_vl_moe/model
+        qwen3_vl_moe_hf5(args.out)
+        return
     if args.only == "qwen3_moe":  # then: tools/make_tokenizers.py tiny --models .../qwen3_moe/model
         for sub in ("qwen3_moe", "qwen3_vl_moe"):
             shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
         qwen3_moe(args.out)
         qwen3_moe_variants(args.out)
         qwen3_vl_moe(args.out)  # the same text weights
+        qwen3_vl_moe_hf5(args.out)
         return
     if args.only == "qwen3_5_moe":
         qwen3_5_moe(args.out)
@@ -852,6 +879,7 @@ def main():
     qwen3_moe(args.out)
     qwen3_moe_variants(args.out)
     qwen3_vl_moe(args.out)
+    qwen3_vl_moe_hf5(args.out)
     qwen3_5_moe(args.out)
     gpt_oss(args.out)
     gpt_oss_lm(args.out)

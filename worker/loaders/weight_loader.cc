@@ -154,6 +154,37 @@ namespace {
   return out;
 }
 
+namespace {
+
+// Whether a layer's fused experts (`<layer>.experts.gate_up_proj` and `.down_proj`) are stored
+// transposed (the Qwen3-VL-MoE release: [E, H, 2I] and [E, I, H]) or not (transformers 5's
+// save_pretrained: [E, 2I, H] and [E, H, I]). down_proj tells whenever H != I; else gate_up_proj
+// does (then 2I != H). A layer whose tensors fit neither layout is left to the shape check, which
+// names both.
+bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int64_t H, int64_t I) {
+  const std::string stem = name.substr(0, name.rfind('.'));  // `<layer>.experts`
+  auto shape_of = [&](const char* which) -> const std::vector<int64_t>* {
+    auto it = ckpt.tensors().find(stem + "." + which);
+    return it == ckpt.tensors().end() ? nullptr : &it->second->shape;
+  };
+  auto is = [](const std::vector<int64_t>* s, int64_t a, int64_t b) {
+    return s != nullptr && s->size() == 3 && (*s)[1] == a && (*s)[2] == b;
+  };
+  const std::vector<int64_t>* down = shape_of("down_proj");
+  const std::vector<int64_t>* gate_up = shape_of("gate_up_proj");
+  if (H != I) {
+    if (is(down, I, H)) return true;
+    if (is(down, H, I)) return false;
+  }
+  if (H != 2 * I) {
+    if (is(gate_up, H, 2 * I)) return true;
+    if (is(gate_up, 2 * I, H)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 [[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(
     const Checkpoint& ckpt, const ArchTable& table, const ModelConfig& config,
     const std::vector<ParamSpec>& specs, const LoadOptions& opt, const SkipUnlisted& skip) {
@@ -182,7 +213,7 @@ namespace {
           name, " (an MTP layer after num_hidden_layers: speculative decoding is not served)"));
       continue;
     }
-    const NameMapping m = table.map(name, opt.lora_wrapped);
+    NameMapping m = table.map(name, opt.lora_wrapped);
     if (m.kind == NameMapping::kSkip) {
       out.skipped.push_back(absl::StrCat(name, " (", m.reason, ")"));
       continue;
@@ -233,6 +264,9 @@ namespace {
       continue;
     }
     // Expert weights. Normalise the source to [n, out, in] with n = 1 (one expert) or E.
+    if (m.target.either_layout) {
+      m.target.transposed = FusedExpertsTransposed(ckpt, name, H, I);
+    }
     const bool stacked = m.target.expert < 0;
     if (!stacked && m.target.expert >= E) {
       return absl::InvalidArgumentError(
@@ -250,9 +284,14 @@ namespace {
     }
     if (m.target.bias) src = src.unsqueeze(-1);  // [E, 2I] -> [E, 2I, 1]
     if (src.sizes() != at::IntArrayRef(want)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ",
-                       spec.name, m.target.transposed ? " (stored transposed, x @ W)" : ""));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ", spec.name,
+          m.target.either_layout
+              ? " (fits neither layout of the experts: gate_up_proj [E, H, 2I] and "
+                "down_proj [E, I, H] as released, or [E, 2I, H] and [E, H, I] as "
+                "transformers saves them)"
+          : m.target.transposed ? " (stored transposed, x @ W)"
+                                : ""));
     }
     at::Tensor s3 = stacked ? src : src.unsqueeze(0);
     if (m.target.transposed) s3 = s3.transpose(1, 2);

@@ -41,13 +41,17 @@ struct RefCase {
   const char* variant;   // expected_logits variant; also the adapter directory ("" for base)
   bool mixed;
   const char* device = "cpu";  // cpu-twins: the GPU code path through the kernels' CPU twins
+  // The model directory under arch_dir: `model`, or `model_hf5` (Qwen3-VL-MoE as transformers 5
+  // saves it: the experts in the other layout, the same weights and expected logits).
+  const char* model = "model";
 };
 
 class ReferenceLogitsTest : public ::testing::TestWithParam<RefCase> {};
 
 std::string RefCaseName(const ::testing::TestParamInfo<RefCase>& info) {
-  return std::string(info.param.arch_dir) + "_" + info.param.variant +
-         (info.param.mixed ? "_mixed" : "");
+  return std::string(info.param.arch_dir) +
+         (std::string(info.param.model) == "model" ? "" : std::string("_") + info.param.model) +
+         "_" + info.param.variant + (info.param.mixed ? "_mixed" : "");
 }
 
 bool CudaUsable() { return at::hasCUDA() && CudaDeviceAvailable(); }
@@ -61,7 +65,7 @@ TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
   const std::string dir = c.arch_dir;
   auto ref = ReadExpected(Data(dir + "/expected_logits.safetensors"));
   ASSERT_EQ(ref.prompts.size(), 3u);
-  auto h = MakeEngine(dir + "/model", c.mixed, 4, 8, "float32", c.device);
+  auto h = MakeEngine(dir + "/" + c.model, c.mixed, 4, 8, "float32", c.device);
   ASSERT_NE(h, nullptr);
   int64_t adapter = 0;
   const std::string variant = c.variant;
@@ -82,18 +86,19 @@ TEST_P(ReferenceLogitsTest, MatchesTransformersAndPeft) {
   EXPECT_LE(worst, kRefTol);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceLogitsTest,
-                         ::testing::Values(RefCase{"qwen3_moe", "base", false},
-                                           RefCase{"qwen3_moe", "adapter_2d", false},
-                                           RefCase{"qwen3_moe", "adapter_2d_shared_a", false},
-                                           RefCase{"qwen3_moe", "adapter_3d_as_2d", false},
-                                           RefCase{"qwen3_moe", "adapter_3d", true},
-                                           RefCase{"qwen3_moe", "adapter_2d", true},
-                                           RefCase{"qwen3_vl_moe", "base", false},
-                                           RefCase{"qwen3_vl_moe", "adapter_3d", false},
-                                           RefCase{"qwen3_vl_moe", "adapter_3d", true},
-                                           RefCase{"qwen3_vl_moe", "adapter_2d", true}),
-                         RefCaseName);
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, ReferenceLogitsTest,
+    ::testing::Values(
+        RefCase{"qwen3_moe", "base", false}, RefCase{"qwen3_moe", "adapter_2d", false},
+        RefCase{"qwen3_moe", "adapter_2d_shared_a", false},
+        RefCase{"qwen3_moe", "adapter_3d_as_2d", false}, RefCase{"qwen3_moe", "adapter_3d", true},
+        RefCase{"qwen3_moe", "adapter_2d", true}, RefCase{"qwen3_vl_moe", "base", false},
+        RefCase{"qwen3_vl_moe", "adapter_3d", false}, RefCase{"qwen3_vl_moe", "adapter_3d", true},
+        RefCase{"qwen3_vl_moe", "adapter_2d", true},
+        RefCase{"qwen3_vl_moe", "base", false, "cpu", "model_hf5"},
+        RefCase{"qwen3_vl_moe", "adapter_3d", false, "cpu", "model_hf5"},
+        RefCase{"qwen3_vl_moe", "adapter_2d", true, "cpu", "model_hf5"}),
+    RefCaseName);
 
 // Qwen3.5-MoE (Gated DeltaNet + gated attention + shared expert) against transformers + PEFT:
 // text-only and VL checkpoints, base, the 3D adapter native and converted in mixed mode, and the

@@ -303,6 +303,9 @@ INSTANTIATE_TEST_SUITE_P(
                                    "model.layers.0.", "mlp"},
                           LandCase{"Qwen3VLMoeForConditionalGeneration", Layout::kFusedTransposed,
                                    "model.language_model.layers.0.", "model.layers.0.", "mlp"},
+                          // As transformers 5's save_pretrained writes Qwen3-VL-MoE.
+                          LandCase{"Qwen3VLMoeForConditionalGeneration", Layout::kFused,
+                                   "model.language_model.layers.0.", "model.layers.0.", "mlp"},
                           LandCase{"Qwen3_5MoeForConditionalGeneration", Layout::kFused,
                                    "model.language_model.layers.0.", "model.layers.0.", "mlp"},
                           LandCase{"Qwen3_5MoeForConditionalGeneration", Layout::kPerExpert,
@@ -326,6 +329,62 @@ INSTANTIATE_TEST_SUITE_P(
       n += "_tp" + std::to_string(std::get<3>(info.param));
       return n;
     });
+
+// Qwen3-VL-MoE with H == I: down_proj [E, H, H] fits both layouts, and gate_up_proj decides.
+// A layer whose experts fit neither layout is refused naming both.
+TEST(FusedLayoutTest, Qwen3VlSquareDownProjIsDecidedByGateUp) {
+  constexpr int64_t kE = 2, kH = 4;
+  const std::string arch = "Qwen3VLMoeForConditionalGeneration";
+  const std::string config =
+      "{\"architectures\": [\"" + arch +
+      "\"], \"hidden_size\": 4, \"moe_intermediate_size\": 4, \"num_experts\": 2, "
+      "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_key_value_heads\": 2, "
+      "\"head_dim\": 4, \"vocab_size\": 10, \"partial_rotary_factor\": 1.0}";
+  at::manual_seed(3);
+  const at::Tensor gate_up = at::randn({kE, 2 * kH, kH});  // [E, 2I, H], I = H
+  const at::Tensor down = at::randn({kE, kH, kH});         // [E, H, I]
+  const std::string p = "model.language_model.layers.0.";
+  for (bool released : {true, false}) {
+    TempDir tmp;
+    WriteCheckpoint(tmp.path(), config,
+                    {{p + "self_attn.q_proj.weight", at::randn({8, kH})},
+                     {p + "mlp.experts.gate_up_proj", released ? gate_up.transpose(1, 2) : gate_up},
+                     {p + "mlp.experts.down_proj", released ? down.transpose(1, 2) : down}});
+    auto ckpt = Checkpoint::Open(tmp.path());
+    ASSERT_OK(ckpt);
+    auto table = FindArchTable(arch);
+    ASSERT_OK(table);
+    auto cfg = ParseModelConfig(config, "config.json");
+    ASSERT_OK(cfg);
+    auto specs = InferParamSpecs(**ckpt, **table, *cfg, false);
+    ASSERT_OK(specs);
+    auto w = LoadWeights(**ckpt, **table, *cfg, *specs, LoadOptions{0, 1, at::kFloat, false});
+    ASSERT_OK(w);
+    EXPECT_TRUE(at::equal(w->params.at(W13Name("model.layers.0.mlp.experts", false)), gate_up))
+        << (released ? "released layout" : "transformers' layout");
+    EXPECT_TRUE(at::equal(w->params.at(W2Name("model.layers.0.mlp.experts", false)), down))
+        << (released ? "released layout" : "transformers' layout");
+  }
+  TempDir tmp;
+  WriteCheckpoint(tmp.path(), config,
+                  {{p + "self_attn.q_proj.weight", at::randn({8, kH})},
+                   {p + "mlp.experts.gate_up_proj", at::randn({kE, 5, 7})},
+                   {p + "mlp.experts.down_proj", down}});
+  auto ckpt = Checkpoint::Open(tmp.path());
+  ASSERT_OK(ckpt);
+  auto table = FindArchTable(arch);
+  ASSERT_OK(table);
+  auto cfg = ParseModelConfig(config, "config.json");
+  ASSERT_OK(cfg);
+  std::vector<ParamSpec> specs = {
+      {"model.layers.0.self_attn.q_proj.weight", {8, kH}, TpSplit::kRows},
+      {W13Name("model.layers.0.mlp.experts", false), {kE, 2 * kH, kH}, TpSplit::kExperts},
+      {W2Name("model.layers.0.mlp.experts", false), {kE, kH, kH}, TpSplit::kExperts}};
+  EXPECT_THAT(LoadWeights(**ckpt, **table, *cfg, specs, LoadOptions{0, 1, at::kFloat, false}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::AllOf(HasSubstr("gate_up_proj"), HasSubstr("fits neither layout"),
+                                        HasSubstr("as transformers saves them"))));
+}
 
 // ---- Errors, on a copy of the Qwen3-MoE fixture ----
 
