@@ -5,7 +5,6 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
-#include <random>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -16,7 +15,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
-#include "common/status_macros.h"
 #include "controller/openai_internal.h"
 #include "prometheus/text_serializer.h"
 

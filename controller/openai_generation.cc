@@ -1,8 +1,6 @@
-#include <malloc.h>
-
+// The OpenAI-compatible API's completion and chat completion calls (OpenAiApi::Generation).
 #include <atomic>
 #include <chrono>
-#include <fstream>
 #include <memory>
 #include <random>
 #include <set>
@@ -14,12 +12,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/logging.h"
 #include "common/status_macros.h"
 #include "controller/openai_api.h"
 #include "controller/openai_internal.h"
 #include "controller/token_feed.h"
-#include "prometheus/text_serializer.h"
 
 namespace moelora {
 namespace {
