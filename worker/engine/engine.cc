@@ -627,9 +627,12 @@ StepTokens Engine::Impl::ReadLogits(Batch& batch, const float* L) {
             float lp = 0;
             float* want = s.spec.return_logprobs ? &lp : nullptr;
             bool kept = false;
-            const auto draft = static_cast<int32_t>(b.tokens[b.seqs[k].begin + 1 + j]);
-            st.v.tokens[k].push_back(j < nd ? s.sampler->Verify(r, V, draft, &kept, want)
-                                            : s.sampler->Sample(r, V, want));
+            if (j < nd) {  // the draft at position j + 1 of the sequence's tokens
+              const auto draft = static_cast<int32_t>(b.tokens[b.seqs[k].begin + 1 + j]);
+              st.v.tokens[k].push_back(s.sampler->Verify(r, V, draft, &kept, want));
+            } else {
+              st.v.tokens[k].push_back(s.sampler->Sample(r, V, want));
+            }
             st.logprobs[k].push_back(lp);
             if (j < nd && !kept) break;
           }
