@@ -169,6 +169,29 @@ std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
                                         const ModelConfig& c, const ModelOptions& o,
                                         AdapterFormat wrapper, const SlotShape& shape);
 
+// What an architecture's layer builder reads (the config, the options, the loaded parameters,
+// the LoRA slot shape, the MoE wrapper layout), and a LoRA linear over a parameter's
+// `.base_layer.weight` without bias.
+class LayerBuilder {
+ public:
+  LayerBuilder(const ModelConfig& c, const ModelOptions& o, std::map<std::string, at::Tensor>& P,
+               const SlotShape& shape, AdapterFormat wrapper)
+      : c_(c), o_(o), P_(P), shape_(shape), wrapper_(wrapper) {}
+
+ protected:
+  absl::StatusOr<std::unique_ptr<LoraLinear>> Linear(const std::string& path, TpMode mode,
+                                                     int64_t in, std::vector<int64_t> out) const {
+    return LoraLinear::Create(path, P_.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
+                              std::move(out), shape_);
+  }
+
+  const ModelConfig& c_;
+  const ModelOptions& o_;
+  std::map<std::string, at::Tensor>& P_;
+  const SlotShape shape_;
+  const AdapterFormat wrapper_;
+};
+
 // A factory's errors about `file` (config.json): INVALID_ARGUMENT for a value that cannot be,
 // FAILED_PRECONDITION for a feature this server does not implement.
 template <typename... Parts>

@@ -177,11 +177,9 @@ absl::Status CheckMtpConfig(const ModelContext& ctx, const std::string& cfg) {
 }
 
 // Builds the layers of one Qwen3.5 model from its loaded parameters.
-class Qwen35Builder {
+class Qwen35Builder : public LayerBuilder {
  public:
-  Qwen35Builder(const ModelConfig& c, const ModelOptions& o, std::map<std::string, at::Tensor>& P,
-                const SlotShape& shape, AdapterFormat wrapper)
-      : c_(c), o_(o), P_(P), shape_(shape), wrapper_(wrapper) {}
+  using LayerBuilder::LayerBuilder;
 
   // A decoder layer at prefix p: its norms, its mixer (Gated DeltaNet or gated attention), its
   // MoE block.
@@ -199,11 +197,6 @@ class Qwen35Builder {
   }
 
  private:
-  absl::StatusOr<std::unique_ptr<LoraLinear>> Linear(const std::string& path, TpMode mode,
-                                                     int64_t in, std::vector<int64_t> out) const {
-    return LoraLinear::Create(path, P_.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
-                              std::move(out), shape_);
-  }
   // Full attention with q and its output gate from one projection.
   absl::Status GatedAttention(const std::string& p, DecoderLayer& L) const {
     const int64_t q_rows = 2 * int64_t{c_.info.num_attention_heads} * c_.info.head_dim;
@@ -252,12 +245,6 @@ class Qwen35Builder {
                                        std::move(experts), std::move(shared));
     return absl::OkStatus();
   }
-
-  const ModelConfig& c_;
-  const ModelOptions& o_;
-  std::map<std::string, at::Tensor>& P_;
-  const SlotShape shape_;
-  const AdapterFormat wrapper_;
 };
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Qwen35Moe::Create(const ModelContext& ctx) {

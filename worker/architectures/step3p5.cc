@@ -387,11 +387,11 @@ absl::Status CheckParallel(const Step35Layout& lay, const std::string& cfg, int 
 
 // Builds layer l's block (a decoder or an MTP layer: the same block) from the loaded parameters;
 // its RoPE index is the caller's.
-class Step35Builder {
+class Step35Builder : public LayerBuilder {
  public:
   Step35Builder(const ModelConfig& c, const ModelOptions& o, const Step35Layout& lay,
                 std::map<std::string, at::Tensor>& P, const SlotShape& shape, AdapterFormat wrapper)
-      : c_(c), o_(o), lay_(lay), P_(P), shape_(shape), wrapper_(wrapper) {}
+      : LayerBuilder(c, o, P, shape, wrapper), lay_(lay) {}
 
   absl::StatusOr<DecoderLayer> Layer(int l) const {
     const std::string p = absl::StrCat("model.layers.", l, ".");
@@ -404,11 +404,6 @@ class Step35Builder {
   }
 
  private:
-  absl::StatusOr<std::unique_ptr<LoraLinear>> Linear(const std::string& path, TpMode mode,
-                                                     int64_t in_dim, int64_t out_dim) const {
-    return LoraLinear::Create(path, P_.at(path + ".base_layer.weight"), at::Tensor(), mode, in_dim,
-                              {out_dim}, shape_);
-  }
   // Attention with this layer's heads (full or sliding), zero-centred q/k norms and, with
   // use_head_wise_attn_gate, a gate per head.
   absl::Status Attention(int l, const std::string& p, DecoderLayer& L) const {
@@ -416,10 +411,10 @@ class Step35Builder {
     const int tp = o_.tp_size;
     const int64_t H = c_.info.hidden_size, d = c_.info.head_dim, hq = lay_.heads[l],
                   hkv = lay_.kv_heads[l];
-    MOELORA_ASSIGN_OR_RETURN(auto q, Linear(a + "q_proj", TpMode::kColumn, H, hq * d));
-    MOELORA_ASSIGN_OR_RETURN(auto k, Linear(a + "k_proj", TpMode::kColumn, H, hkv * d));
-    MOELORA_ASSIGN_OR_RETURN(auto v, Linear(a + "v_proj", TpMode::kColumn, H, hkv * d));
-    MOELORA_ASSIGN_OR_RETURN(auto out, Linear(a + "o_proj", TpMode::kRow, hq * d, H));
+    MOELORA_ASSIGN_OR_RETURN(auto q, Linear(a + "q_proj", TpMode::kColumn, H, {hq * d}));
+    MOELORA_ASSIGN_OR_RETURN(auto k, Linear(a + "k_proj", TpMode::kColumn, H, {hkv * d}));
+    MOELORA_ASSIGN_OR_RETURN(auto v, Linear(a + "v_proj", TpMode::kColumn, H, {hkv * d}));
+    MOELORA_ASSIGN_OR_RETURN(auto out, Linear(a + "o_proj", TpMode::kRow, hq * d, {H}));
     AttentionSpec as;
     as.heads = hq / tp;
     as.kv_heads = hkv / tp;
@@ -431,7 +426,7 @@ class Step35Builder {
                                                   std::move(out), P_.at(a + "q_norm.weight"),
                                                   P_.at(a + "k_norm.weight"));
     if (lay_.head_gate) {
-      MOELORA_ASSIGN_OR_RETURN(auto g, Linear(a + "g_proj", TpMode::kColumn, H, hq));
+      MOELORA_ASSIGN_OR_RETURN(auto g, Linear(a + "g_proj", TpMode::kColumn, H, {hq}));
       L.attn->set_head_gate(std::move(g));
     }
     return absl::OkStatus();
@@ -461,12 +456,7 @@ class Step35Builder {
     return absl::OkStatus();
   }
 
-  const ModelConfig& c_;
-  const ModelOptions& o_;
   const Step35Layout& lay_;
-  std::map<std::string, at::Tensor>& P_;
-  const SlotShape shape_;
-  const AdapterFormat wrapper_;
 };
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Step3p5::Create(const ModelContext& ctx) {
