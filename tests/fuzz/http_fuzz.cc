@@ -11,6 +11,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -128,13 +129,29 @@ std::string Exchange(int port, const std::string& request) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  // libFuzzer's -timeout is a SIGALRM every second: any of the calls below may return EINTR. An
+  // interrupted connect goes on in the background; its outcome is read once the socket is
+  // writable.
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    std::fprintf(stderr, "connect: %s\n", std::strerror(errno));
-    __builtin_trap();  // the server stopped listening
+    int err = errno;
+    if (err == EINTR) {
+      pollfd p{fd, POLLOUT, 0};
+      int ready;
+      do {
+        ready = poll(&p, 1, 10000);
+      } while (ready < 0 && errno == EINTR);
+      socklen_t len = sizeof(err);
+      if (ready != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = ETIMEDOUT;
+    }
+    if (err != 0) {
+      std::fprintf(stderr, "connect: %s\n", std::strerror(err));
+      __builtin_trap();  // the server stopped listening
+    }
   }
   size_t sent = 0;
   while (sent < request.size()) {
     const ssize_t n = send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;  // answered and closed early (a refusal at the headers)
     sent += static_cast<size_t>(n);
   }
@@ -146,6 +163,7 @@ std::string Exchange(int port, const std::string& request) {
       out.append(buf, static_cast<size_t>(n));
       continue;
     }
+    if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       std::fprintf(stderr, "no answer within 10 s to:\n%.2000s\n", request.c_str());
       __builtin_trap();  // a hang
