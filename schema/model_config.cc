@@ -175,6 +175,89 @@ bool IsBenignConfigKey(const std::string& key) {
   return false;
 }
 
+bool WeightQuantization::KeptUnquantized(const std::string& param) const {
+  // Glob match of `*` only (the configs' patterns: `model.layers.*.self_attn`), as a prefix of
+  // the name ending at a dot: by hand, as fnmatch has no "prefix up to a dot" mode.
+  auto match = [](const std::string& pat, const std::string& s, size_t pi, size_t si,
+                  auto&& self) -> bool {
+    for (; pi < pat.size(); ++pi, ++si) {
+      if (pat[pi] == '*') {
+        for (size_t k = si; k <= s.size(); ++k) {
+          if (self(pat, s, pi + 1, k, self)) return true;
+        }
+        return false;
+      }
+      if (si >= s.size() || s[si] != pat[pi]) return false;
+    }
+    return si == s.size() || s[si] == '.';
+  };
+  for (const std::string& m : modules_to_not_convert) {
+    if (match(m, param, 0, 0, match)) return true;
+  }
+  return false;
+}
+
+[[nodiscard]] absl::StatusOr<WeightQuantization> ParseWeightQuantization(
+    const nlohmann::json& value, const std::string& file, const std::string& architecture) {
+  auto bad = [&](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": quantization_config", parts...));
+  };
+  auto refused = [&](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat(file, ": quantization_config", parts...));
+  };
+  if (!value.is_object()) return bad(" must be an object");
+  WeightQuantization q;
+  const std::string method = value.contains("quant_method") && value["quant_method"].is_string()
+                                 ? value["quant_method"].get<std::string>()
+                                 : "";
+  if (value.contains("modules_to_not_convert") && !value["modules_to_not_convert"].is_null()) {
+    const nlohmann::json& m = value["modules_to_not_convert"];
+    if (!m.is_array()) return bad(".modules_to_not_convert must be a list of module names");
+    for (const auto& e : m) {
+      if (!e.is_string() || e.get<std::string>().empty() || e.get<std::string>().size() > 512) {
+        return bad(".modules_to_not_convert must be a list of module names");
+      }
+      q.modules_to_not_convert.push_back(e.get<std::string>());
+    }
+    if (q.modules_to_not_convert.size() > 65536) return bad(".modules_to_not_convert is too long");
+  }
+  if (method == "mxfp4") {
+    if (architecture != "GptOssForCausalLM") {
+      return refused(": MXFP4 is served for GPT-OSS's experts only, not for ", architecture);
+    }
+    q.method = WeightQuantization::Method::kMxfp4;
+    return q;
+  }
+  if (method == "fp8") {
+    q.method = WeightQuantization::Method::kFp8;
+    if (value.contains("activation_scheme") && value["activation_scheme"] != "dynamic") {
+      return refused(".activation_scheme ", value["activation_scheme"].dump(),
+                     ": only \"dynamic\" is served (activations are not quantized here)");
+    }
+    if (value.contains("fmt") && value["fmt"] != "e4m3") {
+      return refused(".fmt ", value["fmt"].dump(), ": only \"e4m3\" FP8 weights are served");
+    }
+    const nlohmann::json& b =
+        value.contains("weight_block_size") ? value["weight_block_size"] : nlohmann::json();
+    if (b.is_null()) {
+      return refused(": FP8 without weight_block_size (one scale per tensor) is not served; ",
+                     "block FP8 ([128, 128] blocks) is");
+    }
+    if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+        b[0].get<int64_t>() < 1 || b[1].get<int64_t>() < 1 || b[0].get<int64_t>() > 65536 ||
+        b[1].get<int64_t>() > 65536) {
+      return bad(".weight_block_size must be two positive integers, got ", b.dump());
+    }
+    q.block_n = b[0].get<int64_t>();
+    q.block_k = b[1].get<int64_t>();
+    return q;
+  }
+  return refused(
+      ".quant_method ",
+      value.contains("quant_method") ? value["quant_method"].dump() : std::string("(missing)"),
+      " is not served (served: \"mxfp4\" for GPT-OSS, \"fp8\" with weight_block_size)");
+}
+
 [[nodiscard]] absl::Status CheckConfigKeys(const std::string& text, const std::string& file,
                                            const std::string& architecture,
                                            const std::vector<std::string>& implemented) {
@@ -185,13 +268,8 @@ bool IsBenignConfigKey(const std::string& key) {
       if (IsBenignConfigKey(key)) continue;
       if (std::find(implemented.begin(), implemented.end(), key) != implemented.end()) continue;
       if (key == "quantization_config") {
-        const bool mxfp4 =
-            value.is_object() && value.contains("quant_method") && value["quant_method"] == "mxfp4";
-        return absl::FailedPreconditionError(
-            absl::StrCat(file, ": ", where, "quantization_config: ",
-                         mxfp4 ? "MXFP4 checkpoints (GPT-OSS's release format) are"
-                               : "quantized checkpoints are",
-                         " not served; use the bf16 or f32 weights"));
+        MOELORA_RETURN_IF_ERROR(ParseWeightQuantization(value, file, architecture).status());
+        continue;
       }
       return absl::FailedPreconditionError(
           absl::StrCat(file, ": ", where, key, " = ", value.dump(), " is not implemented by the ",
@@ -275,6 +353,13 @@ bool IsBenignConfigKey(const std::string& key) {
     if (static_cast<int>(c.layer_types.size()) != c.info.num_layers) {
       return bad("layer_types has ", c.layer_types.size(), " entries for ", c.info.num_layers,
                  " layers");
+    }
+  }
+  for (const nlohmann::json* src : {&j, &t}) {
+    if (src->contains("quantization_config")) {
+      MOELORA_ASSIGN_OR_RETURN(
+          c.quantization,
+          ParseWeightQuantization((*src)["quantization_config"], file, c.info.architecture));
     }
   }
   integer("linear_conv_kernel_dim", &c.linear_conv_kernel);

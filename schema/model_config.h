@@ -7,10 +7,25 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
 #include "schema/model_info.h"
 #include "schema/rope.h"
 
 namespace moelora {
+
+// config.json's quantization_config: how the checkpoint's quantized weights are stored.
+struct WeightQuantization {
+  enum class Method {
+    kNone,
+    kMxfp4,  // GPT-OSS: experts as `<name>_blocks` (E2M1 pairs) and `<name>_scales` (E8M0)
+    kFp8,    // block FP8: `<name>.weight` float8_e4m3fn and `<name>.weight_scale_inv`
+  } method = Method::kNone;
+  int64_t block_n = 128, block_k = 128;  // kFp8: weight_block_size
+  // Modules the config keeps unquantized (`*` matches any run of characters).
+  std::vector<std::string> modules_to_not_convert;
+  // Whether `param` (a checkpoint tensor name) lies under a module of modules_to_not_convert.
+  bool KeptUnquantized(const std::string& param) const;
+};
 
 struct ModelConfig {
   ModelInfo info;  // architecture, H, I, E, layers, heads (shared with adapter validation)
@@ -44,7 +59,14 @@ struct ModelConfig {
   int linear_conv_kernel = 4;
   int full_attention_interval = 4;  // Qwen3.5 without layer_types: every N-th layer is full
   double swiglu_alpha = 1.702, swiglu_limit = 7.0;  // GPT-OSS's clamped SwiGLU
+  WeightQuantization quantization;
 };
+
+// quantization_config (`value`) of `architecture`'s config `file`: MXFP4 for GPT-OSS, block FP8
+// (dynamic activations, e4m3) for any architecture. FAILED_PRECONDITION naming the method or the
+// setting for anything else; INVALID_ARGUMENT for a malformed entry.
+[[nodiscard]] absl::StatusOr<WeightQuantization> ParseWeightQuantization(
+    const nlohmann::json& value, const std::string& file, const std::string& architecture);
 
 // Keys of a config.json (and of its text_config) that never change the forward pass: ids,
 // training-only settings, bookkeeping. Every other key must be implemented by the architecture

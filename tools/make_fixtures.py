@@ -403,6 +403,117 @@ def gpt_oss_lm_2d(out):
     save_file(res, path)
 
 
+# E2M1 magnitudes by code (OCP Microscaling Formats v1.0, 5.3.3); codes 8-15 are their negatives.
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float64)
+
+
+def mxfp4_quantize(w):
+    """w [.., rows, k] float -> (blocks uint8 [.., rows, k/32, 16], scales uint8 [.., rows, k/32]):
+    per block of 32 values the shared exponent floor(log2(amax)) - 2 (E2M1's largest exponent),
+    as the OCP spec's conversion sets it, and each value rounded to the nearest E2M1 code (ties to
+    the lower magnitude) after division by 2^exponent, clamped to 6."""
+    w = np.asarray(w, dtype=np.float64)
+    *lead, rows, k = w.shape
+    b = w.reshape(*lead, rows, k // 32, 32)
+    amax = np.abs(b).max(axis=-1)
+    exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -127)
+    exp = np.clip(exp, -127, 127)
+    x = b / np.exp2(exp)[..., None]
+    mag = np.minimum(np.abs(x), 6.0)
+    code = np.abs(mag[..., None] - E2M1).argmin(axis=-1).astype(np.uint8)
+    code |= np.where(x < 0, 8, 0).astype(np.uint8)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return packed, (exp + 127).astype(np.uint8)
+
+
+def mxfp4_dequantize(blocks, scales):
+    """The inverse, written apart from the engine and from transformers: [.., rows, k]."""
+    lo, hi = blocks & 15, blocks >> 4
+    codes = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)
+    vals = E2M1[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+    vals = vals * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
+
+
+def gpt_oss_mxfp4(out):
+    """gpt_oss_mxfp4/: a tiny GptOssForCausalLM stored as OpenAI's release stores gpt-oss: experts
+    as MXFP4 `*_blocks` / `*_scales` ([E, rows, k/32, 16] and [E, rows, k/32], rows = the output
+    dim, gate/up interleaved), everything else unquantized, quantization_config mxfp4 with the
+    release's modules_to_not_convert. H = I = 64 (whole MXFP4 blocks, also per rank at TP 2).
+    Expected logits from transformers loading the checkpoint itself (it dequantizes MXFP4 on the
+    CPU), checked against this script's own dequantization; a PEFT 3D adapter on the experts and
+    q/o over the dequantized model, and its 2D rewrite."""
+    root = os.path.join(out, "gpt_oss_mxfp4")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir = os.path.join(root, "model")
+    h, inter = 64, 64
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=h, intermediate_size=inter,
+                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_local_experts=E, num_experts_per_tok=2,
+                       max_position_embeddings=128, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"], **EAGER)
+    cfg.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(81)
+    model = GptOssForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(82)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks") or "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.2)
+            elif "experts" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    deq = {}
+    for k in list(sd):
+        if not (k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")):
+            continue
+        w = sd.pop(k).numpy().transpose(0, 2, 1)  # [E, in, out] -> [E, out, in]
+        blocks, scales = mxfp4_quantize(w)
+        sd[k + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks.reshape(*blocks.shape[:-1], 16)))
+        sd[k + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+        deq[k] = torch.from_numpy(mxfp4_dequantize(sd[k + "_blocks"].numpy(), scales)
+                                  .transpose(0, 2, 1).astype(np.float32)).contiguous()
+    assert sd["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (E, 2 * inter, h // 32, 16)
+    os.makedirs(mdir)
+    cfg.save_pretrained(mdir)
+    with open(os.path.join(mdir, "config.json")) as f:
+        cj = json.load(f)
+    cj["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(cj, f, indent=2, sort_keys=True)
+    save_file(sd, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    load = lambda: GptOssForCausalLM.from_pretrained(mdir, dtype=torch.float32, **EAGER).eval()
+    base = load()
+    # transformers' dequantization equals this script's.
+    own = GptOssForCausalLM(cfg).eval()
+    own.load_state_dict({**{k: v for k, v in sd.items() if "_blocks" not in k and "_scales" not in k},
+                         **deq}, strict=True)
+    prompts = VARIANT_PROMPTS
+    for p in prompts:
+        assert (logits_of(own, p) - logits_of(base, p)).abs().max().item() < 1e-5
+    torch.manual_seed(83)
+    lc = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                    init_lora_weights=False)
+    pm = get_peft_model(own, lc)
+    pm.save_pretrained(os.path.join(root, "adapter_3d"))
+    readme = os.path.join(root, "adapter_3d", "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+    res = {f"prompt.{k}": torch.tensor(p, dtype=torch.int32) for k, p in enumerate(prompts)}
+    for k, p in enumerate(prompts):
+        res[f"logits.base.{k}"] = logits_of(base, p)
+        res[f"logits.adapter_3d.{k}"] = logits_of(pm, p)
+        res[f"logits.adapter_2d.{k}"] = res[f"logits.adapter_3d.{k}"].clone()
+        assert (res[f"logits.adapter_3d.{k}"] - res[f"logits.base.{k}"]).abs().max().item() > 1e-3
+    save_file(res, os.path.join(root, "expected_logits.safetensors"))
+    convert_3d_to_2d_python(os.path.join(root, "adapter_3d"), os.path.join(root, "adapter_2d"),
+                            "model", interleaved=True)
+
+
 # Config variants of the Qwen3-MoE fixture (same weights) for settings that change the math:
 # RoPE scaling types and the sliding window. Longer prompts so that the window and the scaled
 # frequencies matter.
@@ -842,7 +953,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
     ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_vl_moe_hf5", "qwen3_5_moe", "gpt_oss_lm",
-                                     "gpt_oss_lm_2d", "step3p5"], default="all",
+                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -873,6 +984,9 @@ def main():
     if args.only == "step3p5":
         step3p5(args.out)
         return
+    if args.only == "gpt_oss_mxfp4":
+        gpt_oss_mxfp4(args.out)
+        return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
     torch.set_default_dtype(torch.float32)
@@ -883,6 +997,7 @@ def main():
     qwen3_5_moe(args.out)
     gpt_oss(args.out)
     gpt_oss_lm(args.out)
+    gpt_oss_mxfp4(args.out)
     step3p5(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,

@@ -247,6 +247,10 @@ INSTANTIATE_TEST_SUITE_P(
              {"adapter_3d", "adapter_2d"},
              {"--fully-sharded-loras"},
              "_fully_sharded_swapped"},
+        // MXFP4 experts: each rank's half of the intermediate dim (whole blocks of 32), and
+        // whole experts per rank.
+        Case{"gpt_oss_mxfp4", true, {"adapter_2d", "adapter_3d"}},
+        Case{"gpt_oss_mxfp4", true, {"adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
         // The upstream mixed 2D/3D test at TP=2 with expert parallelism and
         // with fully sharded LoRAs, in both orders.
         Case{

@@ -427,16 +427,46 @@ void AddSwiGluSpecs(std::vector<ParamSpec>& s, const std::string& m, int64_t H, 
   return s;
 }
 
-std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
-                                        const std::map<std::string, at::Tensor>& P,
-                                        const ModelConfig& c, const ModelOptions& o,
-                                        AdapterFormat wrapper, const SlotShape& shape) {
+absl::StatusOr<std::unique_ptr<MoeExperts>> MakeExperts(const std::string& experts,
+                                                        const std::map<std::string, at::Tensor>& P,
+                                                        const ModelConfig& c, const ModelOptions& o,
+                                                        AdapterFormat wrapper,
+                                                        const SlotShape& shape) {
   const int64_t E = c.info.num_experts;
   const bool ep = o.expert_parallel;
-  return std::make_unique<MoeExperts>(experts, P.at(W13Name(experts, true)),
-                                      P.at(W2Name(experts, true)), c.info.moe_intermediate_size,
-                                      wrapper, c.info.architecture, shape,
-                                      ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
+  const std::string w13 = W13Name(experts, true), w2 = W2Name(experts, true);
+  auto q13 = P.find(w13 + kQuantScalesSuffix), q2 = P.find(w2 + kQuantScalesSuffix);
+  if (q13 == P.end() || q2 == P.end()) {
+    if (q13 != q2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          experts, ": one of gate_up and down is stored quantized and the other is not"));
+    }
+    return std::make_unique<MoeExperts>(experts, P.at(w13), P.at(w2), c.info.moe_intermediate_size,
+                                        wrapper, c.info.architecture, shape,
+                                        ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
+  }
+  if (o.kernels != LoraKernels::kCpuSgmv) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(experts,
+                     ": quantized experts are computed on the CPU path only (--device cpu, without "
+                     "--lora-kernels fused); this build has no GPU kernel that reads them yet"));
+  }
+  QuantizedWeight a, b;
+  a.format = b.format = c.quantization.method == WeightQuantization::Method::kMxfp4
+                            ? QuantFormat::kMxfp4
+                            : QuantFormat::kFp8Block;
+  a.block_n = b.block_n = c.quantization.block_n;
+  a.block_k = b.block_k = c.quantization.block_k;
+  a.codes = P.at(w13), a.scales = q13->second;
+  b.codes = P.at(w2), b.scales = q2->second;
+  // The shapes the module is built with: meta tensors hold no memory.
+  const auto meta = at::TensorOptions().dtype(o.dtype).device(at::kMeta);
+  auto m = std::make_unique<MoeExperts>(experts, at::empty({a.codes.size(0), a.n(), a.k()}, meta),
+                                        at::empty({b.codes.size(0), b.n(), b.k()}, meta),
+                                        c.info.moe_intermediate_size, wrapper, c.info.architecture,
+                                        shape, ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
+  m->SetQuantized(std::move(a), std::move(b));
+  return m;
 }
 
 [[nodiscard]] absl::StatusOr<std::vector<bool>> MoeLayersEnum(const std::string& text, int n,

@@ -163,11 +163,11 @@ std::unique_ptr<Attention> MakeAttention(AttentionParts parts,
                                          const std::string& layer_prefix, bool qk_norm,
                                          bool sinks = false);
 // The routed experts at `experts` as one LoRA module, with this rank's experts under expert
-// parallelism.
-std::unique_ptr<MoeExperts> MakeExperts(const std::string& experts,
-                                        const std::map<std::string, at::Tensor>& params,
-                                        const ModelConfig& c, const ModelOptions& o,
-                                        AdapterFormat wrapper, const SlotShape& shape);
+// parallelism; kept quantized where the checkpoint stores them so (the CPU path only:
+// FAILED_PRECONDITION on the kernel paths).
+[[nodiscard]] absl::StatusOr<std::unique_ptr<MoeExperts>> MakeExperts(
+    const std::string& experts, const std::map<std::string, at::Tensor>& params,
+    const ModelConfig& c, const ModelOptions& o, AdapterFormat wrapper, const SlotShape& shape);
 
 // What an architecture's layer builder reads (the config, the options, the loaded parameters,
 // the LoRA slot shape, the MoE wrapper layout), and a LoRA linear over a parameter's

@@ -101,7 +101,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> GptOss::Create(const ModelContext& ctx
     MOELORA_ASSIGN_OR_RETURN(AttentionParts parts, MakeAttentionParts(P, p, c, tp, hq * d, shape));
     parts.spec.sliding_window = c.sliding_layers[l] ? c.sliding_window : 0;
     L.attn = MakeAttention(std::move(parts), P, p, /*qk_norm=*/false, /*sinks=*/true);
-    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
+    MOELORA_ASSIGN_OR_RETURN(auto experts,
+                             MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape));
     // The down bias is added once over the ranks: by rank 0 under plain TP (every rank holds
     // part of every expert), by the expert's own rank under expert parallelism.
     experts->SetBiases(P.at(p + "mlp.experts.w13_bias").squeeze(-1),

@@ -239,7 +239,8 @@ class Qwen35Builder : public LayerBuilder {
                              MakeSwiGluMlp(P_, p + "mlp.shared_expert.", c_.info.hidden_size,
                                            c_.info.shared_expert_intermediate_size, shape_));
     shared->gate_weight = P_.at(p + "mlp.shared_expert_gate.weight");
-    auto experts = MakeExperts(p + "mlp.experts", P_, c_, o_, wrapper_, shape_);
+    MOELORA_ASSIGN_OR_RETURN(auto experts,
+                             MakeExperts(p + "mlp.experts", P_, c_, o_, wrapper_, shape_));
     L.moe = std::make_unique<MoeBlock>(P_.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c_.num_experts_per_tok, /*norm_topk_prob=*/true,
                                        std::move(experts), std::move(shared));

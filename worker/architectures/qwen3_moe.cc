@@ -112,7 +112,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Qwen3Moe::Create(const ModelContext& c
     const bool sliding = c.sliding_window > 0 && !c.sliding_layers.empty() && c.sliding_layers[l];
     a.spec.sliding_window = sliding ? c.sliding_window : 0;
     L.attn = MakeAttention(std::move(a), P, p, /*qk_norm=*/true);
-    auto experts = MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape);
+    MOELORA_ASSIGN_OR_RETURN(auto experts,
+                             MakeExperts(p + "mlp.experts", P, c, o, m->wrapper_, shape));
     L.moe = std::make_unique<MoeBlock>(P.at(p + "mlp.gate.weight"), RouterKind::kSoftmaxTopK,
                                        c.num_experts_per_tok, c.norm_topk_prob, std::move(experts));
     m->layers_.push_back(std::move(L));

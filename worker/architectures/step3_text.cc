@@ -143,10 +143,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
     if (lay.moe[l]) {
       MOELORA_ASSIGN_OR_RETURN(auto shared,
                                MakeSwiGluMlp(P, p + "share_expert.", H, lay.share_inter, shape));
-      L.moe = std::make_unique<MoeBlock>(
-          P.at(p + "moe.gate.weight"), RouterKind::kSoftmaxTopK, c.num_experts_per_tok,
-          lay.renormalise, MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape),
-          std::move(shared));
+      MOELORA_ASSIGN_OR_RETURN(auto experts,
+                               MakeExperts(p + "moe.experts", P, c, o, m->wrapper_, shape));
+      L.moe = std::make_unique<MoeBlock>(P.at(p + "moe.gate.weight"), RouterKind::kSoftmaxTopK,
+                                         c.num_experts_per_tok, lay.renormalise, std::move(experts),
+                                         std::move(shared));
     } else {
       MOELORA_ASSIGN_OR_RETURN(L.mlp, MakeSwiGluMlp(P, p + "mlp.", H, lay.dense_inter, shape));
     }

@@ -442,7 +442,8 @@ class Step35Builder : public LayerBuilder {
     MOELORA_ASSIGN_OR_RETURN(
         auto shared,
         MakeSwiGluMlp(P_, p + "share_expert.", H, lay_.share_inter, shape_, lay_.limit_shared[l]));
-    auto experts = MakeExperts(p + "moe.experts", P_, c_, o_, wrapper_, shape_);
+    MOELORA_ASSIGN_OR_RETURN(auto experts,
+                             MakeExperts(p + "moe.experts", P_, c_, o_, wrapper_, shape_));
     if (lay_.limit[l] > 0) {
       ExpertActivation act;
       act.kind = ExpertActivation::Kind::kSwiGluStep;

@@ -549,7 +549,11 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     return segs;
   };
   at::Tensor h13 = at::empty({N, 2 * Ip}, h.options());
-  GroupedMatmulWt(xs, w13_, expert_runs, run_expert, h13);
+  if (quantized()) {
+    GroupedQuantizedMatmulWt(xs, q13_, expert_runs, run_expert, h13);
+  } else {
+    GroupedMatmulWt(xs, w13_, expert_runs, run_expert, h13);
+  }
   // Fully sharded: (begin, end, slot, expert) of every LoRA segment, for ATen GEMMs around the
   // collectives (the same list on every rank: routing and slots are replicated).
   std::vector<FsSegment> fs_segs;
@@ -604,7 +608,11 @@ absl::StatusOr<at::Tensor> MoeExperts::CpuForward(const at::Tensor& h, const at:
     act = (at::silu(h13.narrow(1, 0, Ip)) * h13.narrow(1, Ip, Ip)).contiguous();
   }
   at::Tensor ys = at::empty({N, H}, h.options());
-  GroupedMatmulWt(act, w2_, expert_runs, run_expert, ys);
+  if (quantized()) {
+    GroupedQuantizedMatmulWt(act, q2_, expert_runs, run_expert, ys);
+  } else {
+    GroupedMatmulWt(act, w2_, expert_runs, run_expert, ys);
+  }
   if (fs_ && lb.any) {
     MOELORA_RETURN_IF_ERROR(
         AddFullyShardedLora(kW2, act, ys, shape_.tp_rank * (H / shape_.tp_size), true, fs_segs));
@@ -667,6 +675,10 @@ absl::Status MoeExperts::AddFullyShardedLora(int k, const at::Tensor& in, at::Te
 absl::StatusOr<at::Tensor> MoeExperts::FusedForward(const at::Tensor& h, const at::Tensor& idx,
                                                     const at::Tensor& wts_in,
                                                     const LoraBatch& lb) const {
+  if (quantized()) {
+    return absl::InternalError(
+        absl::StrCat(path(), ": the fused MoE kernel does not read quantized experts"));
+  }
   const int64_t T = h.size(0), K = idx.size(1), H = H_;
   at::Tensor ids = idx.to(at::kInt);
   at::Tensor wts = wts_in.to(at::kFloat);

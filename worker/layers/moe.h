@@ -21,6 +21,7 @@
 #include "worker/layers/linear.h"
 #include "worker/layers/lora_batch.h"
 #include "worker/layers/lora_module.h"
+#include "worker/layers/quantized.h"
 
 namespace moelora {
 
@@ -59,6 +60,14 @@ class MoeExperts final : public LoraModule {
     add_w2_bias_ = add_w2_bias;
   }
   void set_activation(const ExpertActivation& a) { act_ = a; }
+  // Quantized experts (the CPU path, not the fused kernel): the products read w13 [E, 2·I_p, H]
+  // and w2 [E, H, I_p] from these, dequantizing tile by tile; the constructor's w13 and w2 then
+  // give only the shapes (meta tensors do).
+  void SetQuantized(QuantizedWeight w13, QuantizedWeight w2) {
+    q13_ = std::move(w13);
+    q2_ = std::move(w2);
+  }
+  bool quantized() const { return q13_.defined(); }
   bool expert_parallel() const { return E_total_ != E_; }
 
   bool takes_experts() const override { return true; }
@@ -100,6 +109,7 @@ class MoeExperts final : public LoraModule {
                                                  const std::vector<FsSegment>& segs) const;
 
   at::Tensor w13_, w2_;
+  QuantizedWeight q13_, q2_;
   at::Tensor w13_bias_, w2_bias_;
   bool add_w2_bias_ = false;
   ExpertActivation act_;

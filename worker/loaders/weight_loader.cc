@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <set>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -27,8 +29,8 @@ bool IsW2(const std::string& p) { return absl::EndsWith(p, "w2_weight"); }
 
 // A view of the checkpoint bytes as an ATen tensor (copied when the mapping is misaligned for
 // the element type).
-[[nodiscard]] absl::StatusOr<at::Tensor> SourceTensor(const TensorView& v,
-                                                      const std::string& file) {
+[[nodiscard]] absl::StatusOr<at::Tensor> SourceTensor(const TensorView& v, const std::string& file,
+                                                      bool raw_bytes = false) {
   at::ScalarType st;
   size_t elem = 0;
   switch (v.dtype) {
@@ -41,10 +43,18 @@ bool IsW2(const std::string& p) { return absl::EndsWith(p, "w2_weight"); }
     case DType::kF16:
       st = at::kHalf, elem = 2;
       break;
+    case DType::kU8:
+    case DType::kF8E4M3:
+      if (raw_bytes) {
+        st = at::kByte, elem = 1;
+        break;
+      }
+      [[fallthrough]];
     default:
-      return absl::InvalidArgumentError(absl::StrCat(file, ": tensor ", v.name, " has dtype ",
-                                                     DTypeName(v.dtype),
-                                                     "; base weights must be F32, BF16 or F16"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": tensor ", v.name, " has dtype ", DTypeName(v.dtype),
+                       "; base weights must be F32, BF16 or F16 (or quantized as config.json's "
+                       "quantization_config says)"));
   }
   std::vector<int64_t> shape(v.shape.begin(), v.shape.end());
   auto* data = const_cast<uint8_t*>(v.data);
@@ -185,6 +195,179 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
 
 }  // namespace
 
+namespace {
+
+// One array a parameter is stored in: the weight itself, or a quantized weight's codes and its
+// scales. Element (r, c) of the logical [.., out, in] matrix lives at (r / row_unit, c / col_unit)
+// of the array (MXFP4 codes: 2 a byte; its scales: one per 32 columns; FP8 scales: one per
+// block_n x block_k block).
+struct Plane {
+  at::Tensor src;  // normalised to [n, out, in] units (experts) or [out, in] units (dense)
+  at::Tensor dst;
+  int64_t row_unit = 1, col_unit = 1;
+  const char* what = "weight";
+};
+
+// src.narrow(dim, start, len) in logical elements, on a plane whose dim has `unit` elements an
+// entry of `full` (the whole dim, in elements): INVALID_ARGUMENT when the range does not fall on
+// entry boundaries (a tensor-parallel split inside a quantization block).
+[[nodiscard]] absl::StatusOr<at::Tensor> NarrowUnits(const at::Tensor& t, int64_t dim,
+                                                     int64_t start, int64_t len, int64_t unit,
+                                                     int64_t full, const std::string& where) {
+  if (start == 0 && len == full) return t;
+  if (start % unit != 0 || len % unit != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": this rank's part (", len, " of ", full, " from ", start,
+                     ") does not fall on the quantization's blocks of ", unit,
+                     "; choose a --tensor-parallel-size that splits whole blocks, or "
+                     "--enable-expert-parallel"));
+  }
+  return t.narrow(dim, start / unit, len / unit);
+}
+
+// The quantized tensors of a checkpoint: each quantized weight's codes tensor and the scales
+// tensor that goes with it, and the parameters they fill.
+struct QuantizedTensors {
+  QuantFormat format = QuantFormat::kMxfp4;
+  std::map<std::string, std::string> scales_of;  // codes tensor -> its scales tensor
+  std::set<std::string> scales;                  // every scales tensor
+  std::set<std::string> params;                  // parameters stored quantized
+  // The name the table maps for a codes tensor (MXFP4: `<stem>_blocks` -> `<stem>`).
+  std::string MappedName(const std::string& codes) const {
+    return format == QuantFormat::kMxfp4 ? codes.substr(0, codes.size() - 7) : codes;
+  }
+};
+
+[[nodiscard]] absl::StatusOr<QuantizedTensors> FindQuantizedTensors(const Checkpoint& ckpt,
+                                                                    const ArchTable& table,
+                                                                    const ModelConfig& config,
+                                                                    bool lora_wrapped) {
+  QuantizedTensors q;
+  const WeightQuantization& wq = config.quantization;
+  if (wq.method == WeightQuantization::Method::kNone) return q;
+  const bool mx = wq.method == WeightQuantization::Method::kMxfp4;
+  q.format = mx ? QuantFormat::kMxfp4 : QuantFormat::kFp8Block;
+  const char* const scale_suffix = mx ? "_scales" : ".weight_scale_inv";
+  const char* const codes_suffix = mx ? "_blocks" : ".weight";
+  for (const auto& [name, view] : ckpt.tensors()) {
+    if (!absl::EndsWith(name, scale_suffix)) continue;
+    const std::string stem = name.substr(0, name.size() - std::strlen(scale_suffix));
+    const std::string codes = stem + codes_suffix;
+    if (ckpt.tensors().count(codes) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ckpt.FileOf(name), ": tensor ", name, " has no ", codes, " to scale"));
+    }
+    if (wq.KeptUnquantized(stem)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ckpt.FileOf(codes), ": tensor ", codes,
+                       " is stored quantized, but quantization_config.modules_to_not_convert "
+                       "keeps its module unquantized"));
+    }
+    q.scales_of[codes] = name;
+    q.scales.insert(name);
+    const NameMapping m = table.map(q.MappedName(codes), lora_wrapped);
+    if (m.kind == NameMapping::kLoad) q.params.insert(m.target.param);
+  }
+  for (const auto& [name, view] : ckpt.tensors()) {
+    const bool codes_dtype = mx ? absl::EndsWith(name, "_blocks") : view->dtype == DType::kF8E4M3;
+    if (codes_dtype && q.scales_of.count(name) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(ckpt.FileOf(name), ": tensor ", name,
+                                                     " is quantized but has no ", scale_suffix,
+                                                     " tensor beside it"));
+    }
+  }
+  return q;
+}
+
+// The arrays a quantized parameter of local (logical) shape `local` is stored in.
+[[nodiscard]] absl::StatusOr<std::pair<at::Tensor, at::Tensor>> QuantizedStorage(
+    const std::string& param, std::vector<int64_t> local, const ModelConfig& config,
+    QuantFormat format) {
+  const int64_t in = local.back(), out = local[local.size() - 2];
+  std::vector<int64_t> scales = local;
+  if (format == QuantFormat::kMxfp4) {
+    if (in % kMxfp4Block != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter ", param, ": MXFP4 rows of ", in,
+          " values on this rank are not whole blocks of 32 (a --tensor-parallel-size that "
+          "splits the experts' intermediate dim into multiples of 32, or "
+          "--enable-expert-parallel)"));
+    }
+    local.back() = in / 2;
+    scales.back() = in / kMxfp4Block;
+    return std::make_pair(EmptyWeight(local, at::kByte), EmptyWeight(scales, at::kByte));
+  }
+  const int64_t bn = config.quantization.block_n, bk = config.quantization.block_k;
+  scales[scales.size() - 2] = (out + bn - 1) / bn;
+  scales.back() = (in + bk - 1) / bk;
+  return std::make_pair(EmptyWeight(local, at::kByte), EmptyWeight(scales, at::kFloat));
+}
+
+// The planes of checkpoint tensor `name` (codes `src`) for a quantized parameter, after checking
+// the codes and scales tensors against each other; `logical` gets the codes' [.., out, in].
+[[nodiscard]] absl::StatusOr<std::vector<Plane>> QuantizedSourcePlanes(
+    const Checkpoint& ckpt, const std::string& name, const QuantizedTensors& q,
+    const ModelConfig& config, std::vector<int64_t>* logical) {
+  const TensorView& codes = *ckpt.tensors().at(name);
+  const std::string& scales_name = q.scales_of.at(name);
+  const TensorView& sv = *ckpt.tensors().at(scales_name);
+  const std::string& file = ckpt.FileOf(name);
+  std::vector<int64_t> cs(codes.shape.begin(), codes.shape.end());
+  std::vector<int64_t> want_scales;
+  Plane c, sp;
+  c.what = "codes";
+  sp.what = "scales";
+  if (q.format == QuantFormat::kMxfp4) {
+    if (codes.dtype != DType::kU8 || cs.size() < 3 || cs.back() != kMxfp4BlockBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": tensor ", name, " ", codes.ShapeString(),
+                       ": MXFP4 blocks must be U8 [.., rows, blocks, 16]"));
+    }
+    want_scales.assign(cs.begin(), cs.end() - 1);
+    *logical = want_scales;
+    logical->back() *= kMxfp4Block;
+    if (sv.dtype != DType::kU8 ||
+        std::vector<int64_t>(sv.shape.begin(), sv.shape.end()) != want_scales) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          ckpt.FileOf(scales_name), ": tensor ", scales_name, " ", sv.ShapeString(),
+          ": expected U8 ", Shape(want_scales), " (one E8M0 scale per block of ", name, ")"));
+    }
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor t, SourceTensor(codes, file, true));
+    std::vector<int64_t> flat(cs.begin(), cs.end() - 2);
+    flat.push_back(cs[cs.size() - 2] * kMxfp4BlockBytes);
+    c.src = t.view(flat);
+    c.col_unit = 2;
+    MOELORA_ASSIGN_OR_RETURN(sp.src, SourceTensor(sv, ckpt.FileOf(scales_name), true));
+    sp.col_unit = kMxfp4Block;
+  } else {
+    if (codes.dtype != DType::kF8E4M3 || cs.size() < 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": tensor ", name, " ", codes.ShapeString(), " ",
+                       DTypeName(codes.dtype), ": block-FP8 weights must be F8_E4M3"));
+    }
+    *logical = cs;
+    const int64_t bn = config.quantization.block_n, bk = config.quantization.block_k;
+    want_scales = cs;
+    want_scales[cs.size() - 2] = (cs[cs.size() - 2] + bn - 1) / bn;
+    want_scales.back() = (cs.back() + bk - 1) / bk;
+    if ((sv.dtype != DType::kF32 && sv.dtype != DType::kBF16) ||
+        std::vector<int64_t>(sv.shape.begin(), sv.shape.end()) != want_scales) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ckpt.FileOf(scales_name), ": tensor ", scales_name, " ", sv.ShapeString(),
+                       " ", DTypeName(sv.dtype), ": expected F32 or BF16 ", Shape(want_scales),
+                       " (one scale per ", bn, "x", bk, " block of ", name, ")"));
+    }
+    MOELORA_ASSIGN_OR_RETURN(c.src, SourceTensor(codes, file, true));
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor st, SourceTensor(sv, ckpt.FileOf(scales_name)));
+    sp.src = st.to(at::kFloat);
+    sp.row_unit = bn;
+    sp.col_unit = bk;
+  }
+  return std::vector<Plane>{c, sp};
+}
+
+}  // namespace
+
 [[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(
     const Checkpoint& ckpt, const ArchTable& table, const ModelConfig& config,
     const std::vector<ParamSpec>& specs, const LoadOptions& opt, const SkipUnlisted& skip) {
@@ -195,12 +378,21 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
   if (tp < 1 || r < 0 || r >= tp) {
     return absl::InvalidArgumentError(absl::StrCat("tp rank ", r, " outside world size ", tp));
   }
+  MOELORA_ASSIGN_OR_RETURN(const QuantizedTensors quant,
+                           FindQuantizedTensors(ckpt, table, config, opt.lora_wrapped));
   LoadedWeights out;
   std::map<std::string, const ParamSpec*> spec_of;
   std::map<std::string, Coverage> coverage;
   for (const ParamSpec& s : specs) {
     MOELORA_ASSIGN_OR_RETURN(const std::vector<int64_t> local, LocalShape(s, config, opt));
-    out.params[s.name] = EmptyWeight(local, opt.dtype);
+    if (quant.params.count(s.name) > 0) {
+      MOELORA_ASSIGN_OR_RETURN(auto storage, QuantizedStorage(s.name, local, config, quant.format));
+      out.params[s.name] = storage.first;
+      out.params[s.name + kQuantScalesSuffix] = storage.second;
+      out.quantized[s.name] = quant.format;
+    } else {
+      out.params[s.name] = EmptyWeight(local, opt.dtype);
+    }
     spec_of[s.name] = &s;
     coverage[s.name].setter.assign(
         PiecesOf(s.name, s.split == TpSplit::kExperts && opt.expert_parallel ? E / tp : E), "");
@@ -213,7 +405,9 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
           name, " (an MTP layer after num_hidden_layers: speculative decoding is not served)"));
       continue;
     }
-    NameMapping m = table.map(name, opt.lora_wrapped);
+    if (quant.scales.count(name) > 0) continue;  // read with its codes tensor
+    const bool quantized_src = quant.scales_of.count(name) > 0;
+    NameMapping m = table.map(quantized_src ? quant.MappedName(name) : name, opt.lora_wrapped);
     if (m.kind == NameMapping::kSkip) {
       out.skipped.push_back(absl::StrCat(name, " (", m.reason, ")"));
       continue;
@@ -232,10 +426,32 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
     }
     const std::string& file = ckpt.FileOf(name);
     auto where = [&]() { return absl::StrCat(file, ": tensor ", name, " ", view->ShapeString()); };
-    MOELORA_ASSIGN_OR_RETURN(at::Tensor src, SourceTensor(*view, file));
-    at::Tensor& dst = out.params[m.target.param];
-    Coverage& cov = coverage[m.target.param];
     const ParamSpec& spec = *sit->second;
+    const bool quantized_dst = out.quantized.count(spec.name) > 0;
+    if (quantized_src != quantized_dst) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), ": ", quantized_src ? "quantized" : "unquantized", " where ",
+                       spec.name, " is ", quantized_dst ? "quantized" : "unquantized",
+                       " in other tensors of the checkpoint (one parameter, one storage)"));
+    }
+    // The source's arrays and its logical shape.
+    std::vector<Plane> planes;
+    std::vector<int64_t> src_shape;
+    if (quantized_src) {
+      MOELORA_ASSIGN_OR_RETURN(planes,
+                               QuantizedSourcePlanes(ckpt, name, quant, config, &src_shape));
+      planes[0].dst = out.params[spec.name];
+      planes[1].dst = out.params[spec.name + kQuantScalesSuffix];
+      m.target.transposed =
+          false;  // quantized experts are stored [.., out, in] whatever the layout
+    } else {
+      Plane p;
+      MOELORA_ASSIGN_OR_RETURN(p.src, SourceTensor(*view, file));
+      p.dst = out.params[spec.name];
+      src_shape = p.src.sizes().vec();
+      planes.push_back(p);
+    }
+    Coverage& cov = coverage[m.target.param];
     auto claim = [&](int64_t piece) -> absl::Status {
       if (!cov.setter[piece].empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -245,21 +461,33 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
       return absl::OkStatus();
     };
     if (m.target.shard == ExpertShard::kNone) {
-      if (src.sizes() != at::IntArrayRef(spec.shape)) {
+      if (src_shape != spec.shape) {
         return absl::InvalidArgumentError(
             absl::StrCat(where(), ": expected ", Shape(spec.shape), " for ", spec.name));
       }
-      at::Tensor piece = src;
-      if (spec.split == TpSplit::kRows && !spec.sections.empty()) {
-        MOELORA_ASSIGN_OR_RETURN(std::vector<IndexRange> rows, ShardSections(spec.sections, r, tp));
-        std::vector<at::Tensor> parts;
-        for (const IndexRange& ir : rows) parts.push_back(src.narrow(0, ir.begin, ir.size));
-        piece = at::cat(parts, 0);
-      } else if (spec.split == TpSplit::kRows) {
-        piece = src.narrow(0, r * dst.size(0), dst.size(0));
+      for (Plane& p : planes) {
+        at::Tensor piece = p.src;
+        if (spec.split == TpSplit::kRows && !spec.sections.empty()) {
+          if (quantized_src && tp > 1) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where(), ": a merged quantized parameter is not split over ranks"));
+          }
+          MOELORA_ASSIGN_OR_RETURN(std::vector<IndexRange> rows,
+                                   ShardSections(spec.sections, r, tp));
+          std::vector<at::Tensor> parts;
+          for (const IndexRange& ir : rows) parts.push_back(p.src.narrow(0, ir.begin, ir.size));
+          piece = at::cat(parts, 0);
+        } else if (spec.split == TpSplit::kRows) {
+          const int64_t rows = spec.shape[0] / tp;
+          MOELORA_ASSIGN_OR_RETURN(
+              piece, NarrowUnits(p.src, 0, r * rows, rows, p.row_unit, spec.shape[0], where()));
+        } else if (spec.split == TpSplit::kCols) {
+          const int64_t cols = spec.shape[1] / tp;
+          MOELORA_ASSIGN_OR_RETURN(
+              piece, NarrowUnits(p.src, 1, r * cols, cols, p.col_unit, spec.shape[1], where()));
+        }
+        p.dst.copy_(piece);
       }
-      if (spec.split == TpSplit::kCols) piece = src.narrow(1, r * dst.size(1), dst.size(1));
-      dst.copy_(piece);
       MOELORA_RETURN_IF_ERROR(claim(0));
       continue;
     }
@@ -282,8 +510,11 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
     } else {
       want.push_back(want_out), want.push_back(want_in);
     }
-    if (m.target.bias) src = src.unsqueeze(-1);  // [E, 2I] -> [E, 2I, 1]
-    if (src.sizes() != at::IntArrayRef(want)) {
+    if (m.target.bias) {
+      planes[0].src = planes[0].src.unsqueeze(-1);  // [E, 2I] -> [E, 2I, 1]
+      src_shape.push_back(1);
+    }
+    if (src_shape != want) {
       return absl::InvalidArgumentError(absl::StrCat(
           where(), ": expected ", Shape(want), " for ", ExpertShardName(sh), " of ", spec.name,
           m.target.either_layout
@@ -293,41 +524,63 @@ bool FusedExpertsTransposed(const Checkpoint& ckpt, const std::string& name, int
           : m.target.transposed ? " (stored transposed, x @ W)"
                                 : ""));
     }
-    at::Tensor s3 = stacked ? src : src.unsqueeze(0);
-    if (m.target.transposed) s3 = s3.transpose(1, 2);
     // Expert parallelism: this rank's experts [lo, lo + El) whole; otherwise every expert, with
     // 1/tp of the intermediate dim.
     const bool ep = opt.expert_parallel;
     const int64_t El = ep ? E / tp : E, lo = ep ? r * El : 0;
     int64_t e0 = stacked ? 0 : m.target.expert;
-    if (stacked && ep) {
-      s3 = s3.narrow(0, lo, El);
-    } else if (ep) {
-      if (e0 < lo || e0 >= lo + El) continue;  // another rank's expert
-    }
+    if (!stacked && ep && (e0 < lo || e0 >= lo + El)) continue;  // another rank's expert
     e0 -= stacked ? 0 : lo;
-    const int64_t n = s3.size(0);
-    at::Tensor d3 = dst.narrow(0, e0, n);
     const int64_t Ip = ep ? I : I / tp, ir = ep ? 0 : r;
-    if (sh == ExpertShard::kW2) {
-      d3.copy_(s3.narrow(2, ir * Ip, Ip));
-      for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(e));
-      continue;
+    int64_t n = 0;
+    for (Plane& p : planes) {
+      at::Tensor s3 = stacked ? p.src : p.src.unsqueeze(0);
+      if (m.target.transposed) s3 = s3.transpose(1, 2);
+      if (stacked && ep) s3 = s3.narrow(0, lo, El);
+      n = s3.size(0);
+      at::Tensor d3 = p.dst.narrow(0, e0, n);
+      const std::string loc = absl::StrCat(where(), " (", p.what, ")");
+      if (sh == ExpertShard::kW2) {
+        MOELORA_ASSIGN_OR_RETURN(at::Tensor part,
+                                 NarrowUnits(s3, 2, ir * Ip, Ip, p.col_unit, I, loc));
+        d3.copy_(part);
+        continue;
+      }
+      // Rows [which * Ip, +Ip) of the destination from `half` (I rows: gate's or up's).
+      auto copy_half = [&](const at::Tensor& half, int which) -> absl::Status {
+        MOELORA_ASSIGN_OR_RETURN(at::Tensor part,
+                                 NarrowUnits(half, 1, ir * Ip, Ip, p.row_unit, I, loc));
+        MOELORA_ASSIGN_OR_RETURN(at::Tensor dst,
+                                 NarrowUnits(d3, 1, which * Ip, Ip, p.row_unit, 2 * Ip, loc));
+        dst.copy_(part);
+        return absl::OkStatus();
+      };
+      if (sh == ExpertShard::kW13 && m.target.interleaved) {
+        // Rows g0, u0, g1, u1, ...: the even ones are gate, the odd ones up.
+        if (p.row_unit != 1) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(loc, ": interleaved gate/up rows inside quantization blocks"));
+        }
+        MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 0, 2 * I, 2), 0));
+        MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 1, 2 * I, 2), 1));
+      } else if (sh == ExpertShard::kW13) {
+        MOELORA_ASSIGN_OR_RETURN(at::Tensor gate, NarrowUnits(s3, 1, 0, I, p.row_unit, 2 * I, loc));
+        MOELORA_ASSIGN_OR_RETURN(at::Tensor up, NarrowUnits(s3, 1, I, I, p.row_unit, 2 * I, loc));
+        MOELORA_RETURN_IF_ERROR(copy_half(gate, 0));
+        MOELORA_RETURN_IF_ERROR(copy_half(up, 1));
+      } else {
+        MOELORA_RETURN_IF_ERROR(copy_half(s3, sh == ExpertShard::kW1 ? 0 : 1));
+      }
     }
-    auto copy_half = [&](const at::Tensor& half, int which) -> absl::Status {
-      d3.narrow(1, which * Ip, Ip).copy_(half.narrow(1, ir * Ip, Ip));
-      for (int64_t e = e0; e < e0 + n; ++e) MOELORA_RETURN_IF_ERROR(claim(2 * e + which));
-      return absl::OkStatus();
-    };
-    if (sh == ExpertShard::kW13 && m.target.interleaved) {
-      // Rows g0, u0, g1, u1, ...: the even ones are gate, the odd ones up.
-      MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 0, 2 * I, 2), 0));
-      MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 1, 2 * I, 2), 1));
-    } else if (sh == ExpertShard::kW13) {
-      MOELORA_RETURN_IF_ERROR(copy_half(s3.narrow(1, 0, I), 0));
-      MOELORA_RETURN_IF_ERROR(copy_half(s3.narrow(1, I, I), 1));
-    } else {
-      MOELORA_RETURN_IF_ERROR(copy_half(s3, sh == ExpertShard::kW1 ? 0 : 1));
+    for (int64_t e = e0; e < e0 + n; ++e) {
+      if (sh == ExpertShard::kW2) {
+        MOELORA_RETURN_IF_ERROR(claim(e));
+      } else if (sh == ExpertShard::kW13) {
+        MOELORA_RETURN_IF_ERROR(claim(2 * e));
+        MOELORA_RETURN_IF_ERROR(claim(2 * e + 1));
+      } else {
+        MOELORA_RETURN_IF_ERROR(claim(2 * e + (sh == ExpertShard::kW1 ? 0 : 1)));
+      }
     }
   }
   if (!unconsumed.empty()) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/quant_gemm.h"
 #include "schema/model_config.h"
 #include "schema/name_tables.h"
 #include "worker/checkpoint.h"
@@ -56,9 +57,16 @@ struct SkipUnlisted {
   std::string reason;
 };
 
+// A parameter the checkpoint stores quantized (config.json's quantization_config) keeps that
+// storage: params[name] holds its codes (uint8: MXFP4 [.., out, in / 2], FP8 [.., out, in]) and
+// params[name + kQuantScalesSuffix] its scales (MXFP4: uint8 E8M0 [.., out, in / 32]; FP8: f32
+// [.., ceil(out / block_n), ceil(in / block_k)]), this rank's part of each.
+inline constexpr char kQuantScalesSuffix[] = ":scales";
+
 struct LoadedWeights {
-  std::map<std::string, at::Tensor> params;  // this rank's shards, in options.dtype
-  std::vector<std::string> skipped;          // "name (reason)" for knowingly skipped tensors
+  std::map<std::string, at::Tensor> params;      // this rank's shards, in options.dtype
+  std::vector<std::string> skipped;              // "name (reason)" for knowingly skipped tensors
+  std::map<std::string, QuantFormat> quantized;  // the parameters stored quantized
 };
 
 // INVALID_ARGUMENT for: a checkpoint tensor no rule consumes, a parameter piece left unset or set

@@ -77,14 +77,18 @@ struct Fp8 {
     return w;
   }
   double At(int64_t r, int64_t c) const {
-    return static_cast<double>(static_cast<float>(
-        E4m3(data[r * k + c]) * scales[(r / bn) * ((k + bk - 1) / bk) + c / bk]));
+    return static_cast<double>(static_cast<float>(E4m3(data[r * k + c]) *
+                                                  scales[(r / bn) * ((k + bk - 1) / bk) + c / bk]));
   }
 };
 
 Fp8 RandomFp8(int64_t n, int64_t k, int64_t bn, int64_t bk, uint32_t seed, bool nan_codes) {
   std::mt19937 g(seed);
-  Fp8 f{n, k, bn, bk, std::vector<uint8_t>(n * k),
+  Fp8 f{n,
+        k,
+        bn,
+        bk,
+        std::vector<uint8_t>(n * k),
         std::vector<float>(((n + bn - 1) / bn) * ((k + bk - 1) / bk))};
   for (auto& b : f.data) {
     b = static_cast<uint8_t>(g());

@@ -2,14 +2,8 @@
 // attention biases, alternating sliding (4) / full layers, YaRN (truncate false), the biased
 // top-k-then-softmax router, expert biases and the clamped SwiGLU over interleaved gate/up; the
 // PEFT 3D adapter natively (interleaved B rows) and converted to 2D in mixed mode.
-#include <unistd.h>
-
-#include <filesystem>
-#include <fstream>
-
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/testing/status_matchers.h"
 #include "tests/unit/worker/engine_test_util.h"
 
@@ -56,27 +50,33 @@ TEST(GptOssTest, BaseRowsBitIdenticalWithAdaptersLoaded) {
                                          GenerateBatch(*loaded->engine, {0, 0}, prompts, 6));
 }
 
-TEST(GptOssTest, TheKernelPathAndMxfp4AreRefusedByName) {
+TEST(GptOssTest, TheKernelPathIsRefusedByName) {
   EngineOptions o;
-  o.model_dir = Data("gpt_oss_lm/model");
   o.device = "cpu-twins";
   auto comm = MakeLocalCommunicator();
-  EXPECT_THAT(Engine::Create(o, comm.get()).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("CPU path only")));
-  // An MXFP4 release's config: refused, saying so.
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("moelora_gptoss_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  fs::copy_file(Data("gpt_oss_lm/model/model.safetensors"), dir / "model.safetensors");
-  std::ifstream in(Data("gpt_oss_lm/model/config.json"));
-  nlohmann::json j = nlohmann::json::parse(in);
-  j["quantization_config"] = {{"quant_method", "mxfp4"}};
-  std::ofstream(dir / "config.json") << j.dump();
-  o.model_dir = dir.string();
-  o.device = "cpu";
-  EXPECT_THAT(Engine::Create(o, comm.get()).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("MXFP4 checkpoints")));
-  fs::remove_all(dir);
+  for (const char* model : {"gpt_oss_lm/model", "gpt_oss_mxfp4/model"}) {
+    o.model_dir = Data(model);
+    EXPECT_THAT(Engine::Create(o, comm.get()).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("CPU path only")))
+        << model;
+  }
+}
+
+// The release's storage (tests/data/gpt_oss_mxfp4, tools/make_fixtures.py): MXFP4 experts read
+// as they are stored, against transformers' own loading of the checkpoint (which dequantizes),
+// and PEFT's 3D adapter over it, natively and converted to 2D.
+TEST(GptOssTest, Mxfp4ExpertsMatchTransformersAndPeft) {
+  ::moelora::testing::ExpectReferenceLogitsInBothModes("gpt_oss_mxfp4", "adapter_3d", "adapter_2d",
+                                                       1e-4f);
+}
+
+TEST(GptOssTest, Mxfp4MixedBatchEqualsAloneAndDecodeEqualsPrefill) {
+  auto h = MakeEngine("gpt_oss_mxfp4/model", true, 4, 8);
+  ASSERT_NE(h, nullptr);
+  ASSERT_OK(Load(*h->engine, 1, "gpt_oss_mxfp4/adapter_3d"));
+  ASSERT_OK(Load(*h->engine, 2, "gpt_oss_mxfp4/adapter_2d"));
+  ::moelora::testing::ExpectBatchesEqualAloneAndDecodeEqualsPrefill(
+      *h->engine, {{1, 2, 0}, {2, 1, 0}}, {{1, 17, 42, 5, 88, 13, 70}, {7, 2, 95}, {4}}, 8);
 }
 
 }  // namespace
