@@ -168,7 +168,8 @@ def convert_3d_to_2d_python(src, dst, prefix, interleaved=False):
         for e in range(E):
             a_gu = gu_a[e * r_gu:(e + 1) * r_gu]
             b_gu = gu_b[:, e::E]
-            b1, b3 = (b_gu[0::2], b_gu[1::2]) if interleaved else (b_gu[:I], b_gu[I:])
+            half = b_gu.shape[0] // 2
+            b1, b3 = (b_gu[0::2], b_gu[1::2]) if interleaved else (b_gu[:half], b_gu[half:])
             out[f"{base}.{e}.gate_proj.lora_A.weight"] = a_gu.clone()
             out[f"{base}.{e}.gate_proj.lora_B.weight"] = b1.contiguous()
             out[f"{base}.{e}.up_proj.lora_A.weight"] = a_gu.clone()
@@ -512,6 +513,95 @@ def gpt_oss_mxfp4(out):
     save_file(res, os.path.join(root, "expected_logits.safetensors"))
     convert_3d_to_2d_python(os.path.join(root, "adapter_3d"), os.path.join(root, "adapter_2d"),
                             "model", interleaved=True)
+
+
+def fp8_block_quantize(w, bn, bk):
+    """w [out, in] f32 -> (codes float8_e4m3fn [out, in], scale_inv f32 [ceil(out/bn), ceil(in/bk)]):
+    per block, scale = amax / 448 (E4M3's largest), codes = w / scale rounded by torch's cast."""
+    out_, in_ = w.shape
+    rb, cb = -(-out_ // bn), -(-in_ // bk)
+    scale = torch.zeros(rb, cb, dtype=torch.float32)
+    codes = torch.zeros(out_, in_, dtype=torch.float8_e4m3fn)
+    for i in range(rb):
+        for j in range(cb):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s = blk.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            codes[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def fp8_block_dequantize(codes, scale, bn, bk):
+    full = scale.repeat_interleave(bn, 0)[:codes.shape[0]].repeat_interleave(bk, 1)[:, :codes.shape[1]]
+    return codes.to(torch.float32) * full
+
+
+def qwen3_moe_fp8(out):
+    """qwen3_moe_fp8/: a tiny Qwen3MoeForCausalLM stored as the FP8 releases store it: every
+    attention projection and expert weight (one per expert) as float8_e4m3fn `.weight` with an f32
+    `.weight_scale_inv` per 8x8 block (the releases use 128x128; a small block keeps the fixture
+    small and still splits at TP 2), quantization_config fp8 with modules_to_not_convert (the
+    router, lm_head, embeddings and one layer's q_proj, which stays f32). Expected logits from the
+    model with the weights dequantized by torch (codes.to(float32) times the block's scale), which
+    transformers' own loading of the FP8 checkpoint is checked against; PEFT's 3D adapter over it
+    and its 2D rewrite."""
+    root = os.path.join(out, "qwen3_moe_fp8")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir, deq_dir = os.path.join(root, "model"), os.path.join(root, "dequantized")
+    bn = bk = 8
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=2,
+                         max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[],
+                         norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False, **EAGER)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(91)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "proj" in name:
+                p.copy_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(deq_dir)
+    sd = load_file(os.path.join(deq_dir, "model.safetensors"))
+    keep = ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate", "model.layers.1.self_attn.q_proj"]
+    kept = lambda k: (k.startswith("lm_head") or k.startswith("model.embed_tokens") or ".mlp.gate." in k
+                      or k.startswith("model.layers.1.self_attn.q_proj"))
+    q, deq = {}, {}
+    for k, v in sd.items():
+        if k.endswith("proj.weight") and not kept(k):
+            codes, scale = fp8_block_quantize(v, bn, bk)
+            q[k], q[k + "_scale_inv"] = codes, scale
+            deq[k] = fp8_block_dequantize(codes, scale, bn, bk)
+        else:
+            q[k] = deq[k] = v
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in q
+    os.makedirs(mdir)
+    save_file(q, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(mdir)
+    with open(os.path.join(mdir, "config.json")) as f:
+        cj = json.load(f)
+    cj["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                 "weight_block_size": [bn, bk], "modules_to_not_convert": keep}
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(cj, f, indent=2, sort_keys=True)
+    load = lambda d: Qwen3MoeForCausalLM.from_pretrained(d, dtype=torch.float32, **EAGER).eval()
+    base = load(deq_dir)
+    theirs = load(mdir)  # transformers dequantizes FP8 on the CPU itself
+    for p in PROMPTS:
+        d = (logits_of(theirs, p) - logits_of(base, p)).abs().max().item()
+        assert d < 1e-2, d  # transformers dequantizes to bf16: close, not equal
+    make_3d_adapter(lambda: load(deq_dir), os.path.join(root, "adapter_3d"), r=4, alpha=8, seed=92)
+    os.remove(os.path.join(root, "adapter_3d", "README.md"))
+    convert_3d_to_2d_python(os.path.join(root, "adapter_3d"), os.path.join(root, "adapter_2d"), "model")
+    variants = {"base": base, "adapter_3d": peft_load(Qwen3MoeForCausalLM, deq_dir, os.path.join(root, "adapter_3d")),
+                "adapter_2d": peft_load(Qwen3MoeForCausalLM, deq_dir, os.path.join(root, "adapter_2d"))}
+    save_logits(os.path.join(root, "expected_logits.safetensors"), variants)
+    res = load_file(os.path.join(root, "expected_logits.safetensors"))
+    for k in range(len(PROMPTS)):
+        assert (res[f"logits.adapter_3d.{k}"] - res[f"logits.adapter_2d.{k}"]).abs().max().item() < 1e-5
+        assert (res[f"logits.adapter_3d.{k}"] - res[f"logits.base.{k}"]).abs().max().item() > 1e-3
+    shutil.rmtree(deq_dir)
 
 
 # Config variants of the Qwen3-MoE fixture (same weights) for settings that change the math:
@@ -953,7 +1043,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
     ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_vl_moe_hf5", "qwen3_5_moe", "gpt_oss_lm",
-                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "step3p5"], default="all",
+                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "qwen3_moe_fp8", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -987,6 +1077,9 @@ def main():
     if args.only == "gpt_oss_mxfp4":
         gpt_oss_mxfp4(args.out)
         return
+    if args.only == "qwen3_moe_fp8":
+        qwen3_moe_fp8(args.out)
+        return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
     torch.set_default_dtype(torch.float32)
@@ -998,6 +1091,7 @@ def main():
     gpt_oss(args.out)
     gpt_oss_lm(args.out)
     gpt_oss_mxfp4(args.out)
+    qwen3_moe_fp8(args.out)
     step3p5(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,

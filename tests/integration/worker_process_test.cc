@@ -72,6 +72,11 @@ struct Case {
   const char* tag = "";                     // test name suffix
 };
 
+// Printed from its fields (gtest's default prints the raw bytes, pointers included).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.arch << (c.mixed ? " mixed" : "") << c.tag;
+}
+
 class WorkerTpTest : public ::testing::TestWithParam<Case> {};
 
 // The batch [adapters..., base] over gRPC matches transformers + PEFT at TP=1 and TP=2, and
@@ -251,6 +256,9 @@ INSTANTIATE_TEST_SUITE_P(
         // whole experts per rank.
         Case{"gpt_oss_mxfp4", true, {"adapter_2d", "adapter_3d"}},
         Case{"gpt_oss_mxfp4", true, {"adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
+        // Block FP8: attention rows and columns and each expert's halves split on whole blocks.
+        Case{"qwen3_moe_fp8", true, {"adapter_2d", "adapter_3d"}},
+        Case{"qwen3_moe_fp8", true, {"adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
         // The upstream mixed 2D/3D test at TP=2 with expert parallelism and
         // with fully sharded LoRAs, in both orders.
         Case{

@@ -354,8 +354,8 @@ absl::StatusOr<AttentionParts> MakeAttentionParts(const std::map<std::string, at
   auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
     const std::string path = p + "self_attn." + name;
     at::Tensor bias = c.attention_bias ? P.at(path + ".bias") : at::Tensor();
-    return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), bias, mode, in, {out},
-                              shape);
+    return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), bias, mode, in, {out}, shape,
+                              QuantizedParam(P, path + ".base_layer.weight"));
   };
   AttentionParts a;
   MOELORA_ASSIGN_OR_RETURN(a.q, linear("q_proj", TpMode::kColumn, H, q_rows));
@@ -417,7 +417,7 @@ void AddSwiGluSpecs(std::vector<ParamSpec>& s, const std::string& m, int64_t H, 
   auto linear = [&](const char* name, TpMode mode, int64_t in, int64_t out) {
     const std::string path = m + name;
     return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
-                              {out}, shape);
+                              {out}, shape, QuantizedParam(P, path + ".base_layer.weight"));
   };
   auto s = std::make_unique<SwiGluMlp>();
   MOELORA_ASSIGN_OR_RETURN(s->gate, linear("gate_proj", TpMode::kColumn, H, inter));
@@ -435,9 +435,9 @@ absl::StatusOr<std::unique_ptr<MoeExperts>> MakeExperts(const std::string& exper
   const int64_t E = c.info.num_experts;
   const bool ep = o.expert_parallel;
   const std::string w13 = W13Name(experts, true), w2 = W2Name(experts, true);
-  auto q13 = P.find(w13 + kQuantScalesSuffix), q2 = P.find(w2 + kQuantScalesSuffix);
-  if (q13 == P.end() || q2 == P.end()) {
-    if (q13 != q2) {
+  QuantizedWeight a = QuantizedParam(P, w13), b = QuantizedParam(P, w2);
+  if (!a.defined() || !b.defined()) {
+    if (a.defined() != b.defined()) {
       return absl::InvalidArgumentError(absl::StrCat(
           experts, ": one of gate_up and down is stored quantized and the other is not"));
     }
@@ -451,14 +451,6 @@ absl::StatusOr<std::unique_ptr<MoeExperts>> MakeExperts(const std::string& exper
                      ": quantized experts are computed on the CPU path only (--device cpu, without "
                      "--lora-kernels fused); this build has no GPU kernel that reads them yet"));
   }
-  QuantizedWeight a, b;
-  a.format = b.format = c.quantization.method == WeightQuantization::Method::kMxfp4
-                            ? QuantFormat::kMxfp4
-                            : QuantFormat::kFp8Block;
-  a.block_n = b.block_n = c.quantization.block_n;
-  a.block_k = b.block_k = c.quantization.block_k;
-  a.codes = P.at(w13), a.scales = q13->second;
-  b.codes = P.at(w2), b.scales = q2->second;
   // The shapes the module is built with: meta tensors hold no memory.
   const auto meta = at::TensorOptions().dtype(o.dtype).device(at::kMeta);
   auto m = std::make_unique<MoeExperts>(experts, at::empty({a.codes.size(0), a.n(), a.k()}, meta),

@@ -182,7 +182,8 @@ class LayerBuilder {
   absl::StatusOr<std::unique_ptr<LoraLinear>> Linear(const std::string& path, TpMode mode,
                                                      int64_t in, std::vector<int64_t> out) const {
     return LoraLinear::Create(path, P_.at(path + ".base_layer.weight"), at::Tensor(), mode, in,
-                              std::move(out), shape_);
+                              std::move(out), shape_,
+                              QuantizedParam(P_, path + ".base_layer.weight"));
   }
 
   const ModelConfig& c_;

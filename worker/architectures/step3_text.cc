@@ -125,7 +125,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Step3Text::Create(const ModelContext& 
     L.post_norm = P.at(p + "post_attention_layernorm.weight");
     auto linear = [&](const std::string& path, TpMode mode, int64_t in_dim, int64_t out_dim) {
       return LoraLinear::Create(path, P.at(path + ".base_layer.weight"), at::Tensor(), mode, in_dim,
-                                {out_dim}, shape);
+                                {out_dim}, shape, QuantizedParam(P, path + ".base_layer.weight"));
     };
     MOELORA_ASSIGN_OR_RETURN(auto q_down, linear(a + "q_proj", TpMode::kReplicated, H, Q));
     MOELORA_ASSIGN_OR_RETURN(auto wq, linear(a + "wq", TpMode::kColumn, Q, hq * d));

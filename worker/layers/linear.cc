@@ -31,14 +31,31 @@ SlotShape SlotShape::For(const ModelOptions& o, const at::Device& device, Commun
 
 // ---- LoraLinear ----
 
-absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path, at::Tensor weight,
-                                                               at::Tensor bias, TpMode mode,
-                                                               int64_t in_full,
-                                                               std::vector<int64_t> out_sections,
-                                                               const SlotShape& shape) {
+absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(
+    std::string path, at::Tensor weight, at::Tensor bias, TpMode mode, int64_t in_full,
+    std::vector<int64_t> out_sections, const SlotShape& shape, QuantizedWeight quantized) {
   auto shard = PlanLoraShard(mode, in_full, out_sections, shape.tp_rank, shape.tp_size);
   if (!shard.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", shard.status().message()));
+  }
+  if (quantized.defined()) {
+    if (shape.kernels != LoraKernels::kCpuSgmv) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path,
+          ": quantized weights are computed on the CPU path only (--device cpu, without "
+          "--lora-kernels fused); this build has no GPU kernel that reads them yet"));
+    }
+    if (quantized.codes.dim() != 2 || quantized.n() != shard->out_local ||
+        quantized.k() != shard->in_local) {
+      return absl::InternalError(absl::StrCat(path, ": quantized weight shard [", quantized.n(),
+                                              ", ", quantized.k(), "], expected [",
+                                              shard->out_local, ", ", shard->in_local, "]"));
+    }
+    weight = at::empty({shard->out_local, shard->in_local},
+                       at::TensorOptions().dtype(at::kFloat).device(at::kMeta));  // its shape only
+  } else if (weight.scalar_type() == at::kByte) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": its weight is stored quantized, which this module does not read"));
   }
   if (weight.dim() != 2 || weight.size(0) != shard->out_local ||
       weight.size(1) != shard->in_local) {
@@ -48,6 +65,7 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
   }
   auto m = std::unique_ptr<LoraLinear>(new LoraLinear(std::move(path)));
   m->w_ = std::move(weight);
+  m->q_ = std::move(quantized);
   m->bias_ = std::move(bias);
   m->mode_ = mode;
   m->in_full_ = in_full;
@@ -77,14 +95,25 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(std::string path,
 }
 
 absl::StatusOr<at::Tensor> LoraLinear::Forward(const at::Tensor& x, const LoraBatch& lb) const {
-  return Finish(x, MatmulWt(x, w_), lb);
+  return Finish(x, q_.defined() ? QuantizedMatmulWt(x, q_) : MatmulWt(x, w_), lb);
 }
 
 absl::StatusOr<std::vector<at::Tensor>> LoraLinear::ForwardEach(
     const std::vector<const LoraLinear*>& layers, const at::Tensor& x, const LoraBatch& lb) {
   std::vector<at::Tensor> ws;
-  for (const LoraLinear* l : layers) ws.push_back(l->w_);
-  std::vector<at::Tensor> ys = MatmulWtEach(x, ws);
+  bool quantized = false;
+  for (const LoraLinear* l : layers) {
+    ws.push_back(l->w_);
+    quantized = quantized || l->quantized();
+  }
+  std::vector<at::Tensor> ys;
+  if (quantized) {
+    for (const LoraLinear* l : layers) {
+      ys.push_back(l->quantized() ? QuantizedMatmulWt(x, l->q_) : MatmulWt(x, l->w_));
+    }
+  } else {
+    ys = MatmulWtEach(x, ws);
+  }
   for (size_t i = 0; i < layers.size(); ++i) {
     MOELORA_ASSIGN_OR_RETURN(ys[i], layers[i]->Finish(x, std::move(ys[i]), lb));
   }

@@ -17,6 +17,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/layers/lora_batch.h"
 #include "worker/layers/lora_module.h"
+#include "worker/layers/quantized.h"
 
 namespace moelora {
 
@@ -44,16 +45,20 @@ class LoraLinear final : public LoraModule {
   // `weight`: this rank's shard [out_local, in_local], already in the compute dtype and on the
   // model's device; `bias` (optional) this rank's part for column-parallel layers, the whole
   // bias for row-parallel ones (added on rank 0 only: the all-reduce sums the ranks).
-  // `out_sections`: the full output dim's sections (one entry for a plain layer).
+  // `out_sections`: the full output dim's sections (one entry for a plain layer). `quantized`
+  // (defined where the checkpoint stores the weight quantized): the base product reads it,
+  // dequantizing tile by tile (the CPU path only), and `weight` is ignored.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<LoraLinear>> Create(
       std::string path, at::Tensor weight, at::Tensor bias, TpMode mode, int64_t in_full,
-      std::vector<int64_t> out_sections, const SlotShape& shape);
+      std::vector<int64_t> out_sections, const SlotShape& shape,
+      QuantizedWeight quantized = QuantizedWeight());
 
   [[nodiscard]] absl::StatusOr<at::Tensor> Forward(const at::Tensor& x, const LoraBatch& lb) const;
   // Forward of each layer on the same x, their base products in one MatmulWtEach call.
   [[nodiscard]] static absl::StatusOr<std::vector<at::Tensor>> ForwardEach(
       const std::vector<const LoraLinear*>& layers, const at::Tensor& x, const LoraBatch& lb);
   const at::Tensor& weight() const { return w_; }
+  bool quantized() const { return q_.defined(); }
   int64_t out_local() const { return shard_.out_local; }
 
   bool takes_experts() const override { return false; }
@@ -70,6 +75,7 @@ class LoraLinear final : public LoraModule {
  private:
   using LoraModule::LoraModule;
   at::Tensor w_, bias_;
+  QuantizedWeight q_;
   TpMode mode_ = TpMode::kReplicated;
   int64_t in_full_ = 0, out_full_ = 0;
   LoraShard shard_;

@@ -368,6 +368,24 @@ struct QuantizedTensors {
 
 }  // namespace
 
+QuantizedWeight QuantizedParam(const std::map<std::string, at::Tensor>& params,
+                               const std::string& name) {
+  QuantizedWeight q;
+  auto scales = params.find(name + kQuantScalesSuffix);
+  if (scales == params.end()) return q;
+  q.codes = params.at(name);
+  q.scales = scales->second;
+  auto block = params.find(name + kQuantBlockSuffix);
+  if (block == params.end()) {
+    q.format = QuantFormat::kMxfp4;
+  } else {
+    q.format = QuantFormat::kFp8Block;
+    q.block_n = block->second[0].item<int64_t>();
+    q.block_k = block->second[1].item<int64_t>();
+  }
+  return q;
+}
+
 [[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(
     const Checkpoint& ckpt, const ArchTable& table, const ModelConfig& config,
     const std::vector<ParamSpec>& specs, const LoadOptions& opt, const SkipUnlisted& skip) {
@@ -389,6 +407,10 @@ struct QuantizedTensors {
       MOELORA_ASSIGN_OR_RETURN(auto storage, QuantizedStorage(s.name, local, config, quant.format));
       out.params[s.name] = storage.first;
       out.params[s.name + kQuantScalesSuffix] = storage.second;
+      if (quant.format == QuantFormat::kFp8Block) {
+        out.params[s.name + kQuantBlockSuffix] = at::tensor(
+            std::vector<int64_t>{config.quantization.block_n, config.quantization.block_k});
+      }
       out.quantized[s.name] = quant.format;
     } else {
       out.params[s.name] = EmptyWeight(local, opt.dtype);

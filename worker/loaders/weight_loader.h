@@ -19,6 +19,7 @@
 #include "schema/name_tables.h"
 #include "worker/checkpoint.h"
 #include "worker/layers/lora_ops.h"  // EmptyWeight, what loaded weights are allocated with
+#include "worker/layers/quantized.h"
 #include "worker/model/registry.h"
 
 namespace moelora {
@@ -61,13 +62,20 @@ struct SkipUnlisted {
 // storage: params[name] holds its codes (uint8: MXFP4 [.., out, in / 2], FP8 [.., out, in]) and
 // params[name + kQuantScalesSuffix] its scales (MXFP4: uint8 E8M0 [.., out, in / 32]; FP8: f32
 // [.., ceil(out / block_n), ceil(in / block_k)]), this rank's part of each.
+// FP8 parameters also carry params[name + kQuantBlockSuffix], int64 {block_n, block_k}.
 inline constexpr char kQuantScalesSuffix[] = ":scales";
+inline constexpr char kQuantBlockSuffix[] = ":block";
 
 struct LoadedWeights {
   std::map<std::string, at::Tensor> params;      // this rank's shards, in options.dtype
   std::vector<std::string> skipped;              // "name (reason)" for knowingly skipped tensors
   std::map<std::string, QuantFormat> quantized;  // the parameters stored quantized
 };
+
+// The quantized storage of parameter `name` of `params` (LoadedWeights::params), or an undefined
+// one where the parameter is stored unquantized.
+QuantizedWeight QuantizedParam(const std::map<std::string, at::Tensor>& params,
+                               const std::string& name);
 
 // INVALID_ARGUMENT for: a checkpoint tensor no rule consumes, a parameter piece left unset or set
 // twice, a shape that contradicts the spec, an expert index >= E, a non-float dtype, a split that

@@ -127,8 +127,7 @@ TEST_F(Mxfp4CheckpointTest, MissingOrMisshapenScalesAreNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(std::string(kGateUp) + "_blocks"),
                              HasSubstr("no _scales tensor beside it"))));
-  EXPECT_THAT(Load(Copy({"", std::string(kGateUp) + "_scales",
-                         at::zeros({4, 128, 3}, at::kByte)})),
+  EXPECT_THAT(Load(Copy({"", std::string(kGateUp) + "_scales", at::zeros({4, 128, 3}, at::kByte)})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(std::string(kGateUp) + "_scales [4, 128, 3]"),
                              HasSubstr("expected U8 [4, 128, 2]"))));
@@ -152,11 +151,11 @@ TEST_F(Mxfp4CheckpointTest, BlocksOfTheWrongTypeOrShapeAreNamed) {
 }
 
 TEST_F(Mxfp4CheckpointTest, ExpertsTheConfigKeepsUnquantizedButStoredQuantizedAreNamed) {
-  EXPECT_THAT(Load(Copy({"", "", at::Tensor(), "modules_to_not_convert",
-                         R"(["model.layers.*.mlp.experts"])"})),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("_blocks is stored quantized"),
-                             HasSubstr("modules_to_not_convert"))));
+  EXPECT_THAT(
+      Load(Copy(
+          {"", "", at::Tensor(), "modules_to_not_convert", R"(["model.layers.*.mlp.experts"])"})),
+      StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("_blocks is stored quantized"),
+                                                         HasSubstr("modules_to_not_convert"))));
 }
 
 // A split inside a block of 32: refused before any weight is read, naming the parameter.
