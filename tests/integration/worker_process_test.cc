@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <ostream>
 #include <thread>
 
 #include "gmock/gmock.h"
