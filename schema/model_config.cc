@@ -234,6 +234,10 @@ bool WeightQuantization::KeptUnquantized(const std::string& param) const {
       return refused(".activation_scheme ", value["activation_scheme"].dump(),
                      ": only \"dynamic\" is served (activations are not quantized here)");
     }
+    if (value.contains("scale_fmt") && value["scale_fmt"] != "float32") {
+      return refused(".scale_fmt ", value["scale_fmt"].dump(),
+                     ": only scales stored as numbers (F32 or BF16) are served");
+    }
     if (value.contains("fmt") && value["fmt"] != "e4m3") {
       return refused(".fmt ", value["fmt"].dump(), ": only \"e4m3\" FP8 weights are served");
     }

@@ -55,6 +55,9 @@ TEST(WeightQuantizationTest, ServedMethodsParseAndOthersAreRefusedByName) {
   EXPECT_THAT(Parse(R"({"quant_method": "fp8", "activation_scheme": "static",
                         "weight_block_size": [128, 128]})"),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("activation_scheme")));
+  EXPECT_THAT(Parse(R"({"quant_method": "fp8", "scale_fmt": "ue8m0",
+                        "weight_block_size": [128, 128]})"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("scale_fmt")));
   EXPECT_THAT(Parse(R"({"quant_method": "fp8", "weight_block_size": [128, 0]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight_block_size")));
   EXPECT_THAT(Parse(R"({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"})"),
@@ -73,18 +76,19 @@ TEST(WeightQuantizationTest, ModulesToNotConvertMatchWholeModules) {
   EXPECT_FALSE(q.KeptUnquantized("model.embed_tokens_2.weight"));
 }
 
-// ---- Bad MXFP4 checkpoints, on copies of the fixture ----
+// ---- Bad quantized checkpoints, on copies of the fixtures ----
 
-class Mxfp4CheckpointTest : public ::testing::Test {
+class QuantizedCheckpointTest : public ::testing::Test {
  protected:
   struct Edit {
     std::string drop;                // a tensor left out
     std::string replace;             // a tensor written as `with` instead
     at::Tensor with;                 // (its dtype: U8 for kByte, F32 for kFloat)
     std::string config_key, config;  // quantization_config[config_key] = config (JSON)
+    DType byte_dtype = DType::kU8;   // how a kByte `with` is stored
   };
-  std::string Copy(const Edit& e) {
-    const std::string src = std::string(MOELORA_TEST_DATA_DIR) + "/gpt_oss_mxfp4/model";
+  std::string Copy(const Edit& e, const std::string& fixture = "gpt_oss_mxfp4") {
+    const std::string src = std::string(MOELORA_TEST_DATA_DIR) + "/" + fixture + "/model";
     auto f = SafetensorsFile::Open(src + "/model.safetensors");
     EXPECT_TRUE(f.ok());
     std::vector<TensorToWrite> w;
@@ -92,7 +96,7 @@ class Mxfp4CheckpointTest : public ::testing::Test {
       if (v.name == e.drop) continue;
       if (v.name == e.replace) {
         const bool bytes = e.with.scalar_type() == at::kByte;
-        w.push_back({v.name, bytes ? DType::kU8 : DType::kF32, e.with.sizes().vec(),
+        w.push_back({v.name, bytes ? e.byte_dtype : DType::kF32, e.with.sizes().vec(),
                      e.with.data_ptr(), static_cast<size_t>(e.with.nbytes())});
         continue;
       }
@@ -120,9 +124,9 @@ class Mxfp4CheckpointTest : public ::testing::Test {
 
 const char kGateUp[] = "model.layers.1.mlp.experts.gate_up_proj";
 
-TEST_F(Mxfp4CheckpointTest, TheCopyLoads) { ASSERT_OK(Load(Copy({}))); }
+TEST_F(QuantizedCheckpointTest, TheCopyLoads) { ASSERT_OK(Load(Copy({}))); }
 
-TEST_F(Mxfp4CheckpointTest, MissingOrMisshapenScalesAreNamed) {
+TEST_F(QuantizedCheckpointTest, MissingOrMisshapenScalesAreNamed) {
   EXPECT_THAT(Load(Copy({std::string(kGateUp) + "_scales"})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(std::string(kGateUp) + "_blocks"),
@@ -138,7 +142,7 @@ TEST_F(Mxfp4CheckpointTest, MissingOrMisshapenScalesAreNamed) {
                              HasSubstr("has no " + std::string(kGateUp) + "_blocks"))));
 }
 
-TEST_F(Mxfp4CheckpointTest, BlocksOfTheWrongTypeOrShapeAreNamed) {
+TEST_F(QuantizedCheckpointTest, BlocksOfTheWrongTypeOrShapeAreNamed) {
   EXPECT_THAT(Load(Copy({"", std::string(kGateUp) + "_blocks", at::zeros({4, 128, 2, 16})})),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(std::string(kGateUp) + "_blocks"),
@@ -150,7 +154,7 @@ TEST_F(Mxfp4CheckpointTest, BlocksOfTheWrongTypeOrShapeAreNamed) {
                                   HasSubstr(down + "_scales [4, 64, 2]: expected U8 [4, 64, 1]")));
 }
 
-TEST_F(Mxfp4CheckpointTest, ExpertsTheConfigKeepsUnquantizedButStoredQuantizedAreNamed) {
+TEST_F(QuantizedCheckpointTest, ExpertsTheConfigKeepsUnquantizedButStoredQuantizedAreNamed) {
   EXPECT_THAT(
       Load(Copy(
           {"", "", at::Tensor(), "modules_to_not_convert", R"(["model.layers.*.mlp.experts"])"})),
@@ -159,7 +163,7 @@ TEST_F(Mxfp4CheckpointTest, ExpertsTheConfigKeepsUnquantizedButStoredQuantizedAr
 }
 
 // A split inside a block of 32: refused before any weight is read, naming the parameter.
-TEST_F(Mxfp4CheckpointTest, ASplitInsideABlockIsRefused) {
+TEST_F(QuantizedCheckpointTest, ASplitInsideABlockIsRefused) {
   auto ckpt = Checkpoint::Open(std::string(MOELORA_TEST_DATA_DIR) + "/gpt_oss_mxfp4/model");
   ASSERT_OK(ckpt);
   auto table = FindArchTable("GptOssForCausalLM");
@@ -172,6 +176,42 @@ TEST_F(Mxfp4CheckpointTest, ASplitInsideABlockIsRefused) {
   EXPECT_THAT(LoadWeights(**ckpt, **table, *cfg, specs, LoadOptions{0, 4, at::kFloat, true}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(W2Name(x, true)), HasSubstr("not whole blocks of 32"))));
+}
+
+const char kFp8Down[] = "model.layers.0.mlp.experts.2.down_proj.weight";
+
+TEST_F(QuantizedCheckpointTest, Fp8CopyLoadsAndBadScalesAreNamed) {
+  ASSERT_OK(Load(Copy({}, "qwen3_moe_fp8")));
+  EXPECT_THAT(Load(Copy({std::string(kFp8Down) + "_scale_inv"}, "qwen3_moe_fp8")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(kFp8Down), HasSubstr("no .weight_scale_inv tensor"))));
+  // down_proj [32, 16] in 8x8 blocks: scales [4, 2].
+  EXPECT_THAT(Load(Copy({"", std::string(kFp8Down) + "_scale_inv", at::ones({2, 4})},
+                        "qwen3_moe_fp8")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(std::string(kFp8Down) + "_scale_inv [2, 4]"),
+                             HasSubstr("expected F32 or BF16 [4, 2]"))));
+  // Codes that are not FP8.
+  EXPECT_THAT(
+      Load(Copy({"", kFp8Down, at::zeros({32, 16}, at::kByte)}, "qwen3_moe_fp8")),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr(kFp8Down), HasSubstr("block-FP8 weights must be F8_E4M3"))));
+}
+
+TEST_F(QuantizedCheckpointTest, Fp8WhereTheConfigKeepsTheModuleUnquantizedIsNamed) {
+  EXPECT_THAT(Load(Copy({"", "", at::Tensor(), "modules_to_not_convert",
+                         R"(["model.layers.0.mlp.experts"])"},
+                        "qwen3_moe_fp8")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("model.layers.0.mlp.experts."),
+                             HasSubstr("modules_to_not_convert"))));
+  // An FP8 byte where an f32 weight was (its module unquantized in the config): no scales.
+  Edit e{"", "model.layers.1.self_attn.q_proj.weight", at::zeros({32, 32}, at::kByte)};
+  e.byte_dtype = DType::kF8E4M3;
+  EXPECT_THAT(Load(Copy(e, "qwen3_moe_fp8")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("model.layers.1.self_attn.q_proj.weight"),
+                             HasSubstr("no .weight_scale_inv tensor"))));
 }
 
 }  // namespace
