@@ -6,6 +6,8 @@
 //
 //   quant_gemm [--experts 8] [--hidden 2880] [--inter 2880] [--threads 2] [--rows 1,4,16,64]
 //              [--rounds 9]
+#include "kernels/quant_gemm.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -20,7 +22,6 @@
 
 #include "absl/strings/str_split.h"
 #include "bench/plain_read.h"
-#include "kernels/quant_gemm.h"
 #include "worker/layers/gemm.h"
 #include "worker/layers/quantized.h"
 
@@ -121,15 +122,17 @@ int main(int argc, char** argv) {
   }
   // The plain read rate over a buffer the size of the bf16 experts.
   const at::Tensor probe = at::ones({fs[0].bytes / 8}, at::kLong);
-  const double gbs =
-      moelora::PlainReadGBs(reinterpret_cast<const uint64_t*>(probe.data_ptr<int64_t>()),
-                            probe.numel(), threads, 5);
+  const double gbs = moelora::PlainReadGBs(
+      reinterpret_cast<const uint64_t*>(probe.data_ptr<int64_t>()), probe.numel(), threads, 5);
   std::vector<int64_t> rows;
-  for (absl::string_view r : absl::StrSplit(rows_s, ',')) rows.push_back(std::atol(std::string(r).c_str()));
-  std::printf("experts %ld, H %ld, I %ld, %d threads, plain read %.1f GB/s; MXFP4 %s dequantization\n",
-              static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), threads, gbs,
-              moelora::QuantVectorized() ? "AVX2" : "portable");
-  std::printf("| rows/expert | format | ms | vs bf16 | vs reading its bytes |\n|---|---|---|---|---|\n");
+  for (absl::string_view r : absl::StrSplit(rows_s, ','))
+    rows.push_back(std::atol(std::string(r).c_str()));
+  std::printf(
+      "experts %ld, H %ld, I %ld, %d threads, plain read %.1f GB/s; MXFP4 %s dequantization\n",
+      static_cast<long>(E), static_cast<long>(H), static_cast<long>(I), threads, gbs,
+      moelora::QuantVectorized() ? "AVX2" : "portable");
+  std::printf(
+      "| rows/expert | format | ms | vs bf16 | vs reading its bytes |\n|---|---|---|---|---|\n");
   for (int64_t m : rows) {
     const at::Tensor x = (at::randn({E * m, H}) * 0.5).to(at::kBFloat16);
     std::vector<std::pair<int64_t, int64_t>> runs;

@@ -48,8 +48,13 @@ void DequantizeRows(const QuantMatrix& w, int64_t r0, int64_t r1, float* out, in
 // Whether the vectorized dequantization runs on this CPU (AVX2, FMA and F16C).
 bool QuantVectorized();
 
+// Up to this many x rows, each weight row is dequantized in registers and multiplied into every
+// x row at once (AVX2; FP8 where block_k is a multiple of 16): no tile is written. Such FP8
+// products read NaN codes as 480 (the loader refuses checkpoints that hold any).
+inline constexpr int64_t kQuantFusedRows = 8;
+
 // The largest tile of dequantized rows one call holds at a time, per thread.
-inline constexpr int64_t kQuantTileBytes = 64 * 1024;
+inline constexpr int64_t kQuantTileBytes = 128 * 1024;
 
 struct QuantGemmArgs {
   const float* x = nullptr;  // [m, k], row stride ldx

@@ -133,6 +133,115 @@ bool HasAvx2F16c() {
   return ok;
 }
 
+// ---- Fused rows: up to kQuantFusedRows x rows, each weight row dequantized in registers ----
+
+MOELORA_AVX2_F16C inline float HorizontalSum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// y[i][r] for r in [n0, n1), i < M: each block's 32 codes widened to f32 once and multiplied
+// into every x row's block sum, which the block's scale then weights.
+template <int M>
+MOELORA_AVX2_F16C void Mxfp4FusedRows(const QuantGemmArgs& a, int64_t n0, int64_t n1) {
+  const QuantMatrix& w = a.w;
+  const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Twice));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const auto& half = HalfScales();
+  for (int64_t r = n0; r < n1; ++r) {
+    const uint8_t* q = w.data + r * w.row_bytes;
+    const uint8_t* s = w.e8m0 + r * w.scale_stride;
+    __m256 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.k / kMxfp4Block; ++b) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      const __m128i lo = _mm_and_si128(bytes, low4);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+      const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+      const __m256 h = _mm256_set1_ps(half[s[b]]);
+      for (int i = 0; i < M; ++i) {
+        const float* x = a.x + i * a.ldx + b * kMxfp4Block;
+        __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+        t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), t);
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), t);
+        t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), t);
+        acc[i] = _mm256_fmadd_ps(t, h, acc[i]);
+      }
+    }
+    for (int i = 0; i < M; ++i) a.y[i * a.ldy + r] = HorizontalSum(acc[i]);
+  }
+}
+
+// 8 e4m3 codes (the low or high half of `bytes`, as interleaved with zero bytes: code << 8 per
+// 16-bit lane) as f32 2^-8 times their value: an arithmetic shift by one puts the exponent and
+// mantissa at an f16's bits 7..13 and copies the sign into bit 14, which the mask clears.
+MOELORA_AVX2_F16C inline __m256 Fp8HalfToF32(__m128i code_hi_bytes) {
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(code_hi_bytes, 1), _mm_set1_epi16(-16385));
+  return _mm256_cvtph_ps(h);
+}
+
+// The same for block FP8 with block_k a multiple of 16 and no NaN codes (the loader refuses
+// them): 16 codes at a time, each block_k run summed per x row and then weighted by its scale
+// (times 2^8, which the codes' f16 form is short of).
+template <int M>
+MOELORA_AVX2_F16C void Fp8FusedRows(const QuantGemmArgs& a, int64_t n0, int64_t n1) {
+  const QuantMatrix& w = a.w;
+  const __m128i zero = _mm_setzero_si128();
+  const auto& v = E4m3Values();
+  for (int64_t r = n0; r < n1; ++r) {
+    const uint8_t* q = w.data + r * w.row_bytes;
+    const float* s = w.block_scales + (r / w.block_n) * w.scale_stride;
+    __m256 acc[M];
+    float tail[M] = {};
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < w.k; c0 += w.block_k) {
+      const int64_t c1 = std::min(w.k, c0 + w.block_k);
+      const float sc = s[c0 / w.block_k];
+      __m256 t[M];
+      for (int i = 0; i < M; ++i) t[i] = _mm256_setzero_ps();
+      int64_t c = c0;
+      for (; c + 16 <= c1; c += 16) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c));
+        const __m256 lo = Fp8HalfToF32(_mm_unpacklo_epi8(zero, bytes));
+        const __m256 hi = Fp8HalfToF32(_mm_unpackhi_epi8(zero, bytes));
+        for (int i = 0; i < M; ++i) {
+          const float* x = a.x + i * a.ldx + c;
+          t[i] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x), t[i]);
+          t[i] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), t[i]);
+        }
+      }
+      const __m256 sc256 = _mm256_set1_ps(sc * 256.0f);
+      for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(t[i], sc256, acc[i]);
+      for (; c < c1; ++c) {
+        for (int i = 0; i < M; ++i) tail[i] += v[q[c]] * sc * a.x[i * a.ldx + c];
+      }
+    }
+    for (int i = 0; i < M; ++i) a.y[i * a.ldy + r] = HorizontalSum(acc[i]) + tail[i];
+  }
+}
+
+template <int M>
+void FusedRows(const QuantGemmArgs& a, int64_t n0, int64_t n1) {
+  if (a.w.format == QuantFormat::kMxfp4) {
+    Mxfp4FusedRows<M>(a, n0, n1);
+  } else {
+    Fp8FusedRows<M>(a, n0, n1);
+  }
+}
+
+// Whether the fused rows serve this product: AVX2, few x rows, and (FP8) whole 16-code runs in
+// each block with scales that stay finite times 2^8.
+bool Fused(const QuantGemmArgs& a, bool vectorized) {
+  if (!vectorized || !HasAvx2F16c() || a.m > kQuantFusedRows) return false;
+  return a.w.format == QuantFormat::kMxfp4 || a.w.block_k % 16 == 0;
+}
+
 }  // namespace
 
 bool QuantVectorized() { return HasAvx2F16c(); }
@@ -153,8 +262,30 @@ void DequantizeRows(const QuantMatrix& w, int64_t r0, int64_t r1, float* out, in
 void QuantGemmRows(const QuantGemmArgs& a, int64_t n0, int64_t n1, bool vectorized) {
   const int64_t k = a.w.k;
   if (n1 <= n0 || a.m <= 0) return;
-  const int64_t tile_rows =
+  if (Fused(a, vectorized)) {
+    switch (a.m) {
+      case 1:
+        return FusedRows<1>(a, n0, n1);
+      case 2:
+        return FusedRows<2>(a, n0, n1);
+      case 3:
+        return FusedRows<3>(a, n0, n1);
+      case 4:
+        return FusedRows<4>(a, n0, n1);
+      case 5:
+        return FusedRows<5>(a, n0, n1);
+      case 6:
+        return FusedRows<6>(a, n0, n1);
+      case 7:
+        return FusedRows<7>(a, n0, n1);
+      default:
+        return FusedRows<8>(a, n0, n1);
+    }
+  }
+  // Whole groups of 4 weight rows where they fit (the skinny kernel's tiles take 4 at a time).
+  int64_t tile_rows =
       std::max<int64_t>(1, std::min<int64_t>(16, kQuantTileBytes / (4 * std::max<int64_t>(k, 1))));
+  if (tile_rows > 4) tile_rows -= tile_rows % 4;
   // The tile buffer of this thread: sized by the largest tile it has held (bounded by
   // kQuantTileBytes, or one row of the widest k).
   thread_local std::vector<float> tile;

@@ -357,6 +357,14 @@ struct QuantizedTensors {
                        " ", DTypeName(sv.dtype), ": expected F32 or BF16 ", Shape(want_scales),
                        " (one scale per ", bn, "x", bk, " block of ", name, ")"));
     }
+    // NaN codes (S.1111.111) are refused here: the kernels read codes as finite values.
+    for (size_t i = 0; i < codes.nbytes; ++i) {
+      if ((codes.data[i] & 0x7F) == 0x7F) {
+        return absl::InvalidArgumentError(absl::StrCat(file, ": tensor ", name, " ",
+                                                       codes.ShapeString(), ": element ", i,
+                                                       " is an FP8 NaN code"));
+      }
+    }
     MOELORA_ASSIGN_OR_RETURN(c.src, SourceTensor(codes, file, true));
     MOELORA_ASSIGN_OR_RETURN(at::Tensor st, SourceTensor(sv, ckpt.FileOf(scales_name)));
     sp.src = st.to(at::kFloat);

@@ -180,7 +180,7 @@ TEST(QuantGemmTest, Mxfp4ProductMatchesAReference) {
   // k = 2880 (GPT-OSS's hidden size): a tile of 5 rows; k = 64: tiles of 16.
   for (int64_t k : {int64_t{64}, int64_t{2880}}) {
     const Mxfp4 w = RandomMxfp4(37, k, static_cast<uint32_t>(k), 120, 128);
-    for (int64_t m : {1, 3, 9, 40}) {
+    for (int64_t m : {1, 3, 6, 9, 40}) {
       for (bool vec : {false, true}) {
         CheckProduct(w, m, 0, w.n, vec);
         CheckProduct(w, m, 5, 22, vec);
@@ -191,7 +191,7 @@ TEST(QuantGemmTest, Mxfp4ProductMatchesAReference) {
 
 TEST(QuantGemmTest, Fp8BlockProductMatchesAReference) {
   const Fp8 w = RandomFp8(150, 300, 128, 128, 3, /*nan_codes=*/false);
-  for (int64_t m : {1, 4, 33}) {
+  for (int64_t m : {1, 4, 8, 33}) {
     for (bool vec : {false, true}) {
       CheckProduct(w, m, 0, w.n, vec);
       CheckProduct(w, m, 120, 140, vec);

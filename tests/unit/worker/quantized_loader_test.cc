@@ -186,25 +186,32 @@ TEST_F(QuantizedCheckpointTest, Fp8CopyLoadsAndBadScalesAreNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr(kFp8Down), HasSubstr("no .weight_scale_inv tensor"))));
   // down_proj [32, 16] in 8x8 blocks: scales [4, 2].
-  EXPECT_THAT(Load(Copy({"", std::string(kFp8Down) + "_scale_inv", at::ones({2, 4})},
-                        "qwen3_moe_fp8")),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr(std::string(kFp8Down) + "_scale_inv [2, 4]"),
-                             HasSubstr("expected F32 or BF16 [4, 2]"))));
-  // Codes that are not FP8.
   EXPECT_THAT(
-      Load(Copy({"", kFp8Down, at::zeros({32, 16}, at::kByte)}, "qwen3_moe_fp8")),
+      Load(Copy({"", std::string(kFp8Down) + "_scale_inv", at::ones({2, 4})}, "qwen3_moe_fp8")),
       StatusIs(absl::StatusCode::kInvalidArgument,
-               AllOf(HasSubstr(kFp8Down), HasSubstr("block-FP8 weights must be F8_E4M3"))));
+               AllOf(HasSubstr(std::string(kFp8Down) + "_scale_inv [2, 4]"),
+                     HasSubstr("expected F32 or BF16 [4, 2]"))));
+  // A NaN code.
+  at::Tensor nan = at::zeros({32, 16}, at::kByte);
+  nan[3][5] = 0xFF;
+  Edit e{"", kFp8Down, nan};
+  e.byte_dtype = DType::kF8E4M3;
+  EXPECT_THAT(Load(Copy(e, "qwen3_moe_fp8")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(kFp8Down), HasSubstr("element 53 is an FP8 NaN code"))));
+  // Codes that are not FP8.
+  EXPECT_THAT(Load(Copy({"", kFp8Down, at::zeros({32, 16}, at::kByte)}, "qwen3_moe_fp8")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(kFp8Down), HasSubstr("block-FP8 weights must be F8_E4M3"))));
 }
 
 TEST_F(QuantizedCheckpointTest, Fp8WhereTheConfigKeepsTheModuleUnquantizedIsNamed) {
-  EXPECT_THAT(Load(Copy({"", "", at::Tensor(), "modules_to_not_convert",
-                         R"(["model.layers.0.mlp.experts"])"},
-                        "qwen3_moe_fp8")),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("model.layers.0.mlp.experts."),
-                             HasSubstr("modules_to_not_convert"))));
+  EXPECT_THAT(
+      Load(Copy(
+          {"", "", at::Tensor(), "modules_to_not_convert", R"(["model.layers.0.mlp.experts"])"},
+          "qwen3_moe_fp8")),
+      StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("model.layers.0.mlp.experts."),
+                                                         HasSubstr("modules_to_not_convert"))));
   // An FP8 byte where an f32 weight was (its module unquantized in the config): no scales.
   Edit e{"", "model.layers.1.self_attn.q_proj.weight", at::zeros({32, 32}, at::kByte)};
   e.byte_dtype = DType::kF8E4M3;
