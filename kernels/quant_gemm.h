@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+
 namespace moelora {
 
 enum class QuantFormat : uint8_t { kMxfp4, kFp8Block };
@@ -68,6 +70,15 @@ struct QuantGemmArgs {
 // Output columns [n0, n1) of y = x · wᵀ (overwritten); calls on disjoint column ranges may run
 // concurrently. `vectorized` as for DequantizeRows (the product then runs the portable loop too).
 void QuantGemmRows(const QuantGemmArgs& a, int64_t n0, int64_t n1, bool vectorized = true);
+
+// INVALID_ARGUMENT naming what is wrong with `a`: sizes, strides, pointers, MXFP4 rows that are
+// not whole blocks, FP8 blocks that are not positive.
+[[nodiscard]] absl::Status ValidateQuantGemm(const QuantGemmArgs& a);
+
+// The whole of y = x · wᵀ on a CUDA device (every pointer a device pointer; `stream` a
+// cudaStream_t or null), the CPU twin's values up to the order of the sums. UNIMPLEMENTED
+// without CUDA; INVALID_ARGUMENT as ValidateQuantGemm; INTERNAL on a launch error.
+[[nodiscard]] absl::Status QuantGemmCuda(const QuantGemmArgs& a, void* stream);
 
 }  // namespace moelora
 

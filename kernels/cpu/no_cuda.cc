@@ -4,6 +4,7 @@
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
 #include "kernels/paged_attention.h"
+#include "kernels/quant_gemm.h"
 
 namespace moelora {
 
@@ -37,5 +38,6 @@ absl::StatusOr<std::unique_ptr<DeviceTimer>> DeviceTimer::Create() { return NoCu
 [[nodiscard]] absl::Status PagedAttentionCuda(const PagedAttentionBatch&, void*) {
   return NoCuda();
 }
+[[nodiscard]] absl::Status QuantGemmCuda(const QuantGemmArgs&, void*) { return NoCuda(); }
 
 }  // namespace moelora

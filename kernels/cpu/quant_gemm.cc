@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/skinny_gemm.h"
 
 #define MOELORA_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
@@ -245,6 +246,28 @@ bool Fused(const QuantGemmArgs& a, bool vectorized) {
 }  // namespace
 
 bool QuantVectorized() { return HasAvx2F16c(); }
+
+absl::Status ValidateQuantGemm(const QuantGemmArgs& a) {
+  const QuantMatrix& w = a.w;
+  const bool mx = w.format == QuantFormat::kMxfp4;
+  if (a.m < 0 || w.n < 0 || w.k < 1 || a.x == nullptr || a.y == nullptr || w.data == nullptr) {
+    return absl::InvalidArgumentError("quantized GEMM: empty sizes or null pointers");
+  }
+  if (a.ldx < w.k || a.ldy < w.n || w.row_bytes < (mx ? w.k / 2 : w.k)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantized GEMM: strides ldx ", a.ldx, ", ldy ", a.ldy, ", row_bytes ",
+                     w.row_bytes, " shorter than the rows (k ", w.k, ", n ", w.n, ")"));
+  }
+  if (mx && (w.k % kMxfp4Block != 0 || w.e8m0 == nullptr || w.scale_stride < w.k / kMxfp4Block)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "quantized GEMM: MXFP4 rows of ", w.k, " values need whole blocks of 32 and their scales"));
+  }
+  if (!mx && (w.block_n < 1 || w.block_k < 1 || w.block_scales == nullptr ||
+              w.scale_stride < (w.k + w.block_k - 1) / w.block_k)) {
+    return absl::InvalidArgumentError("quantized GEMM: FP8 blocks must be positive, with scales");
+  }
+  return absl::OkStatus();
+}
 
 void DequantizeRows(const QuantMatrix& w, int64_t r0, int64_t r1, float* out, int64_t ld,
                     bool vectorized) {

@@ -54,6 +54,21 @@ struct MoeArgs {
 };
 cudaError_t LaunchMoeLora(const MoeArgs& a, cudaStream_t stream);
 
+// QuantGemmCuda's arguments (kernels/quant_gemm.h): y [m, n] = x [m, k] · dequant(w)ᵀ.
+struct QuantGemmArgsDev {
+  bool mxfp4 = true;
+  const float* x = nullptr;
+  int64_t ldx = 0, m = 0;
+  const uint8_t* data = nullptr;
+  int64_t row_bytes = 0, n = 0, k = 0;
+  const uint8_t* e8m0 = nullptr;
+  const float* block_scales = nullptr;
+  int64_t scale_stride = 0, block_n = 128, block_k = 128;
+  float* y = nullptr;
+  int64_t ldy = 0;
+};
+cudaError_t LaunchQuantGemm(const QuantGemmArgsDev& a, cudaStream_t stream);
+
 // PagedAttentionCuda's arguments (kernels/paged_attention.h, PagedAttentionBatch), d <= 256.
 struct PagedAttentionArgsDev {
   const float* q = nullptr;

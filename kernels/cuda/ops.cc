@@ -6,6 +6,7 @@
 #include "kernels/internal/moe_lora_workspace.h"
 #include "kernels/moe_lora.h"
 #include "kernels/paged_attention.h"
+#include "kernels/quant_gemm.h"
 
 namespace moelora {
 
@@ -117,6 +118,28 @@ ElemType ToElem(DType d) {
   a.sinks = b.sinks;
   return CudaStatus(cuda_internal::LaunchPagedAttention(a, static_cast<cudaStream_t>(stream)),
                     "paged attention launch");
+}
+
+[[nodiscard]] absl::Status QuantGemmCuda(const QuantGemmArgs& g, void* stream) {
+  if (auto s = ValidateQuantGemm(g); !s.ok()) return s;
+  cuda_internal::QuantGemmArgsDev a;
+  a.mxfp4 = g.w.format == QuantFormat::kMxfp4;
+  a.x = g.x;
+  a.ldx = g.ldx;
+  a.m = g.m;
+  a.data = g.w.data;
+  a.row_bytes = g.w.row_bytes;
+  a.n = g.w.n;
+  a.k = g.w.k;
+  a.e8m0 = g.w.e8m0;
+  a.block_scales = g.w.block_scales;
+  a.scale_stride = g.w.scale_stride;
+  a.block_n = g.w.block_n;
+  a.block_k = g.w.block_k;
+  a.y = g.y;
+  a.ldy = g.ldy;
+  return CudaStatus(cuda_internal::LaunchQuantGemm(a, static_cast<cudaStream_t>(stream)),
+                    "quantized GEMM launch");
 }
 
 }  // namespace moelora

@@ -12,6 +12,7 @@
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
 #include "kernels/paged_attention.h"
+#include "kernels/quant_gemm.h"
 #include "tests/testing/bf16.h"
 #include "tests/testing/moe_problem.h"
 #include "tests/testing/require_device.h"
@@ -324,6 +325,68 @@ TEST(PagedAttentionGpu, MatchesCpuTwin) {
           worst = std::max(worst, double{std::fabs(got[i] - want[i])});
         EXPECT_LT(worst, 1e-4);
       }
+    }
+  }
+}
+
+// The quantized GEMM (MXFP4 and block FP8, one or several passes of 8 x rows, FP8 blocks that
+// split rows and a row's tail) against its CPU twin.
+TEST(QuantGemmGpu, MatchesCpuTwin) {
+  SKIP_WITHOUT_DEVICE();
+  std::mt19937 rng(21);
+  std::normal_distribution<float> dist(0, 1);
+  for (bool mx : {true, false}) {
+    for (int64_t m : {1, 5, 19}) {
+      SCOPED_TRACE(::testing::Message() << (mx ? "mxfp4" : "fp8") << " m " << m);
+      const int64_t n = 67, k = mx ? 2880 : 300, bn = 16, bk = 128;
+      std::vector<uint8_t> data(n * (mx ? k / 2 : k)), e8m0(mx ? n * k / 32 : 0);
+      for (auto& b : data) b = static_cast<uint8_t>(rng());
+      if (!mx) {
+        for (auto& b : data) b = (b & 0x7F) == 0x7F ? b ^ 1 : b;
+      }
+      for (auto& s : e8m0) s = static_cast<uint8_t>(118 + rng() % 8);
+      std::vector<float> scales(mx ? 0 : ((n + bn - 1) / bn) * ((k + bk - 1) / bk));
+      for (auto& s : scales) s = 1e-3f * (1.0f + static_cast<float>(rng() % 100) / 50.0f);
+      std::vector<float> x(m * k), want(m * n), got(m * n);
+      for (auto& v : x) v = dist(rng);
+      QuantGemmArgs a;
+      a.x = x.data();
+      a.ldx = k;
+      a.m = m;
+      a.w.format = mx ? QuantFormat::kMxfp4 : QuantFormat::kFp8Block;
+      a.w.data = data.data();
+      a.w.row_bytes = mx ? k / 2 : k;
+      a.w.n = n;
+      a.w.k = k;
+      a.w.e8m0 = mx ? e8m0.data() : nullptr;
+      a.w.block_scales = mx ? nullptr : scales.data();
+      a.w.scale_stride = mx ? k / 32 : (k + bk - 1) / bk;
+      a.w.block_n = bn;
+      a.w.block_k = bk;
+      a.y = want.data();
+      a.ldy = n;
+      ASSERT_THAT(ValidateQuantGemm(a), IsOk());
+      QuantGemmRows(a, 0, n);
+      DeviceArena arena;
+      QuantGemmArgs g = a;
+      g.x = arena.Put(x);
+      g.w.data = arena.Put(data);
+      if (mx) {
+        g.w.e8m0 = arena.Put(e8m0);
+      } else {
+        g.w.block_scales = arena.Put(scales);
+      }
+      float* dev_y = static_cast<float*>(arena.Scratch(got.size() * sizeof(float)));
+      g.y = dev_y;
+      ASSERT_THAT(QuantGemmCuda(g, nullptr), IsOk());
+      ASSERT_THAT(DeviceSynchronize(), IsOk());
+      ASSERT_THAT(CopyToHost(got.data(), dev_y, got.size() * sizeof(float)), IsOk());
+      double worst = 0, mag = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        worst = std::max(worst, double{std::fabs(got[i] - want[i])});
+        mag = std::max(mag, double{std::fabs(want[i])});
+      }
+      EXPECT_LT(worst, 1e-5 * mag + 1e-6);
     }
   }
 }

@@ -199,5 +199,34 @@ TEST(QuantGemmTest, Fp8BlockProductMatchesAReference) {
   }
 }
 
+// What a caller can get wrong is named before anything is read.
+TEST(QuantGemmTest, ValidateNamesBadArguments) {
+  const Mxfp4 w = RandomMxfp4(4, 64, 5, 120, 128);
+  std::vector<float> x(64), y(4);
+  QuantGemmArgs a;
+  a.x = x.data();
+  a.ldx = 64;
+  a.m = 1;
+  a.w = w.View();
+  a.y = y.data();
+  a.ldy = 4;
+  EXPECT_TRUE(ValidateQuantGemm(a).ok());
+  QuantGemmArgs b = a;
+  b.ldx = 63;
+  EXPECT_NE(ValidateQuantGemm(b).message().find("strides"), absl::string_view::npos);
+  b = a;
+  b.w.k = 48;
+  EXPECT_NE(ValidateQuantGemm(b).message().find("whole blocks of 32"), absl::string_view::npos);
+  b = a;
+  b.y = nullptr;
+  EXPECT_EQ(ValidateQuantGemm(b).code(), absl::StatusCode::kInvalidArgument);
+  const Fp8 f = RandomFp8(4, 64, 128, 128, 3, false);
+  b = a;
+  b.w = f.View();
+  EXPECT_TRUE(ValidateQuantGemm(b).ok());
+  b.w.block_k = 0;
+  EXPECT_NE(ValidateQuantGemm(b).message().find("FP8 blocks"), absl::string_view::npos);
+}
+
 }  // namespace
 }  // namespace moelora
