@@ -1,8 +1,9 @@
 // GPT-OSS (docs/models.md §4): h += o(attn(norm(h))) with biases, sinks and sliding-window layers
 // from layer_types (YaRN RoPE); h += moe(norm(h)) with a biased top-k-then-softmax router and
-// experts with biases and the clamped SwiGLU of interleaved gate/up. bf16 (or f32) checkpoints;
-// MXFP4 ones are refused (CheckConfigKeys). The CPU path only for now: the fused GPU MoE kernel
-// has no expert biases or clamped activation. Only composes layers (worker/layers/).
+// experts with biases and the clamped SwiGLU of interleaved gate/up. The release's MXFP4 experts
+// stay MXFP4 (MakeExperts); bf16 or f32 checkpoints load too. The CPU path only for now: the
+// fused GPU MoE kernel has no expert biases or clamped activation. Only composes layers
+// (worker/layers/).
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
