@@ -160,7 +160,8 @@ def convert_3d_to_2d_python(src, dst, prefix, interleaved=False):
         if ".mlp.experts." not in k:
             out[k] = v
             continue
-    for layer in range(LAYERS):
+    layers = sorted({int(k.split(".layers.")[1].split(".")[0]) for k in sd if ".mlp.experts." in k})
+    for layer in layers:
         base = f"base_model.model.{prefix}.layers.{layer}.mlp.experts"
         gu_a, gu_b = sd[base + ".base_layer.lora_A.weight"], sd[base + ".base_layer.lora_B.weight"]
         d_a, d_b = sd[base + ".lora_A.weight"], sd[base + ".lora_B.weight"]
@@ -710,8 +711,9 @@ def q35_merged_2d(mdir, adapter_dir, prefix="model"):
                 if proj == "down_proj":
                     params[head + ".down_proj"][e] += delta
                 else:
-                    off = 0 if proj == "gate_proj" else I
-                    params[head + ".gate_up_proj"][e, off:off + I] += delta
+                    half = params[head + ".gate_up_proj"].shape[1] // 2
+                    off = 0 if proj == "gate_proj" else half
+                    params[head + ".gate_up_proj"][e, off:off + half] += delta
             else:
                 params[module + ".weight"] += delta
     return model
@@ -918,8 +920,9 @@ def s35_merged_2d(model, adapter_dir):
                 if proj == "down_proj":
                     params[head + ".down_proj"][e] += delta
                 else:
-                    off = 0 if proj == "gate_proj" else I
-                    params[head + ".gate_up_proj"][e, off:off + I] += delta
+                    half = params[head + ".gate_up_proj"].shape[1] // 2
+                    off = 0 if proj == "gate_proj" else half
+                    params[head + ".gate_up_proj"][e, off:off + half] += delta
             else:
                 params[module.replace(".share_expert.", ".mlp.shared_experts.") + ".weight"] += delta
     return model
@@ -1038,12 +1041,87 @@ def step3p5(out):
     for name in ("adapter_3d", "adapter_2d"):
         assert (res[f"logits.{name}.0"] - res["logits.base.0"]).abs().max().item() > 1e-3, name
     save_file(res, os.path.join(root, "expected_logits.safetensors"))
+def qwen3_5_moe_fp8(out):
+    """qwen3_5_moe_fp8/: a tiny Qwen3_5MoeForCausalLM stored as the Qwen3.5/3.6 FP8 releases store
+    it: attention and Gated DeltaNet projections (in_proj_qkv's [q | k | v] sections included),
+    the shared expert and each expert (one per expert) as F8_E4M3 with a BF16 weight_scale_inv per
+    8x8 block; in_proj_a/b, conv1d, the routers, embeddings and lm_head kept as they are
+    (modules_to_not_convert). Sizes chosen so that every section splits on whole blocks at TP 2.
+    Expected logits from the model with torch's dequantization; PEFT's 3D adapter and its 2D
+    rewrite."""
+    root = os.path.join(out, "qwen3_5_moe_fp8")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir, deq_dir = os.path.join(root, "model"), os.path.join(root, "dequantized")
+    bn = bk = 8
+    dims = dict(Q35, hidden_size=32, linear_value_head_dim=8, moe_intermediate_size=16,
+                shared_expert_intermediate_size=16)
+    cfg = Qwen3_5MoeTextConfig(**dims, **EAGER)
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    torch.manual_seed(95)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+    q35_randomise(model, 96)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or name.endswith("proj.weight"):
+                p.copy_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(deq_dir)
+    sd = load_file(os.path.join(deq_dir, "model.safetensors"))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in sd, sorted(sd)[:8]
+    keep = ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate",
+            "model.layers.*.mlp.shared_expert_gate", "model.layers.*.linear_attn.in_proj_a",
+            "model.layers.*.linear_attn.in_proj_b", "model.layers.*.linear_attn.conv1d"]
+    kept = lambda k: any(x in k for x in ("lm_head", "embed_tokens", ".mlp.gate.", "shared_expert_gate",
+                                          "in_proj_a", "in_proj_b", "conv1d"))
+    q, deq = {}, {}
+    for k, v in sd.items():
+        if k.endswith("proj.weight") and not kept(k):
+            codes, scale = fp8_block_quantize(v, bn, bk)
+            scale = scale.to(torch.bfloat16)  # as the Qwen3.5/3.6 FP8 releases store them
+            q[k], q[k + "_scale_inv"] = codes, scale
+            deq[k] = fp8_block_dequantize(codes, scale.to(torch.float32), bn, bk)
+        else:
+            q[k] = deq[k] = v
+    os.makedirs(mdir)
+    save_file(q, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(mdir)
+    with open(os.path.join(mdir, "config.json")) as f:
+        cj = json.load(f)
+    cj["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                 "weight_block_size": [bn, bk], "modules_to_not_convert": keep}
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(cj, f, indent=2, sort_keys=True)
+    load = lambda: Qwen3_5MoeForCausalLM.from_pretrained(deq_dir, dtype=torch.float32, **EAGER).eval()
+    base = load()
+    torch.manual_seed(97)
+    lc = LoraConfig(r=4, lora_alpha=8, target_modules=Q35_LINEAR,
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                    init_lora_weights=False)
+    pm = get_peft_model(load(), lc)
+    pm.save_pretrained(os.path.join(root, "adapter_3d"))
+    os.remove(os.path.join(root, "adapter_3d", "README.md"))
+    convert_3d_to_2d_python(os.path.join(root, "adapter_3d"), os.path.join(root, "adapter_2d"), "model")
+    p3 = peft_load(Qwen3_5MoeForCausalLM, deq_dir, os.path.join(root, "adapter_3d"))
+    # PEFT does not put per-expert LoRA on Qwen3.5's fused experts: the 2D twin is checked against
+    # the base with it merged by hand.
+    p2 = q35_merged_2d(deq_dir, os.path.join(root, "adapter_2d"))
+    res = {f"prompt.{k}": torch.tensor(p, dtype=torch.int32) for k, p in enumerate(Q35_PROMPTS)}
+    for k, p in enumerate(Q35_PROMPTS):
+        res[f"logits.base.{k}"] = logits_of(base, p)
+        res[f"logits.adapter_3d.{k}"] = logits_of(p3, p)
+        res[f"logits.adapter_2d.{k}"] = res[f"logits.adapter_3d.{k}"].clone()
+        assert (logits_of(p2, p) - res[f"logits.adapter_3d.{k}"]).abs().max().item() < 1e-4
+        assert (res[f"logits.adapter_3d.{k}"] - res[f"logits.base.{k}"]).abs().max().item() > 1e-3
+    save_file(res, os.path.join(root, "expected_logits.safetensors"))
+    shutil.rmtree(deq_dir)
+
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
     ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_vl_moe_hf5", "qwen3_5_moe", "gpt_oss_lm",
-                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "qwen3_moe_fp8", "step3p5"], default="all",
+                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "qwen3_moe_fp8", "qwen3_5_moe_fp8", "step3p5"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -1080,6 +1158,9 @@ def main():
     if args.only == "qwen3_moe_fp8":
         qwen3_moe_fp8(args.out)
         return
+    if args.only == "qwen3_5_moe_fp8":
+        qwen3_5_moe_fp8(args.out)
+        return
     for sub in ("qwen3_moe", "qwen3_vl_moe", "gpt_oss"):
         shutil.rmtree(os.path.join(args.out, sub), ignore_errors=True)
     torch.set_default_dtype(torch.float32)
@@ -1092,6 +1173,7 @@ def main():
     gpt_oss_lm(args.out)
     gpt_oss_mxfp4(args.out)
     qwen3_moe_fp8(args.out)
+    qwen3_5_moe_fp8(args.out)
     step3p5(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,

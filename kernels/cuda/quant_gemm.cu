@@ -12,8 +12,8 @@ namespace moelora {
 namespace cuda_internal {
 namespace {
 
-constexpr int kWarps = 8;     // weight rows per block
-constexpr int kXRows = 8;     // x rows per pass
+constexpr int kWarps = 8;  // weight rows per block
+constexpr int kXRows = 8;  // x rows per pass
 constexpr int kMxfp4Bytes = 16;
 
 __device__ __forceinline__ float HalfE8m0(uint8_t s) {
@@ -22,8 +22,8 @@ __device__ __forceinline__ float HalfE8m0(uint8_t s) {
 
 __device__ __forceinline__ float E2m1Twice(uint8_t code) {
   const int mag = code & 7;
-  const float v = mag < 4 ? static_cast<float>(mag) : static_cast<float>(4 << ((mag - 4) >> 1)) *
-                                                          ((mag & 1) ? 1.5f : 1.0f);
+  const float v = mag < 4 ? static_cast<float>(mag)
+                          : static_cast<float>(4 << ((mag - 4) >> 1)) * ((mag & 1) ? 1.5f : 1.0f);
   return (code & 8) ? -v : v;
 }
 

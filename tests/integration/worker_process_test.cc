@@ -260,6 +260,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Block FP8: attention rows and columns and each expert's halves split on whole blocks.
         Case{"qwen3_moe_fp8", true, {"adapter_2d", "adapter_3d"}},
         Case{"qwen3_moe_fp8", true, {"adapter_3d"}, {"--enable-expert-parallel"}, "_ep"},
+        // Qwen3.5's merged in_proj_qkv: each of its sections split on whole blocks.
+        Case{"qwen3_5_moe_fp8", true, {"adapter_2d", "adapter_3d"}},
         // The upstream mixed 2D/3D test at TP=2 with expert parallelism and
         // with fully sharded LoRAs, in both orders.
         Case{

@@ -497,15 +497,17 @@ QuantizedWeight QuantizedParam(const std::map<std::string, at::Tensor>& params,
       }
       for (Plane& p : planes) {
         at::Tensor piece = p.src;
-        if (spec.split == TpSplit::kRows && !spec.sections.empty()) {
-          if (quantized_src && tp > 1) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(where(), ": a merged quantized parameter is not split over ranks"));
-          }
+        if (spec.split == TpSplit::kRows && !spec.sections.empty() && tp > 1) {
+          // Each section's share on its own (a quantized plane: on whole blocks).
           MOELORA_ASSIGN_OR_RETURN(std::vector<IndexRange> rows,
                                    ShardSections(spec.sections, r, tp));
           std::vector<at::Tensor> parts;
-          for (const IndexRange& ir : rows) parts.push_back(p.src.narrow(0, ir.begin, ir.size));
+          for (const IndexRange& ir : rows) {
+            MOELORA_ASSIGN_OR_RETURN(
+                at::Tensor part,
+                NarrowUnits(p.src, 0, ir.begin, ir.size, p.row_unit, spec.shape[0], where()));
+            parts.push_back(part);
+          }
           piece = at::cat(parts, 0);
         } else if (spec.split == TpSplit::kRows) {
           const int64_t rows = spec.shape[0] / tp;

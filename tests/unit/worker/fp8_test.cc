@@ -1,7 +1,7 @@
-// Block-FP8 bases (tests/data/qwen3_moe_fp8, tools/make_fixtures.py): attention projections and
-// per-expert weights read as stored (float8_e4m3fn codes, one scale per block), the modules the
-// config keeps unquantized read as they are, against the model with torch's dequantization of
-// the same weights, with PEFT's 3D adapter natively and converted to 2D.
+// Block-FP8 bases (tests/data/qwen3_moe_fp8 and qwen3_5_moe_fp8, tools/make_fixtures.py): attention
+// projections and per-expert weights read as stored (float8_e4m3fn codes, one scale per block), the
+// modules the config keeps unquantized read as they are, against the model with torch's
+// dequantization of the same weights, with PEFT's 3D adapter natively and converted to 2D.
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -16,6 +16,13 @@ using ::moelora::testing::MakeEngine;
 TEST(Fp8Test, PrefillLogitsMatchTheDequantizedReference) {
   ::moelora::testing::ExpectReferenceLogitsInBothModes("qwen3_moe_fp8", "adapter_2d", "adapter_3d",
                                                        1e-4f);
+}
+
+// Qwen3.5 as its FP8 releases store it: the Gated DeltaNet projections quantized too (BF16
+// scales), in_proj_a/b and conv1d kept as they are.
+TEST(Fp8Test, Qwen35PrefillLogitsMatchTheDequantizedReference) {
+  ::moelora::testing::ExpectReferenceLogitsInBothModes("qwen3_5_moe_fp8", "adapter_3d",
+                                                       "adapter_2d", 1e-4f);
 }
 
 TEST(Fp8Test, MixedBatchEqualsAloneAndDecodeEqualsPrefill) {
