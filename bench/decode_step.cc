@@ -4,7 +4,8 @@
 //   <= 1.15).
 //
 //   decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]
-//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|mtp-speed|a3b|peer]
+//               [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|mtp-speed|a3b|peer|
+//                       model] [--model DIR]
 //               [--mtp-model DIR] [--mtp-tokens N] [--device cpu|cuda|cuda:N|cpu-twins]
 //               [--dtype D] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N]
 //               [--ab-row-stream-prefetch BYTES] [--ab-row-stream-far-prefetch BYTES]
@@ -862,16 +863,49 @@ void MtpSpeed(const std::string& dir, int tokens, int repeat) {
 }
 
 }  // namespace
+// --only model --model DIR: base decode steps (no adapter) on the checkpoint at DIR, as stored
+// (quantized experts stay quantized), at each batch: step time and tokens/s, and the process's
+// resident memory once loaded. bench/gpt_oss_20b.sh runs it beside llama.cpp on the same
+// checkpoint.
+void ModelDecode(const std::string& model, const RunFlags& f) {
+  auto comm = MakeLocalCommunicator();
+  EngineOptions o;
+  o.model_dir = model;
+  o.device = f.device;
+  o.dtype = f.dtype;
+  o.max_loras = 1;
+  o.max_num_seqs = *std::max_element(f.batches.begin(), f.batches.end());
+  const double t0 = Now();
+  auto engine = Engine::Create(o, comm.get());
+  Check(engine.status(), "engine");
+  long pages = 0, resident = 0;
+  if (FILE* statm = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(statm, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(statm);
+  }
+  std::printf("model %s: loaded in %.1f s, resident %.2f GB\n", model.c_str(), Now() - t0,
+              static_cast<double>(resident) * 4096 / 1e9);
+  const int vocab = (*engine)->Info().vocab_size;
+  int64_t next_id = 1;
+  for (int b : f.batches) {
+    double prefill = 0;
+    const double step = TimeDecode(**engine, std::vector<int64_t>(b, 0), f.steps, f.repeat, vocab,
+                                   &next_id, &prefill);
+    std::printf("batch %d: decode step %.1f ms, %.2f tokens/s; prefill of %d x 16 tokens %.1f ms\n",
+                b, step * 1e3, b / step, b, prefill * 1e3);
+  }
+}
+
 }  // namespace moelora
 
 int main(int argc, char** argv) {
   moelora::RunFlags f;
-  std::string only, mtp_dir;
+  std::string only, mtp_dir, model_dir;
   int mtp_tokens = 24;
   const char* usage =
       "usage: decode_step [--batch B | --batches B1,B2,..] [--steps N] [--repeat K]\n"
       "                   [--only tiny|medium|swap-in|slot-memory|ep-memory|qwen3_5|mtp|mtp-speed|"
-      "a3b|peer] [--mtp-model DIR] [--mtp-tokens N] "
+      "a3b|peer|model] [--model DIR] [--mtp-model DIR] [--mtp-tokens N] "
       "[--device "
       "cpu|cuda|cuda:N|cpu-twins] "
       "[--dtype float32|bfloat16] [--prefill N] [--ab-row-streams 1] [--ab-row-stream-rows N] "
@@ -895,6 +929,8 @@ int main(int argc, char** argv) {
       f.repeat = std::atoi(v.c_str());
     } else if (flag == "--only") {
       only = v;
+    } else if (flag == "--model") {
+      model_dir = v;
     } else if (flag == "--mtp-model") {
       mtp_dir = v;
     } else if (flag == "--mtp-tokens") {
@@ -940,6 +976,14 @@ int main(int argc, char** argv) {
   std::printf("decode_step: mean decode-step time, best of %d x %d steps\n", f.repeat, f.steps);
   const std::string data = MOELORA_TEST_DATA_DIR;
   const std::string tmp = std::filesystem::temp_directory_path().string();
+  if (only == "model") {
+    if (model_dir.empty()) {
+      std::fprintf(stderr, "decode_step: --only model needs --model DIR\n%s", usage);
+      return 2;
+    }
+    moelora::ModelDecode(model_dir, f);
+    return 0;
+  }
   if (only.empty() || only == "tiny") {
     moelora::Run("tiny", data + "/qwen3_moe/model",
                  {data + "/qwen3_moe/adapter_2d", data + "/qwen3_moe/adapter_2d_shared_a",
