@@ -47,14 +47,14 @@ absl::StatusOr<std::unique_ptr<OutputParser>> OutputParser::Create(OutputParserO
     return n.empty() || std::find(names.begin(), names.end(), n) != names.end();
   };
   if (!known(ReasoningParserNames(), options.reasoning_parser)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown reasoning parser \"",
-                                                   options.reasoning_parser, "\" (known: ",
-                                                   absl::StrJoin(ReasoningParserNames(), ", "), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown reasoning parser \"", options.reasoning_parser,
+                     "\" (known: ", absl::StrJoin(ReasoningParserNames(), ", "), ")"));
   }
   if (!known(ToolCallParserNames(), options.tool_call_parser)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown tool-call parser \"",
-                                                   options.tool_call_parser, "\" (known: ",
-                                                   absl::StrJoin(ToolCallParserNames(), ", "), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown tool-call parser \"", options.tool_call_parser,
+                     "\" (known: ", absl::StrJoin(ToolCallParserNames(), ", "), ")"));
   }
   return std::unique_ptr<OutputParser>(new OutputParser(std::move(options)));
 }
@@ -184,7 +184,7 @@ void OutputParser::CloseCall(OutputDelta* out) {
   ToolCall call;
   if (chat_output_internal::ParseToolCall(options_.tool_call_parser, call_text_, options_.tools,
                                           &call)) {
-    out->calls.push_back(std::move(call));
+    if (!options_.single_call || calls_made_ == 0) out->calls.push_back(std::move(call));
     ++calls_made_;
   } else {
     EmitContent(std::string(kCallOpen) + call_text_ + std::string(kCallClose), out);

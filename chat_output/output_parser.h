@@ -30,7 +30,7 @@
 namespace moelora {
 
 struct ToolCall {
-  std::string id;         // "chatcmpl-tool-" and 32 hex digits, as vLLM's
+  std::string id;  // "chatcmpl-tool-" and 32 hex digits, as vLLM's
   std::string name;
   std::string arguments;  // JSON text of an object
 };
@@ -50,6 +50,8 @@ struct OutputParserOptions {
   // The request's `tools` (OpenAI's list of {"type": "function", "function": {"name",
   // "parameters"}}): the names a call may take, and the parameters' types for qwen3_coder.
   nlohmann::ordered_json tools = nlohmann::ordered_json::array();
+  // OpenAI's parallel_tool_calls false: the first call only (later ones dropped, as vLLM does).
+  bool single_call = false;
 };
 
 // The parser names this build knows, for --help and the flags' checks.
@@ -81,11 +83,11 @@ class OutputParser {
 
   OutputParserOptions options_;
   enum class Reasoning { kUndecided, kInside, kDone } reasoning_;
-  std::string held_;           // reasoning stage: text that may be the start of a tag
-  bool in_call_ = false;       // tool stage: inside `<tool_call>`
-  std::string call_text_;      // the call's text so far (after `<tool_call>`)
-  std::string content_held_;   // tool stage: text that may start `<tool_call>`
-  std::string pending_space_;  // whitespace not yet known to be content
+  std::string held_;              // reasoning stage: text that may be the start of a tag
+  bool in_call_ = false;          // tool stage: inside `<tool_call>`
+  std::string call_text_;         // the call's text so far (after `<tool_call>`)
+  std::string content_held_;      // tool stage: text that may start `<tool_call>`
+  std::string pending_space_;     // whitespace not yet known to be content
   bool content_started_ = false;  // content other than whitespace was emitted
   int calls_made_ = 0;
 };

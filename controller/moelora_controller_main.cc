@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "chat_output/output_parser.h"
 #include "common/engine_flags.h"
 #include "common/flags.h"
 #include "common/logging.h"
@@ -111,6 +112,14 @@ ABSL_FLAG(int, http_port, -1,
 ABSL_FLAG(int, http_threads, 2, "Threads polling the HTTP connections (streams hold none)");
 ABSL_FLAG(std::string, served_model_name, "",
           "The base model's name in the HTTP API's `model` (default: --model's directory name)");
+ABSL_FLAG(bool, enable_auto_tool_choice, false,
+          "HTTP: parse the model's tool calls into message.tool_calls (with --tool-call-parser)");
+ABSL_FLAG(std::string, tool_call_parser, "",
+          "HTTP: the format of the model's tool calls: hermes (Qwen3) or qwen3_coder "
+          "(Qwen3.5/3.6, Qwen3-Coder); needs --enable-auto-tool-choice");
+ABSL_FLAG(std::string, reasoning_parser, "",
+          "HTTP: split the model's reasoning into message.reasoning: qwen3 (<think>...</think>, "
+          "also when the chat template opened <think>)");
 ABSL_FLAG(std::string, chat_template, "",
           "A Jinja chat template file for /v1/chat/completions (default: the model's "
           "chat_template.jinja or tokenizer_config.json chat_template)");
@@ -205,6 +214,22 @@ absl::Status CheckControllerFlags() {
     return Fail("--max-queued-requests must be >= 1");
   if (absl::GetFlag(FLAGS_decode_steps) < 1 || absl::GetFlag(FLAGS_decode_steps) > 16) {
     return Fail("--decode-steps must be in 1..16");
+  }
+  const std::string tool_parser = absl::GetFlag(FLAGS_tool_call_parser);
+  if (!tool_parser.empty() && !absl::GetFlag(FLAGS_enable_auto_tool_choice)) {
+    return Fail("--tool-call-parser needs --enable-auto-tool-choice");
+  }
+  if (absl::GetFlag(FLAGS_enable_auto_tool_choice) && tool_parser.empty()) {
+    return Fail(absl::StrCat("--enable-auto-tool-choice needs --tool-call-parser (",
+                             absl::StrJoin(moelora::ToolCallParserNames(), ", "), ")"));
+  }
+  {
+    moelora::OutputParserOptions po;
+    po.reasoning_parser = absl::GetFlag(FLAGS_reasoning_parser);
+    po.tool_call_parser = tool_parser;
+    auto p = moelora::OutputParser::Create(po);
+    if (!p.ok())
+      return Fail(absl::StrCat("--reasoning-parser / --tool-call-parser: ", p.status().message()));
   }
   if (absl::GetFlag(FLAGS_step_timeout_s) < 1) return Fail("--step-timeout-s must be >= 1");
   if (absl::GetFlag(FLAGS_request_timeout_s) < 0) return Fail("--request-timeout-s must be >= 0");
@@ -477,6 +502,8 @@ absl::StatusOr<moelora::OpenAiOptions> OpenAiOptionsFromFlags(const std::string&
   if (!special.ok()) return Fail(special.status().ToString());
   oo.special_tokens = *special;
   moelora::ReadSamplingDefaults(model, &oo);
+  oo.reasoning_parser = absl::GetFlag(FLAGS_reasoning_parser);
+  oo.tool_call_parser = absl::GetFlag(FLAGS_tool_call_parser);
   oo.json.max_depth = absl::GetFlag(FLAGS_max_json_depth);
   oo.json.max_values = static_cast<size_t>(absl::GetFlag(FLAGS_max_json_values));
   const std::string http_metrics = absl::GetFlag(FLAGS_http_metrics);

@@ -52,6 +52,8 @@ struct OpenAiOptions {
   // else OpenAI's (temperature 1, top_p 1).
   std::optional<double> default_temperature, default_top_p;
   std::optional<int> default_top_k;
+  // --reasoning-parser and --tool-call-parser (chat_output/output_parser.h); "" for none.
+  std::string reasoning_parser, tool_call_parser;
   int pump_threads = 4;
   int max_n = 16;   // `n` (choices per prompt) at most
   JsonBudget json;  // a request body's nesting and values at most

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "chat_output/output_parser.h"
 #include "common/status_macros.h"
 #include "controller/openai_api.h"
 #include "controller/openai_internal.h"
@@ -249,6 +250,11 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     bool role_sent = false;
     size_t text_offset = 0;  // completions logprobs: bytes of text before the next token
     TokenFeed::Outcome outcome;
+    // Chat with --reasoning-parser / --tool-call-parser: the answer split as it comes, and what
+    // it gave so far (the whole answer's fields; in a stream, what was sent).
+    std::unique_ptr<OutputParser> parser;
+    OutputDelta parsed;
+    int calls_sent = 0;
   };
 
   // Parses the body into one request per choice (prompts × n) and `choices`.
@@ -349,6 +355,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       std::string text;
       std::vector<std::string> images;
       MOELORA_RETURN_IF_ERROR(RenderChat(p, &text, &images));
+      parser_options_.prompt_opens_reasoning = PromptOpensReasoning(text);
       for (std::string& im : images) base.add_images(std::move(im));
       if (tokenizer == nullptr) return absl::InvalidArgumentError("this model has no tokenizer");
       auto ids = tokenizer->Encode(text, /*add_special_tokens=*/false);
@@ -381,6 +388,10 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         Choice ch;
         ch.index = static_cast<int>(reqs->size());
         ch.prompt = static_cast<int>(k);
+        if (chat_ && (!parser_options_.reasoning_parser.empty() ||
+                      !parser_options_.tool_call_parser.empty())) {
+          MOELORA_ASSIGN_OR_RETURN(ch.parser, OutputParser::Create(parser_options_));
+        }
         choices->push_back(std::move(ch));
         reqs->push_back(std::move(req));
       }
@@ -532,6 +543,15 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     }
     const ordered_json* tools = p->Get("tools");
     if (tools != nullptr && !tools->is_array()) p->Bad("tools", "must be a list");
+    parser_options_.reasoning_parser = api_->options_.reasoning_parser;
+    // Tool calls are parsed where the request offers tools and allows calls (as vLLM).
+    const ordered_json* choice = p->Get("tool_choice");
+    if (tools != nullptr && tools->is_array() && !tools->empty() &&
+        !(choice != nullptr && *choice == "none")) {
+      parser_options_.tool_call_parser = api_->options_.tool_call_parser;
+      parser_options_.tools = *tools;
+      parser_options_.single_call = !p->Bool("parallel_tool_calls", true);
+    }
     if (tools != nullptr && tools->is_array() &&
         tools->size() > static_cast<size_t>(caps.max_tools)) {
       p->Bad("tools",
@@ -683,7 +703,43 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
                 {"model", model_}};
   }
 
-  // One stream event for a choice: its new text (and logprobs), or its end.
+  // The message fields of a parsed answer (or of a stream delta): reasoning under both names
+  // clients read (vLLM's `reasoning` and the older `reasoning_content`), content, tool calls
+  // numbered from `first_call`.
+  static void AddParsed(const OutputDelta& d, bool whole, bool reasoning_parser, int first_call,
+                        json* msg) {
+    if (reasoning_parser && (whole || !d.reasoning.empty())) {
+      const json r = d.reasoning.empty() ? json() : json(d.reasoning);
+      (*msg)["reasoning"] = r;
+      (*msg)["reasoning_content"] = r;
+    }
+    if (whole) {
+      // null where the answer was only calls or only reasoning, as vLLM answers.
+      (*msg)["content"] = d.content.empty() && (!d.calls.empty() || !d.reasoning.empty())
+                              ? json()
+                              : json(d.content);
+    } else if (!d.content.empty()) {
+      (*msg)["content"] = d.content;
+    }
+    if (d.calls.empty()) return;
+    json calls = json::array();
+    for (size_t i = 0; i < d.calls.size(); ++i) {
+      json call = {{"id", d.calls[i].id},
+                   {"type", "function"},
+                   {"function", {{"name", d.calls[i].name}, {"arguments", d.calls[i].arguments}}}};
+      if (!whole) call["index"] = first_call + static_cast<int>(i);
+      calls.push_back(std::move(call));
+    }
+    (*msg)["tool_calls"] = std::move(calls);
+  }
+
+  // A parsed answer's finish reason: "tool_calls" once it called a tool.
+  static std::string ParsedFinish(const Choice& c, const std::string& finish_reason) {
+    return c.parser != nullptr && c.parser->made_calls() ? "tool_calls" : finish_reason;
+  }
+
+  // One stream event for a choice: its new text (and logprobs), or its end. With a parser, its
+  // new reasoning, content and calls instead of the text.
   std::string ChunkEvent(Choice& c, const std::string& text, const std::vector<int32_t>& tokens,
                          const std::vector<float>& lps, const std::string& finish_reason) {
     json choice = {{"index", c.index}};
@@ -693,13 +749,30 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         delta["role"] = "assistant";
         c.role_sent = true;
       }
-      if (!text.empty() || finish_reason.empty()) delta["content"] = text;
+      if (c.parser != nullptr) {
+        OutputDelta d = c.parser->Feed(text);
+        if (!finish_reason.empty()) {
+          OutputDelta rest = c.parser->Finish();
+          d.reasoning += rest.reasoning;
+          d.content += rest.content;
+          d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
+        }
+        AddParsed(d, /*whole=*/false, !parser_options_.reasoning_parser.empty(), c.calls_sent,
+                  &delta);
+        c.calls_sent += static_cast<int>(d.calls.size());
+        if (d.empty() && finish_reason.empty() && delta.empty() &&
+            !(logprobs_ && !tokens.empty())) {
+          return "";  // held back inside a tag: nothing to send yet
+        }
+      } else if (!text.empty() || finish_reason.empty()) {
+        delta["content"] = text;
+      }
       choice["delta"] = std::move(delta);
     } else {
       choice["text"] = text;
     }
     choice["logprobs"] = logprobs_ && !tokens.empty() ? LogprobsJson(c, tokens, lps) : json();
-    choice["finish_reason"] = finish_reason.empty() ? json() : json(finish_reason);
+    choice["finish_reason"] = finish_reason.empty() ? json() : json(ParsedFinish(c, finish_reason));
     json j = ChunkHead();
     j["choices"] = json::array({std::move(choice)});
     if (include_usage_) j["usage"] = nullptr;
@@ -758,14 +831,23 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     json choices = json::array();
     for (Choice& c : choices_) {
       json choice = {{"index", c.index}};
-      if (chat_) {
+      if (chat_ && c.parser != nullptr) {
+        OutputDelta d = c.parser->Feed(c.outcome.text);
+        OutputDelta rest = c.parser->Finish();
+        d.reasoning += rest.reasoning;
+        d.content += rest.content;
+        d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
+        json msg = {{"role", "assistant"}};
+        AddParsed(d, /*whole=*/true, !parser_options_.reasoning_parser.empty(), 0, &msg);
+        choice["message"] = std::move(msg);
+      } else if (chat_) {
         choice["message"] = {{"role", "assistant"}, {"content", c.outcome.text}};
       } else {
         choice["text"] = c.outcome.text;
       }
       choice["logprobs"] =
           logprobs_ ? LogprobsJson(c, c.outcome.result.tokens, c.outcome.result.logprobs) : json();
-      choice["finish_reason"] = c.outcome.finish_reason;
+      choice["finish_reason"] = ParsedFinish(c, c.outcome.finish_reason);
       choices.push_back(std::move(choice));
     }
     json j = {{"id", id_},
@@ -789,6 +871,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
   bool include_usage_ = false;
   bool logprobs_ = false;
   int64_t prompt_tokens_ = 0;
+  OutputParserOptions parser_options_;
 
   std::atomic<bool> queued_{false};
   Mutex mu_;

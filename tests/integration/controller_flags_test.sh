@@ -38,6 +38,10 @@ done <<'CASES'
 --drain-timeout-s -1|--drain-timeout-s must be >= 0
 --dist-timeout-s 0|--dist-timeout-s must be >= 1
 --decode-steps 17|--decode-steps must be in 1..16
+--tool-call-parser hermes|--tool-call-parser needs --enable-auto-tool-choice
+--enable-auto-tool-choice|--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen3_coder)
+--enable-auto-tool-choice --tool-call-parser mistral|unknown tool-call parser "mistral" (known: hermes, qwen3_coder)
+--reasoning-parser deepseek_r1|unknown reasoning parser "deepseek_r1" (known: qwen3)
 --tensor-parallel-size 0|--tensor-parallel-size must be >= 1
 --speculative-config {"method":"eagle","num_speculative_tokens":2}|"method" must be "mtp"
 --speculative-config {"method":"mtp","num_speculative_tokens":0}|must be an integer in 1..16

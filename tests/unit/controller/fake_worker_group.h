@@ -29,13 +29,14 @@ namespace moelora::testing {
 
 class FakeWorkerGroup : public WorkerGroupInterface {
  public:
-  FakeWorkerGroup(int max_loras, SimulatedClock* clock) : max_loras_(max_loras), clock_(clock) {}
+  FakeWorkerGroup(int max_loras, SimulatedClock* clock, int max_model_len = 64)
+      : max_loras_(max_loras), max_model_len_(max_model_len), clock_(clock) {}
 
   bool serving() const override { return serving_; }
   v1::WorkerInfoResponse info() const override {
     v1::WorkerInfoResponse i;
     i.set_vocab_size(384);
-    i.set_max_model_len(64);
+    i.set_max_model_len(max_model_len_);
     i.set_max_loras(max_loras_);
     i.set_native_moe_format(v1::FORMAT_2D);
     return i;
@@ -263,8 +264,17 @@ class FakeWorkerGroup : public WorkerGroupInterface {
         Seq& s = it->second;
         v1::SequenceToken* t = resp.add_tokens();
         t->set_sequence_id(it->first);
-        t->set_token_id(static_cast<int32_t>((it->first * 7 + s.generated) % 384));
+        const bool scripted = !script_.empty();
+        t->set_token_id(scripted ? script_[std::min<size_t>(s.generated, script_.size() - 1)]
+                                 : static_cast<int32_t>((it->first * 7 + s.generated) % 384));
         if (s.adapter_id) distinct.insert(s.adapter_id);
+        if (scripted && static_cast<size_t>(s.generated) + 1 >= script_.size() &&
+            s.generated + 1 < s.max_tokens) {
+          t->set_finished(true);
+          t->set_finish_reason("stop");
+          it = running_.erase(it);
+          continue;
+        }
         if (++s.generated >= s.max_tokens) {
           t->set_finished(true);
           t->set_finish_reason("length");
@@ -281,6 +291,12 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   }
 
  public:
+  // Every sequence admitted from now on emits these tokens in order and ends after the last
+  // ("stop"); empty: the deterministic tokens again.
+  void ScriptTokens(std::vector<int32_t> tokens) {
+    std::lock_guard<std::mutex> l(mu_);
+    script_ = std::move(tokens);
+  }
   void FailNextUnloads(int n) {
     std::lock_guard<std::mutex> l(mu_);
     fail_unload_ = n;
@@ -372,11 +388,13 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     int generated;
   };
   const int max_loras_;
+  const int max_model_len_;
   SimulatedClock* const clock_;
   std::atomic<int64_t> step_delay_ms_{0};
   std::atomic<bool> serving_{true};
   mutable std::mutex mu_;
   std::set<int64_t> staged_, committed_;
+  std::vector<int32_t> script_;
   std::vector<int64_t> host_cache_;  // most recently used first
   std::map<int64_t, Seq> running_;
   std::vector<int64_t> admitted_, admitted_adapters_;
