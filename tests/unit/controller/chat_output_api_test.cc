@@ -185,7 +185,8 @@ TEST_F(ChatOutputApiTest, WithoutToolsOrWithABadCallTheTextIsContent) {
   EXPECT_EQ(whole["choices"][0]["message"]["content"], text);
   EXPECT_EQ(whole["choices"][0]["finish_reason"], "stop");
   EXPECT_FALSE(whole["choices"][0]["message"].contains("tool_calls"));
-  const std::string bad = "Calling: <tool_call>{\"name\": \"get_weather\", \"arguments\": {</tool_call>";
+  const std::string bad =
+      "Calling: <tool_call>{\"name\": \"get_weather\", \"arguments\": {</tool_call>";
   Answer(bad);
   whole = json::parse(Post(http_->port(), "/v1/chat/completions", Request(false).dump()));
   EXPECT_EQ(whole["choices"][0]["message"]["content"], bad);
@@ -194,6 +195,35 @@ TEST_F(ChatOutputApiTest, WithoutToolsOrWithABadCallTheTextIsContent) {
   const json s = Streamed(Request(true), &finish);
   EXPECT_EQ(s["content"], bad);
   EXPECT_EQ(finish, "stop");
+}
+
+// An earlier turn's reasoning given back under vLLM's `reasoning` reaches the template as
+// `reasoning_content`, the name Qwen3's templates read (a template that prints it, here).
+TEST_F(ChatOutputApiTest, ReasoningGivenBackReachesTheTemplate) {
+  http_.reset();
+  api_.reset();
+  OpenAiOptions oo;
+  oo.served_model_name = "base";
+  oo.chat_template = *tok::ChatTemplate::Parse(
+      "{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content }}|{{ m.content }}]"
+      "{% endfor %}");
+  api_ = std::make_unique<OpenAiApi>(controller_.get(), &metrics_, nullptr, oo);
+  api_->set_healthy(true);
+  HttpServer::Options ho;
+  ho.host = "127.0.0.1";
+  ho.port = 0;
+  http_ = *HttpServer::Start(
+      ho, [a = api_.get()](std::shared_ptr<HttpExchange> ex) { a->Handle(std::move(ex)); });
+  Answer("ok");
+  json req = {{"model", "base"},
+              {"messages",
+               {{{"role", "user"}, {"content", "2+2?"}},
+                {{"role", "assistant"}, {"content", "4"}, {"reasoning", "adding"}},
+                {{"role", "user"}, {"content", "and 3+3?"}}}}};
+  const json whole = json::parse(Post(http_->port(), "/v1/chat/completions", req.dump()));
+  ASSERT_TRUE(whole.contains("choices")) << whole.dump();
+  const std::string prompt = tokenizer_->Decode(group_.last_prompt());
+  EXPECT_NE(prompt.find("[assistant|adding|4]"), std::string::npos) << prompt;
 }
 
 }  // namespace

@@ -252,6 +252,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
     if (req.add_size() > 0) adds_per_step_.push_back(req.add_size());
     for (const v1::SequenceSpec& s : req.add()) {
       running_[s.sequence_id()] = {s.adapter_id(), s.max_tokens(), 0};
+      last_prompt_.assign(s.prompt_token_ids().begin(), s.prompt_token_ids().end());
       admitted_.push_back(s.sequence_id());
       admitted_adapters_.push_back(s.adapter_id());
     }
@@ -291,6 +292,11 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   }
 
  public:
+  // The prompt of the last sequence admitted.
+  std::vector<int32_t> last_prompt() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return last_prompt_;
+  }
   // Every sequence admitted from now on emits these tokens in order and ends after the last
   // ("stop"); empty: the deterministic tokens again.
   void ScriptTokens(std::vector<int32_t> tokens) {
@@ -394,7 +400,7 @@ class FakeWorkerGroup : public WorkerGroupInterface {
   std::atomic<bool> serving_{true};
   mutable std::mutex mu_;
   std::set<int64_t> staged_, committed_;
-  std::vector<int32_t> script_;
+  std::vector<int32_t> script_, last_prompt_;
   std::vector<int64_t> host_cache_;  // most recently used first
   std::map<int64_t, Seq> running_;
   std::vector<int64_t> admitted_, admitted_adapters_;
