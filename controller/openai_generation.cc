@@ -606,11 +606,6 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         return absl::InvalidArgumentError(
             absl::StrCat(where, ".content must be a string or a list of parts"));
       }
-      // Reasoning given back under vLLM's field reaches the templates under the name they read.
-      if (out.contains("reasoning") && out["reasoning"].is_string() &&
-          !out.contains("reasoning_content")) {
-        out["reasoning_content"] = out["reasoning"];
-      }
       if (out.contains("tool_calls") && out["tool_calls"].is_array()) {
         for (auto& call : out["tool_calls"]) {
           if (!call.is_object() || !call.contains("function") || !call["function"].is_object() ||

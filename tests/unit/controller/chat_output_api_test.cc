@@ -198,7 +198,8 @@ TEST_F(ChatOutputApiTest, WithoutToolsOrWithABadCallTheTextIsContent) {
 }
 
 // An earlier turn's reasoning given back under vLLM's `reasoning` reaches the template as
-// `reasoning_content`, the name Qwen3's templates read (a template that prints it, here).
+// `reasoning_content`, the name Qwen3's templates read, as transformers aliases it
+// (tokenizer/chat_template.cc), through the HTTP API (a template that prints it, here).
 TEST_F(ChatOutputApiTest, ReasoningGivenBackReachesTheTemplate) {
   http_.reset();
   api_.reset();
