@@ -14,6 +14,35 @@ namespace {
 
 using ordered_json = nlohmann::ordered_json;
 
+// JSON text from the model is read only when its nesting is shallow: writing a value out again
+// (dump) recurses per level, and an answer of max_tokens brackets would exhaust the stack.
+constexpr int kMaxDepth = 64;
+
+ordered_json ParseShallow(const std::string& text) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxDepth) return ordered_json(ordered_json::value_t::discarded);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return ordered_json::parse(text, nullptr, false);
+}
+
 // The request's tool named `name` (its "function" object), or null.
 const ordered_json* FindTool(const ordered_json& tools, const std::string& name) {
   if (!tools.is_array()) return nullptr;
@@ -33,7 +62,7 @@ std::string CallId() {
 // hermes: {"name": ..., "arguments": {...}} (or "parameters"; arguments given as JSON text are
 // read too).
 bool ParseHermes(const std::string& text, const ordered_json& tools, ToolCall* call) {
-  const ordered_json j = ordered_json::parse(text, nullptr, false);
+  const ordered_json j = ParseShallow(text);
   if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
   const std::string name = j["name"];
   if (FindTool(tools, name) == nullptr) return false;
@@ -41,7 +70,7 @@ bool ParseHermes(const std::string& text, const ordered_json& tools, ToolCall* c
   for (const char* key : {"arguments", "parameters"}) {
     if (!j.contains(key)) continue;
     args = j[key];
-    if (args.is_string()) args = ordered_json::parse(args.get<std::string>(), nullptr, false);
+    if (args.is_string()) args = ParseShallow(args.get<std::string>());
     break;
   }
   if (!args.is_object()) return false;
@@ -69,7 +98,7 @@ ordered_json TypedValue(const std::string& text, const ordered_json* schema) {
     const std::string l = absl::AsciiStrToLower(t);
     if (l == "true" || l == "false") return l == "true";
   } else if (type == "object" || type == "array" || type == "null") {
-    ordered_json v = ordered_json::parse(t, nullptr, false);
+    ordered_json v = ParseShallow(t);
     if (!v.is_discarded()) return v;
   }
   return text;

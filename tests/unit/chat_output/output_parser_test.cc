@@ -253,6 +253,36 @@ TEST(OutputParserTest, ParallelToolCallsFalseKeepsTheFirstCall) {
   EXPECT_EQ(d.content + rest.content, "");
 }
 
+// A model (or a hostile adapter) can write any text: JSON nested 200,000 deep in a call is not
+// read as JSON (writing it out again, nlohmann's dump recurses per level and would exhaust the
+// stack): the call stays text, or the value a string.
+TEST(OutputParserTest, DeeplyNestedArgumentsStayText) {
+  for (const char* format : {"hermes", "qwen3_coder"}) {
+    OutputParserOptions o;
+    o.tool_call_parser = format;
+    o.tools = kTools;
+    auto p = OutputParser::Create(o);
+    ASSERT_TRUE(p.ok());
+    const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+    const std::string call =
+        std::string(format) == "hermes"
+            ? "<tool_call>{\"name\": \"add\", \"arguments\": " + deep + "</tool_call>"
+            : "<tool_call><function=get_weather><parameter=hours>" + deep +
+                  "</parameter></function></tool_call>";
+    OutputDelta d = (*p)->Feed(call);
+    const OutputDelta rest = (*p)->Finish();
+    d.content += rest.content;
+    d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
+    if (std::string(format) == "hermes") {
+      EXPECT_TRUE(d.calls.empty());
+      EXPECT_EQ(d.content, call);
+    } else {  // the value stays a string
+      ASSERT_EQ(d.calls.size(), 1u);
+      EXPECT_EQ(ordered_json::parse(d.calls[0].arguments)["hours"], deep);
+    }
+  }
+}
+
 TEST(OutputParserTest, PromptOpensReasoning) {
   EXPECT_TRUE(PromptOpensReasoning("<|im_start|>assistant\n<think>\n"));
   EXPECT_FALSE(PromptOpensReasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
