@@ -445,12 +445,7 @@ absl::StatusOr<std::unique_ptr<MoeExperts>> MakeExperts(const std::string& exper
                                         wrapper, c.info.architecture, shape,
                                         ep ? o.tp_rank * (E / o.tp_size) : 0, ep ? E : 0);
   }
-  if (o.kernels != LoraKernels::kCpuSgmv) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(experts,
-                     ": quantized experts are computed on the CPU path only (--device cpu, without "
-                     "--lora-kernels fused); this build has no GPU kernel that reads them yet"));
-  }
+  if (o.kernels != LoraKernels::kCpuSgmv) return QuantizedNeedsCpuPath(experts);
   // The shapes the module is built with: meta tensors hold no memory.
   const auto meta = at::TensorOptions().dtype(o.dtype).device(at::kMeta);
   auto m = std::make_unique<MoeExperts>(experts, at::empty({a.codes.size(0), a.n(), a.k()}, meta),

@@ -39,12 +39,7 @@ absl::StatusOr<std::unique_ptr<LoraLinear>> LoraLinear::Create(
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", shard.status().message()));
   }
   if (quantized.defined()) {
-    if (shape.kernels != LoraKernels::kCpuSgmv) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path,
-          ": quantized weights are computed on the CPU path only (--device cpu, without "
-          "--lora-kernels fused); this build has no GPU kernel that reads them yet"));
-    }
+    if (shape.kernels != LoraKernels::kCpuSgmv) return QuantizedNeedsCpuPath(path);
     if (quantized.codes.dim() != 2 || quantized.n() != shard->out_local ||
         quantized.k() != shard->in_local) {
       return absl::InternalError(absl::StrCat(path, ": quantized weight shard [", quantized.n(),

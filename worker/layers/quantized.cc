@@ -4,7 +4,16 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
+
 namespace moelora {
+
+absl::Status QuantizedNeedsCpuPath(const std::string& what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(what,
+                   ": quantized weights are computed on the CPU path only (--device cpu, without "
+                   "--lora-kernels fused); this build has no GPU kernel that reads them yet"));
+}
 
 QuantMatrix QuantizedWeight::Matrix(int64_t e) const {
   QuantMatrix m;

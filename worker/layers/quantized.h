@@ -5,9 +5,11 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "kernels/quant_gemm.h"
 
 namespace moelora {
@@ -28,6 +30,10 @@ struct QuantizedWeight {
   // Bytes held (codes and scales).
   int64_t nbytes() const { return codes.nbytes() + scales.nbytes(); }
 };
+
+// FAILED_PRECONDITION for `what` (a module's path) on a kernel path: quantized weights are read
+// on the CPU path only.
+absl::Status QuantizedNeedsCpuPath(const std::string& what);
 
 // x [m, k] (f32 or bf16) · w [n, k]ᵀ -> [m, n] in x's dtype; w a linear's weight.
 at::Tensor QuantizedMatmulWt(const at::Tensor& x, const QuantizedWeight& w);
