@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -357,13 +358,18 @@ struct QuantizedTensors {
                        " ", DTypeName(sv.dtype), ": expected F32 or BF16 ", Shape(want_scales),
                        " (one scale per ", bn, "x", bk, " block of ", name, ")"));
     }
-    // NaN codes (S.1111.111) are refused here: the kernels read codes as finite values.
-    for (size_t i = 0; i < codes.nbytes; ++i) {
-      if ((codes.data[i] & 0x7F) == 0x7F) {
-        return absl::InvalidArgumentError(absl::StrCat(file, ": tensor ", name, " ",
-                                                       codes.ShapeString(), ": element ", i,
-                                                       " is an FP8 NaN code"));
-      }
+    // NaN codes (S.1111.111) are refused here: the kernels read codes as finite values. Checked
+    // in 64 KB runs without an early exit, which the compiler vectorizes.
+    for (size_t base = 0; base < codes.nbytes; base += 65536) {
+      const size_t end = std::min<size_t>(codes.nbytes, base + 65536);
+      uint8_t any = 0;
+      for (size_t i = base; i < end; ++i) any |= (codes.data[i] & 0x7F) == 0x7F;
+      if (any == 0) continue;
+      size_t i = base;
+      while ((codes.data[i] & 0x7F) != 0x7F) ++i;
+      return absl::InvalidArgumentError(absl::StrCat(file, ": tensor ", name, " ",
+                                                     codes.ShapeString(), ": element ", i,
+                                                     " is an FP8 NaN code"));
     }
     MOELORA_ASSIGN_OR_RETURN(c.src, SourceTensor(codes, file, true));
     MOELORA_ASSIGN_OR_RETURN(at::Tensor st, SourceTensor(sv, ckpt.FileOf(scales_name)));
