@@ -117,6 +117,8 @@ OutputDelta OutputParser::Finish() {
   reasoning_ = Reasoning::kDone;
   if (in_call_) {  // never closed: the text as written
     in_call_ = false;
+    pending_space_ = space_before_call_ + pending_space_;
+    space_before_call_.clear();
     EmitContent(std::string(kCallOpen) + call_text_, &out);
     call_text_.clear();
   }
@@ -169,9 +171,8 @@ void OutputParser::FeedContent(std::string_view text, OutputDelta* out) {
       return;
     }
     EmitContent(std::string_view(buf).substr(0, open), out);
-    // Whitespace before the first call stays with the text before it, if any; elsewhere it is
-    // the template's layout.
-    if (calls_made_ == 0 && content_started_) out->content += pending_space_;
+    // The whitespace before a call waits for the call: content again if the call does not parse.
+    space_before_call_.swap(pending_space_);
     pending_space_.clear();
     in_call_ = true;
     call_text_.clear();
@@ -184,11 +185,16 @@ void OutputParser::CloseCall(OutputDelta* out) {
   ToolCall call;
   if (chat_output_internal::ParseToolCall(options_.tool_call_parser, call_text_, options_.tools,
                                           &call)) {
+    // Whitespace before the first call stays with the text before it, if any; elsewhere it is
+    // the template's layout.
+    if (calls_made_ == 0 && content_started_) out->content += space_before_call_;
     if (!options_.single_call || calls_made_ == 0) out->calls.push_back(std::move(call));
     ++calls_made_;
   } else {
+    pending_space_ = space_before_call_;
     EmitContent(std::string(kCallOpen) + call_text_ + std::string(kCallClose), out);
   }
+  space_before_call_.clear();
   call_text_.clear();
 }
 

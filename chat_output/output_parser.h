@@ -83,12 +83,13 @@ class OutputParser {
 
   OutputParserOptions options_;
   enum class Reasoning { kUndecided, kInside, kDone } reasoning_;
-  std::string held_;              // reasoning stage: text that may be the start of a tag
-  bool in_call_ = false;          // tool stage: inside `<tool_call>`
-  std::string call_text_;         // the call's text so far (after `<tool_call>`)
-  std::string content_held_;      // tool stage: text that may start `<tool_call>`
-  std::string pending_space_;     // whitespace not yet known to be content
-  bool content_started_ = false;  // content other than whitespace was emitted
+  std::string held_;               // reasoning stage: text that may be the start of a tag
+  bool in_call_ = false;           // tool stage: inside `<tool_call>`
+  std::string call_text_;          // the call's text so far (after `<tool_call>`)
+  std::string content_held_;       // tool stage: text that may start `<tool_call>`
+  std::string pending_space_;      // whitespace not yet known to be content
+  std::string space_before_call_;  // the whitespace before the open call
+  bool content_started_ = false;   // content other than whitespace was emitted
   int calls_made_ = 0;
 };
 

@@ -51,7 +51,8 @@ if [ "${MOELORA_SKIP_FUZZ:-0}" != "1" ]; then
   phase "fuzz (clang, ASan+UBSan, libFuzzer)"
   CC=clang CXX=clang++ cmake -S . -B "$B-fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_ENABLE_CUDA=OFF \
     -DMOELORA_BUILD_FUZZERS=ON -DMOELORA_FUZZ_SECONDS="${MOELORA_FUZZ_SECONDS:-30}"
-  cmake --build "$B-fuzz" -j"$JOBS" --target safetensors_fuzz adapter_fuzz tokenizer_fuzz chat_template_fuzz image_fuzz http_fuzz
+  cmake --build "$B-fuzz" -j"$JOBS" --target safetensors_fuzz adapter_fuzz tokenizer_fuzz chat_template_fuzz image_fuzz http_fuzz \
+    chat_output_fuzz
   (cd "$B-fuzz" && ctest --output-on-failure -j"$JOBS" -L fuzz)
 fi
 
