@@ -12,7 +12,6 @@ constexpr std::string_view kThinkOpen = "<think>", kThinkClose = "</think>";
 constexpr std::string_view kCallOpen = "<tool_call>", kCallClose = "</tool_call>";
 
 bool IsSpace(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-bool AllSpace(std::string_view s) { return std::all_of(s.begin(), s.end(), IsSpace); }
 
 // The length of the longest suffix of `s` that is a proper prefix of `tag` (what may still become
 // the tag once more text comes).
@@ -130,15 +129,17 @@ OutputDelta OutputParser::Finish() {
 }
 
 void OutputParser::EmitContent(std::string_view text, OutputDelta* out) {
-  if (text.empty()) return;
-  if (AllSpace(text)) {
-    pending_space_.append(text);
-    return;
+  // Trailing whitespace waits, whatever piece it came in: what follows decides whether it is
+  // content (more text) or layout (a call, or the end after calls).
+  size_t end = text.size();
+  while (end > 0 && IsSpace(text[end - 1])) --end;
+  if (end > 0) {
+    out->content += pending_space_;
+    out->content.append(text.substr(0, end));
+    pending_space_.clear();
+    content_started_ = true;
   }
-  out->content += pending_space_;
-  out->content.append(text);
-  pending_space_.clear();
-  content_started_ = true;
+  pending_space_.append(text.substr(end));
 }
 
 void OutputParser::FeedContent(std::string_view text, OutputDelta* out) {
