@@ -1116,12 +1116,56 @@ def qwen3_5_moe_fp8(out):
     shutil.rmtree(deq_dir)
 
 
+def step3p5_fp8(out):
+    """step3p5_fp8/: the step3p5 fixture's weights stored as block FP8 (2x2 blocks: every Step3.5
+    dimension of the fixture divides by 2) in `model/`: every projection, the stacked experts
+    ([E, I, H] codes with [E, I/2, H/2] scales) included; norms, routers and embeddings as they
+    are; the MTP layer's weights too (skipped at load). `model_dequantized/`: the same values
+    widened by torch (codes.to(float32) times the block's scale), an f32 checkpoint: the engine
+    reads both to the same logits, and the f32 path is checked against the independent reference
+    by the step3p5 fixture's own tests."""
+    src = os.path.join(out, "step3p5", "model")
+    root = os.path.join(out, "step3p5_fp8")
+    shutil.rmtree(root, ignore_errors=True)
+    mdir, ddir = os.path.join(root, "model"), os.path.join(root, "model_dequantized")
+    os.makedirs(mdir)
+    os.makedirs(ddir)
+    bn = bk = 2
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    q, deq = {}, {}
+    for k, v in sd.items():
+        if not k.endswith("proj.weight"):
+            q[k] = deq[k] = v
+            continue
+        if v.dim() == 2:
+            codes, scale = fp8_block_quantize(v, bn, bk)
+            q[k], q[k + "_scale_inv"] = codes, scale
+            deq[k] = fp8_block_dequantize(codes, scale, bn, bk)
+        else:  # stacked experts: one scale grid per expert
+            parts = [fp8_block_quantize(v[e], bn, bk) for e in range(v.shape[0])]
+            q[k] = torch.stack([c for c, _ in parts])
+            q[k + "_scale_inv"] = torch.stack([sc for _, sc in parts])
+            deq[k] = torch.stack([fp8_block_dequantize(c, sc, bn, bk) for c, sc in parts])
+    save_file(q, os.path.join(mdir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(ddir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cj = json.load(f)
+    with open(os.path.join(ddir, "config.json"), "w") as f:
+        json.dump(cj, f, indent=2, sort_keys=True)
+    cj["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                 "weight_block_size": [bn, bk],
+                                 "modules_to_not_convert": ["lm_head", "model.embed_tokens",
+                                                            "model.layers.*.moe.gate"]}
+    with open(os.path.join(mdir, "config.json"), "w") as f:
+        json.dump(cj, f, indent=2, sort_keys=True)
+
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/data")
     ap.add_argument("--only", choices=["all", "qwen3_moe", "variants", "qwen3_vl_moe_hf5", "qwen3_5_moe", "gpt_oss_lm",
-                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "qwen3_moe_fp8", "qwen3_5_moe_fp8", "step3p5"], default="all",
+                                     "gpt_oss_lm_2d", "gpt_oss_mxfp4", "qwen3_moe_fp8", "qwen3_5_moe_fp8", "step3p5", "step3p5_fp8"], default="all",
                     help="variants: only qwen3_moe/variants (needs the committed qwen3_moe/model); "
                          "qwen3_5_moe: only that model's fixtures")
     args = ap.parse_args()
@@ -1151,6 +1195,10 @@ def main():
         return
     if args.only == "step3p5":
         step3p5(args.out)
+        step3p5_fp8(args.out)
+        return
+    if args.only == "step3p5_fp8":  # needs the committed step3p5/model
+        step3p5_fp8(args.out)
         return
     if args.only == "gpt_oss_mxfp4":
         gpt_oss_mxfp4(args.out)
@@ -1175,6 +1223,7 @@ def main():
     qwen3_moe_fp8(args.out)
     qwen3_5_moe_fp8(args.out)
     step3p5(args.out)
+    step3p5_fp8(args.out)
     with open(os.path.join(args.out, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
                    "peft": peft.__version__, "numpy": np.__version__,
