@@ -8,6 +8,8 @@
 //    device-to-device copy bandwidth. Goal: overhead <= 1.3x at 256 tokens with 16 adapters.
 // 2. Adapter upload: 1.6 GB (a rank-16 Qwen3-30B-A3B MoE adapter in bf16) from pageable host
 //    memory through PinnedUploader vs one cudaMemcpy from pinned memory. Goal: >= 70%.
+// 3. The quantized GEMM (MXFP4, block FP8) at gpt-oss-20b's gate/up shape, 1/16/64 rows: its
+//    weights' read rate against the copy's.
 //
 //   gpu_kernels [--quick]   (--quick: fewer iterations, for CI smoke runs)
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include "common/dtype.h"
 #include "kernels/device.h"
 #include "kernels/moe_lora.h"
+#include "kernels/quant_gemm.h"
 
 namespace moelora {
 namespace {
@@ -205,6 +208,48 @@ int Run(bool quick) {
       "\nadapter upload 1.6 GB: pinned cudaMemcpy %.1f GB/s, PinnedUploader (pageable "
       "source) %.1f GB/s = %.0f%% (goal >= 70%%)\n",
       pinned_bw / 1e9, upload_bw / 1e9, 100.0 * upload_bw / pinned_bw);
+  // 3. Quantized GEMMs (QuantGemmCuda) at gpt-oss-20b's gate/up shape ([5760, 2880]) in MXFP4
+  //    and block FP8, x rows 1, 16 and 64: the read rate of their bytes against the copy's.
+  std::printf("\nquantized GEMM, w [5760, 2880] (gpt-oss-20b's gate/up), f32 x:\n");
+  const int64_t qn = 5760, qk = 2880;
+  for (bool mx : {true, false}) {
+    std::vector<uint8_t> codes(qn * (mx ? qk / 2 : qk)), e8m0(mx ? qn * qk / 32 : 0);
+    uint32_t r = 12345;
+    for (auto& b : codes) {
+      r = r * 1664525u + 1013904223u;
+      b = static_cast<uint8_t>(r >> 24);
+      if (!mx && (b & 0x7F) == 0x7F) b ^= 1;
+    }
+    for (auto& b : e8m0) b = 121;
+    std::vector<float> scales(mx ? 0 : ((qn + 127) / 128) * ((qk + 127) / 128), 1e-3f);
+    DeviceBuffer dc = Upload(codes);
+    DeviceBuffer de = mx ? Upload(e8m0) : DeviceBuffer();
+    DeviceBuffer ds = mx ? DeviceBuffer() : Upload(scales);
+    for (int64_t m : {1, 16, 64}) {
+      DeviceBuffer dx = Upload(std::vector<float>(m * qk, 0.5f));
+      DeviceBuffer dy = Unwrap(DeviceBuffer::Allocate(m * qn * sizeof(float)));
+      QuantGemmArgs a;
+      a.x = static_cast<const float*>(dx.get());
+      a.ldx = qk;
+      a.m = m;
+      a.w.format = mx ? QuantFormat::kMxfp4 : QuantFormat::kFp8Block;
+      a.w.data = static_cast<const uint8_t*>(dc.get());
+      a.w.row_bytes = mx ? qk / 2 : qk;
+      a.w.n = qn;
+      a.w.k = qk;
+      a.w.e8m0 = mx ? static_cast<const uint8_t*>(de.get()) : nullptr;
+      a.w.block_scales = mx ? nullptr : static_cast<const float*>(ds.get());
+      a.w.scale_stride = mx ? qk / 32 : (qk + 127) / 128;
+      a.y = static_cast<float*>(dy.get());
+      a.ldy = qn;
+      const double ms = MedianMs(*timer, iters, [&] { CHECK_OK(QuantGemmCuda(a, nullptr)); });
+      const double bytes = static_cast<double>(codes.size() + e8m0.size() + scales.size() * 4);
+      std::printf("  %s, %3ld rows: %.3f ms, %.0f GB/s of weights = %.2f of the copy's read rate\n",
+                  mx ? "MXFP4" : "FP8  ", static_cast<long>(m), ms, bytes / (ms * 1e-3) / 1e9,
+                  bytes / (ms * 1e-3) / (copy_bw / 2));
+    }
+  }
+
   std::printf(
       "\nsummary: moe_lora_overhead_256tok_16adapters=%.2fx (goal <= 1.30) "
       "upload_vs_pinned=%.0f%% (goal >= 70%%)\n",
