@@ -722,15 +722,27 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       (*msg)["content"] = d.content;
     }
     if (d.calls.empty()) return;
+    // Streamed, a call's id and name come first with empty arguments; CallArguments follows.
     json calls = json::array();
     for (size_t i = 0; i < d.calls.size(); ++i) {
       json call = {{"id", d.calls[i].id},
                    {"type", "function"},
-                   {"function", {{"name", d.calls[i].name}, {"arguments", d.calls[i].arguments}}}};
+                   {"function",
+                    {{"name", d.calls[i].name}, {"arguments", whole ? d.calls[i].arguments : ""}}}};
       if (!whole) call["index"] = first_call + static_cast<int>(i);
       calls.push_back(std::move(call));
     }
     (*msg)["tool_calls"] = std::move(calls);
+  }
+
+  // A stream delta with the arguments of the calls whose heads AddParsed sent.
+  static json CallArguments(const OutputDelta& d, int first_call) {
+    json calls = json::array();
+    for (size_t i = 0; i < d.calls.size(); ++i) {
+      calls.push_back({{"index", first_call + static_cast<int>(i)},
+                       {"function", {{"arguments", d.calls[i].arguments}}}});
+    }
+    return json{{"tool_calls", std::move(calls)}};
   }
 
   // A parsed answer's finish reason: "tool_calls" once it called a tool.
@@ -743,6 +755,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
   std::string ChunkEvent(Choice& c, const std::string& text, const std::vector<int32_t>& tokens,
                          const std::vector<float>& lps, const std::string& finish_reason) {
     json choice = {{"index", c.index}};
+    std::string first;  // an event before this one (a call's head)
     if (chat_) {
       json delta = json::object();
       if (!c.role_sent) {
@@ -759,11 +772,23 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
         }
         AddParsed(d, /*whole=*/false, !parser_options_.reasoning_parser.empty(), c.calls_sent,
                   &delta);
-        c.calls_sent += static_cast<int>(d.calls.size());
         if (d.empty() && finish_reason.empty() && delta.empty() &&
             !(logprobs_ && !tokens.empty())) {
           return "";  // held back inside a tag: nothing to send yet
         }
+        if (!d.calls.empty()) {
+          // Two events: the text and the calls' ids and names, then their arguments (with the
+          // logprobs and the finish reason, if any).
+          json head = {{"index", c.index}, {"delta", std::move(delta)}};
+          head["logprobs"] = nullptr;
+          head["finish_reason"] = nullptr;
+          json j = ChunkHead();
+          j["choices"] = json::array({std::move(head)});
+          if (include_usage_) j["usage"] = nullptr;
+          first = Event(j);
+          delta = CallArguments(d, c.calls_sent);
+        }
+        c.calls_sent += static_cast<int>(d.calls.size());
       } else if (!text.empty() || finish_reason.empty()) {
         delta["content"] = text;
       }
@@ -776,7 +801,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     json j = ChunkHead();
     j["choices"] = json::array({std::move(choice)});
     if (include_usage_) j["usage"] = nullptr;
-    return Event(j);
+    return first + Event(j);
   }
 
   void Pump() {

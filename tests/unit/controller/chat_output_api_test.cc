@@ -129,9 +129,23 @@ class ChatOutputApiTest : public ::testing::Test {
         msg["content"] = msg["content"].get<std::string>() + d["content"].get<std::string>();
       }
       if (d.contains("tool_calls")) {
+        // As clients do: a call's first delta (its id and name) opens it, later ones with its
+        // index add to its arguments.
         for (const json& c : d["tool_calls"]) {
-          EXPECT_EQ(c["index"], msg["tool_calls"].size());
-          msg["tool_calls"].push_back(c);
+          const size_t index = c["index"];
+          json& calls = msg["tool_calls"];
+          if (index == calls.size()) {
+            EXPECT_TRUE(c.contains("id") && c["function"].contains("name")) << c.dump();
+            EXPECT_EQ(c["function"]["arguments"], "");  // the arguments follow
+            calls.push_back(c);
+          } else {
+            EXPECT_LT(index, calls.size());
+            if (index >= calls.size()) continue;
+            EXPECT_FALSE(c.contains("id"));
+            calls[index]["function"]["arguments"] =
+                calls[index]["function"]["arguments"].get<std::string>() +
+                c["function"]["arguments"].get<std::string>();
+          }
         }
       }
     }
@@ -174,6 +188,7 @@ TEST_F(ChatOutputApiTest, ReasoningAndAToolCallWholeAndStreamed) {
   EXPECT_EQ(s["content"], "");
   ASSERT_EQ(s["tool_calls"].size(), 1u);
   EXPECT_EQ(s["tool_calls"][0]["function"], m["tool_calls"][0]["function"]);
+  EXPECT_EQ(s["tool_calls"][0]["id"].get<std::string>().rfind("chatcmpl-tool-", 0), 0u);
 }
 
 // Without tools in the request the call stays text; a malformed call stays text too.
