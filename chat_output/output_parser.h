@@ -40,6 +40,12 @@ struct OutputDelta {
   std::string reasoning, content;
   std::vector<ToolCall> calls;
   bool empty() const { return reasoning.empty() && content.empty() && calls.empty(); }
+  // `next` after this one.
+  void Append(OutputDelta next) {
+    reasoning += next.reasoning;
+    content += next.content;
+    for (ToolCall& c : next.calls) calls.push_back(std::move(c));
+  }
 };
 
 struct OutputParserOptions {

@@ -250,10 +250,9 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
     bool role_sent = false;
     size_t text_offset = 0;  // completions logprobs: bytes of text before the next token
     TokenFeed::Outcome outcome;
-    // Chat with --reasoning-parser / --tool-call-parser: the answer split as it comes, and what
-    // it gave so far (the whole answer's fields; in a stream, what was sent).
+    // Chat with --reasoning-parser / --tool-call-parser: the answer split as it comes, and the
+    // calls a stream has sent.
     std::unique_ptr<OutputParser> parser;
-    OutputDelta parsed;
     int calls_sent = 0;
   };
 
@@ -764,12 +763,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       }
       if (c.parser != nullptr) {
         OutputDelta d = c.parser->Feed(text);
-        if (!finish_reason.empty()) {
-          OutputDelta rest = c.parser->Finish();
-          d.reasoning += rest.reasoning;
-          d.content += rest.content;
-          d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
-        }
+        if (!finish_reason.empty()) d.Append(c.parser->Finish());
         AddParsed(d, /*whole=*/false, !parser_options_.reasoning_parser.empty(), c.calls_sent,
                   &delta);
         if (d.empty() && finish_reason.empty() && delta.empty() &&
@@ -858,10 +852,7 @@ class OpenAiApi::Generation : public std::enable_shared_from_this<Generation> {
       json choice = {{"index", c.index}};
       if (chat_ && c.parser != nullptr) {
         OutputDelta d = c.parser->Feed(c.outcome.text);
-        OutputDelta rest = c.parser->Finish();
-        d.reasoning += rest.reasoning;
-        d.content += rest.content;
-        d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
+        d.Append(c.parser->Finish());
         json msg = {{"role", "assistant"}};
         AddParsed(d, /*whole=*/true, !parser_options_.reasoning_parser.empty(), 0, &msg);
         choice["message"] = std::move(msg);
