@@ -84,6 +84,9 @@ struct Service {
     oo.model_path = model;
     oo.chat_template = *tok::ChatTemplate::Parse(*tok::ReadChatTemplate(model));
     oo.special_tokens = *tok::ReadSpecialTokenVariables(model);
+    // Chat answers (the fake's tokens) through the output parsers too.
+    oo.reasoning_parser = "qwen3";
+    oo.tool_call_parser = "hermes";
     api = std::make_unique<OpenAiApi>(controller.get(), &metrics, auth.get(), oo);
     api->set_healthy(true);
     HttpServer::Options ho;
