@@ -106,6 +106,17 @@ for model in (MODEL, "a2d", "a3d"):
     g = grpc_generate({"adapter": "" if model == MODEL else model, "prompt_token_ids": chat_ids, "max_tokens": 10})
     check(g.get("text", "") == c.choices[0].message.content, f"{model}: chat vs gRPC {g.get('text')!r}")
 
+# The server runs with --reasoning-parser qwen3 and the hermes tool-call parser: the checks above
+# (unary == streamed == gRPC's text) hold with them on; the SDK reads the reasoning fields, null
+# for the tiny model's answers (which open no <think>). Tools cannot be offered here: Qwen3's tool
+# preamble alone is longer than the tiny model's 128 positions (the parsers' own HTTP test,
+# ChatOutputApiTest, offers them over a scripted worker).
+for model in (MODEL, "a3d"):
+    w = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    extra = w.choices[0].message.model_extra or {}
+    check("reasoning" in extra and extra["reasoning"] is None and extra.get("reasoning_content") is None,
+          f"{model}: reasoning fields {extra}")
+
 # n, seeds, sampling: the same seed gives the same choices; n > 1 gives n choices, in order.
 a = client.completions.create(model="a2d", prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=3)
 b = client.completions.create(model="a2d", prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=3)

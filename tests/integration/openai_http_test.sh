@@ -24,7 +24,9 @@ cd "$ROOT"
 "$CONTROLLER" --model tests/data/qwen3_moe/model --adapter-root tests/data \
   --state-dir "$TMP/state" --tensor-parallel-size 2 --enable-mixed-moe-lora-format \
   --port 0 --metrics-port 0 --http-port 0 --port-file "$TMP/ports" --worker-bin "$WORKER" \
-  --preload a2d=qwen3_moe/adapter_2d,a3d=qwen3_moe/adapter_3d >"$TMP/controller.log" 2>&1 &
+  --preload a2d=qwen3_moe/adapter_2d,a3d=qwen3_moe/adapter_3d \
+  --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes \
+  >"$TMP/controller.log" 2>&1 &
 PID=$!
 for _ in $(seq 1 300); do
   if [ -s "$TMP/ports" ]; then
