@@ -72,10 +72,12 @@ OutputDelta OutputParser::Feed(std::string_view text) {
     FeedContent(text, &out);
     return out;
   }
+  const size_t before = held_.size();
   held_.append(text);
   if (reasoning_ == Reasoning::kUndecided) {
-    // An answer that opens with `<think>` (after any whitespace) reasons first.
-    const size_t start = held_.find_first_not_of(" \n\t\r");
+    // An answer that opens with `<think>` (after any whitespace) reasons first. What was held
+    // before is whitespace or the start of the tag: the search starts where the tag could.
+    const size_t start = held_.find_first_not_of(" \n\t\r", before > 6 ? before - 6 : 0);
     if (start == std::string::npos) return out;
     const std::string_view rest = std::string_view(held_).substr(start);
     if (rest.size() < kThinkOpen.size() && kThinkOpen.substr(0, rest.size()) == rest) return out;
@@ -155,9 +157,12 @@ void OutputParser::FeedContent(std::string_view text, OutputDelta* out) {
   content_held_.clear();
   while (!buf.empty()) {
     if (in_call_) {
+      // Only the new text (and a tag's worth before it) is searched: a long call stays linear.
+      const size_t from =
+          call_text_.size() >= kCallClose.size() ? call_text_.size() - kCallClose.size() + 1 : 0;
       call_text_ += buf;
       buf.clear();
-      const size_t close = call_text_.find(kCallClose);
+      const size_t close = call_text_.find(kCallClose, from);
       if (close == std::string::npos) return;
       buf = call_text_.substr(close + kCallClose.size());
       call_text_.resize(close);

@@ -300,6 +300,25 @@ TEST(OutputParserTest, DeeplyNestedArgumentsStayText) {
   }
 }
 
+// A call that never closes, 4 MB fed 16 bytes at a time: all of it comes back as content (each
+// piece is searched once: 0.05 s here, where searching the whole call again per piece took 7.7 s).
+TEST(OutputParserTest, ALongUnclosedCallStaysContent) {
+  OutputParserOptions o;
+  o.reasoning_parser = "qwen3";
+  o.tool_call_parser = "hermes";
+  o.tools = kTools;
+  auto p = OutputParser::Create(o);
+  ASSERT_TRUE(p.ok());
+  const std::string text =
+      "<tool_call>{\"name\": \"add\", \"arguments\": \"" + std::string(4 << 20, 'x');
+  OutputDelta all;
+  for (size_t at = 0; at < text.size(); at += 16) all.Append((*p)->Feed(text.substr(at, 16)));
+  all.Append((*p)->Finish());
+  EXPECT_TRUE(all.calls.empty());
+  EXPECT_EQ(all.content.size(), text.size());
+  EXPECT_TRUE(all.content == text);
+}
+
 TEST(OutputParserTest, PromptOpensReasoning) {
   EXPECT_TRUE(PromptOpensReasoning("<|im_start|>assistant\n<think>\n"));
   EXPECT_FALSE(PromptOpensReasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
