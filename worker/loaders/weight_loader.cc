@@ -400,6 +400,89 @@ QuantizedWeight QuantizedParam(const std::map<std::string, at::Tensor>& params,
   return q;
 }
 
+namespace {
+
+// Dense parameter plane `p`'s part on rank r of tp (rows, columns, or each section's rows, on
+// whole entries of the plane) into its destination.
+[[nodiscard]] absl::Status CopyDensePlane(Plane& p, const ParamSpec& spec, int r, int tp,
+                                          const std::string& where) {
+  at::Tensor piece = p.src;
+  if (spec.split == TpSplit::kRows && !spec.sections.empty() && tp > 1) {
+    // Each section's share on its own (a quantized plane: on whole blocks).
+    MOELORA_ASSIGN_OR_RETURN(std::vector<IndexRange> rows, ShardSections(spec.sections, r, tp));
+    std::vector<at::Tensor> parts;
+    for (const IndexRange& ir : rows) {
+      MOELORA_ASSIGN_OR_RETURN(at::Tensor part, NarrowUnits(p.src, 0, ir.begin, ir.size, p.row_unit,
+                                                            spec.shape[0], where));
+      parts.push_back(part);
+    }
+    piece = at::cat(parts, 0);
+  } else if (spec.split == TpSplit::kRows) {
+    const int64_t rows = spec.shape[0] / tp;
+    MOELORA_ASSIGN_OR_RETURN(
+        piece, NarrowUnits(p.src, 0, r * rows, rows, p.row_unit, spec.shape[0], where));
+  } else if (spec.split == TpSplit::kCols) {
+    const int64_t cols = spec.shape[1] / tp;
+    MOELORA_ASSIGN_OR_RETURN(
+        piece, NarrowUnits(p.src, 1, r * cols, cols, p.col_unit, spec.shape[1], where));
+  }
+  p.dst.copy_(piece);
+  return absl::OkStatus();
+}
+
+// Which experts a source tensor fills here: all of a stacked one (this rank's [lo, lo + El)
+// under expert parallelism) or its one expert, from local index e0.
+struct ExpertRange {
+  bool stacked, ep;
+  int64_t lo, El, e0;
+};
+
+// Expert plane `p` (source [n, out, in] entries, or [out, in] for one expert) into this rank's
+// part: w2's columns [ir·Ip, +Ip), gate's and up's rows the same (interleaved or in halves, or
+// one of them). *n: the experts it covered.
+[[nodiscard]] absl::Status CopyExpertPlane(Plane& p, const WeightTarget& t, const ExpertRange& x,
+                                           int64_t I, int64_t Ip, int64_t ir,
+                                           const std::string& where, int64_t* n) {
+  at::Tensor s3 = x.stacked ? p.src : p.src.unsqueeze(0);
+  if (t.transposed) s3 = s3.transpose(1, 2);
+  if (x.stacked && x.ep) s3 = s3.narrow(0, x.lo, x.El);
+  *n = s3.size(0);
+  at::Tensor d3 = p.dst.narrow(0, x.e0, *n);
+  const std::string loc = absl::StrCat(where, " (", p.what, ")");
+  if (t.shard == ExpertShard::kW2) {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor part, NarrowUnits(s3, 2, ir * Ip, Ip, p.col_unit, I, loc));
+    d3.copy_(part);
+    return absl::OkStatus();
+  }
+  // Rows [which * Ip, +Ip) of the destination from `half` (I rows: gate's or up's).
+  auto copy_half = [&](const at::Tensor& half, int which) -> absl::Status {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor part,
+                             NarrowUnits(half, 1, ir * Ip, Ip, p.row_unit, I, loc));
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor dst,
+                             NarrowUnits(d3, 1, which * Ip, Ip, p.row_unit, 2 * Ip, loc));
+    dst.copy_(part);
+    return absl::OkStatus();
+  };
+  if (t.shard == ExpertShard::kW13 && t.interleaved) {
+    // Rows g0, u0, g1, u1, ...: the even ones are gate, the odd ones up.
+    if (p.row_unit != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(loc, ": interleaved gate/up rows inside quantization blocks"));
+    }
+    MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 0, 2 * I, 2), 0));
+    return copy_half(s3.slice(1, 1, 2 * I, 2), 1);
+  }
+  if (t.shard == ExpertShard::kW13) {
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor gate, NarrowUnits(s3, 1, 0, I, p.row_unit, 2 * I, loc));
+    MOELORA_ASSIGN_OR_RETURN(at::Tensor up, NarrowUnits(s3, 1, I, I, p.row_unit, 2 * I, loc));
+    MOELORA_RETURN_IF_ERROR(copy_half(gate, 0));
+    return copy_half(up, 1);
+  }
+  return copy_half(s3, t.shard == ExpertShard::kW1 ? 0 : 1);
+}
+
+}  // namespace
+
 [[nodiscard]] absl::StatusOr<LoadedWeights> LoadWeights(
     const Checkpoint& ckpt, const ArchTable& table, const ModelConfig& config,
     const std::vector<ParamSpec>& specs, const LoadOptions& opt, const SkipUnlisted& skip) {
@@ -501,31 +584,7 @@ QuantizedWeight QuantizedParam(const std::map<std::string, at::Tensor>& params,
         return absl::InvalidArgumentError(
             absl::StrCat(where(), ": expected ", Shape(spec.shape), " for ", spec.name));
       }
-      for (Plane& p : planes) {
-        at::Tensor piece = p.src;
-        if (spec.split == TpSplit::kRows && !spec.sections.empty() && tp > 1) {
-          // Each section's share on its own (a quantized plane: on whole blocks).
-          MOELORA_ASSIGN_OR_RETURN(std::vector<IndexRange> rows,
-                                   ShardSections(spec.sections, r, tp));
-          std::vector<at::Tensor> parts;
-          for (const IndexRange& ir : rows) {
-            MOELORA_ASSIGN_OR_RETURN(
-                at::Tensor part,
-                NarrowUnits(p.src, 0, ir.begin, ir.size, p.row_unit, spec.shape[0], where()));
-            parts.push_back(part);
-          }
-          piece = at::cat(parts, 0);
-        } else if (spec.split == TpSplit::kRows) {
-          const int64_t rows = spec.shape[0] / tp;
-          MOELORA_ASSIGN_OR_RETURN(
-              piece, NarrowUnits(p.src, 0, r * rows, rows, p.row_unit, spec.shape[0], where()));
-        } else if (spec.split == TpSplit::kCols) {
-          const int64_t cols = spec.shape[1] / tp;
-          MOELORA_ASSIGN_OR_RETURN(
-              piece, NarrowUnits(p.src, 1, r * cols, cols, p.col_unit, spec.shape[1], where()));
-        }
-        p.dst.copy_(piece);
-      }
+      for (Plane& p : planes) MOELORA_RETURN_IF_ERROR(CopyDensePlane(p, spec, r, tp, where()));
       MOELORA_RETURN_IF_ERROR(claim(0));
       continue;
     }
@@ -572,43 +631,8 @@ QuantizedWeight QuantizedParam(const std::map<std::string, at::Tensor>& params,
     const int64_t Ip = ep ? I : I / tp, ir = ep ? 0 : r;
     int64_t n = 0;
     for (Plane& p : planes) {
-      at::Tensor s3 = stacked ? p.src : p.src.unsqueeze(0);
-      if (m.target.transposed) s3 = s3.transpose(1, 2);
-      if (stacked && ep) s3 = s3.narrow(0, lo, El);
-      n = s3.size(0);
-      at::Tensor d3 = p.dst.narrow(0, e0, n);
-      const std::string loc = absl::StrCat(where(), " (", p.what, ")");
-      if (sh == ExpertShard::kW2) {
-        MOELORA_ASSIGN_OR_RETURN(at::Tensor part,
-                                 NarrowUnits(s3, 2, ir * Ip, Ip, p.col_unit, I, loc));
-        d3.copy_(part);
-        continue;
-      }
-      // Rows [which * Ip, +Ip) of the destination from `half` (I rows: gate's or up's).
-      auto copy_half = [&](const at::Tensor& half, int which) -> absl::Status {
-        MOELORA_ASSIGN_OR_RETURN(at::Tensor part,
-                                 NarrowUnits(half, 1, ir * Ip, Ip, p.row_unit, I, loc));
-        MOELORA_ASSIGN_OR_RETURN(at::Tensor dst,
-                                 NarrowUnits(d3, 1, which * Ip, Ip, p.row_unit, 2 * Ip, loc));
-        dst.copy_(part);
-        return absl::OkStatus();
-      };
-      if (sh == ExpertShard::kW13 && m.target.interleaved) {
-        // Rows g0, u0, g1, u1, ...: the even ones are gate, the odd ones up.
-        if (p.row_unit != 1) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(loc, ": interleaved gate/up rows inside quantization blocks"));
-        }
-        MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 0, 2 * I, 2), 0));
-        MOELORA_RETURN_IF_ERROR(copy_half(s3.slice(1, 1, 2 * I, 2), 1));
-      } else if (sh == ExpertShard::kW13) {
-        MOELORA_ASSIGN_OR_RETURN(at::Tensor gate, NarrowUnits(s3, 1, 0, I, p.row_unit, 2 * I, loc));
-        MOELORA_ASSIGN_OR_RETURN(at::Tensor up, NarrowUnits(s3, 1, I, I, p.row_unit, 2 * I, loc));
-        MOELORA_RETURN_IF_ERROR(copy_half(gate, 0));
-        MOELORA_RETURN_IF_ERROR(copy_half(up, 1));
-      } else {
-        MOELORA_RETURN_IF_ERROR(copy_half(s3, sh == ExpertShard::kW1 ? 0 : 1));
-      }
+      MOELORA_RETURN_IF_ERROR(CopyExpertPlane(p, m.target, ExpertRange{stacked, ep, lo, El, e0}, I,
+                                              Ip, ir, where(), &n));
     }
     for (int64_t e = e0; e < e0 + n; ++e) {
       if (sh == ExpertShard::kW2) {
