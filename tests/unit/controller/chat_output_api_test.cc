@@ -3,11 +3,6 @@
 // tests' fake, scripted to emit the tokens of a chosen answer (the qwen3_moe fixture's byte-level
 // tokenizer encodes any text): the message's reasoning, tool calls and finish reason, and a
 // stream whose deltas add up to the same answer.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -20,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "schema/model_info.h"
+#include "tests/testing/http_get.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/unit/controller/fake_worker_group.h"
 #include "tokenizer/chat_template.h"
@@ -30,33 +26,8 @@ namespace {
 
 using json = nlohmann::json;
 
-// POST over HTTP/1.0 (the answer ends when the server closes): the body.
 std::string Post(int port, const std::string& path, const std::string& body) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string req = "POST " + path +
-                          " HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          "Content-Length: " +
-                          std::to_string(body.size()) + "\r\n\r\n" + body;
-  size_t sent = 0;
-  while (sent < req.size()) {
-    const ssize_t n = send(fd, req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) break;
-    sent += static_cast<size_t>(n);
-  }
-  std::string out;
-  char buf[65536];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) out.append(buf, static_cast<size_t>(n));
-  close(fd);
-  const size_t end = out.find("\r\n\r\n");
-  return end == std::string::npos ? "" : out.substr(end + 4);
+  return ::moelora::testing::HttpRequest(port, "POST", path, body);
 }
 
 class ChatOutputApiTest : public ::testing::Test {
@@ -75,12 +46,18 @@ class ChatOutputApiTest : public ::testing::Test {
     ASSERT_TRUE(controller_->OnGroupReady().ok());
     controller_->Start();
     OpenAiOptions oo;
-    oo.served_model_name = "base";
     oo.model_path = model;
     oo.chat_template = *tok::ChatTemplate::Parse(*tok::ReadChatTemplate(model));
     oo.special_tokens = *tok::ReadSpecialTokenVariables(model);
     oo.reasoning_parser = "qwen3";
     oo.tool_call_parser = "hermes";
+    Serve(oo);
+  }
+  // The OpenAI API with `oo` on a fresh HTTP server (replacing any).
+  void Serve(OpenAiOptions oo) {
+    http_.reset();
+    api_.reset();
+    oo.served_model_name = "base";
     api_ = std::make_unique<OpenAiApi>(controller_.get(), &metrics_, nullptr, oo);
     api_->set_healthy(true);
     HttpServer::Options ho;
@@ -216,20 +193,11 @@ TEST_F(ChatOutputApiTest, WithoutToolsOrWithABadCallTheTextIsContent) {
 // `reasoning_content`, the name Qwen3's templates read, as transformers aliases it
 // (tokenizer/chat_template.cc), through the HTTP API (a template that prints it, here).
 TEST_F(ChatOutputApiTest, ReasoningGivenBackReachesTheTemplate) {
-  http_.reset();
-  api_.reset();
   OpenAiOptions oo;
-  oo.served_model_name = "base";
   oo.chat_template = *tok::ChatTemplate::Parse(
       "{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content }}|{{ m.content }}]"
       "{% endfor %}");
-  api_ = std::make_unique<OpenAiApi>(controller_.get(), &metrics_, nullptr, oo);
-  api_->set_healthy(true);
-  HttpServer::Options ho;
-  ho.host = "127.0.0.1";
-  ho.port = 0;
-  http_ = *HttpServer::Start(
-      ho, [a = api_.get()](std::shared_ptr<HttpExchange> ex) { a->Handle(std::move(ex)); });
+  Serve(oo);
   Answer("ok");
   json req = {{"model", "base"},
               {"messages",
